@@ -1,0 +1,434 @@
+"""One option table, three sources, loud failures.
+
+Every tunable of ucm is one row of :data:`OPTIONS` (name, type, default, environment variable,
+doc, constraint). A :class:`Config` is built from, in increasing precedence:
+
+1. the defaults of the table,
+2. a scenario preset (``preset: realtime_chat`` ...; see :data:`PRESETS`),
+3. a YAML file (``Config.load(path)`` or the file named by ``UCM_CONFIG_FILE``),
+4. ``UCM_*`` environment variables (``store.posix.roots`` → ``UCM_STORE_POSIX_ROOTS``),
+5. an explicit dict (code, or vLLM's ``kv_connector_extra_config``).
+
+Nested mappings are flattened with dots (``{"compression": {"bits": 4}}`` is
+``compression.bits``). Unknown keys, wrong types and out-of-range values raise ``ValueError``
+naming the key, the source, the accepted values and, for a typo, the closest valid key.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+# Environment variables with the UCM_ prefix that are not config options.
+RESERVED_ENV = {
+    "UCM_CONFIG_FILE": "path of a YAML config file read by Config.load()",
+    "UCM_BACKEND": "backend override (also the `backend` option)",
+    "UCM_REQUIRE_NATIVE": "1: refuse to import without the native engine",
+    "UCM_REQUIRE_SERVICES": "1: tests needing a service fail instead of skipping",
+    "UCM_DISABLE_PATCHES": "1: ucm.integration.patch() patches nothing",
+    "UCM_PLATFORM": "force platform detection to cuda, npu or cpu",
+    "UCM_LOG_LEVEL": "logging level of the `ucm` logger",
+}
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+               "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+               "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+# ---------------------------------------------------------------------------------------------
+# value parsers: (raw value, from_text) -> value, raising ValueError(accepted description)
+
+class _Bad(ValueError):
+    pass
+
+
+def _bool(v, text):
+    if isinstance(v, bool):
+        return v
+    if text and isinstance(v, str):
+        s = v.strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+    raise _Bad("a boolean (true/false)")
+
+
+def _int(v, text):
+    if isinstance(v, bool):
+        raise _Bad("an integer")
+    if isinstance(v, int):
+        return v
+    if text and isinstance(v, str) and re.fullmatch(r"\s*[-+]?\d+\s*", v):
+        return int(v)
+    raise _Bad("an integer")
+
+
+def _float(v, text):
+    if isinstance(v, bool):
+        raise _Bad("a number")
+    if isinstance(v, (int, float)):
+        f = float(v)
+    elif text and isinstance(v, str):
+        try:
+            f = float(v)
+        except ValueError:
+            raise _Bad("a number") from None
+    else:
+        raise _Bad("a number")
+    if not math.isfinite(f):
+        raise _Bad("a finite number")
+    return f
+
+
+def _str(v, text):
+    if isinstance(v, str):
+        return v
+    raise _Bad("a string")
+
+
+def _size(v, text):
+    """Bytes: an int, or a string like ``"64GiB"``, ``"1.5GB"``, ``"4096"``."""
+    if isinstance(v, bool):
+        raise _Bad("a size in bytes (int or '64GiB')")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", v)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    raise _Bad("a size in bytes (int or a string such as '64GiB', '500MB')")
+
+
+def _str_list(v, text):
+    if isinstance(v, str):
+        items = [s.strip() for s in v.split(",")] if text or "," in v else [v]
+        return [s for s in items if s]
+    if isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v):
+        return list(v)
+    raise _Bad("a list of strings (or a comma-separated string)")
+
+
+_PARSERS: dict[str, Callable] = {"bool": _bool, "int": _int, "float": _float, "str": _str,
+                                 "size": _size, "list[str]": _str_list}
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    type: str
+    default: Any
+    doc: str
+    choices: Optional[tuple] = None
+    min: Optional[float] = None
+    max: Optional[float] = None
+    min_exclusive: bool = False
+    check: Optional[Callable[[Any], Optional[str]]] = None  # returns an error text or None
+
+    @property
+    def env(self) -> str:
+        return "UCM_" + self.name.upper().replace(".", "_")
+
+    def accepted(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        base = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string",
+                "size": "a size in bytes", "list[str]": "a list of strings"}[self.type]
+        if self.min is not None or self.max is not None:
+            lo = "-inf" if self.min is None else f"{self.min:g}"
+            hi = "inf" if self.max is None else f"{self.max:g}"
+            base += f" in {'(' if self.min_exclusive else '['}{lo}, {hi}]"
+        return base
+
+    def parse(self, raw, source: str, text: bool = False):
+        def fail(what):
+            return ValueError(f"config key {self.name!r} ({source}): expected {what}, got {raw!r}")
+
+        try:
+            value = _PARSERS[self.type](raw, text)
+        except _Bad as exc:
+            raise fail(str(exc)) from None
+        if self.choices is not None and value not in self.choices:
+            raise fail(self.accepted())
+        if self.min is not None and (value < self.min or (self.min_exclusive and value == self.min)):
+            raise fail(self.accepted())
+        if self.max is not None and value > self.max:
+            raise fail(self.accepted())
+        if self.check is not None:
+            problem = self.check(value)
+            if problem:
+                raise fail(problem)
+        return value
+
+
+def _check_pipeline(value: str) -> Optional[str]:
+    parts = value.split("|")
+    ok = all(re.fullmatch(r"[A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*", p.strip()) for p in parts)
+    if not value.strip() or not ok:
+        return "tier names joined by '|' (e.g. 'memory|posix', or 'package.module:Class')"
+    return None
+
+
+def _check_roots(value: list) -> Optional[str]:
+    return None if value else "at least one directory"
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("backend", "str", "auto", "Implementation choice for every op: auto, reference, fast "
+           "or one implementation (numba, native, triton).",
+           choices=("auto", "reference", "fast", "numba", "native", "triton")),
+    Option("block_size", "int", 16, "Tokens per KV block (must match the engine).", min=1),
+    Option("tenant_salt", "str", "", "Secret salt mixed into the namespace: tenants with different "
+           "salts never share blocks."),
+    # sparse attention
+    Option("sparse_method", "str", "none", "Sparse attention method for long-context decode.",
+           choices=("none", "esa", "gsa", "kvstar", "quest", "adaptive")),
+    Option("sparse_ratio", "float", 0.3, "Fraction of KV blocks attended to during sparse decode.",
+           min=0.0, max=1.0, min_exclusive=True),
+    Option("min_blocks", "int", 16, "Requests with fewer blocks than this stay dense.", min=1),
+    Option("init_window", "int", 1, "Leading blocks always kept by sparse attention.", min=0),
+    Option("local_window", "int", 2, "Trailing blocks always kept by sparse attention.", min=0),
+    Option("retrieval_stride", "int", 8, "Decode steps between two block re-selections (ESA).",
+           min=1),
+    Option("adaptive_mass", "float", 0.95, "Attention mass the adaptive method keeps.", min=0.0,
+           max=1.0, min_exclusive=True),
+    # host buffers and capacity
+    Option("buffer_number", "int", 2048, "Slots of the pinned host buffer pool (memory tier), one "
+           "KV block each.", min=1),
+    Option("cache_capacity", "size", 64 * 1024**3, "Byte budget of the persistent tiers "
+           "(int or '64GiB').", min=0),
+    # compression
+    Option("compression.enabled", "bool", False, "Quantize KV blocks before storing them."),
+    Option("compression.method", "str", "per_token", "Quantization grouping.",
+           choices=("per_token", "per_channel")),
+    Option("compression.bits", "int", 8, "Bits per quantized value.", choices=(4, 8)),
+    # store
+    Option("store.pipeline", "str", "memory|posix", "Tiers from fastest to slowest, joined by '|'; "
+           "a name from the factory or 'package.module:Class'.", check=_check_pipeline),
+    Option("store.write_back", "bool", False, "Write lower tiers in the background (write-back) "
+           "instead of before commit (write-through)."),
+    Option("store.io_threads", "int", 4, "Threads moving data between tiers.", min=1, max=256),
+    Option("store.wait_timeout_s", "float", 30.0, "Longest wait() on one task, seconds.", min=0.0,
+           min_exclusive=True),
+    Option("store.posix.roots", "list[str]", ["~/.cache/ucm/kv"], "Directories of the posix tier "
+           "(local disk, NFS, any shared mount); blocks spread across them.", check=_check_roots),
+    Option("store.posix.o_direct", "bool", False, "Bypass the page cache (O_DIRECT)."),
+    Option("store.posix.fsync", "bool", False, "fsync each block file before publishing it."),
+)
+
+OPTION_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "realtime_chat": {"sparse_ratio": 0.3, "buffer_number": 2048},
+    "batch": {"sparse_ratio": 0.2, "buffer_number": 4096},
+    "high_quality": {"sparse_ratio": 0.5, "buffer_number": 2048},
+    "low_memory": {"sparse_ratio": 0.3, "buffer_number": 1024},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+def _suggest(key: str, candidates) -> str:
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _flatten(d: Mapping, source: str, prefix: str = "") -> dict:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"config ({source}): expected a mapping, got {type(d).__name__}")
+    out = {}
+    for key, value in d.items():
+        if not isinstance(key, str):
+            raise ValueError(f"config ({source}): keys must be strings, got {key!r}")
+        full = prefix + key
+        if isinstance(value, Mapping) and full not in OPTION_BY_NAME:
+            out.update(_flatten(value, source, full + "."))
+        else:
+            out[full] = value
+    return out
+
+
+def _unknown(key: str, source: str) -> ValueError:
+    valid = ["preset"] + sorted(OPTION_BY_NAME)
+    return ValueError(f"unknown config key {key!r} ({source}){_suggest(key, valid)} "
+                      f"Valid keys: {', '.join(valid)}")
+
+
+def _check_preset(name, source: str) -> str:
+    if name not in PRESETS:
+        raise ValueError(f"config key 'preset' ({source}): expected one of {sorted(PRESETS)}, "
+                         f"got {name!r}{_suggest(str(name), PRESETS)}")
+    return name
+
+
+def _env_settings(env: Mapping[str, str]) -> dict:
+    out = {}
+    by_env = {o.env: o for o in OPTIONS}
+    for var, raw in env.items():
+        if not var.startswith("UCM_") or var in RESERVED_ENV:
+            continue
+        if var == "UCM_PRESET":
+            out["preset"] = raw
+            continue
+        opt = by_env.get(var)
+        if opt is None:
+            raise ValueError(f"unknown environment variable {var}{_suggest(var, list(by_env) + ['UCM_PRESET'])} "
+                             f"(config variables: {', '.join(sorted(by_env))}; other UCM_ variables: "
+                             f"{', '.join(sorted(RESERVED_ENV))})")
+        out[opt.name] = opt.parse(raw, f"env {var}", text=True)
+    return out
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"config file {path!r} cannot be read: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path!r} is not valid YAML: {exc}") from None
+    return {} if data is None else data
+
+
+class Config:
+    """Validated, immutable settings. ``cfg["store.pipeline"]``, ``cfg.sparse_ratio``,
+    ``cfg.compression.bits``; ``cfg.source(key)`` says where a value came from."""
+
+    __slots__ = ("_values", "_sources", "preset")
+
+    def __init__(self, values: Optional[Mapping] = None, *, preset: Optional[str] = None,
+                 env: Optional[Mapping[str, str]] = None, file: Optional[str] = None):
+        """Build from the table defaults, ``preset``, YAML ``file``, ``env`` (pass
+        ``os.environ`` to read the process environment; default: none) and ``values``."""
+        layers = []  # (source name, flat dict), lowest precedence first
+        if file is not None:
+            layers.append((f"file {file}", _flatten(_read_yaml(file), f"file {file}")))
+        if env is not None:
+            layers.append(("env", _env_settings(env)))
+        if values is not None:
+            layers.append(("dict", _flatten(values, "dict")))
+
+        chosen_preset, preset_source = preset, "argument"
+        for source, flat in layers:
+            if "preset" in flat:
+                chosen_preset, preset_source = flat["preset"], source
+        if chosen_preset is not None:
+            chosen_preset = _check_preset(chosen_preset, preset_source)
+
+        vals = {o.name: o.default for o in OPTIONS}
+        srcs = {o.name: "default" for o in OPTIONS}
+        if chosen_preset:
+            for key, value in PRESETS[chosen_preset].items():
+                vals[key], srcs[key] = value, f"preset {chosen_preset}"
+        for source, flat in layers:
+            for key, raw in flat.items():
+                if key == "preset":
+                    continue
+                opt = OPTION_BY_NAME.get(key)
+                if opt is None:
+                    raise _unknown(key, source)
+                vals[key] = raw if source == "env" else opt.parse(raw, source)
+                srcs[key] = source
+        object.__setattr__(self, "_values", vals)
+        object.__setattr__(self, "_sources", srcs)
+        object.__setattr__(self, "preset", chosen_preset)
+        self._cross_check()
+
+    @classmethod
+    def load(cls, source=None, *, preset: Optional[str] = None, env: Optional[Mapping] = None,
+             overrides: Optional[Mapping] = None) -> "Config":
+        """The usual entry point: ``source`` is a YAML path, a dict or None (then
+        ``UCM_CONFIG_FILE`` if set); the process environment applies; ``overrides`` win."""
+        env = os.environ if env is None else env
+        file = None
+        values = dict(overrides or {})
+        if isinstance(source, (str, os.PathLike)):
+            file = os.fspath(source)
+        elif isinstance(source, Mapping):
+            values = {**_flatten(source, "dict"), **_flatten(values, "dict")}
+        elif source is not None:
+            raise ValueError(f"Config.load: source must be a YAML path, a dict or None, got "
+                             f"{type(source).__name__}")
+        if file is None and env.get("UCM_CONFIG_FILE"):
+            file = env["UCM_CONFIG_FILE"]
+        return cls(values or None, preset=preset, env=env, file=file)
+
+    def _cross_check(self) -> None:
+        if self["init_window"] + self["local_window"] > self["min_blocks"]:
+            raise ValueError(
+                f"config keys 'init_window' ({self['init_window']}) + 'local_window' "
+                f"({self['local_window']}) must not exceed 'min_blocks' ({self['min_blocks']}): "
+                f"requests shorter than min_blocks stay dense")
+
+    # access ---------------------------------------------------------------------------------
+    def __getitem__(self, key: str):
+        try:
+            return self._values[key]
+        except KeyError:
+            raise _unknown(key, "lookup") from None
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._values:
+            return self._values[name]
+        prefix = name + "."
+        if any(k.startswith(prefix) for k in self._values):
+            return _Section(self, prefix)
+        raise AttributeError(f"Config has no option {name!r}{_suggest(name, self._values)}")
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Config is immutable; use cfg.replace(...)")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Config) and self._values == other._values
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self._values.items() if self._sources[k] != "default"}
+        return f"Config({changed!r})"
+
+    def get(self, key: str, default=None):
+        return self._values.get(key, default)
+
+    def source(self, key: str) -> str:
+        self[key]
+        return self._sources[key]
+
+    def to_dict(self) -> dict:
+        return dict(self._values)
+
+    def replace(self, **changes) -> "Config":
+        """A new Config with some values changed (dotted keys as ``**{"store.pipeline": ...}``)."""
+        explicit = {k: v for k, v in self._values.items() if self._sources[k] != "default"
+                    and not self._sources[k].startswith("preset")}
+        explicit.update(changes)
+        return Config(explicit, preset=self.preset)
+
+
+class _Section:
+    def __init__(self, cfg: Config, prefix: str):
+        self._cfg, self._prefix = cfg, prefix
+
+    def __getattr__(self, name: str):
+        return getattr(self._cfg, self._prefix + name) if not name.startswith("_") else \
+            object.__getattribute__(self, name)
+
+    def __repr__(self) -> str:
+        return repr({k: v for k, v in self._cfg.to_dict().items() if k.startswith(self._prefix)})
+
+
+def options_markdown() -> str:
+    """The option table as Markdown (README.md embeds this; a test keeps them equal)."""
+    rows = ["| option | env | type | default | accepted | meaning |", "|---|---|---|---|---|---|"]
+    for o in OPTIONS:
+        rows.append(f"| `{o.name}` | `{o.env}` | {o.type} | `{o.default!r}` | {o.accepted()} | {o.doc} |")
+    return "\n".join(rows)

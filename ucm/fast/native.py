@@ -1,0 +1,83 @@
+"""cffi wrapper of the C engine in ``native/`` (module ``ucm._native``).
+
+The extension is checked at import: its ABI constant must equal :data:`EXPECTED_ABI`, and when the
+C sources are next to this package (a development checkout) the source digest compiled into the
+library must match them, so a stale ``.so`` is never used silently. :func:`status` says why the
+engine is or is not usable; ``ucm`` falls back to the reference with one warning, or refuses to
+import when ``UCM_REQUIRE_NATIVE=1``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+EXPECTED_ABI = 1
+_SRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "native")
+
+_lib = _ffi = None
+_reason = ""
+
+
+def _load() -> None:
+    global _lib, _ffi, _reason
+    try:
+        from ucm import _native
+    except ImportError as exc:
+        _reason = f"extension ucm._native not built ({exc}); reinstall with `pip install -e .`"
+        return
+    abi = _native.lib.ucm_native_abi()
+    if abi != EXPECTED_ABI:
+        _reason = f"stale extension: ABI {abi}, this ucm expects {EXPECTED_ABI}; rebuild it"
+        return
+    built = _native.ffi.string(_native.lib.ucm_native_source_digest()).decode()
+    if os.path.exists(os.path.join(_SRC_DIR, "build_native.py")):
+        sys.path.insert(0, _SRC_DIR)
+        try:
+            from build_native import source_digest
+        finally:
+            sys.path.remove(_SRC_DIR)
+        current = source_digest(_SRC_DIR)
+        if built != current:
+            _reason = (f"stale extension: built from sources {built or '?'}, the sources in "
+                       f"{_SRC_DIR} are {current}; rebuild with `pip install -e .`")
+            return
+    _lib, _ffi = _native.lib, _native.ffi
+    _reason = f"ucm._native ABI {abi}, sources {built}"
+
+
+_load()
+
+
+def status() -> tuple[bool, str]:
+    return _lib is not None, _reason
+
+
+def max_threads() -> int:
+    return int(_lib.ucm_max_threads())
+
+
+def _u64(a: np.ndarray):
+    return _ffi.cast("const uint64_t *", a.ctypes.data)
+
+
+def copy_segments(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, lengths: np.ndarray,
+                  n_threads: int) -> None:
+    """Same contract as :func:`ucm.reference.copy.copy_segments`; runs on C threads."""
+    rc = _lib.ucm_copy_segments(_u64(src_ptrs), _u64(dst_ptrs), _u64(lengths), len(lengths),
+                                int(n_threads))
+    if rc != 0:
+        raise ValueError(f"ucm_copy_segments rejected its arguments (errno {-rc})")
+
+
+def alloc_aligned(nbytes: int, alignment: int) -> np.ndarray:
+    """Same contract as :func:`ucm.reference.copy.alloc_aligned`; memory from posix_memalign,
+    freed when the last numpy view of it is gone."""
+    ptr = _lib.ucm_alloc_aligned(nbytes, alignment)
+    if ptr == _ffi.NULL:
+        raise MemoryError(f"ucm_alloc_aligned({nbytes}, {alignment}) failed")
+    owner = _ffi.gc(ptr, _lib.ucm_free_aligned, size=nbytes)
+    arr = np.frombuffer(_ffi.buffer(owner, nbytes), dtype=np.uint8)
+    return arr

@@ -1,0 +1,1 @@
+"""Engine integrations (vLLM connector, patches, adapters). Filled in by the integration work."""

@@ -1,0 +1,255 @@
+"""The op surface every caller uses. Each op validates its inputs here, once, then dispatches to
+the reference or a fast implementation (see :mod:`ucm.dispatch`), which all share one signature.
+
+Ops registered here:
+
+==============  =========================================  ==============================
+op              reference                                  fast
+==============  =========================================  ==============================
+hash_blocks     ucm.reference.hashing (pure Python)        ucm.fast.numba.hashing
+block_index     ucm.reference.index (OrderedDict)          ucm.fast.numba.index
+copy_segments   ucm.reference.copy (ctypes.memmove)        ucm.fast.native (C threads)
+alloc_aligned   ucm.reference.copy (numpy)                 ucm.fast.native (posix_memalign)
+==============  =========================================  ==============================
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from ucm import dispatch
+from ucm.ids import ID_BYTES, ZERO_ID, Namespace, _check_block_size, as_ids
+
+# ---------------------------------------------------------------------------------------------
+# registry
+
+
+def _numba_probe():
+    if importlib.util.find_spec("numba") is None:
+        return False, "numba is not installed"
+    import numba
+
+    jit = "JIT disabled by NUMBA_DISABLE_JIT" if os.environ.get("NUMBA_DISABLE_JIT") == "1" else "jit"
+    return True, f"numba {numba.__version__} ({jit})"
+
+
+def _native_probe():
+    from ucm.fast import native
+
+    return native.status()
+
+
+_REF = "reference"
+for _op, _ref, _fast, _name, _probe in (
+    ("hash_blocks", "ucm.reference.hashing:hash_blocks", "ucm.fast.numba.hashing:hash_blocks",
+     "numba", _numba_probe),
+    ("block_index", "ucm.reference.index:BlockIndex", "ucm.fast.numba.index:BlockIndex",
+     "numba", _numba_probe),
+    ("copy_segments", "ucm.reference.copy:copy_segments", "ucm.fast.native:copy_segments",
+     "native", _native_probe),
+    ("alloc_aligned", "ucm.reference.copy:alloc_aligned", "ucm.fast.native:alloc_aligned",
+     "native", _native_probe),
+):
+    dispatch.register(_op, _REF, _ref, priority=0)
+    dispatch.register(_op, _name, _fast, priority=10, probe=_probe)
+
+# ---------------------------------------------------------------------------------------------
+# hashing
+
+_U32_MAX = 0xFFFFFFFF
+
+
+def _as_tokens(tokens) -> np.ndarray:
+    if type(tokens).__module__.startswith("torch"):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.dtype == object or arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D sequence, got shape {list(arr.shape)}")
+    if arr.size == 0:
+        raise ValueError("tokens: empty sequence (nothing to hash)")
+    if arr.dtype != np.uint32:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > _U32_MAX:
+            raise ValueError(f"tokens: ids must lie in [0, 2**32), got min {lo}, max {hi}")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+def _as_id_words(value, name: str) -> np.ndarray:
+    if isinstance(value, Namespace):
+        return value.digest_words()
+    if isinstance(value, (bytes, bytearray)):
+        if len(value) != ID_BYTES:
+            raise ValueError(f"{name}: expected {ID_BYTES} bytes, got {len(value)}")
+        return np.frombuffer(bytes(value), dtype="<u8").astype(np.uint64)
+    arr = np.asarray(value)
+    if arr.shape != (2,) or arr.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected {ID_BYTES} bytes or uint64[2], got {value!r}")
+    return arr.astype(np.uint64)
+
+
+def hash_blocks(tokens, namespace: Union[Namespace, bytes], block_size: Optional[int] = None,
+                parent=None, *, backend: Optional[str] = None) -> np.ndarray:
+    """Chained 128-bit ids of the full ``block_size``-token blocks of ``tokens``.
+
+    tokens: 1-D integer ids in ``[0, 2**32)`` (list, numpy array or CPU/GPU tensor), non-empty.
+    namespace: a :class:`~ucm.ids.Namespace` (its ``block_size`` is the default) or a 16-byte
+    digest (then ``block_size`` is required). parent: the id of the block preceding
+    ``tokens[0]`` (16 bytes or ``uint64[2]``) to continue a chain; ``None`` starts one.
+    Returns ``uint64 [len(tokens) // block_size, 2]`` (see :mod:`ucm.reference.hashing`).
+    """
+    if isinstance(namespace, Namespace):
+        if block_size is None:
+            block_size = namespace.block_size
+        elif block_size != namespace.block_size:
+            raise ValueError(f"block_size={block_size!r} differs from namespace.block_size="
+                             f"{namespace.block_size}")
+    elif block_size is None:
+        raise ValueError("block_size is required when namespace is a raw digest")
+    block_size = _check_block_size(block_size)
+    toks = _as_tokens(tokens)
+    ns = _as_id_words(namespace, "namespace")
+    par = ZERO_ID if parent is None else _as_id_words(parent, "parent")
+    return dispatch.call("hash_blocks", toks, block_size, ns, par, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# block index
+
+def _check_count(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class BlockIndex:
+    """A capacity-bounded map from block id to a non-negative int64 value, in LRU order.
+
+    Thin validating wrapper over the dispatched implementation (reference dict or Numba open
+    addressing); method contract in :mod:`ucm.reference.index`. Not thread-safe: callers that
+    share one index across threads hold a lock around each call.
+    """
+
+    def __init__(self, capacity: int, *, backend: Optional[str] = None):
+        capacity = _check_count(capacity, "capacity", 1)
+        impl, self.reason = dispatch.select("block_index", backend)
+        self.backend = impl.name
+        self._impl = impl.load()(capacity)
+        self.capacity = capacity
+
+    def __len__(self) -> int:
+        return len(self._impl)
+
+    def __repr__(self) -> str:
+        return f"BlockIndex(capacity={self.capacity}, size={len(self)}, backend={self.backend!r})"
+
+    def insert(self, ids, values):
+        ids = as_ids(ids)
+        vals = np.asarray(values)
+        if vals.ndim == 0:
+            vals = np.full(len(ids), vals)
+        if vals.dtype.kind not in "iu" or vals.shape != (len(ids),):
+            raise ValueError(f"values: expected {len(ids)} integers, got shape {list(vals.shape)} "
+                             f"dtype {vals.dtype}")
+        if vals.size and (vals.min() < 0 or vals.max() > np.iinfo(np.int64).max):
+            raise ValueError("values must lie in [0, 2**63)")
+        return self._impl.insert(ids, np.ascontiguousarray(vals, dtype=np.int64))
+
+    def lookup(self, ids) -> np.ndarray:
+        return self._impl.lookup(as_ids(ids))
+
+    def lookup_prefix(self, ids) -> int:
+        return self._impl.lookup_prefix(as_ids(ids))
+
+    def touch(self, ids) -> np.ndarray:
+        return self._impl.touch(as_ids(ids))
+
+    def remove(self, ids) -> np.ndarray:
+        return self._impl.remove(as_ids(ids))
+
+    def evict(self, target: int):
+        return self._impl.evict(_check_count(target, "target", 0))
+
+    def entries(self):
+        return self._impl.entries()
+
+
+# ---------------------------------------------------------------------------------------------
+# byte movers
+
+def _as_u64_vector(value, name: str, n: Optional[int] = None) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{name}: expected a 1-D sequence of non-negative ints, got "
+                         f"shape {list(arr.shape)} dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
+        raise ValueError(f"{name}: negative value {int(arr.min())}")
+    if n is not None and arr.shape[0] != n:
+        raise ValueError(f"{name}: expected {n} entries, got {arr.shape[0]}")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+def default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 16))
+
+
+def copy_segments(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], lengths: Sequence[int],
+                  n_threads: Optional[int] = None, *, backend: Optional[str] = None) -> None:
+    """Copy ``lengths[i]`` bytes from raw address ``src_ptrs[i]`` to ``dst_ptrs[i]``.
+
+    Raw addresses cannot be checked: prefer :func:`copy_ranges`, which bounds-checks against
+    buffers. Segments must not overlap. ``n_threads`` defaults to the core count (max 16).
+    """
+    lengths = _as_u64_vector(lengths, "lengths")
+    src = _as_u64_vector(src_ptrs, "src_ptrs", len(lengths))
+    dst = _as_u64_vector(dst_ptrs, "dst_ptrs", len(lengths))
+    n_threads = default_threads() if n_threads is None else _check_count(n_threads, "n_threads", 1)
+    if len(lengths) and (((src == 0) | (dst == 0)) & (lengths > 0)).any():
+        raise ValueError("src_ptrs/dst_ptrs: null address for a non-empty segment")
+    dispatch.call("copy_segments", src, dst, lengths, n_threads, backend=backend)
+
+
+def _buffer_view(buf, name: str, writable: bool) -> np.ndarray:
+    if type(buf).__module__.startswith("torch"):
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous CPU tensor")
+        buf = buf.view(-1).view(__import__("torch").uint8).numpy()
+    arr = np.asarray(buf) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous buffer")
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{name}: buffer is read-only")
+    return arr.reshape(-1).view(np.uint8)
+
+
+def copy_ranges(src, src_offsets, dst, dst_offsets, lengths, n_threads: Optional[int] = None,
+                *, backend: Optional[str] = None) -> None:
+    """Bounds-checked :func:`copy_segments` between two contiguous host buffers (numpy arrays,
+    CPU tensors or writable buffer objects): ``dst[dst_off:dst_off+len] = src[src_off:...]``."""
+    s = _buffer_view(src, "src", writable=False)
+    d = _buffer_view(dst, "dst", writable=True)
+    lengths = _as_u64_vector(lengths, "lengths")
+    so = _as_u64_vector(src_offsets, "src_offsets", len(lengths))
+    do = _as_u64_vector(dst_offsets, "dst_offsets", len(lengths))
+    if len(lengths):
+        if int((so + lengths).max()) > s.nbytes:
+            raise ValueError(f"src_offsets + lengths exceed the source buffer ({s.nbytes} bytes)")
+        if int((do + lengths).max()) > d.nbytes:
+            raise ValueError(f"dst_offsets + lengths exceed the destination buffer ({d.nbytes} bytes)")
+    base_s = np.uint64(s.ctypes.data)
+    base_d = np.uint64(d.ctypes.data)
+    copy_segments(so + base_s, do + base_d, lengths, n_threads, backend=backend)
+
+
+def alloc_aligned(nbytes: int, alignment: int = 4096, *, backend: Optional[str] = None) -> np.ndarray:
+    """A zero-filled, page-touched ``uint8 [nbytes]`` host buffer aligned to ``alignment`` bytes
+    (a power of two, default 4096: suits ``O_DIRECT`` and pinning)."""
+    nbytes = _check_count(nbytes, "nbytes", 1)
+    alignment = _check_count(alignment, "alignment", 8)
+    if alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    return dispatch.call("alloc_aligned", nbytes, alignment, backend=backend)

@@ -1,0 +1,1 @@
+"""Sparse attention methods built on ucm ops (ESA, GSA, KVStar, Quest, adaptive)."""

@@ -1,0 +1,1 @@
+"""KV storage tiers behind one async API (lookup / load / dump / wait / commit)."""
