@@ -215,7 +215,12 @@ def select(op: str, backend: Optional[str] = None, args: tuple = (), kwargs: Opt
             if not strict and impl.name == "reference" and len(impls) > 1 and op not in _fallback_logged:
                 _fallback_logged.add(op)
                 log.info("ucm: %s uses the reference implementation (%s)", op, "; ".join(rejected))
-            reason = f"{source}: {why}" if strict else f"auto: highest-priority available ({why})"
+            if strict:
+                reason = f"{source}: {why}"
+            else:
+                reason = f"auto: highest-priority available ({why})"
+                if source != "auto":
+                    reason = f"{source}; {reason}"
             return impl, reason
         rejected.append(f"{impl.name}: {why}")
 

@@ -66,12 +66,12 @@ def _as_tokens(tokens) -> np.ndarray:
     if type(tokens).__module__.startswith("torch"):
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
+    if arr.size == 0:
+        raise ValueError("tokens: empty sequence (nothing to hash)")
     if arr.dtype == object or arr.dtype.kind not in "iu":
         raise ValueError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"tokens: expected a 1-D sequence, got shape {list(arr.shape)}")
-    if arr.size == 0:
-        raise ValueError("tokens: empty sequence (nothing to hash)")
     if arr.dtype != np.uint32:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > _U32_MAX:

@@ -1,0 +1,132 @@
+"""Config: one table, YAML / env / dict sources with precedence, presets, loud errors."""
+import os
+
+import pytest
+
+import ucm
+from ucm.config import OPTIONS, PRESETS, Config, options_markdown
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_defaults_and_access():
+    c = Config()
+    for o in OPTIONS:
+        assert c[o.name] == o.default and c.source(o.name) == "default"
+    assert c.compression.bits == c["compression.bits"] == 8
+    assert c.store.posix.o_direct is False
+    with pytest.raises(AttributeError, match="sparse_ratio"):
+        c.sparse_ration
+    with pytest.raises(AttributeError, match="immutable"):
+        c.sparse_ratio = 0.5
+
+
+@pytest.mark.parametrize("name,ratio,buffers", [("realtime_chat", 0.3, 2048), ("batch", 0.2, 4096),
+                                                ("high_quality", 0.5, 2048), ("low_memory", 0.3, 1024)])
+def test_presets(name, ratio, buffers):
+    c = Config(preset=name)
+    assert (c.sparse_ratio, c.buffer_number) == (ratio, buffers)
+    assert c.source("sparse_ratio") == f"preset {name}" and c.preset == name
+    # explicit values beat the preset
+    assert Config({"preset": name, "sparse_ratio": 0.7}).sparse_ratio == 0.7
+    assert set(PRESETS) == {"realtime_chat", "batch", "high_quality", "low_memory"}
+
+
+def test_precedence_file_env_dict(tmp_path):
+    f = tmp_path / "ucm.yaml"
+    f.write_text("preset: batch\nsparse_ratio: 0.4\nmin_blocks: 32\ncompression:\n  enabled: true\n"
+                 "  bits: 4\nstore:\n  pipeline: memory|posix\n  posix:\n    roots: [/a, /b]\n")
+    env = {"UCM_CONFIG_FILE": str(f), "UCM_MIN_BLOCKS": "64", "UCM_STORE_POSIX_FSYNC": "yes",
+           "UCM_REQUIRE_NATIVE": "1"}
+    c = Config.load(env=env, overrides={"min_blocks": 128})
+    assert c.buffer_number == 4096 and c.source("buffer_number") == "preset batch"
+    assert c.sparse_ratio == 0.4 and c.source("sparse_ratio").startswith("file")
+    assert c.min_blocks == 128 and c.source("min_blocks") == "dict"
+    assert c.store.posix.fsync is True and c.source("store.posix.fsync") == "env"
+    assert c.compression.enabled is True and c.compression.bits == 4
+    assert c["store.posix.roots"] == ["/a", "/b"]
+    c2 = Config.load(str(f), env={"UCM_MIN_BLOCKS": "64"})
+    assert c2.min_blocks == 64
+    assert Config.load({"compression": {"bits": 4}}, env={}).compression.bits == 4
+
+
+def test_env_parsing():
+    c = Config(env={"UCM_SPARSE_RATIO": "0.25", "UCM_STORE_POSIX_ROOTS": "/x, /y",
+                    "UCM_CACHE_CAPACITY": "2GiB", "UCM_COMPRESSION_ENABLED": "off",
+                    "UCM_PRESET": "low_memory", "PATH": "/bin"})
+    assert c.sparse_ratio == 0.25 and c["store.posix.roots"] == ["/x", "/y"]
+    assert c.cache_capacity == 2 * 1024**3 and c.compression.enabled is False
+    assert c.buffer_number == 1024
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"sparse_ration": 0.3}, r"unknown config key 'sparse_ration' \(dict\); did you mean 'sparse_ratio'"),
+    ({"compresion": {"bits": 4}}, r"did you mean 'compression.bits'"),
+    ({"sparse_ratio": 0.0}, r"'sparse_ratio' \(dict\): expected a number in \(0, 1\], got 0.0"),
+    ({"sparse_ratio": 1.5}, r"in \(0, 1\]"),
+    ({"sparse_ratio": "0.3"}, r"'sparse_ratio'.*expected a number, got '0.3'"),
+    ({"sparse_ratio": float("nan")}, r"finite"),
+    ({"min_blocks": 0}, r"'min_blocks'.*\[1, inf\]"),
+    ({"min_blocks": True}, r"'min_blocks'.*an integer"),
+    ({"buffer_number": -1}, r"'buffer_number'"),
+    ({"cache_capacity": -5}, r"'cache_capacity'"),
+    ({"cache_capacity": "lots"}, r"'cache_capacity'.*64GiB"),
+    ({"compression": {"bits": 3}}, r"'compression.bits'.*one of 4, 8"),
+    ({"compression": {"method": "zip"}}, r"'compression.method'.*'per_token', 'per_channel'"),
+    ({"compression": {"enabled": "yes"}}, r"'compression.enabled'.*boolean"),
+    ({"sparse_method": "esa2"}, r"'sparse_method'.*'esa'"),
+    ({"store": {"pipeline": "memory||posix"}}, r"'store.pipeline'.*joined by '\|'"),
+    ({"store": {"posix": {"roots": []}}}, r"'store.posix.roots'.*at least one"),
+    ({"store": {"posix": {"roots": [1]}}}, r"'store.posix.roots'.*list of strings"),
+    ({"preset": "fast_chat"}, r"'preset'.*'batch'"),
+    ({"init_window": 10, "local_window": 10}, r"'init_window'.*'min_blocks'"),
+    ({"backend": "gpu"}, r"'backend'.*'reference'"),
+])
+def test_bad_values_name_the_key(values, match):
+    with pytest.raises(ValueError, match=match):
+        Config(values)
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"UCM_SPARSE_RATO": "0.2"}, r"UCM_SPARSE_RATO; did you mean 'UCM_SPARSE_RATIO'"),
+    ({"UCM_SPARSE_RATIO": "abc"}, r"'sparse_ratio' \(env UCM_SPARSE_RATIO\): expected a number"),
+    ({"UCM_STORE_POSIX_FSYNC": "maybe"}, r"boolean"),
+    ({"UCM_MIN_BLOCKS": "1.5"}, r"integer"),
+])
+def test_bad_env(env, match):
+    with pytest.raises(ValueError, match=match):
+        Config(env=env)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="cannot be read"):
+        Config.load(str(tmp_path / "missing.yaml"), env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sparse_ratio: [1, 2\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        Config.load(str(bad), env={})
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        Config.load(str(lst), env={})
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("store:\n  posix:\n    root: [/a]\n")
+    with pytest.raises(ValueError, match=r"'store.posix.root' \(file .*typo.yaml\); did you mean 'store.posix.roots'"):
+        Config.load(str(typo), env={})
+
+
+def test_replace_and_equality():
+    c = Config(preset="batch")
+    d = c.replace(**{"store.pipeline": "posix"})
+    assert d["store.pipeline"] == "posix" and d.buffer_number == 4096 and c["store.pipeline"] == "memory|posix"
+    with pytest.raises(ValueError, match="sparse_ratio"):
+        c.replace(sparse_ratio=2)
+    assert Config() == Config() and Config() != d
+
+
+def test_readme_documents_every_option():
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    assert options_markdown() in readme, "regenerate the README table: python -m ucm config --markdown"
+    for name in PRESETS:
+        assert name in readme
+    assert ucm.Config is Config
