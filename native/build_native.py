@@ -24,7 +24,8 @@ def source_digest(root=HERE):
 
 
 def cdef_from_header(path=os.path.join(HERE, "ucm_native.h")):
-    text = open(path, encoding="utf-8").read()
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
     m = re.search(r"/\* CFFI-BEGIN \*/(.*?)/\* CFFI-END \*/", text, re.S)
     if not m:
         raise RuntimeError(f"{path}: CFFI-BEGIN/CFFI-END markers not found")

@@ -1,11 +1,17 @@
 /* ucm native engine, see ucm_native.h for the contract. */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* MADV_HUGEPAGE */
 #include "ucm_native.h"
 
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+#define UCM_HAVE_SSE2 1
+#endif
 
 #ifndef UCM_NATIVE_SOURCE_DIGEST
 #define UCM_NATIVE_SOURCE_DIGEST ""
@@ -21,6 +27,37 @@ const char *ucm_native_source_digest(void) { return UCM_NATIVE_SOURCE_DIGEST; }
 
 int ucm_max_threads(void) { return UCM_MAX_THREADS; }
 
+/* Copies whose total is at least this large use non-temporal stores: the destination of a
+ * bulk staging copy is read next by a DMA engine or the disk, not by this CPU, and streaming
+ * stores skip the read-for-ownership of every destination line (a third of the memory traffic). */
+#define UCM_NT_MIN_TOTAL (8u * 1024u * 1024u)
+
+/* memcpy with streaming (non-temporal) stores; the caller issues the store fence. */
+static void copy_stream(char *dst, const char *src, size_t n) {
+#ifdef UCM_HAVE_SSE2
+    size_t head = (size_t)(-(uintptr_t)dst & 15u);
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t body = n & ~(size_t)63u;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + body, src + body, n - body);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
 /* One thread's share: bytes [begin, end) of the concatenation of all segments. */
 typedef struct {
     const uint64_t *src;
@@ -29,6 +66,7 @@ typedef struct {
     size_t n;
     uint64_t begin;
     uint64_t end;
+    int stream; /* use non-temporal stores */
 } copy_job;
 
 static void copy_range(const copy_job *job) {
@@ -39,11 +77,18 @@ static void copy_range(const copy_job *job) {
         if (seg_end > job->begin && seg_len > 0) {
             uint64_t lo = job->begin > pos ? job->begin - pos : 0;
             uint64_t hi = job->end < seg_end ? job->end - pos : seg_len;
-            memcpy((char *)(uintptr_t)job->dst[i] + lo,
-                   (const char *)(uintptr_t)job->src[i] + lo, (size_t)(hi - lo));
+            char *d = (char *)(uintptr_t)job->dst[i] + lo;
+            const char *s = (const char *)(uintptr_t)job->src[i] + lo;
+            if (job->stream)
+                copy_stream(d, s, (size_t)(hi - lo));
+            else
+                memcpy(d, s, (size_t)(hi - lo));
         }
         pos = seg_end;
     }
+#ifdef UCM_HAVE_SSE2
+    if (job->stream) _mm_sfence();
+#endif
 }
 
 static void *copy_thread(void *arg) {
@@ -68,8 +113,9 @@ int ucm_copy_segments(const uint64_t *src, const uint64_t *dst,
     if (threads > UCM_MAX_THREADS) threads = UCM_MAX_THREADS;
     if ((uint64_t)threads > useful) threads = useful > 0 ? (int)useful : 1;
 
+    int stream = total >= UCM_NT_MIN_TOTAL;
     if (threads == 1) {
-        copy_job job = {src, dst, len, n, 0, total};
+        copy_job job = {src, dst, len, n, 0, total, stream};
         copy_range(&job);
         return 0;
     }
@@ -84,7 +130,7 @@ int ucm_copy_segments(const uint64_t *src, const uint64_t *dst,
         uint64_t e = b + share;
         if (b > total) b = total;
         if (e > total || t == threads - 1) e = total;
-        copy_job j = {src, dst, len, n, b, e};
+        copy_job j = {src, dst, len, n, b, e, stream};
         jobs[t] = j;
     }
     /* Thread 0's share runs on the calling thread. */
@@ -99,13 +145,43 @@ int ucm_copy_segments(const uint64_t *src, const uint64_t *dst,
     return 0;
 }
 
+/* Buffers of at least this size are mapped separately and backed by transparent huge pages:
+ * scattered block copies then stop paying a page walk every 4 KiB (measured: two threads copying
+ * 64 KiB segments to random places scale to 2x only with huge pages). */
+#define UCM_HUGE (2u * 1024u * 1024u)
+
+static size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
 void *ucm_alloc_aligned(size_t size, size_t alignment) {
     if (size == 0) return NULL;
     if (alignment < sizeof(void *) || (alignment & (alignment - 1)) != 0) return NULL;
-    void *p = NULL;
-    if (posix_memalign(&p, alignment, size) != 0) return NULL;
-    memset(p, 0, size);
+    if (size < UCM_HUGE) {
+        void *p = NULL;
+        if (posix_memalign(&p, alignment, size) != 0) return NULL;
+        memset(p, 0, size);
+        return p;
+    }
+    size_t align = alignment > UCM_HUGE ? alignment : UCM_HUGE;
+    size_t len = round_up(size, UCM_HUGE);
+    if (len < size || len + align < len) return NULL; /* overflow */
+    char *raw = mmap(NULL, len + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    char *p = (char *)round_up((size_t)(uintptr_t)raw, align);
+    if (p > raw) munmap(raw, (size_t)(p - raw));
+    size_t tail = (size_t)((raw + len + align) - (p + len));
+    if (tail) munmap(p + len, tail);
+#ifdef MADV_HUGEPAGE
+    madvise(p, len, MADV_HUGEPAGE); /* a hint: ignored where THP is off */
+#endif
+    /* Fault every page in now (anonymous pages are already zero), not in the first copy. */
+    for (size_t off = 0; off < len; off += 4096) p[off] = 0;
     return p;
 }
 
-void ucm_free_aligned(void *p) { free(p); }
+void ucm_free_aligned(void *p, size_t size) {
+    if (p == NULL) return;
+    if (size < UCM_HUGE)
+        free(p);
+    else
+        munmap(p, round_up(size, UCM_HUGE));
+}

@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 /* Bumped whenever the C ABI or behaviour changes; checked by ucm/fast/native.py. */
-#define UCM_NATIVE_ABI 1
+#define UCM_NATIVE_ABI 2
 
 /* CFFI-BEGIN */
 /* ABI version compiled into the library (UCM_NATIVE_ABI). */
@@ -38,10 +38,11 @@ int ucm_max_threads(void);
 int ucm_copy_segments(const uint64_t *src, const uint64_t *dst,
                       const uint64_t *len, size_t n, int n_threads);
 
-/* posix_memalign wrapper; alignment must be a power of two >= sizeof(void*).
- * Returns NULL on failure. The memory is zero-filled (pages are touched). */
+/* Zero-filled host memory aligned to `alignment` (a power of two >= sizeof(void*)), every page
+ * faulted in. Sizes >= 2 MiB are mmap'ed, 2 MiB-aligned and advised to use transparent huge
+ * pages. Returns NULL on failure. Free with ucm_free_aligned(p, size) using the same size. */
 void *ucm_alloc_aligned(size_t size, size_t alignment);
-void ucm_free_aligned(void *p);
+void ucm_free_aligned(void *p, size_t size);
 /* CFFI-END */
 
 #endif /* UCM_NATIVE_H */

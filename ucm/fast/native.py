@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-EXPECTED_ABI = 1
+EXPECTED_ABI = 2
 _SRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "native")
 
@@ -73,11 +73,12 @@ def copy_segments(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, lengths: np.ndarra
 
 
 def alloc_aligned(nbytes: int, alignment: int) -> np.ndarray:
-    """Same contract as :func:`ucm.reference.copy.alloc_aligned`; memory from posix_memalign,
-    freed when the last numpy view of it is gone."""
+    """Same contract as :func:`ucm.reference.copy.alloc_aligned`; small buffers from
+    posix_memalign, large ones mmap'ed on transparent huge pages; freed when the last numpy view
+    of it is gone."""
     ptr = _lib.ucm_alloc_aligned(nbytes, alignment)
     if ptr == _ffi.NULL:
         raise MemoryError(f"ucm_alloc_aligned({nbytes}, {alignment}) failed")
-    owner = _ffi.gc(ptr, _lib.ucm_free_aligned, size=nbytes)
+    owner = _ffi.gc(ptr, lambda p: _lib.ucm_free_aligned(p, nbytes), size=nbytes)
     arr = np.frombuffer(_ffi.buffer(owner, nbytes), dtype=np.uint8)
     return arr

@@ -1,0 +1,77 @@
+"""Package-level behaviour: import, native engine checks (missing, stale, required), CLI."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import ucm
+from conftest import REPO, run_python
+
+# The editable install's meta-path finder maps ucm._native to the checkout; drop it so the copied
+# tree is imported exactly as it lies on disk.
+PROBE = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]; import ucm; from ucm.fast import native; print(native.status()); print(ucm.backend_info()['ops']['copy_segments']['selected'])"
+
+
+def _copy_tree(tmp_path, with_extension=True):
+    """A real copy of the package (and native sources) in tmp_path, optionally without the .so."""
+    dst = tmp_path / "tree"
+    ignore = shutil.ignore_patterns("__pycache__", *([] if with_extension else ["_native*.so"]))
+    shutil.copytree(os.path.join(REPO, "ucm"), dst / "ucm", ignore=ignore)
+    shutil.copytree(os.path.join(REPO, "native"), dst / "native",
+                    ignore=shutil.ignore_patterns("build", "__pycache__"))
+    return dst
+
+
+def _run_in(tree, env=None):
+    return run_python(PROBE, env={"PYTHONPATH": str(tree), **(env or {})}, cwd=str(tree))
+
+
+def test_public_api():
+    for name in ucm.__all__:
+        assert hasattr(ucm, name), name
+    assert ucm.__version__
+
+
+def test_missing_extension_falls_back_with_one_warning(tmp_path):
+    tree = _copy_tree(tmp_path, with_extension=False)
+    r = _run_in(tree, env={"PYTHONWARNINGS": "always"})
+    assert r.returncode == 0, r.stderr
+    assert str(tree) in r.stdout or "not built" in r.stdout
+    assert r.stdout.strip().splitlines()[-1] == "reference"
+    assert r.stderr.count("native engine unavailable") == 1
+
+
+def test_missing_extension_with_require_native_fails(tmp_path):
+    tree = _copy_tree(tmp_path, with_extension=False)
+    r = _run_in(tree, env={"UCM_REQUIRE_NATIVE": "1"})
+    assert r.returncode != 0
+    assert "UCM_REQUIRE_NATIVE=1" in r.stderr and "not built" in r.stderr
+
+
+def test_stale_extension_is_detected(tmp_path):
+    tree = _copy_tree(tmp_path)
+    with open(tree / "native" / "ucm_native.c", "a") as f:
+        f.write("\n/* edited after the build */\n")
+    r = _run_in(tree, env={"PYTHONWARNINGS": "always"})
+    assert r.returncode == 0, r.stderr
+    assert "stale extension" in r.stdout and r.stdout.strip().splitlines()[-1] == "reference"
+    r = _run_in(tree, env={"UCM_REQUIRE_NATIVE": "1"})
+    assert r.returncode != 0 and "stale extension" in r.stderr
+
+
+def test_current_extension_is_used(tmp_path):
+    r = _run_in(_copy_tree(tmp_path), env={"UCM_REQUIRE_NATIVE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "native"
+
+
+def test_cli_commands():
+    for args in (["info"], ["info", "--json"], ["config", "--preset", "low_memory"],
+                 ["config", "--markdown"], ["demo", "--tokens", "4096"]):
+        r = subprocess.run([sys.executable, "-m", "ucm", *args], capture_output=True, text=True)
+        assert r.returncode == 0, (args, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "ucm", "config", "--preset", "nope"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "'preset'" in r.stderr
