@@ -105,6 +105,7 @@ int ucm_copy_segments(const uint64_t *src, const uint64_t *dst,
     uint64_t total = 0;
     for (size_t i = 0; i < n; i++) {
         if (len[i] > 0 && (src[i] == 0 || dst[i] == 0)) return -EINVAL;
+        if (len[i] > UINT64_MAX - total) return -EINVAL; /* cannot describe real memory */
         total += len[i];
     }
 
@@ -123,7 +124,8 @@ int ucm_copy_segments(const uint64_t *src, const uint64_t *dst,
     copy_job jobs[UCM_MAX_THREADS];
     pthread_t tids[UCM_MAX_THREADS];
     int started[UCM_MAX_THREADS];
-    /* Split on 4 KiB boundaries so threads do not share cache lines or pages. */
+    /* Shares are multiples of 4 KiB of the concatenated stream (page-sized pieces of aligned
+     * segments), so threads rarely touch the same destination cache line. */
     uint64_t share = (total / (uint64_t)threads + 4095u) & ~(uint64_t)4095u;
     for (int t = 0; t < threads; t++) {
         uint64_t b = share * (uint64_t)t;

@@ -33,7 +33,7 @@ int ucm_max_threads(void);
  * The work is split by bytes across up to n_threads threads (a segment may be
  * shared by two threads); small copies run on the calling thread.
  * Returns 0, or -EINVAL for bad arguments (a NULL address with a non-zero
- * length, n_threads < 1).
+ * length, n_threads < 1, lengths whose sum overflows 64 bits); nothing is copied then.
  */
 int ucm_copy_segments(const uint64_t *src, const uint64_t *dst,
                       const uint64_t *len, size_t n, int n_threads);
