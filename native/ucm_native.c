@@ -4,6 +4,8 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -186,4 +188,117 @@ void ucm_free_aligned(void *p, size_t size) {
         free(p);
     else
         munmap(p, round_up(size, UCM_HUGE));
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* checksum and batched file I/O                                                             */
+
+#define UCM_PHI 0x9E3779B97F4A7C15ull
+#define UCM_MIX 0xD6E8FEB86659FD93ull
+
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 32;
+    x *= UCM_MIX;
+    x ^= x >> 32;
+    return x;
+}
+
+uint64_t ucm_checksum(const void *data, uint64_t len, uint64_t word0) {
+    const unsigned char *p = (const unsigned char *)data;
+    uint64_t words = len / 8;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    uint64_t k = word0 * UCM_PHI; /* j * PHI, advanced by addition */
+    uint64_t i = 0;
+    for (; i + 4 <= words; i += 4) {
+        uint64_t w0, w1, w2, w3;
+        memcpy(&w0, p + 8 * i, 8);
+        memcpy(&w1, p + 8 * i + 8, 8);
+        memcpy(&w2, p + 8 * i + 16, 8);
+        memcpy(&w3, p + 8 * i + 24, 8);
+        s0 += mix64(w0 ^ k);
+        s1 += mix64(w1 ^ (k + UCM_PHI));
+        s2 += mix64(w2 ^ (k + 2 * UCM_PHI));
+        s3 += mix64(w3 ^ (k + 3 * UCM_PHI));
+        k += 4 * UCM_PHI;
+    }
+    for (; i < words; i++) {
+        uint64_t w;
+        memcpy(&w, p + 8 * i, 8);
+        s0 += mix64(w ^ k);
+        k += UCM_PHI;
+    }
+    uint64_t rest = len - 8 * words;
+    if (rest) {
+        uint64_t w = 0;
+        memcpy(&w, p + 8 * words, (size_t)rest); /* little-endian hosts only (x86-64, arm64) */
+        s0 += mix64(w ^ k);
+    }
+    return s0 + s1 + s2 + s3;
+}
+
+static int64_t io_one(ucm_io_op *op, int want_checksum) {
+    char *buf = (char *)(uintptr_t)op->addr;
+    if (op->write && want_checksum) op->checksum = ucm_checksum(buf, op->len, op->word0);
+    uint64_t done = 0;
+    while (done < op->len) {
+        ssize_t r = op->write
+            ? pwrite(op->fd, buf + done, (size_t)(op->len - done), (off_t)(op->file_off + done))
+            : pread(op->fd, buf + done, (size_t)(op->len - done), (off_t)(op->file_off + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -(int64_t)errno;
+        }
+        if (r == 0) return op->write ? -(int64_t)EIO : -(int64_t)ENODATA;
+        done += (uint64_t)r;
+    }
+    if (!op->write && want_checksum) op->checksum = ucm_checksum(buf, op->len, op->word0);
+    return (int64_t)done;
+}
+
+typedef struct {
+    ucm_io_op *ops;
+    size_t n;
+    int want_checksum;
+    atomic_size_t next;
+    atomic_int failed;
+} io_work;
+
+static void *io_thread(void *arg) {
+    io_work *w = (io_work *)arg;
+    for (;;) {
+        size_t i = atomic_fetch_add(&w->next, 1);
+        if (i >= w->n) break;
+        ucm_io_op *op = &w->ops[i];
+        op->result = io_one(op, w->want_checksum);
+        if (op->result < 0) atomic_fetch_add(&w->failed, 1);
+    }
+    return NULL;
+}
+
+int ucm_io_batch(ucm_io_op *ops, size_t n, int n_threads, int want_checksum) {
+    if (n_threads < 1) return -EINVAL;
+    if (n == 0) return 0;
+    if (ops == NULL) return -EINVAL;
+    for (size_t i = 0; i < n; i++) {
+        if (ops[i].len > 0 && ops[i].addr == 0) return -EINVAL;
+        ops[i].result = 0;
+        ops[i].checksum = 0;
+    }
+    io_work w;
+    w.ops = ops;
+    w.n = n;
+    w.want_checksum = want_checksum;
+    atomic_init(&w.next, 0);
+    atomic_init(&w.failed, 0);
+    int threads = n_threads;
+    if (threads > UCM_MAX_THREADS) threads = UCM_MAX_THREADS;
+    if ((size_t)threads > n) threads = (int)n;
+    pthread_t tids[UCM_MAX_THREADS];
+    int started[UCM_MAX_THREADS];
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, io_thread, &w) == 0;
+    io_thread(&w); /* the calling thread works too; it alone suffices if creation failed */
+    for (int t = 1; t < threads; t++)
+        if (started[t]) pthread_join(tids[t], NULL);
+    return atomic_load(&w.failed);
 }

@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 /* Bumped whenever the C ABI or behaviour changes; checked by ucm/fast/native.py. */
-#define UCM_NATIVE_ABI 2
+#define UCM_NATIVE_ABI 3
 
 /* CFFI-BEGIN */
 /* ABI version compiled into the library (UCM_NATIVE_ABI). */
@@ -43,6 +43,37 @@ int ucm_copy_segments(const uint64_t *src, const uint64_t *dst,
  * pages. Returns NULL on failure. Free with ucm_free_aligned(p, size) using the same size. */
 void *ucm_alloc_aligned(size_t size, size_t alignment);
 void ucm_free_aligned(void *p, size_t size);
+
+/*
+ * Block checksum "ucm-sum64" (docs/block-format.md): the little-endian 64-bit words w_i of the
+ * bytes (the last one zero-padded), with global word numbers j = word0 + i, give
+ *     x_i = mix(w_i ^ (j * 0x9E3779B97F4A7C15)),  mix(x) = x ^= x >> 32; x *= 0xD6E8FEB86659FD93;
+ *                                                        x ^= x >> 32
+ *     checksum = sum of x_i mod 2^64.
+ * mix is a bijection, so any change to one word changes the sum; sums of adjacent ranges add up
+ * (a range's checksum can be computed in pieces, by several threads).
+ */
+uint64_t ucm_checksum(const void *data, uint64_t len, uint64_t word0);
+
+/* One positioned read or write of a batch (see ucm_io_batch). */
+typedef struct {
+    int32_t fd;
+    int32_t write;     /* 1: pwrite len bytes from addr; 0: pread into addr */
+    uint64_t addr;
+    uint64_t len;
+    uint64_t file_off;
+    uint64_t word0;    /* global word number of addr[0], for the checksum */
+    int64_t result;    /* out: bytes moved (== len) or -errno (-ENODATA: end of file) */
+    uint64_t checksum; /* out: ucm_checksum of the bytes, when requested */
+} ucm_io_op;
+
+/*
+ * Run n positioned reads/writes on up to n_threads C threads (short transfers and EINTR are
+ * retried to completion). With want_checksum, each op's checksum is computed (before a
+ * write, after a read). Returns the number of failed ops (0 = all done); per-op outcome in
+ * result. Never aborts; -EINVAL for bad arguments.
+ */
+int ucm_io_batch(ucm_io_op *ops, size_t n, int n_threads, int want_checksum);
 /* CFFI-END */
 
 #endif /* UCM_NATIVE_H */

@@ -9,7 +9,9 @@ op              reference                                  fast
 hash_blocks     ucm.reference.hashing (pure Python)        ucm.fast.numba.hashing
 block_index     ucm.reference.index (OrderedDict)          ucm.fast.numba.index
 copy_segments   ucm.reference.copy (ctypes.memmove)        ucm.fast.native (C threads)
-alloc_aligned   ucm.reference.copy (numpy)                 ucm.fast.native (posix_memalign)
+alloc_aligned   ucm.reference.copy (numpy)                 ucm.fast.native (posix_memalign/mmap)
+checksum        ucm.reference.fileio (numpy)               ucm.fast.native
+io_batch        ucm.reference.fileio (os.pread/pwrite)     ucm.fast.native (C threads)
 ==============  =========================================  ==============================
 """
 from __future__ import annotations
@@ -52,6 +54,8 @@ for _op, _ref, _fast, _name, _probe in (
      "native", _native_probe),
     ("alloc_aligned", "ucm.reference.copy:alloc_aligned", "ucm.fast.native:alloc_aligned",
      "native", _native_probe),
+    ("checksum", "ucm.reference.fileio:checksum", "ucm.fast.native:checksum", "native", _native_probe),
+    ("io_batch", "ucm.reference.fileio:io_batch", "ucm.fast.native:io_batch", "native", _native_probe),
 ):
     dispatch.register(_op, _REF, _ref, priority=0)
     dispatch.register(_op, _name, _fast, priority=10, probe=_probe)
@@ -253,3 +257,40 @@ def alloc_aligned(nbytes: int, alignment: int = 4096, *, backend: Optional[str] 
     if alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
     return dispatch.call("alloc_aligned", nbytes, alignment, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# block checksum and batched file I/O (used by the posix tier)
+
+def checksum(data, word0: int = 0, *, backend: Optional[str] = None) -> int:
+    """ucm-sum64 checksum of a contiguous host buffer whose first byte is word ``word0`` of its
+    block (docs/block-format.md). Checksums of adjacent ranges add up modulo 2**64."""
+    view = _buffer_view(data, "data", writable=False)
+    word0 = _check_count(word0, "word0", 0)
+    return dispatch.call("checksum", view, word0, backend=backend)
+
+
+def new_io_ops(n: int) -> np.ndarray:
+    """A zeroed structured array of ``n`` I/O ops for :func:`io_batch` (fields: fd, write, addr,
+    len, file_off, word0; outputs result, checksum)."""
+    from ucm.fast.native import IO_OP_DTYPE
+
+    return np.zeros(_check_count(n, "n", 0), dtype=IO_OP_DTYPE)
+
+
+def io_batch(ops: np.ndarray, n_threads: Optional[int] = None, want_checksum: bool = True, *,
+             backend: Optional[str] = None) -> int:
+    """Run positioned reads/writes (``ops`` from :func:`new_io_ops`) on several threads; fills
+    ``ops["result"]`` (bytes moved or -errno) and ``ops["checksum"]``. Returns the number of
+    failed ops. Addresses are raw: callers keep the buffers alive and sized."""
+    from ucm.fast.native import IO_OP_DTYPE
+
+    if not isinstance(ops, np.ndarray) or ops.dtype != IO_OP_DTYPE or ops.ndim != 1 \
+            or not ops.flags.c_contiguous:
+        raise ValueError("ops: expected a contiguous 1-D array from ucm.ops.new_io_ops()")
+    if len(ops) and ((ops["addr"] == 0) & (ops["len"] > 0)).any():
+        raise ValueError("ops: null address for a non-empty transfer")
+    if len(ops) and (ops["fd"] < 0).any():
+        raise ValueError("ops: negative file descriptor")
+    n_threads = default_threads() if n_threads is None else _check_count(n_threads, "n_threads", 1)
+    return dispatch.call("io_batch", ops, n_threads, bool(want_checksum), backend=backend)

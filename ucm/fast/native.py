@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-EXPECTED_ABI = 2
+EXPECTED_ABI = 3
 _SRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "native")
 
@@ -82,3 +82,26 @@ def alloc_aligned(nbytes: int, alignment: int) -> np.ndarray:
     owner = _ffi.gc(ptr, lambda p: _lib.ucm_free_aligned(p, nbytes), size=nbytes)
     arr = np.frombuffer(_ffi.buffer(owner, nbytes), dtype=np.uint8)
     return arr
+
+
+# numpy mirror of ucm_io_op (native/ucm_native.h); its layout is checked against the C struct.
+IO_OP_DTYPE = np.dtype([("fd", "<i4"), ("write", "<i4"), ("addr", "<u8"), ("len", "<u8"),
+                        ("file_off", "<u8"), ("word0", "<u8"), ("result", "<i8"),
+                        ("checksum", "<u8")], align=True)
+if _lib is not None and _ffi.sizeof("ucm_io_op") != IO_OP_DTYPE.itemsize:
+    _lib = None
+    _reason = "ucm_io_op layout differs from IO_OP_DTYPE; rebuild the extension"
+
+
+def checksum(data: np.ndarray, word0: int) -> int:
+    """Same contract as :func:`ucm.reference.fileio.checksum`."""
+    return int(_lib.ucm_checksum(_ffi.cast("const void *", data.ctypes.data), data.nbytes, word0))
+
+
+def io_batch(ops: np.ndarray, n_threads: int, want_checksum: bool) -> int:
+    """Same contract as :func:`ucm.reference.fileio.io_batch`; runs on C threads."""
+    rc = _lib.ucm_io_batch(_ffi.cast("ucm_io_op *", ops.ctypes.data), len(ops), int(n_threads),
+                           int(bool(want_checksum)))
+    if rc < 0:
+        raise ValueError(f"ucm_io_batch rejected its arguments (errno {-rc})")
+    return int(rc)

@@ -1,0 +1,74 @@
+"""Reference block checksum ("ucm-sum64") and batched positioned file I/O, in numpy and os.*.
+
+Same names and signatures as :mod:`ucm.fast.native`; inputs are validated by ``ucm.ops``.
+The checksum is defined in docs/block-format.md (and native/ucm_native.h).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import numpy as np
+
+PHI = np.uint64(0x9E3779B97F4A7C15)
+MIX = np.uint64(0xD6E8FEB86659FD93)
+S32 = np.uint64(32)
+
+
+def checksum(data: np.ndarray, word0: int) -> int:
+    """ucm-sum64 of the bytes of ``data`` (a contiguous uint8 array), first word numbered
+    ``word0``: sum over words of mix(w ^ (j * PHI)) modulo 2**64."""
+    raw = data.tobytes()
+    pad = (-len(raw)) % 8
+    words = np.frombuffer(raw + b"\0" * pad, dtype="<u8").astype(np.uint64)
+    j = np.arange(word0, word0 + len(words), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = words ^ (j * PHI)
+        x ^= x >> S32
+        x *= MIX
+        x ^= x >> S32
+        return int(x.sum(dtype=np.uint64))
+
+
+def _view(addr: int, length: int):
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+def io_batch(ops: np.ndarray, n_threads: int, want_checksum: bool) -> int:
+    """Run each op of ``ops`` (structured array of ``ucm.fast.native.IO_OP_DTYPE``): pwrite
+    ``len`` bytes from ``addr`` (``write=1``) or pread them into ``addr`` at ``file_off`` of
+    ``fd``; sets ``result`` (bytes or -errno) and, if asked, ``checksum``. One thread. Returns
+    the number of failed ops."""
+    failed = 0
+    for op in ops:
+        length, addr = int(op["len"]), int(op["addr"])
+        buf = _view(addr, length) if length else memoryview(b"")
+        as_array = np.frombuffer(buf, dtype=np.uint8) if length else np.zeros(0, np.uint8)
+        if op["write"] and want_checksum:
+            op["checksum"] = checksum(as_array, int(op["word0"]))
+        done = 0
+        result = 0
+        while done < length:
+            try:
+                if op["write"]:
+                    r = os.pwrite(int(op["fd"]), buf[done:], int(op["file_off"]) + done)
+                else:
+                    r = os.preadv(int(op["fd"]), [buf[done:]], int(op["file_off"]) + done)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                result = -(exc.errno or errno.EIO)
+                break
+            if r == 0:
+                result = -(errno.EIO if op["write"] else errno.ENODATA)
+                break
+            done += r
+        else:
+            result = done
+        op["result"] = result
+        if result < 0:
+            failed += 1
+        elif not op["write"] and want_checksum:
+            op["checksum"] = checksum(as_array, int(op["word0"]))
+    return failed

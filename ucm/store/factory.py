@@ -1,0 +1,105 @@
+"""Tiers by name: ``open_store(config, block_bytes=..., shard_bytes=..., namespace=...)``.
+
+Built-in tiers: ``memory``, ``posix``. ``register(name, "package.module:Class")`` adds one; a
+pipeline entry may also name ``"package.module:Class"`` directly. A tier class is built with
+``Class.from_config(geometry, config, namespace)``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Optional, Union
+
+from ucm.config import Config
+from ucm.store.base import BlockGeometry, KVStore
+
+_TIERS: dict[str, object] = {
+    "memory": "ucm.store.memory:MemoryStore",
+    "posix": "ucm.store.posix:PosixStore",
+}
+
+
+def register(name: str, cls: Union[str, type]) -> None:
+    """Make tier ``name`` available to pipelines (a class or ``"package.module:Class"``)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"tier name must be an identifier, got {name!r}")
+    _TIERS[name] = cls
+
+
+def tiers() -> list[str]:
+    return sorted(_TIERS)
+
+
+def _resolve(spec: str):
+    target = _TIERS.get(spec, spec if ":" in spec else None)
+    if target is None:
+        raise ValueError(f"config key 'store.pipeline': unknown tier {spec!r}; known tiers: "
+                         f"{', '.join(tiers())}, or 'package.module:Class'")
+    if isinstance(target, type):
+        return target
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"config key 'store.pipeline': cannot load tier {spec!r} ({exc})") from None
+
+
+def create_tier(spec: str, geometry: BlockGeometry, config: Config, namespace: bytes) -> KVStore:
+    cls = _resolve(spec)
+    if hasattr(cls, "from_config"):
+        return cls.from_config(geometry, config, namespace)
+    return cls(geometry, config, namespace)
+
+
+def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes: int,
+               shard_bytes: Optional[int] = None, namespace: Optional[bytes] = None,
+               **overrides) -> KVStore:
+    """Build the store named by ``store.pipeline`` (a single tier or a pipeline).
+
+    ``config``: a Config, a dict or a YAML path (``Config.load``); ``overrides`` are config keys
+    with dots written as ``__`` (``store__pipeline="memory"``) or plain names (``buffer_number``).
+    ``namespace``: the 16-byte namespace digest written into stored blocks.
+    """
+    if not isinstance(config, Config):
+        config = Config.load(config, env={}) if config is not None else Config()
+    if overrides:
+        config = config.replace(**{k.replace("__", "."): v for k, v in overrides.items()})
+    geometry = BlockGeometry(block_bytes, shard_bytes or block_bytes)
+    ns = bytes(16) if namespace is None else namespace
+    specs = [s.strip() for s in config["store.pipeline"].split("|")]
+    built = []
+    try:
+        for spec in specs:
+            built.append(create_tier(spec, geometry, config, ns))
+    except BaseException:
+        for t in built:
+            t.close()
+        raise
+    if len(built) == 1:
+        return built[0]
+    from ucm.store.pipeline import PipelineStore
+
+    return PipelineStore(built, write_back=config["store.write_back"])
+
+
+def _memory_from_config(cls, geometry, config, namespace):
+    return cls(geometry, buffer_number=config["buffer_number"], io_threads=config["store.io_threads"],
+               wait_timeout_s=config["store.wait_timeout_s"])
+
+
+def _posix_from_config(cls, geometry, config, namespace):
+    return cls(geometry, roots=config["store.posix.roots"], namespace=namespace,
+               capacity_bytes=config["cache_capacity"], o_direct=config["store.posix.o_direct"],
+               fsync=config["store.posix.fsync"], io_threads=config["store.io_threads"],
+               wait_timeout_s=config["store.wait_timeout_s"])
+
+
+def _install():
+    from ucm.store.memory import MemoryStore
+    from ucm.store.posix import PosixStore
+
+    MemoryStore.from_config = classmethod(_memory_from_config)
+    PosixStore.from_config = classmethod(_posix_from_config)
+
+
+_install()

@@ -1,0 +1,287 @@
+"""``memory`` tier: a host pool of ``buffer_number`` block slots, allocated once.
+
+The pool is one aligned allocation (huge pages where the kernel grants them), page-locked with
+``cudaHostRegister`` when a CUDA device is present so GPU copies run at the PCIe ceiling and
+asynchronously. Committed blocks live in a :class:`ucm.BlockIndex` (id → slot) in LRU order;
+a dump takes a free slot or evicts the least recently used committed block that no load is
+reading. Dumped-but-uncommitted blocks hold their slot until ``commit``.
+
+Copies: CPU buffers move with the native multi-threaded ``copy_segments``; CUDA buffers with
+``copy_(non_blocking=True)`` on a side stream that first waits for the caller's stream, so a
+``dump`` right after the kernel that produced ``src`` is safe.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import numpy as np
+
+from ucm.ops import BlockIndex, alloc_aligned, copy_segments
+from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task
+
+log = logging.getLogger("ucm.store.memory")
+
+
+class _Pending:
+    __slots__ = ("slot", "shards", "inflight", "failed", "discard")
+
+    def __init__(self, slot: int, n_shards: int):
+        self.slot = slot
+        self.shards = np.zeros(n_shards, dtype=bool)
+        self.inflight = 0
+        self.failed = False
+        self.discard = False
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+class MemoryStore(KVStore):
+    name = "memory"
+
+    def __init__(self, geometry: BlockGeometry, buffer_number: int, io_threads: int = 4,
+                 wait_timeout_s: float = 30.0, pin: Optional[bool] = None, copy_threads: int = 2):
+        super().__init__(geometry, wait_timeout_s)
+        if isinstance(buffer_number, bool) or not isinstance(buffer_number, (int, np.integer)) \
+                or buffer_number < 1:
+            raise ValueError(f"buffer_number must be an int >= 1, got {buffer_number!r}")
+        self.n_slots = int(buffer_number)
+        self.pool = alloc_aligned(self.n_slots * geometry.block_bytes)
+        self.pinned = False
+        if pin is None:
+            pin = _cuda_available()
+        if pin:
+            self._pin()
+        self._pool_t = None
+        self._index = BlockIndex(self.n_slots)
+        self._free = list(range(self.n_slots - 1, -1, -1))
+        self._pending: dict[bytes, _Pending] = {}
+        self._refs = np.zeros(self.n_slots, dtype=np.int64)
+        self._lock = threading.Lock()
+        self._exec = ThreadPoolExecutor(max(1, int(io_threads)), thread_name_prefix="ucm-memory")
+        self._copy_threads = copy_threads
+        self._tls = threading.local()
+        self._base = np.uint64(self.pool.ctypes.data)
+
+    # -- setup --------------------------------------------------------------------------------
+    def _pin(self) -> None:
+        import torch
+
+        rc = torch.cuda.cudart().cudaHostRegister(self.pool.ctypes.data, self.pool.nbytes, 0)
+        if int(rc) != 0:
+            log.warning("ucm memory tier: cudaHostRegister failed (%s); pool stays pageable", rc)
+            return
+        self.pinned = True
+
+    def _torch_pool(self):
+        if self._pool_t is None:
+            import torch
+
+            self._pool_t = torch.from_numpy(self.pool)
+        return self._pool_t
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        super().close()
+        self._exec.shutdown(wait=True)
+        if self.pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.pool.ctypes.data)
+            self.pinned = False
+
+    # -- slots (callers hold self._lock) ------------------------------------------------------
+    def _alloc_slot(self) -> Optional[int]:
+        if self._free:
+            return self._free.pop()
+        for _ in range(len(self._index)):
+            ev_ids, ev_slots = self._index.evict(len(self._index) - 1)
+            slot = int(ev_slots[0])
+            if self._refs[slot] > 0:  # being read: keep it, as most recent
+                self._index.insert(ev_ids, ev_slots)
+                continue
+            self._stats.add(evictions=1)
+            return slot
+        return None
+
+    def _release(self, p: _Pending) -> None:
+        self._free.append(p.slot)
+
+    # -- API ----------------------------------------------------------------------------------
+    def lookup(self, block_ids) -> list[bool]:
+        from ucm.ids import as_ids
+
+        ids = as_ids(block_ids, "block_ids")
+        with self._lock:
+            found = self._index.lookup(ids) >= 0
+        hits = int(found.sum())
+        self._stats.add(lookups=len(ids), hits=hits, misses=len(ids) - hits)
+        return found.tolist()
+
+    def _dump(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
+        task = Task("dump", ids)
+        nbytes = len(shards) * self.geometry.shard_bytes
+        plan, skipped, errors = [], [], {}
+        with self._lock:
+            present = self._index.lookup(ids) >= 0
+            for i in range(len(ids)):
+                if present[i]:
+                    skipped.append(i)
+                    continue
+                key = ids[i].tobytes()
+                p = self._pending.get(key)
+                if p is None:
+                    slot = self._alloc_slot()
+                    if slot is None:
+                        errors[i] = "memory tier full: every slot is pending or being read"
+                        continue
+                    p = self._pending[key] = _Pending(slot, self.geometry.n_shards)
+                p.inflight += 1
+                plan.append((i, p))
+        self._stats.add(dump_skipped=len(skipped), dump_failures=len(errors))
+        task.add_part()
+        task.finish_part(skipped, errors)
+        if plan:
+            ready = self._cuda_ready_event(bufs)
+            task.add_part()
+            self._exec.submit(self._run_dump, task, plan, offset, nbytes, bufs, shards, ready)
+        return task.seal()
+
+    def _run_dump(self, task, plan, offset, nbytes, bufs, shards, ready):
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            self._copy(bufs, [p.slot for _, p in plan], offset, nbytes, to_pool=True, ready=ready)
+            ok, err = True, None
+        except Exception as exc:  # a copy fault fails these blocks, never the process
+            ok, err = False, f"copy into memory tier failed: {exc!r}"
+        with self._lock:
+            for _, p in plan:
+                p.inflight -= 1
+                if ok:
+                    p.shards[shards.start:shards.stop] = True
+                else:
+                    p.failed = True
+                if p.discard and p.inflight == 0:
+                    self._release(p)
+        idx = [i for i, _ in plan]
+        self._stats.add(dump_blocks=len(idx) if ok else 0, dump_bytes=len(idx) * nbytes if ok else 0,
+                        dump_seconds=time.perf_counter() - t0, dump_failures=0 if ok else len(idx))
+        task.finish_part(idx if ok else [], None if ok else {i: err for i in idx},
+                         len(idx) * nbytes if ok else 0)
+
+    def commit(self, block_ids, success_flags) -> None:
+        ids, flags = self._flags(block_ids, success_flags)
+        with self._lock:
+            for i in range(len(ids)):
+                p = self._pending.pop(ids[i].tobytes(), None)
+                if p is None:
+                    continue  # already present (dump skipped), failed at submission, or unknown
+                publish = flags[i] and p.inflight == 0 and not p.failed and p.shards.all()
+                if publish:
+                    self._index.insert(ids[i:i + 1], [p.slot])
+                    self._stats.add(commits=1)
+                    continue
+                if flags[i]:
+                    log.warning("ucm memory tier: block %s not published (%s)", ids[i].tobytes().hex(),
+                                "dump still in flight" if p.inflight else "dump failed" if p.failed
+                                else "not every shard was dumped")
+                self._stats.add(discards=1)
+                if p.inflight:
+                    p.discard = True
+                else:
+                    self._release(p)
+
+    def _load(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
+        task = Task("load", ids)
+        nbytes = len(shards) * self.geometry.shard_bytes
+        with self._lock:
+            slots = self._index.lookup(ids)
+            found = np.flatnonzero(slots >= 0)
+            np.add.at(self._refs, slots[found], 1)
+            self._index.touch(ids[found])
+        missing = {int(i): "not in memory tier" for i in np.flatnonzero(slots < 0)}
+        self._stats.add(lookups=len(ids), hits=len(found), misses=len(missing),
+                        load_failures=len(missing))
+        task.add_part()
+        task.finish_part([], missing)
+        if len(found):
+            task.add_part()
+            ready = self._cuda_ready_event(bufs)
+            self._exec.submit(self._run_load, task, found, slots[found], offset, nbytes, bufs, ready)
+        return task.seal()
+
+    def _run_load(self, task, found, slots, offset, nbytes, bufs, ready):
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            self._copy(bufs, slots.tolist(), offset, nbytes, to_pool=False, ready=ready, rows=found)
+            ok, err = True, None
+        except Exception as exc:
+            ok, err = False, f"copy from memory tier failed: {exc!r}"
+        with self._lock:
+            np.add.at(self._refs, slots, -1)
+        self._stats.add(load_blocks=len(found) if ok else 0, load_bytes=len(found) * nbytes if ok else 0,
+                        load_seconds=time.perf_counter() - t0, load_failures=0 if ok else len(found))
+        task.finish_part(found if ok else [], None if ok else {int(i): err for i in found},
+                         len(found) * nbytes if ok else 0)
+
+    # -- data movement ------------------------------------------------------------------------
+    def _cuda_ready_event(self, bufs: BlockBuffers):
+        if not bufs.is_cuda:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(bufs.rows[0].device))
+        return ev
+
+    def _copy(self, bufs: BlockBuffers, slots: list, offset: int, nbytes: int, to_pool: bool,
+              ready=None, rows=None) -> None:
+        """Move ``nbytes`` between buffer rows (``rows``, default all in order) and
+        ``[slot * block_bytes + offset, ...)`` of the pool."""
+        rows = np.arange(len(slots)) if rows is None else np.asarray(rows)
+        bb = self.geometry.block_bytes
+        if not bufs.is_cuda:
+            pool_addrs = self._base + np.asarray(slots, dtype=np.uint64) * np.uint64(bb) + np.uint64(offset)
+            buf_addrs = bufs.addrs[rows]
+            src, dst = (buf_addrs, pool_addrs) if to_pool else (pool_addrs, buf_addrs)
+            copy_segments(src, dst, np.full(len(slots), nbytes, dtype=np.uint64), self._copy_threads)
+            return
+        import torch
+
+        stream = getattr(self._tls, "stream", None)
+        if stream is None:
+            stream = self._tls.stream = torch.cuda.Stream(device=bufs.rows[0].device)
+        pool = self._torch_pool()
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            for r, slot in zip(rows.tolist(), slots):
+                host = pool[slot * bb + offset: slot * bb + offset + nbytes]
+                if to_pool:
+                    host.copy_(bufs.rows[r], non_blocking=True)
+                else:
+                    bufs.rows[r].copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+
+    def stats(self) -> dict:
+        d = self._stats.snapshot()
+        with self._lock:
+            d.update(slots=self.n_slots, committed=len(self._index), pending=len(self._pending),
+                     free=len(self._free), pinned=self.pinned)
+        return {self.name: d}

@@ -1,0 +1,214 @@
+"""A pipeline of tiers, fastest first (``"memory|posix"``, any order and length).
+
+* lookup: tier by tier, asking a tier only about the blocks the tiers above missed;
+* load: each block from the first tier that has it; blocks found below the first tier are
+  promoted upward (dumped into and committed in the faster tiers) once loaded whole;
+* dump: write-through to every tier (a block succeeds if at least one tier stored it), or
+  write-back: only the first tier, with lower tiers written in the background after commit;
+* commit: in every tier; stats: each tier's counters plus the pipeline's hits per tier.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+
+from ucm.ids import as_ids
+from ucm.store.base import BlockBuffers, KVStore, Task, combine
+
+log = logging.getLogger("ucm.store.pipeline")
+
+
+class PipelineStore(KVStore):
+    name = "pipeline"
+
+    def __init__(self, tiers: Sequence[KVStore], write_back: bool = False):
+        tiers = list(tiers)
+        if not tiers:
+            raise ValueError("store.pipeline: at least one tier")
+        geo = tiers[0].geometry
+        for t in tiers[1:]:
+            if t.geometry != geo:
+                raise ValueError(f"store.pipeline: tier {t.name!r} has geometry {t.geometry}, "
+                                 f"{tiers[0].name!r} has {geo}")
+        super().__init__(geo, max(t.wait_timeout_s for t in tiers))
+        self.tiers = tiers
+        self.write_back = bool(write_back) and len(tiers) > 1
+        self._hits = np.zeros(len(tiers), dtype=np.int64)
+        self._lookups = 0
+        self._lock = threading.Lock()
+        self._bg = ThreadPoolExecutor(2, thread_name_prefix="ucm-pipeline")
+
+    def _where(self, ids: np.ndarray) -> np.ndarray:
+        """Index of the first tier holding each block, or -1."""
+        where = np.full(len(ids), -1, dtype=np.int64)
+        todo = np.arange(len(ids))
+        for k, tier in enumerate(self.tiers):
+            if not len(todo):
+                break
+            found = np.asarray(tier.lookup(ids[todo]), dtype=bool)
+            where[todo[found]] = k
+            todo = todo[~found]
+        with self._lock:
+            self._lookups += len(ids)
+            for k in range(len(self.tiers)):
+                self._hits[k] += int((where == k).sum())
+        return where
+
+    def lookup(self, block_ids) -> list[bool]:
+        return (self._where(as_ids(block_ids, "block_ids")) >= 0).tolist()
+
+    def lookup_prefix(self, block_ids) -> int:
+        ids = as_ids(block_ids, "block_ids")
+        n = 0
+        for tier in self.tiers:  # a block may sit in any tier: extend the run tier by tier
+            while n < len(ids):
+                step = tier.lookup_prefix(ids[n:])
+                if step == 0:
+                    break
+                n += step
+            if n == len(ids):
+                break
+        # blocks interleaved between tiers: finish with an exact per-block check
+        while n < len(ids) and any(t.lookup(ids[n:n + 1])[0] for t in self.tiers):
+            n += 1
+        return n
+
+    # -- load -----------------------------------------------------------------------------------
+    def _load(self, ids, offset, bufs: BlockBuffers, shards) -> Task:
+        where = self._where(ids)
+        parts, order = [], []
+        for k, tier in enumerate(self.tiers):
+            rows = np.flatnonzero(where == k)
+            if len(rows):
+                parts.append(tier._load(ids[rows], offset, _subset(bufs, rows), shards))
+                order.append(rows)
+        missing = np.flatnonzero(where < 0)
+        task = Task("load", ids)
+        task.add_part()
+        task.finish_part([], {int(i): "miss" for i in missing})
+        full = offset == 0 and len(shards) == self.geometry.n_shards
+        for k_part, (sub, rows) in enumerate(zip(parts, order)):
+            task.add_part()
+            tier_k = int(where[rows[0]])
+
+            def done(child, rows=rows, tier_k=tier_k):
+                r = child.wait(0)
+                task.finish_part(rows[r.ok], {int(rows[i]): e for i, e in r.errors.items()}, r.nbytes)
+                if full and tier_k > 0 and r.ok.any():
+                    good = rows[r.ok]
+                    self._bg.submit(self._promote, ids[good], _subset(bufs, good), tier_k)
+            sub.on_done(done)
+        return task.seal()
+
+    def _promote(self, ids, bufs: BlockBuffers, below: int) -> None:
+        for tier in self.tiers[:below]:
+            try:
+                t = tier._dump(ids, 0, bufs, range(self.geometry.n_shards))
+                r = tier.wait(t)
+                tier.commit(ids, r.ok)
+                self._stats.add(promotions=int(r.ok.sum()))
+            except Exception as exc:  # promotion is an optimisation: never fail a load for it
+                log.warning("ucm pipeline: promotion into %s failed: %r", tier.name, exc)
+
+    def prefetch(self, block_ids) -> None:
+        """Promote blocks that only lower tiers hold into the first tier, in the background."""
+        ids = as_ids(block_ids, "block_ids")
+        where = self._where(ids)
+        lower = np.flatnonzero(where > 0)
+        if not len(lower):
+            return
+        self._bg.submit(self._prefetch, ids[lower])
+
+    def _prefetch(self, ids) -> None:
+        host = np.empty((len(ids), self.geometry.block_bytes), dtype=np.uint8)
+        t = self.load(ids, 0, host)
+        r = self.wait(t)
+        if r.ok.any():
+            good = np.flatnonzero(r.ok)
+            top = self.tiers[0]
+            task = top.dump(ids[good], 0, host[good])
+            res = top.wait(task)
+            top.commit(ids[good], res.ok)
+
+    # -- dump / commit --------------------------------------------------------------------------
+    def _dump(self, ids, offset, bufs: BlockBuffers, shards) -> Task:
+        targets = self.tiers[:1] if self.write_back else self.tiers
+        subs = [t._dump(ids, offset, bufs, shards) for t in targets]
+        task = Task("dump", ids)
+        task.add_part()
+
+        def finish(_):
+            results = [s.wait(0) for s in subs]
+            ok = np.zeros(len(ids), dtype=bool)
+            for r in results:
+                ok |= r.ok
+            errors = {}
+            for i in np.flatnonzero(~ok):
+                errors[int(i)] = "; ".join(f"{t.name}: {r.errors.get(int(i), '?')}"
+                                           for t, r in zip(targets, results))
+            for t, r in zip(targets, results):
+                if not r.all_ok and ok.any():
+                    log.info("ucm pipeline: %s failed %d of %d blocks another tier stored",
+                             t.name, int((~r.ok & ok).sum()), len(ids))
+            task.finish_part(np.flatnonzero(ok), errors, max((r.nbytes for r in results), default=0))
+        combine("dump", subs).on_done(finish)
+        return task.seal()
+
+    def commit(self, block_ids, success_flags) -> None:
+        ids, flags = self._flags(block_ids, success_flags)
+        targets = self.tiers[:1] if self.write_back else self.tiers
+        for t in targets:
+            t.commit(ids, flags)
+        if self.write_back and flags.any():
+            self._bg.submit(self._write_back, ids[flags])
+
+    def _write_back(self, ids) -> None:
+        host = np.empty((len(ids), self.geometry.block_bytes), dtype=np.uint8)
+        r = self.tiers[0].wait(self.tiers[0].load(ids, 0, host))
+        good = np.flatnonzero(r.ok)
+        if not len(good):
+            return
+        for tier in self.tiers[1:]:
+            res = tier.wait(tier.dump(ids[good], 0, host[good]))
+            tier.commit(ids[good], res.ok)
+
+    def flush(self) -> None:
+        """Wait for background promotions and write-backs queued so far."""
+        self._bg.submit(lambda: None).result()
+        self._bg.submit(lambda: None).result()
+
+    def stats(self) -> dict:
+        out = {}
+        for t in self.tiers:
+            out.update(t.stats())
+        with self._lock:
+            lookups = self._lookups
+            hits = self._hits.tolist()
+        out["pipeline"] = {
+            **self._stats.snapshot(),
+            "tiers": [t.name for t in self.tiers],
+            "lookups": lookups,
+            "hits_by_tier": dict(zip((t.name for t in self.tiers), hits)),
+            "hit_rate_by_tier": {t.name: (h / lookups if lookups else 0.0)
+                                 for t, h in zip(self.tiers, hits)},
+            "hit_rate": sum(hits) / lookups if lookups else 0.0,
+        }
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._bg.shutdown(wait=True)
+        for t in self.tiers:
+            t.close()
+        super().close()
+
+
+def _subset(bufs: BlockBuffers, rows) -> BlockBuffers:
+    rows = np.asarray(rows)
+    return BlockBuffers([bufs.rows[i] for i in rows], bufs.device,
+                        None if bufs.addrs is None else bufs.addrs[rows], bufs.keep)
