@@ -265,9 +265,12 @@ class PosixStore(KVStore):
         return root, os.path.join(root.path, hexid[:2], hexid[2:4], hexid + SUFFIX)
 
     def path_of(self, block_id) -> str:
+        """File of one block id (16 bytes or ``uint64[2]``)."""
         from ucm.ids import as_ids
 
-        return self._place(as_ids([block_id] if isinstance(block_id, bytes) else block_id)[0])[1]
+        one = [bytes(block_id)] if isinstance(block_id, (bytes, bytearray)) else \
+            np.asarray(block_id).reshape(1, 2)
+        return self._place(as_ids(one)[0])[1]
 
     # -- API ------------------------------------------------------------------------------------
     def lookup(self, block_ids) -> list[bool]:
