@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -117,6 +118,14 @@ def detect_platform() -> str:
     return _platform
 
 
+def _accelerator_device_files() -> bool:
+    """Device nodes of an NVIDIA GPU or an Ascend NPU (cheap check before importing torch)."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/nvidiactl")
+                or glob.glob("/dev/davinci[0-9]*") or os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
 def _detect() -> str:
     forced = os.environ.get("UCM_PLATFORM")
     if forced:
@@ -125,6 +134,8 @@ def _detect() -> str:
         return forced
     if importlib.util.find_spec("torch") is None:
         return "cpu"
+    if "torch" not in sys.modules and not _accelerator_device_files():
+        return "cpu"  # importing torch (about a second) only to learn there is no device
     try:
         import torch
 
