@@ -16,6 +16,7 @@ from ucm.dispatch import (BackendUnavailableError, backend_info, detect_platform
                           set_backend)
 from ucm.ids import Namespace, as_ids, id_bytes, id_hex
 from ucm.ops import BlockIndex, alloc_aligned, copy_ranges, copy_segments, hash_blocks
+from ucm.transfer import KVLayout, gather_blocks, scatter_blocks
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "alloc_aligned", "as_ids", "backend_info", "copy_ranges", "copy_segments", "detect_platform",
     "get_backend", "hash_blocks", "id_bytes", "id_hex", "set_backend",
 ]
+__all__ += ["KVLayout", "gather_blocks", "scatter_blocks"]
 
 logging.getLogger("ucm").addHandler(logging.NullHandler())
 if os.environ.get("UCM_LOG_LEVEL"):

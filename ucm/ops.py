@@ -12,6 +12,8 @@ copy_segments   ucm.reference.copy (ctypes.memmove)        ucm.fast.native (C th
 alloc_aligned   ucm.reference.copy (numpy)                 ucm.fast.native (posix_memalign/mmap)
 checksum        ucm.reference.fileio (numpy)               ucm.fast.native
 io_batch        ucm.reference.fileio (os.pread/pwrite)     ucm.fast.native (C threads)
+gather_blocks   ucm.reference.transfer (torch indexing)    ucm.fast.triton.transfer (GPU)
+scatter_blocks  (same)                                     ucm.fast.native_transfer (CPU)
 ==============  =========================================  ==============================
 """
 from __future__ import annotations
@@ -59,6 +61,24 @@ for _op, _ref, _fast, _name, _probe in (
 ):
     dispatch.register(_op, _REF, _ref, priority=0)
     dispatch.register(_op, _name, _fast, priority=10, probe=_probe)
+
+# KV transfer (public functions and validation in ucm.transfer): reference = PyTorch indexing,
+# native = CPU tensors through copy_segments, triton = CUDA tensors (or the Triton interpreter).
+from ucm import transfer as _transfer  # noqa: E402
+
+
+def _triton_probe():
+    from ucm.fast import triton as _triton_pkg
+
+    return _triton_pkg.status()
+
+
+for _op in ("gather_blocks", "scatter_blocks"):
+    dispatch.register(_op, _REF, f"ucm.reference.transfer:{_op}", priority=0)
+    dispatch.register(_op, "native", f"ucm.fast.native_transfer:{_op}", priority=10,
+                      platforms={"cpu", "cuda"}, probe=_native_probe, verifier=_transfer.on_cpu)
+    dispatch.register(_op, "triton", f"ucm.fast.triton.transfer:{_op}", priority=20,
+                      platforms={"cuda", "cpu"}, probe=_triton_probe, verifier=_transfer.on_cuda)
 
 # ---------------------------------------------------------------------------------------------
 # hashing

@@ -1,0 +1,46 @@
+"""CPU fast path of the KV transfer ops: every (source, destination, length) of a call computed at
+once with numpy, then one :func:`ucm.copy_segments` on the native engine's C threads.
+
+Same names and signatures as :mod:`ucm.reference.transfer`; CPU tensors only (the registry's
+verifier routes other devices elsewhere); inputs validated by :mod:`ucm.transfer`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ucm import dispatch
+from ucm.transfer import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
+
+
+def _segments(layout: KVLayout, block_indices, staging, layers):
+    """(cache addresses, staging addresses, lengths) as uint64 [rows * runs], row-major."""
+    idx = block_indices.numpy()
+    rows = np.flatnonzero(idx >= 0).astype(np.int64)
+    blocks = idx[rows].astype(np.int64)
+    tab = layout.table(layers)
+    row_bytes = staging.shape[1]
+    cache = (tab[None, :, COL_BASE] + tab[None, :, COL_OFFSET]
+             + blocks[:, None] * tab[None, :, COL_BLOCK_STRIDE])
+    stage = staging.data_ptr() + rows[:, None] * row_bytes + tab[None, :, COL_STAGING]
+    lengths = np.broadcast_to(tab[None, :, COL_LENGTH], cache.shape)
+    as_u64 = lambda a: np.ascontiguousarray(a, dtype=np.int64).reshape(-1).view(np.uint64)
+    return as_u64(cache), as_u64(stage), as_u64(lengths)
+
+
+def _copy(src, dst, lengths) -> None:
+    if len(lengths):
+        from ucm.ops import default_threads
+
+        dispatch.call("copy_segments", src, dst, lengths, default_threads(), backend="native")
+
+
+def gather_blocks(layout: KVLayout, block_indices, staging, layers: tuple) -> None:
+    """Same contract as :func:`ucm.reference.transfer.gather_blocks`."""
+    cache, stage, lengths = _segments(layout, block_indices, staging, layers)
+    _copy(cache, stage, lengths)
+
+
+def scatter_blocks(layout: KVLayout, staging, block_indices, layers: tuple) -> None:
+    """Same contract as :func:`ucm.reference.transfer.scatter_blocks`."""
+    cache, stage, lengths = _segments(layout, block_indices, staging, layers)
+    _copy(stage, cache, lengths)
