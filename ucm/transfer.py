@@ -394,7 +394,8 @@ def _check_indices(block_indices, layout: KVLayout, unique: bool):
     else:
         idx = torch.from_numpy(np.ascontiguousarray(host))
         if layout.device.type != "cpu":
-            idx = idx.to(layout.device)
+            # through torch's caching pinned allocator: an asynchronous copy, no stream sync
+            idx = idx.pin_memory().to(layout.device, non_blocking=True)
     return idx
 
 
@@ -421,7 +422,8 @@ def gather_blocks(layout: KVLayout, block_indices, staging, layers=None, *,
 
     layout: a :class:`KVLayout`. block_indices: ``[n]`` int32/int64 tensor (CPU or the cache's
     device) or sequence of block numbers in ``[0, num_blocks)``; ``-1`` leaves that staging row
-    untouched. staging: contiguous ``uint8 [n, layout.row_bytes(layers)]`` on the cache's device;
+    untouched. Indices are range-checked on the host: CPU indices keep a CUDA call asynchronous,
+    CUDA indices cost one synchronizing copy. staging: contiguous ``uint8 [n, layout.row_bytes(layers)]`` on the cache's device;
     row ``i`` receives block ``block_indices[i]`` in the staged format (see the module doc).
     layers: ``None`` (all) or layer ids whose shards make up the row, in that order.
     """
