@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 /* Bumped whenever the C ABI or behaviour changes; checked by ucm/fast/native.py. */
-#define UCM_NATIVE_ABI 3
+#define UCM_NATIVE_ABI 4
 
 /* CFFI-BEGIN */
 /* ABI version compiled into the library (UCM_NATIVE_ABI). */
@@ -58,20 +58,23 @@ uint64_t ucm_checksum(const void *data, uint64_t len, uint64_t word0);
 /* One positioned read or write of a batch (see ucm_io_batch). */
 typedef struct {
     int32_t fd;
-    int32_t write;     /* 1: pwrite len bytes from addr; 0: pread into addr */
+    int32_t write;       /* 1: pwrite len bytes from addr; 0: pread into addr */
     uint64_t addr;
     uint64_t len;
     uint64_t file_off;
-    uint64_t word0;    /* global word number of addr[0], for the checksum */
-    int64_t result;    /* out: bytes moved (== len) or -errno (-ENODATA: end of file) */
-    uint64_t checksum; /* out: ucm_checksum of the bytes, when requested */
+    uint64_t word0;      /* global word number of addr[0], for the checksum */
+    uint64_t csum_unit;  /* 0: one checksum of the op in `checksum`; else a multiple of 8 */
+    uint64_t csum_out;   /* with csum_unit: address of len / csum_unit uint64 checksums */
+    int64_t result;      /* out: bytes moved (== len) or -errno (-ENODATA: end of file) */
+    uint64_t checksum;   /* out: ucm_checksum of the op's bytes, when requested */
 } ucm_io_op;
 
 /*
  * Run n positioned reads/writes on up to n_threads C threads (short transfers and EINTR are
- * retried to completion). With want_checksum, each op's checksum is computed (before a
- * write, after a read). Returns the number of failed ops (0 = all done); per-op outcome in
- * result. Never aborts; -EINVAL for bad arguments.
+ * retried to completion). With want_checksum, checksums are computed in 256 KiB pieces right
+ * before a piece is written or right after it is read, while the bytes are in cache: one per op,
+ * or one per csum_unit bytes into csum_out. Returns the number of failed ops (0 = all done);
+ * per-op outcome in result. Never aborts; -EINVAL for bad arguments.
  */
 int ucm_io_batch(ucm_io_op *ops, size_t n, int n_threads, int want_checksum);
 /* CFFI-END */

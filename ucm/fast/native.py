@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-EXPECTED_ABI = 3
+EXPECTED_ABI = 4
 _SRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "native")
 
@@ -86,7 +86,8 @@ def alloc_aligned(nbytes: int, alignment: int) -> np.ndarray:
 
 # numpy mirror of ucm_io_op (native/ucm_native.h); its layout is checked against the C struct.
 IO_OP_DTYPE = np.dtype([("fd", "<i4"), ("write", "<i4"), ("addr", "<u8"), ("len", "<u8"),
-                        ("file_off", "<u8"), ("word0", "<u8"), ("result", "<i8"),
+                        ("file_off", "<u8"), ("word0", "<u8"), ("csum_unit", "<u8"),
+                        ("csum_out", "<u8"), ("result", "<i8"),
                         ("checksum", "<u8")], align=True)
 if _lib is not None and _ffi.sizeof("ucm_io_op") != IO_OP_DTYPE.itemsize:
     _lib = None

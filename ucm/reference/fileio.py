@@ -38,17 +38,18 @@ def _view(addr: int, length: int):
 def io_batch(ops: np.ndarray, n_threads: int, want_checksum: bool) -> int:
     """Run each op of ``ops`` (structured array of ``ucm.fast.native.IO_OP_DTYPE``): pwrite
     ``len`` bytes from ``addr`` (``write=1``) or pread them into ``addr`` at ``file_off`` of
-    ``fd``; sets ``result`` (bytes or -errno) and, if asked, ``checksum``. One thread. Returns
-    the number of failed ops."""
+    ``fd``; sets ``result`` (bytes or -errno) and, if asked, the checksum: one in ``checksum``,
+    or with ``csum_unit`` one per unit into the uint64 array at address ``csum_out``. One
+    thread. Returns the number of failed ops."""
     failed = 0
     for op in ops:
-        length, addr = int(op["len"]), int(op["addr"])
+        length, addr, unit = int(op["len"]), int(op["addr"]), int(op["csum_unit"])
+        if want_checksum and unit and (unit % 8 or length % unit or not op["csum_out"]):
+            op["result"] = -errno.EINVAL
+            failed += 1
+            continue
         buf = _view(addr, length) if length else memoryview(b"")
-        as_array = np.frombuffer(buf, dtype=np.uint8) if length else np.zeros(0, np.uint8)
-        if op["write"] and want_checksum:
-            op["checksum"] = checksum(as_array, int(op["word0"]))
-        done = 0
-        result = 0
+        done, result = 0, 0
         while done < length:
             try:
                 if op["write"]:
@@ -69,6 +70,14 @@ def io_batch(ops: np.ndarray, n_threads: int, want_checksum: bool) -> int:
         op["result"] = result
         if result < 0:
             failed += 1
-        elif not op["write"] and want_checksum:
-            op["checksum"] = checksum(as_array, int(op["word0"]))
+            continue
+        if want_checksum:
+            data = np.frombuffer(buf, dtype=np.uint8) if length else np.zeros(0, np.uint8)
+            word0 = int(op["word0"])
+            if unit:
+                out = np.frombuffer(_view(int(op["csum_out"]), 8 * (length // unit)), dtype=np.uint64)
+                for u in range(length // unit):
+                    out[u] = checksum(data[u * unit:(u + 1) * unit], word0 + u * unit // 8)
+            else:
+                op["checksum"] = checksum(data, word0)
     return failed

@@ -422,3 +422,10 @@ def combine(kind: str, tasks: Sequence[Task]) -> Task:
         t.on_done(forward)
         base += t.n
     return out.seal()
+
+
+def subset_buffers(bufs: BlockBuffers, rows) -> BlockBuffers:
+    """The buffers of some rows, in the given order."""
+    rows = np.asarray(rows)
+    return BlockBuffers([bufs.rows[i] for i in rows], bufs.device,
+                        None if bufs.addrs is None else bufs.addrs[rows], bufs.keep)

@@ -43,14 +43,14 @@ def header_size(n_shards: int) -> int:
     return -(-(88 + 8 * n_shards) // ALIGN) * ALIGN
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Header:
     namespace: bytes
     block_id: bytes
     codec: int
     block_bytes: int
     shard_bytes: int
-    shard_checksums: tuple
+    shard_checksums: np.ndarray  # uint64 [n_shards]
 
     @property
     def n_shards(self) -> int:
@@ -103,5 +103,5 @@ def parse(raw: np.ndarray, namespace: bytes, block_id: bytes, block_bytes: int, 
     body[80:88] = 0
     if checksum(body) != stored:
         raise BadBlock("header checksum mismatch")
-    table = tuple(int(x) for x in np.frombuffer(raw[88:88 + 8 * nsh].tobytes(), dtype="<u8"))
+    table = np.frombuffer(raw[88:88 + 8 * nsh].tobytes(), dtype="<u8").astype(np.uint64)
     return Header(ns, bid, cdc, bbytes, sbytes, table)

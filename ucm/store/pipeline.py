@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from ucm.ids import as_ids
-from ucm.store.base import BlockBuffers, KVStore, Task, combine
+from ucm.store.base import BlockBuffers, KVStore, Task, combine, subset_buffers as _subset
 
 log = logging.getLogger("ucm.store.pipeline")
 
@@ -41,6 +41,7 @@ class PipelineStore(KVStore):
         self._lookups = 0
         self._lock = threading.Lock()
         self._bg = ThreadPoolExecutor(2, thread_name_prefix="ucm-pipeline")
+        self._inflight: set = set()
 
     def _where(self, ids: np.ndarray) -> np.ndarray:
         """Index of the first tier holding each block, or -1."""
@@ -97,10 +98,10 @@ class PipelineStore(KVStore):
 
             def done(child, rows=rows, tier_k=tier_k):
                 r = child.wait(0)
-                task.finish_part(rows[r.ok], {int(rows[i]): e for i, e in r.errors.items()}, r.nbytes)
-                if full and tier_k > 0 and r.ok.any():
+                if full and tier_k > 0 and r.ok.any():  # queued before the load reports done
                     good = rows[r.ok]
-                    self._bg.submit(self._promote, ids[good], _subset(bufs, good), tier_k)
+                    self._background(self._promote, ids[good], _subset(bufs, good), tier_k)
+                task.finish_part(rows[r.ok], {int(rows[i]): e for i, e in r.errors.items()}, r.nbytes)
             sub.on_done(done)
         return task.seal()
 
@@ -121,7 +122,7 @@ class PipelineStore(KVStore):
         lower = np.flatnonzero(where > 0)
         if not len(lower):
             return
-        self._bg.submit(self._prefetch, ids[lower])
+        self._background(self._prefetch, ids[lower])
 
     def _prefetch(self, ids) -> None:
         host = np.empty((len(ids), self.geometry.block_bytes), dtype=np.uint8)
@@ -164,7 +165,7 @@ class PipelineStore(KVStore):
         for t in targets:
             t.commit(ids, flags)
         if self.write_back and flags.any():
-            self._bg.submit(self._write_back, ids[flags])
+            self._background(self._write_back, ids[flags])
 
     def _write_back(self, ids) -> None:
         host = np.empty((len(ids), self.geometry.block_bytes), dtype=np.uint8)
@@ -176,10 +177,22 @@ class PipelineStore(KVStore):
             res = tier.wait(tier.dump(ids[good], 0, host[good]))
             tier.commit(ids[good], res.ok)
 
+    def _background(self, fn, *args) -> None:
+        fut = self._bg.submit(fn, *args)
+        with self._lock:
+            self._inflight.add(fut)
+        fut.add_done_callback(self._forget)
+
+    def _forget(self, fut) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+
     def flush(self) -> None:
-        """Wait for background promotions and write-backs queued so far."""
-        self._bg.submit(lambda: None).result()
-        self._bg.submit(lambda: None).result()
+        """Wait until the background promotions and write-backs queued so far are done."""
+        with self._lock:
+            pending = list(self._inflight)
+        for fut in pending:
+            fut.result()
 
     def stats(self) -> dict:
         out = {}
@@ -206,9 +219,3 @@ class PipelineStore(KVStore):
         for t in self.tiers:
             t.close()
         super().close()
-
-
-def _subset(bufs: BlockBuffers, rows) -> BlockBuffers:
-    rows = np.asarray(rows)
-    return BlockBuffers([bufs.rows[i] for i in rows], bufs.device,
-                        None if bufs.addrs is None else bufs.addrs[rows], bufs.keep)

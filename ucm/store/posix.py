@@ -37,7 +37,7 @@ import numpy as np
 
 from ucm.ops import alloc_aligned, io_batch, new_io_ops
 from ucm.store import format as fmt
-from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task
+from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task, subset_buffers as _subset
 
 log = logging.getLogger("ucm.store.posix")
 
@@ -322,12 +322,18 @@ class PosixStore(KVStore):
         return total
 
     # -- dump -----------------------------------------------------------------------------------
-    def _dump(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
-        task = Task("dump", ids)
-        if len(ids):
+    CHUNK = 32  # blocks per worker job: Python preparation of one overlaps I/O of another
+
+    def _submit(self, kind: str, fn, ids, bufs: BlockBuffers, shards: range) -> Task:
+        task = Task(kind, ids)
+        for start in range(0, len(ids), self.CHUNK):
+            rows = np.arange(start, min(start + self.CHUNK, len(ids)))
             task.add_part()
-            self._exec.submit(self._guard, task, self._run_dump, task, ids, bufs, shards)
+            self._exec.submit(self._guard, task, fn, task, ids[rows], _subset(bufs, rows), shards, start)
         return task.seal()
+
+    def _dump(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
+        return self._submit("dump", self._run_dump, ids, bufs, shards)
 
     def _guard(self, task: Task, fn, *args) -> None:
         """Run a worker; an unexpected exception fails the whole part instead of hanging it."""
@@ -335,7 +341,7 @@ class PosixStore(KVStore):
             fn(*args)
         except Exception as exc:  # pragma: no cover - defensive
             log.exception("ucm posix tier: %s task failed", task.kind)
-            task.finish_part([], {i: f"internal error: {exc!r}" for i in range(task.n)})
+            task.finish_part([], {i: f"internal error: {exc!r}" for i in range(task.n)})  # whole task
 
     def _open_tmp(self, root: _Root, path: str) -> _Pending:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -364,10 +370,26 @@ class PosixStore(KVStore):
         addrs = np.uint64(bounce.ctypes.data) + np.arange(len(bufs.rows), dtype=np.uint64) * np.uint64(nbytes)
         return addrs, (bounce, host)
 
+    def _block_ops(self, targets: list, shards: range, write: bool):
+        """One I/O op per block covering ``shards`` (one checksum per shard into ``sums``).
+        ``targets``: (fd, fd_direct or None, buffer address) per block."""
+        sb = self.geometry.shard_bytes
+        nbytes = len(shards) * sb
+        off = self.header_bytes + shards.start * sb
+        ops = new_io_ops(len(targets))
+        sums = np.zeros((len(targets), len(shards)), dtype=np.uint64)
+        base = np.uint64(sums.ctypes.data)
+        for n, (fd, fd_direct, addr) in enumerate(targets):
+            use = fd_direct if fd_direct is not None and self._direct_ok(addr, nbytes, off) else fd
+            ops[n] = (use, int(write), addr, nbytes, off, shards.start * sb // 8, sb,
+                      int(base) + n * 8 * len(shards), 0, 0)
+        ops_keep = (ops, sums)
+        return ops_keep
+
     def _direct_ok(self, addr, length, file_off) -> bool:
         return self.o_direct and addr % 4096 == 0 and length % 4096 == 0 and file_off % 4096 == 0
 
-    def _run_dump(self, task: Task, ids, bufs: BlockBuffers, shards: range) -> None:
+    def _run_dump(self, task: Task, ids, bufs: BlockBuffers, shards: range, base: int) -> None:
         t0 = time.perf_counter()
         sb = self.geometry.shard_bytes
         nbytes = len(shards) * sb
@@ -397,27 +419,18 @@ class PosixStore(KVStore):
                     _unlink(p.tmp)
                     p = other
             plan.append((i, p))
-        ops = new_io_ops(len(plan) * len(shards))
-        k = 0
-        for i, p in plan:
-            for j, s in enumerate(shards):
-                addr = int(addrs[i]) + j * sb
-                off = self.header_bytes + s * sb
-                direct = self._direct_ok(addr, sb, off) and p.fd_direct is not None
-                ops[k] = (p.fd_direct if direct else p.fd, 1, addr, sb, off, s * sb // 8, 0, 0)
-                k += 1
+        ops, sums = self._block_ops(
+            [(p.fd, p.fd_direct, int(addrs[i])) for i, p in plan], shards, write=True)
         if len(ops):
             io_batch(ops, self.io_threads, want_checksum=True)
         ok = list(skipped)
         with self._lock:
             for n, (i, p) in enumerate(plan):
-                mine = ops[n * len(shards):(n + 1) * len(shards)]
-                bad = mine["result"] < 0
-                if bad.any():
-                    p.failed = f"write failed: {_err(mine['result'][bad][0])}"
+                if ops["result"][n] < 0:
+                    p.failed = f"write failed: {_err(ops['result'][n])}"
                     errors[i] = p.failed
                 else:
-                    p.checksums[shards.start:shards.stop] = mine["checksum"]
+                    p.checksums[shards.start:shards.stop] = sums[n]
                     p.shards[shards.start:shards.stop] = True
                     ok.append(i)
                 p.inflight -= 1
@@ -428,7 +441,8 @@ class PosixStore(KVStore):
         self._stats.add(dump_blocks=len(ok) - len(skipped), dump_bytes=written,
                         dump_seconds=time.perf_counter() - t0, dump_failures=len(errors),
                         dump_skipped=len(skipped))
-        task.finish_part(ok, errors, written)
+        task.finish_part(np.asarray(ok, dtype=np.int64) + base, {base + i: e for i, e in errors.items()},
+                         written)
 
     @staticmethod
     def _drop(p: _Pending) -> None:
@@ -459,7 +473,7 @@ class PosixStore(KVStore):
             try:
                 header = fmt.Header(self.namespace, _id_bytes(p.path), self.codec,
                                     self.geometry.block_bytes, self.geometry.shard_bytes,
-                                    tuple(int(c) for c in p.checksums)).pack()
+                                    p.checksums).pack()
                 os.pwrite(p.fd, header.tobytes(), 0)
                 if self.fsync:
                     os.fsync(p.fd)
@@ -485,13 +499,9 @@ class PosixStore(KVStore):
 
     # -- load -----------------------------------------------------------------------------------
     def _load(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
-        task = Task("load", ids)
-        if len(ids):
-            task.add_part()
-            self._exec.submit(self._guard, task, self._run_load, task, ids, bufs, shards)
-        return task.seal()
+        return self._submit("load", self._run_load, ids, bufs, shards)
 
-    def _run_load(self, task: Task, ids, bufs: BlockBuffers, shards: range) -> None:
+    def _run_load(self, task: Task, ids, bufs: BlockBuffers, shards: range, base: int) -> None:
         t0 = time.perf_counter()
         sb = self.geometry.shard_bytes
         nbytes = len(shards) * sb
@@ -529,26 +539,17 @@ class PosixStore(KVStore):
                 errors[i] = f"read failed: {_err(exc.errno or errno.EIO)}"
                 continue
             opened.append((i, root, path, fd, fd_direct, header))
-        ops = new_io_ops(len(opened) * len(shards))
-        k = 0
-        for i, _, _, fd, fd_direct, _ in opened:
-            for j, s in enumerate(shards):
-                addr = int(addrs[i]) + j * sb
-                off = self.header_bytes + s * sb
-                use = fd_direct if fd_direct is not None and self._direct_ok(addr, sb, off) else fd
-                ops[k] = (use, 0, addr, sb, off, s * sb // 8, 0, 0)
-                k += 1
+        ops, sums = self._block_ops([(fd, fd_direct, int(addrs[i])) for i, _, _, fd, fd_direct, _ in opened],
+                                    shards, write=False)
         if len(ops):
             io_batch(ops, self.io_threads, want_checksum=True)
         ok = []
         for n, (i, root, path, fd, fd_direct, header) in enumerate(opened):
-            mine = ops[n * len(shards):(n + 1) * len(shards)]
-            bad = mine["result"] < 0
-            if bad.any():
-                errors[i] = f"read failed: {_err(mine['result'][bad][0])}"
+            if ops["result"][n] < 0:
+                errors[i] = f"read failed: {_err(ops['result'][n])}"
             else:
-                expected = np.array([header.shard_checksums[s] for s in shards], dtype=np.uint64)
-                if not np.array_equal(mine["checksum"], expected):
+                expected = header.shard_checksums[shards.start:shards.stop]
+                if not np.array_equal(sums[n], expected):
                     errors[i] = "corrupt block: payload checksum mismatch"
                     root.quarantine_block(path)
                 else:
@@ -567,7 +568,8 @@ class PosixStore(KVStore):
         misses = sum(1 for e in errors.values() if e == "miss")
         self._stats.add(load_blocks=len(ok), load_bytes=len(ok) * nbytes,
                         load_seconds=time.perf_counter() - t0, load_failures=len(errors) - misses)
-        task.finish_part(ok, errors, len(ok) * nbytes)
+        task.finish_part(np.asarray(ok, dtype=np.int64) + base, {base + i: e for i, e in errors.items()},
+                         len(ok) * nbytes)
 
     @staticmethod
     def _scrub(bufs: BlockBuffers, rows: list, nbytes: int) -> None:
