@@ -8,7 +8,8 @@ reading. Dumped-but-uncommitted blocks hold their slot until ``commit``.
 
 Copies: CPU buffers move with the native multi-threaded ``copy_segments``; CUDA buffers with
 ``copy_(non_blocking=True)`` on a side stream that first waits for the caller's stream, so a
-``dump`` right after the kernel that produced ``src`` is safe.
+``dump`` right after the kernel that produced ``src`` is safe. Runs of whole blocks that are
+adjacent both in the caller's buffer and in the pool move as one copy.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class MemoryStore(KVStore):
         self._lock = threading.Lock()
         self._exec = ThreadPoolExecutor(max(1, int(io_threads)), thread_name_prefix="ucm-memory")
         self._copy_threads = copy_threads
-        self._tls = threading.local()
+        self._streams: dict = {}
         self._base = np.uint64(self.pool.ctypes.data)
 
     # -- setup --------------------------------------------------------------------------------
@@ -101,18 +102,22 @@ class MemoryStore(KVStore):
             self.pinned = False
 
     # -- slots (callers hold self._lock) ------------------------------------------------------
-    def _alloc_slot(self) -> Optional[int]:
-        if self._free:
-            return self._free.pop()
-        for _ in range(len(self._index)):
-            ev_ids, ev_slots = self._index.evict(len(self._index) - 1)
-            slot = int(ev_slots[0])
-            if self._refs[slot] > 0:  # being read: keep it, as most recent
-                self._index.insert(ev_ids, ev_slots)
-                continue
-            self._stats.add(evictions=1)
-            return slot
-        return None
+    def _alloc_slots(self, k: int) -> list:
+        """Up to ``k`` slots: free ones first, then by evicting least recently used blocks that
+        no load is reading (one batched index call, not one per block)."""
+        out = [self._free.pop() for _ in range(min(k, len(self._free)))]
+        tries = 0
+        while len(out) < k and len(self._index) and tries < 4:
+            tries += 1
+            need = k - len(out)
+            ev_ids, ev_slots = self._index.evict(max(0, len(self._index) - need))
+            busy = self._refs[ev_slots] > 0
+            if busy.any():  # being read: keep them, as most recent
+                self._index.insert(ev_ids[busy], ev_slots[busy])
+            freed = ev_slots[~busy].tolist()
+            self._stats.add(evictions=len(freed))
+            out.extend(freed)
+        return out
 
     def _release(self, p: _Pending) -> None:
         self._free.append(p.slot)
@@ -134,18 +139,21 @@ class MemoryStore(KVStore):
         plan, skipped, errors = [], [], {}
         with self._lock:
             present = self._index.lookup(ids) >= 0
+            keys = [ids[i].tobytes() for i in range(len(ids))]
+            fresh = [i for i in range(len(ids)) if not present[i] and keys[i] not in self._pending]
+            fresh_set = set(fresh)
+            slots = iter(self._alloc_slots(len(set(keys[i] for i in fresh))))
             for i in range(len(ids)):
                 if present[i]:
                     skipped.append(i)
                     continue
-                key = ids[i].tobytes()
-                p = self._pending.get(key)
-                if p is None:
-                    slot = self._alloc_slot()
+                p = self._pending.get(keys[i])
+                if p is None and i in fresh_set:
+                    slot = next(slots, None)
                     if slot is None:
                         errors[i] = "memory tier full: every slot is pending or being read"
                         continue
-                    p = self._pending[key] = _Pending(slot, self.geometry.n_shards)
+                    p = self._pending[keys[i]] = _Pending(slot, self.geometry.n_shards)
                 p.inflight += 1
                 plan.append((i, p))
         self._stats.add(dump_skipped=len(skipped), dump_failures=len(errors))
@@ -183,6 +191,7 @@ class MemoryStore(KVStore):
 
     def commit(self, block_ids, success_flags) -> None:
         ids, flags = self._flags(block_ids, success_flags)
+        rows, slots = [], []
         with self._lock:
             for i in range(len(ids)):
                 p = self._pending.pop(ids[i].tobytes(), None)
@@ -190,8 +199,8 @@ class MemoryStore(KVStore):
                     continue  # already present (dump skipped), failed at submission, or unknown
                 publish = flags[i] and p.inflight == 0 and not p.failed and p.shards.all()
                 if publish:
-                    self._index.insert(ids[i:i + 1], [p.slot])
-                    self._stats.add(commits=1)
+                    rows.append(i)
+                    slots.append(p.slot)
                     continue
                 if flags[i]:
                     log.warning("ucm memory tier: block %s not published (%s)", ids[i].tobytes().hex(),
@@ -202,6 +211,9 @@ class MemoryStore(KVStore):
                     p.discard = True
                 else:
                     self._release(p)
+            if rows:  # one index call for the batch
+                self._index.insert(ids[rows], np.asarray(slots, dtype=np.int64))
+        self._stats.add(commits=len(rows))
 
     def _load(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
         task = Task("load", ids)
@@ -239,6 +251,18 @@ class MemoryStore(KVStore):
                          len(found) * nbytes if ok else 0)
 
     # -- data movement ------------------------------------------------------------------------
+    def _stream(self, device, to_pool: bool):
+        """One copy stream per device and direction, shared by the workers: copies in one
+        direction queue on one copy engine instead of splitting the link between streams."""
+        import torch
+
+        key = (str(device), to_pool)
+        with self._lock:
+            stream = self._streams.get(key)
+            if stream is None:
+                stream = self._streams[key] = torch.cuda.Stream(device=device)
+        return stream
+
     def _cuda_ready_event(self, bufs: BlockBuffers):
         if not bufs.is_cuda:
             return None
@@ -262,19 +286,18 @@ class MemoryStore(KVStore):
             return
         import torch
 
-        stream = getattr(self._tls, "stream", None)
-        if stream is None:
-            stream = self._tls.stream = torch.cuda.Stream(device=bufs.rows[0].device)
+        stream = self._stream(bufs.rows[0].device, to_pool)
         pool = self._torch_pool()
         with torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)
-            for r, slot in zip(rows.tolist(), slots):
-                host = pool[slot * bb + offset: slot * bb + offset + nbytes]
+            for r, slot, count in _runs(bufs, rows.tolist(), slots, nbytes, nbytes == bb):
+                host = pool[slot * bb + offset: slot * bb + offset + count * nbytes]
+                dev = bufs.rows[r] if count == 1 else bufs.rows[r].as_strided((count * nbytes,), (1,))
                 if to_pool:
-                    host.copy_(bufs.rows[r], non_blocking=True)
+                    host.copy_(dev, non_blocking=True)
                 else:
-                    bufs.rows[r].copy_(host, non_blocking=True)
+                    dev.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()
@@ -285,3 +308,25 @@ class MemoryStore(KVStore):
             d.update(slots=self.n_slots, committed=len(self._index), pending=len(self._pending),
                      free=len(self._free), pinned=self.pinned)
         return {self.name: d}
+
+
+def _runs(bufs: BlockBuffers, rows: list, slots: list, nbytes: int, whole_blocks: bool):
+    """Group (row, slot) pairs into runs that are contiguous on both sides (consecutive slots,
+    adjacent device rows), so a chunk of blocks moves in one large copy: PCIe reaches its
+    ceiling only with transfers of a few MiB. Yields (first row, first slot, count)."""
+    if not whole_blocks:  # slot ranges are strided: one copy per block
+        for r, slot in zip(rows, slots):
+            yield r, slot, 1
+        return
+    start = None
+    for r, slot in zip(rows, slots):
+        ptr = bufs.rows[r].data_ptr()
+        if start is not None and slot == last_slot + 1 and ptr == last_ptr + nbytes:
+            count += 1
+        else:
+            if start is not None:
+                yield start, first_slot, count
+            start, first_slot, count = r, slot, 1
+        last_slot, last_ptr = slot, ptr
+    if start is not None:
+        yield start, first_slot, count
