@@ -256,7 +256,7 @@ class PosixStore(KVStore):
         self._pending: dict[bytes, _Pending] = {}
         self._lock = threading.Lock()
         self._exec = ThreadPoolExecutor(self.io_threads, thread_name_prefix="ucm-posix")
-        self._header_cache = None
+        self._bounce_free: list = []  # pinned host buffers for CUDA rows, reused
 
     # -- paths ----------------------------------------------------------------------------------
     def _place(self, block_id: np.ndarray) -> tuple[_Root, str]:
@@ -302,6 +302,12 @@ class PosixStore(KVStore):
         for p in pending:  # never published: remove
             p.close()
             _unlink(p.tmp)
+        if self._bounce_free:
+            import torch
+
+            for arr, _ in self._bounce_free:
+                torch.cuda.cudart().cudaHostUnregister(arr.ctypes.data)
+            self._bounce_free = []
         for r in self.roots:
             r.close()
 
@@ -357,18 +363,37 @@ class PosixStore(KVStore):
         return _Pending(root, path, tmp, fd, fd_direct, self.geometry.n_shards)
 
     def _host_rows(self, bufs: BlockBuffers, nbytes: int, to_device: bool = False):
-        """Host addresses for the rows; CUDA buffers go through an aligned bounce buffer."""
+        """Host addresses for the rows; CUDA buffers go through a pinned bounce buffer taken
+        from a pool allocated once (returned by :meth:`_give_back`)."""
         if not bufs.is_cuda:
             return bufs.addrs, None
-        import torch
-
-        bounce = alloc_aligned(max(1, len(bufs.rows) * nbytes))
-        host = torch.from_numpy(bounce[:len(bufs.rows) * nbytes]).view(len(bufs.rows), nbytes)
+        bounce = self._take_bounce()
+        n = len(bufs.rows)
+        host = bounce[1][:n * nbytes].view(n, nbytes)
         if not to_device:
             for i, row in enumerate(bufs.rows):
-                host[i].copy_(row)
-        addrs = np.uint64(bounce.ctypes.data) + np.arange(len(bufs.rows), dtype=np.uint64) * np.uint64(nbytes)
+                host[i].copy_(row, non_blocking=True)
+            import torch
+
+            torch.cuda.current_stream(bufs.rows[0].device).synchronize()
+        addrs = np.uint64(bounce[0].ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(nbytes)
         return addrs, (bounce, host)
+
+    def _take_bounce(self):
+        with self._lock:
+            if self._bounce_free:
+                return self._bounce_free.pop()
+        import torch
+
+        arr = alloc_aligned(self.CHUNK * self.geometry.block_bytes)
+        if torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes, 0) != 0:
+            log.warning("ucm posix tier: could not pin a bounce buffer; GPU copies will be slower")
+        return arr, torch.from_numpy(arr)
+
+    def _give_back(self, bounce) -> None:
+        if bounce is not None:
+            with self._lock:
+                self._bounce_free.append(bounce)
 
     def _block_ops(self, targets: list, shards: range, write: bool):
         """One I/O op per block covering ``shards`` (one checksum per shard into ``sums``).
@@ -436,7 +461,7 @@ class PosixStore(KVStore):
                 p.inflight -= 1
                 if p.discard and p.inflight == 0:
                     self._drop(p)
-        del bounce
+        self._give_back(None if bounce is None else bounce[0])
         written = (len(ok) - len(skipped)) * nbytes
         self._stats.add(dump_blocks=len(ok) - len(skipped), dump_bytes=written,
                         dump_seconds=time.perf_counter() - t0, dump_failures=len(errors),
@@ -506,9 +531,8 @@ class PosixStore(KVStore):
         sb = self.geometry.shard_bytes
         nbytes = len(shards) * sb
         addrs, bounce = self._host_rows(bufs, nbytes, to_device=True)
-        hbuf = alloc_aligned(self.header_bytes)
         errors: dict = {}
-        opened = []  # (row, root, path, fd, fd_direct, header)
+        candidates = []  # (row, root, path, fd, fd_direct)
         for i in range(len(ids)):
             root, path = self._place(ids[i])
             try:
@@ -523,11 +547,6 @@ class PosixStore(KVStore):
                 size = os.fstat(fd).st_size
                 if size != self.file_bytes:
                     raise fmt.BadBlock(f"file is {size} bytes, expected {self.file_bytes}")
-                got = os.preadv(fd, [memoryview(hbuf)], 0)
-                if got != self.header_bytes:
-                    raise fmt.BadBlock("header truncated")
-                header = fmt.parse(hbuf, self.namespace, ids[i].tobytes(), self.geometry.block_bytes,
-                                   sb, self.codec)
                 fd_direct = os.open(path, os.O_RDONLY | os.O_DIRECT) if self.o_direct else None
             except fmt.BadBlock as exc:
                 os.close(fd)
@@ -537,6 +556,34 @@ class PosixStore(KVStore):
             except OSError as exc:
                 os.close(fd)
                 errors[i] = f"read failed: {_err(exc.errno or errno.EIO)}"
+                continue
+            candidates.append((i, root, path, fd, fd_direct))
+        # every header in one parallel batch (a cold header read is a disk round trip each)
+        hsz = self.header_bytes
+        headers = alloc_aligned(max(1, len(candidates)) * hsz)
+        hops = new_io_ops(len(candidates))
+        for n, (_, _, _, fd, fd_direct) in enumerate(candidates):
+            hops[n] = (fd if fd_direct is None else fd_direct, 0, headers.ctypes.data + n * hsz, hsz,
+                       0, 0, 0, 0, 0, 0)
+        if len(hops):
+            io_batch(hops, self.io_threads, want_checksum=False)
+        opened = []  # (row, root, path, fd, fd_direct, header)
+        for n, (i, root, path, fd, fd_direct) in enumerate(candidates):
+            if hops["result"][n] < 0:  # an I/O error is not corruption: no quarantine
+                for f in {fd, fd_direct} - {None}:
+                    os.close(f)
+                errors[i] = f"read failed: {_err(hops['result'][n])}"
+                continue
+            try:
+                if hops["result"][n] != hsz:
+                    raise fmt.BadBlock("header truncated")
+                header = fmt.parse(headers[n * hsz:(n + 1) * hsz], self.namespace, ids[i].tobytes(),
+                                   self.geometry.block_bytes, sb, self.codec)
+            except fmt.BadBlock as exc:
+                for f in {fd, fd_direct} - {None}:
+                    os.close(f)
+                errors[i] = f"corrupt block: {exc}"
+                root.quarantine_block(path)
                 continue
             opened.append((i, root, path, fd, fd_direct, header))
         ops, sums = self._block_ops([(fd, fd_direct, int(addrs[i])) for i, _, _, fd, fd_direct, _ in opened],
@@ -564,6 +611,7 @@ class PosixStore(KVStore):
             _, host = bounce
             for i in ok:
                 bufs.rows[i].copy_(host[i], non_blocking=False)
+            self._give_back(bounce[0])
         self._scrub(bufs, [i for i in errors if errors[i] != "miss"], nbytes)
         misses = sum(1 for e in errors.values() if e == "miss")
         self._stats.add(load_blocks=len(ok), load_bytes=len(ok) * nbytes,
