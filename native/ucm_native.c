@@ -256,7 +256,10 @@ __attribute__((target("avx512f,avx512dq"))) static uint64_t checksum_avx512(cons
         a0 = _mm512_add_epi64(a0, x0);
         a1 = _mm512_add_epi64(a1, x1);
     }
-    uint64_t s = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
+    uint64_t lanes[8]; /* not _mm512_reduce_add_epi64: GCC's version adds signed (UB) */
+    _mm512_storeu_si512((void *)lanes, _mm512_add_epi64(a0, a1));
+    uint64_t s = 0;
+    for (int l = 0; l < 8; l++) s += lanes[l];
     return s + checksum_scalar(p + 8 * i, words - i, k + i * UCM_PHI);
 }
 
