@@ -325,6 +325,7 @@ def memory_tier(torch, args, layout, dst_layout, dst_kvs, ids, ids_np, ref, dev_
     t0 = time.perf_counter()
     store = open_store(block_bytes=bb, shard_bytes=bb, store__pipeline="memory",
                        buffer_number=MOVE + 48)
+    store.prepare()  # allocate and pin the pool now
     out = {"open_seconds": round(time.perf_counter() - t0, 3), "chunk_blocks": chunk,
            "pinned": store.stats()["memory"]["pinned"]}
     rep = [0]

@@ -145,7 +145,7 @@ BAD = [
     (lambda: ucm.hash_blocks(range(32), NS, parent=bytes(17)), "parent"),
     (lambda: ucm.hash_blocks(range(32), NS, parent=[1, 2, 3]), "parent"),
     (lambda: ucm.Namespace("m", "bf16", 0), "block_size"),
-    (lambda: ucm.Namespace("m", "bf16", 16, kv_layout="weird"), "kv_layout"),
+    (lambda: ucm.Namespace("m", "bf16", 16, kv_layout=""), "kv_layout"),
     (lambda: ucm.Namespace("m", "bf16", 16, tp_rank=2, tp_size=2), "tp_rank"),
     (lambda: ucm.Namespace("", "bf16", 16), "model"),
 ]

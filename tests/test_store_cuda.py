@@ -61,5 +61,7 @@ def test_cuda_strided_rows_and_bf16(store):
 
 def test_memory_tier_is_pinned():
     s = MemoryStore(BlockGeometry(BLOCK, SHARD), buffer_number=4)
+    assert not s.stats()["memory"]["allocated"]  # lazily allocated
+    s.prepare()
     assert s.stats()["memory"]["pinned"]
     s.close()

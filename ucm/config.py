@@ -220,6 +220,15 @@ OPTIONS: tuple[Option, ...] = (
            "(local disk, NFS, any shared mount); blocks spread across them.", check=_check_roots),
     Option("store.posix.o_direct", "bool", False, "Bypass the page cache (O_DIRECT)."),
     Option("store.posix.fsync", "bool", False, "fsync each block file before publishing it."),
+    # engine connector
+    Option("connector.layerwise", "bool", False, "Load and save KV layer by layer (vLLM's "
+           "wait_for_layer_load / save_kv_layer) instead of once per step."),
+    Option("connector.save_generated", "bool", True, "Also store blocks filled by generated "
+           "tokens (multi-turn chats reuse them), not only prompt blocks."),
+    Option("connector.model_id", "str", "", "Model identity in the namespace (default: the "
+           "engine's model name); engines with equal ids and settings share blocks."),
+    Option("connector.stats_file", "str", "", "Append per-step connector statistics (JSON "
+           "lines) to this file."),
 )
 
 OPTION_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}

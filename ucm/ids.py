@@ -48,8 +48,9 @@ class Namespace:
         if not isinstance(self.dtype, str) or not self.dtype:
             raise ValueError(f"Namespace.dtype must be a non-empty string, got {self.dtype!r}")
         _check_block_size(self.block_size, "Namespace.block_size")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"Namespace.kv_layout={self.kv_layout!r}: expected one of {list(KV_LAYOUTS)}")
+        if not isinstance(self.kv_layout, str) or not self.kv_layout:
+            raise ValueError(f"Namespace.kv_layout must be a non-empty string (e.g. one of "
+                             f"{list(KV_LAYOUTS)}), got {self.kv_layout!r}")
         if not (isinstance(self.tp_size, int) and self.tp_size >= 1):
             raise ValueError(f"Namespace.tp_size must be an int >= 1, got {self.tp_size!r}")
         if not (isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size):

@@ -361,6 +361,9 @@ class KVStore(ABC):
     def supports_batch_ops(self) -> bool:
         return False
 
+    def prepare(self) -> None:
+        """Allocate buffers now (tiers may allocate lazily, on first use)."""
+
     def batch_load(self, requests: Sequence[tuple]) -> Task:
         """Several ``(block_ids, offset, dst)`` loads as one task (block order concatenated)."""
         tasks = [self.load(*r) for r in requests]

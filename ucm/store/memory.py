@@ -56,13 +56,11 @@ class MemoryStore(KVStore):
                 or buffer_number < 1:
             raise ValueError(f"buffer_number must be an int >= 1, got {buffer_number!r}")
         self.n_slots = int(buffer_number)
-        self.pool = alloc_aligned(self.n_slots * geometry.block_bytes)
+        self.pool = None  # allocated on first use or by prepare(): a lookup-only view costs nothing
         self.pinned = False
-        if pin is None:
-            pin = _cuda_available()
-        if pin:
-            self._pin()
+        self._want_pin = pin
         self._pool_t = None
+        self._base = None
         self._index = BlockIndex(self.n_slots)
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._pending: dict[bytes, _Pending] = {}
@@ -71,9 +69,22 @@ class MemoryStore(KVStore):
         self._exec = ThreadPoolExecutor(max(1, int(io_threads)), thread_name_prefix="ucm-memory")
         self._copy_threads = copy_threads
         self._streams: dict = {}
-        self._base = np.uint64(self.pool.ctypes.data)
 
     # -- setup --------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        with self._lock:
+            self._ensure_pool()
+
+    def _ensure_pool(self) -> None:
+        """Allocate the pool once (caller holds the lock)."""
+        if self.pool is not None:
+            return
+        self.pool = alloc_aligned(self.n_slots * self.geometry.block_bytes)
+        self._base = np.uint64(self.pool.ctypes.data)
+        pin = _cuda_available() if self._want_pin is None else self._want_pin
+        if pin:
+            self._pin()
+
     def _pin(self) -> None:
         import torch
 
@@ -95,7 +106,7 @@ class MemoryStore(KVStore):
             return
         super().close()
         self._exec.shutdown(wait=True)
-        if self.pinned:
+        if self.pinned and self.pool is not None:
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self.pool.ctypes.data)
@@ -138,6 +149,7 @@ class MemoryStore(KVStore):
         nbytes = len(shards) * self.geometry.shard_bytes
         plan, skipped, errors = [], [], {}
         with self._lock:
+            self._ensure_pool()
             present = self._index.lookup(ids) >= 0
             keys = [ids[i].tobytes() for i in range(len(ids))]
             fresh = [i for i in range(len(ids)) if not present[i] and keys[i] not in self._pending]
@@ -306,7 +318,7 @@ class MemoryStore(KVStore):
         d = self._stats.snapshot()
         with self._lock:
             d.update(slots=self.n_slots, committed=len(self._index), pending=len(self._pending),
-                     free=len(self._free), pinned=self.pinned)
+                     free=len(self._free), pinned=self.pinned, allocated=self.pool is not None)
         return {self.name: d}
 
 

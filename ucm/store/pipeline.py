@@ -187,6 +187,10 @@ class PipelineStore(KVStore):
         with self._lock:
             self._inflight.discard(fut)
 
+    def prepare(self) -> None:
+        for t in self.tiers:
+            t.prepare()
+
     def flush(self) -> None:
         """Wait until the background promotions and write-backs queued so far are done."""
         with self._lock:

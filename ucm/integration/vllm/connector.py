@@ -1,0 +1,545 @@
+"""``UCMConnector``: vLLM's KV-connector API (``KVConnectorBase_V1``, vLLM 0.32) backed by a ucm
+store.
+
+Use it with::
+
+    --kv-transfer-config '{"kv_connector": "UCMConnector",
+                           "kv_connector_module_path": "ucm.integration.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"store": {"pipeline": "memory|posix",
+                                                         "posix": {"roots": ["/mnt/ucm"]}}}}'
+
+(``kv_connector_module_path`` may be left out once ucm's vLLM plugin, installed with the package,
+registered the name). ``kv_connector_extra_config`` holds ucm config keys; ``UCM_CONFIG_FILE``
+and ``UCM_*`` variables apply too (``ucm.Config.load``).
+
+Scheduler side (pure bookkeeping, no data movement):
+
+* ``get_num_new_matched_tokens``: hash the request's full blocks (chained, cached per request),
+  ask the store how many blocks after vLLM's own prefix hit it holds; the last prompt token is
+  always left to compute;
+* ``update_state_after_alloc``: remember which vLLM blocks to fill;
+* ``build_connector_meta``: per step, the loads to run and the newly completed blocks to save
+  (prompt and, by default, generated tokens), with chunked prefill and preemption handled
+  through vLLM's per-step block tables.
+
+Worker side (data movement):
+
+* ``register_kv_caches``: plan the byte layout of the paged caches (any vLLM layout, strided
+  views of one allocation included) and open the store;
+* ``start_load_kv``: one batched load into a staging buffer, one scatter into the cache; blocks
+  that fail to load are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes
+  them;
+* ``wait_for_save``: one gather of the step's new blocks, one dump, commit;
+* layer-wise mode (``connector.layerwise``): per-layer loads waited for in
+  ``wait_for_layer_load`` and per-layer saves from ``save_kv_layer``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+import ucm
+from ucm.config import Config
+from ucm.ids import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("ucm.integration.vllm")
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata: scheduler -> worker, once per step
+
+@dataclass
+class Transfer:
+    """Blocks of one request: store ids ``uint64 [n, 2]`` and vLLM block numbers ``[n]``."""
+    req_id: str
+    ids: np.ndarray
+    blocks: list
+
+
+@dataclass
+class UCMConnectorMetadata(KVConnectorMetadata):
+    loads: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# shared pieces
+
+_STORES: dict = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _store_key(cfg: Config, ns: Namespace) -> str:
+    return json.dumps([cfg.to_dict(), ns.canonical().decode()], sort_keys=True, default=str)
+
+
+def _layer_order(name: str):
+    nums = [int(x) for x in re.findall(r"\d+", name)]
+    return nums, name
+
+
+def _load_config(vllm_config) -> Config:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    return Config.load(extra or None)
+
+
+def _namespace(vllm_config, cfg: Config) -> Namespace:
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    cc = vllm_config.cache_config
+    device = getattr(vllm_config.device_config, "device_type", None) or "cpu"
+    cache_dtype = str(getattr(cc, "cache_dtype", "auto"))
+    return Namespace(
+        model=cfg["connector.model_id"] or str(mc.model),
+        dtype=str(mc.dtype).replace("torch.", ""),
+        block_size=int(cc.block_size),
+        kv_layout=f"vllm-{device}-kv:{cache_dtype}",
+        tp_rank=0,  # workers derive their rank's ids from these (see _rank_ids)
+        tp_size=int(getattr(pc, "tensor_parallel_size", 1)),
+        codec="none",
+        tenant_salt=cfg["tenant_salt"],
+    )
+
+
+class UCMConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.cfg = _load_config(vllm_config)
+        self.ns = _namespace(vllm_config, self.cfg)
+        self.block_size = self.ns.block_size
+        ktc = self._kv_transfer_config
+        self.is_producer = bool(ktc.is_kv_producer)
+        self.is_consumer = bool(ktc.is_kv_consumer)
+        self.store = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(kv_cache_config)
+        else:
+            self._init_worker()
+
+    # =========================================================================================
+    # scheduler side
+    # =========================================================================================
+    def _init_scheduler(self, kv_cache_config) -> None:
+        self._reqs: dict[str, _ReqState] = {}
+        self._matched: dict[str, tuple[int, int]] = {}  # req -> (local tokens, hit blocks)
+        self._lookup_store = None
+        self._block_bytes = _block_bytes_from_spec(kv_cache_config)
+
+    def _lookup(self):
+        """The store as seen from the scheduler: the one an in-process worker uses (so lookups
+        see its memory tier), else this process's own view of the shared tiers."""
+        with _STORES_LOCK:
+            entry = _STORES.get(_store_key(self.cfg, self.ns))
+        if entry is not None:
+            return entry[0]
+        if self._lookup_store is None:
+            bb, shard = self._block_bytes
+            self._lookup_store = _open_store(self.cfg, self.ns, bb, shard)
+        return self._lookup_store
+
+    @staticmethod
+    def _cacheable(request: "Request") -> bool:
+        return not (getattr(request, "mm_features", None) or getattr(request, "lora_request", None)
+                    or getattr(request, "prompt_embeds", None) is not None)
+
+    def _state(self, request: "Request") -> "_ReqState":
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _ReqState(request)
+        st.request = request
+        return st
+
+    def _hashes(self, st: "_ReqState", n_blocks: int) -> np.ndarray:
+        """Chained ids of the request's first ``n_blocks`` full blocks (computed once)."""
+        have = len(st.ids)
+        if n_blocks > have:
+            toks = st.request.all_token_ids
+            new = np.asarray(toks[have * self.block_size:n_blocks * self.block_size], dtype=np.int64)
+            parent = None if have == 0 else st.ids[have - 1]
+            more = ucm.hash_blocks(new, self.ns, parent=parent)
+            st.ids = np.concatenate([st.ids, more]) if have else more
+        return st.ids[:n_blocks]
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> tuple[Optional[int], bool]:
+        if not self.is_consumer or not self._cacheable(request):
+            return 0, False
+        st = self._state(request)
+        n_full = (request.num_tokens - 1) // self.block_size  # the last token is always computed
+        start = num_computed_tokens // self.block_size
+        if n_full <= start:
+            return 0, False
+        ids = self._hashes(st, n_full)
+        try:
+            hit = start + self._lookup().lookup_prefix(ids[start:])
+        except Exception as exc:  # a store fault is a miss, never an engine failure
+            log.warning("ucm: lookup failed (%r); treating as a miss", exc)
+            hit = start
+        self._matched[request.request_id] = (num_computed_tokens, hit)
+        return (hit - start) * self.block_size, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        st = self._state(request)
+        local, hit = self._matched.pop(request.request_id, (request.num_computed_tokens, 0))
+        if num_external_tokens > 0:
+            start = local // self.block_size
+            st.load = (start, start + num_external_tokens // self.block_size)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = UCMConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue  # not cacheable or not seen by get_num_new_matched_tokens
+            st.blocks = list(new.block_ids[0])
+            st.known = max(st.known, new.num_computed_tokens // self.block_size)
+            self._plan(st, meta, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after preemption: a whole new block table
+                st.blocks = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                st.blocks.extend(new_blocks[0])
+            self._plan(st, meta, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan(self, st: "_ReqState", meta: UCMConnectorMetadata, computed_after: int) -> None:
+        bs = self.block_size
+        if st.load is not None:
+            a, b = st.load
+            st.load = None
+            if b > a and len(st.blocks) >= b:
+                meta.loads.append(Transfer(st.request.request_id, self._hashes(st, b)[a:b].copy(),
+                                           st.blocks[a:b]))
+                st.known = max(st.known, b)
+        if not self.is_producer:
+            return
+        limit = st.request.num_tokens if self.cfg["connector.save_generated"] \
+            else st.request.num_prompt_tokens
+        n_full = min(computed_after, limit) // bs
+        n_full = min(n_full, len(st.blocks))
+        if n_full <= st.known:
+            return
+        ids = self._hashes(st, n_full)
+        todo = np.arange(st.known, n_full)
+        try:
+            present = np.asarray(self._lookup().lookup(ids[todo]), dtype=bool)
+        except Exception:
+            present = np.zeros(len(todo), dtype=bool)
+        todo = todo[~present]
+        if len(todo):
+            meta.saves.append(Transfer(st.request.request_id, ids[todo].copy(),
+                                       [st.blocks[k] for k in todo]))
+        st.known = n_full
+
+    def request_finished(self, request: "Request", block_ids: list[int]
+                         ) -> tuple[bool, Optional[dict[str, Any]]]:
+        self._reqs.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        return False, None  # saves are synchronous: the blocks can be freed now
+
+    # =========================================================================================
+    # worker side
+    # =========================================================================================
+    def _init_worker(self) -> None:
+        self.layout = None
+        self._staging = None
+        self._load_errors: set[int] = set()
+        self._layer_names: list[str] = []
+        self._layer_tasks: dict = {}
+        self._pending_saves: list = []
+        self._stats_file = self.cfg["connector.stats_file"]
+        self._counters = {"load_blocks": 0, "load_failed": 0, "load_bytes": 0, "load_s": 0.0,
+                          "save_blocks": 0, "save_failed": 0, "save_bytes": 0, "save_s": 0.0}
+        pc = self._vllm_config.parallel_config
+        self._rank = int(getattr(pc, "rank", 0) or 0) % max(1, self.ns.tp_size)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_order)
+        unique, seen = [], set()
+        for n in names:  # layers that share one cache tensor (cross-layer sharing) count once
+            key = (kv_caches[n].data_ptr(), tuple(kv_caches[n].shape))
+            if key not in seen:
+                seen.add(key)
+                unique.append(n)
+        self._layer_names = unique
+        self.layout = ucm.KVLayout.from_views([kv_caches[n] for n in unique])
+        bb = self.layout.block_bytes
+        shard = self.layout.shard_bytes(0)
+        uniform = all(self.layout.shard_bytes(k) == shard for k in range(len(unique)))
+        self._shard = shard if uniform and shard % 8 == 0 else bb
+        self._layer_index = {n: k for k, n in enumerate(unique)}
+        self.store = _open_store(self.cfg, self.ns, bb, self._shard)
+        self.store.prepare()  # allocate (and pin) host buffers now, not in the first request
+        self._device = next(iter(kv_caches.values())).device
+        log.info("ucm connector: %d layers, %d bytes per block, store %s", len(unique), bb,
+                 self.cfg["store.pipeline"])
+
+    def _rank_ids(self, ids: np.ndarray) -> np.ndarray:
+        if self.ns.tp_size <= 1:
+            return ids
+        salt = np.frombuffer(ucm.reference.hashing.murmur3_x64_128(
+            f"ucm-tp-rank-{self._rank}-of-{self.ns.tp_size}".encode()), dtype="<u8").astype(np.uint64)
+        return ids ^ salt
+
+    def _staging_rows(self, n: int, nbytes: int) -> torch.Tensor:
+        need = n * nbytes
+        if self._staging is None or self._staging.numel() < need:
+            pin = self._device.type == "cpu" and torch.cuda.is_available()
+            self._staging = torch.empty(max(need, 1), dtype=torch.uint8, device=self._device,
+                                        pin_memory=False) if not pin else \
+                torch.empty(need, dtype=torch.uint8, pin_memory=True)
+        return self._staging[:need].view(n, nbytes)
+
+    @staticmethod
+    def _concat(transfers: list) -> tuple[np.ndarray, list]:
+        ids = np.concatenate([t.ids for t in transfers]) if transfers else np.zeros((0, 2), np.uint64)
+        blocks = [b for t in transfers for b in t.blocks]
+        return ids, blocks
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, UCMConnectorMetadata) or not meta.loads or self.store is None:
+            return
+        ids, blocks = self._concat(meta.loads)
+        ids = self._rank_ids(ids)
+        if self.cfg["connector.layerwise"]:
+            self._start_layer_loads(ids, blocks)
+            return
+        t0 = time.perf_counter()
+        staging = self._staging_rows(len(ids), self.layout.block_bytes)
+        try:
+            res = self.store.wait(self.store.load(ids, 0, staging))
+            ok = res.ok
+        except Exception as exc:
+            log.warning("ucm: load failed (%r); %d blocks will be recomputed", exc, len(ids))
+            ok = np.zeros(len(ids), dtype=bool)
+        idx = torch.tensor([b if good else -1 for b, good in zip(blocks, ok)], dtype=torch.int64)
+        if ok.any():
+            ucm.scatter_blocks(self.layout, staging, idx.to(self._device))
+        self._record_load(blocks, ok, time.perf_counter() - t0)
+
+    def _record_load(self, blocks, ok, seconds) -> None:
+        failed = [b for b, good in zip(blocks, ok) if not good]
+        self._load_errors.update(failed)
+        n = int(np.sum(ok))
+        self._counters["load_blocks"] += n
+        self._counters["load_failed"] += len(failed)
+        self._counters["load_bytes"] += n * self.layout.block_bytes
+        self._counters["load_s"] += seconds
+        if failed:
+            log.warning("ucm: %d of %d blocks failed to load; vLLM recomputes them", len(failed),
+                        len(blocks))
+
+    # layer-wise -------------------------------------------------------------------------------
+    def _start_layer_loads(self, ids, blocks) -> None:
+        self._layer_tasks = {}
+        self._layer_ok = np.ones(len(ids), dtype=bool)
+        self._layer_blocks = blocks
+        self._layer_t0 = time.perf_counter()
+        nb = self._shard
+        staging = self._staging_rows(len(ids) * len(self._layer_names), nb)
+        for k, name in enumerate(self._layer_names):
+            rows = staging[k * len(ids):(k + 1) * len(ids)]
+            self._layer_tasks[name] = (k, rows, self.store.load(ids, k * nb, rows))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        entry = self._layer_tasks.pop(layer_name, None)
+        if entry is None:
+            return
+        k, rows, task = entry
+        try:
+            ok = self.store.wait(task).ok
+        except Exception:
+            ok = np.zeros(len(rows), dtype=bool)
+        self._layer_ok &= ok
+        idx = torch.tensor([b if good else -1 for b, good in zip(self._layer_blocks, ok)], dtype=torch.int64)
+        if ok.any():
+            ucm.scatter_blocks(self.layout, rows, idx.to(self._device), layers=[k])
+        if not self._layer_tasks:  # last layer: account for the whole load
+            self._record_load(self._layer_blocks, self._layer_ok, time.perf_counter() - self._layer_t0)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        if not self.cfg["connector.layerwise"] or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, UCMConnectorMetadata) or not meta.saves or self.store is None:
+            return
+        k = self._layer_index.get(layer_name)
+        if k is None:
+            return
+        ids, blocks = self._concat(meta.saves)
+        ids = self._rank_ids(ids)
+        rows = torch.empty((len(ids), self._shard), dtype=torch.uint8, device=self._device)
+        ucm.gather_blocks(self.layout, torch.tensor(blocks, dtype=torch.int64, device=self._device),
+                          rows, layers=[k])
+        self._pending_saves.append((ids, self.store.dump(ids, k * self._shard, rows), rows))
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata() or self.store is None:
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, UCMConnectorMetadata):
+            return
+        if self.cfg["connector.layerwise"]:
+            self._finish_layer_saves(meta)
+        elif meta.saves:
+            self._save(meta.saves)
+        self._write_stats()
+
+    def _save(self, saves: list) -> None:
+        t0 = time.perf_counter()
+        ids, blocks = self._concat(saves)
+        ids = self._rank_ids(ids)
+        staging = self._staging_rows(len(ids), self.layout.block_bytes)
+        ucm.gather_blocks(self.layout, torch.tensor(blocks, dtype=torch.int64, device=self._device), staging)
+        try:
+            res = self.store.wait(self.store.dump(ids, 0, staging))
+            self.store.commit(ids, res.ok)
+            ok = res.ok
+        except Exception as exc:  # a failed save is a future miss, nothing more
+            log.warning("ucm: save of %d blocks failed: %r", len(ids), exc)
+            ok = np.zeros(len(ids), dtype=bool)
+        self._count_save(ok, time.perf_counter() - t0)
+
+    def _finish_layer_saves(self, meta) -> None:
+        if not self._pending_saves:
+            return
+        t0 = time.perf_counter()
+        ids = self._pending_saves[0][0]
+        ok = np.ones(len(ids), dtype=bool)
+        for _, task, _rows in self._pending_saves:
+            try:
+                ok &= self.store.wait(task).ok
+            except Exception:
+                ok[:] = False
+        complete = len(self._pending_saves) == len(self._layer_names)
+        self.store.commit(ids, ok & complete)
+        self._pending_saves = []
+        self._count_save(ok & complete, time.perf_counter() - t0)
+
+    def _count_save(self, ok, seconds) -> None:
+        n = int(np.sum(ok))
+        self._counters["save_blocks"] += n
+        self._counters["save_failed"] += len(ok) - n
+        self._counters["save_bytes"] += n * self.layout.block_bytes
+        self._counters["save_s"] += seconds
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def _write_stats(self) -> None:
+        if not self._stats_file:
+            return
+        try:
+            with open(self._stats_file, "a") as f:
+                f.write(json.dumps({"t": time.time(), "pid": os.getpid(), **self._counters}) + "\n")
+        except OSError:
+            pass
+
+    def stats(self) -> dict:
+        """Connector counters plus the store's statistics (worker side)."""
+        out = dict(self._counters)
+        if self.store is not None:
+            out["store"] = self.store.stats()
+        return out
+
+    def shutdown(self) -> None:
+        self._write_stats()
+        if self.store is not None and getattr(self, "_role", None) == KVConnectorRole.WORKER:
+            _release_store(self.store)
+            self.store = None
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.uint64))
+    blocks: list = field(default_factory=list)
+    known: int = 0  # leading blocks known to be stored (saved, loaded or found)
+    load: Optional[tuple] = None
+
+
+def _block_bytes_from_spec(kv_cache_config) -> tuple[Optional[int], Optional[int]]:
+    """(block bytes over all layers, bytes per layer) from vLLM's KV cache spec."""
+    try:
+        total, page = 0, None
+        for group in kv_cache_config.kv_cache_groups:
+            page = group.kv_cache_spec.page_size_bytes
+            total += page * len(group.layer_names)
+        return (total or None), page
+    except Exception:
+        return None, None
+
+
+def _open_store(cfg: Config, ns: Namespace, block_bytes: Optional[int], shard_bytes: Optional[int]):
+    """One store per process and configuration, shared by the scheduler and an in-process
+    worker (so the scheduler's lookups see the worker's memory tier)."""
+    from ucm.store import open_store
+
+    key = _store_key(cfg, ns)
+    with _STORES_LOCK:
+        entry = _STORES.get(key)
+        if entry is not None and entry[0].geometry.block_bytes == block_bytes and \
+                (shard_bytes is None or entry[0].geometry.shard_bytes == shard_bytes):
+            entry[1] += 1
+            return entry[0]
+        bb = block_bytes or 4096
+        _ensure_roots(cfg)
+        store = open_store(cfg, block_bytes=bb, shard_bytes=shard_bytes or bb, namespace=ns.digest())
+        if entry is not None:  # the worker knows the real geometry: it replaces the guess
+            entry[0].close()
+        _STORES[key] = [store, 1]
+        return store
+
+
+def _release_store(store) -> None:
+    with _STORES_LOCK:
+        for key, entry in list(_STORES.items()):
+            if entry[0] is store:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del _STORES[key]
+                    store.close()
+                return
+    store.close()
+
+
+def _ensure_roots(cfg: Config) -> None:
+    """The default cache directory is created; explicitly configured roots must exist."""
+    if "posix" not in cfg["store.pipeline"]:
+        return
+    roots = cfg["store.posix.roots"]
+    if cfg.source("store.posix.roots") == "default":
+        for r in roots:
+            os.makedirs(os.path.expanduser(r), exist_ok=True)
