@@ -28,7 +28,10 @@ __all__ = [
 __all__ += ["KVLayout", "gather_blocks", "scatter_blocks"]
 
 logging.getLogger("ucm").addHandler(logging.NullHandler())
-if os.environ.get("UCM_LOG_LEVEL"):
+if os.environ.get("UCM_LOG_LEVEL"):  # also where no one configured logging (engine processes)
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s [pid %(process)d] %(message)s"))
+    logging.getLogger("ucm").addHandler(_handler)
     logging.getLogger("ucm").setLevel(os.environ["UCM_LOG_LEVEL"].upper())
 
 

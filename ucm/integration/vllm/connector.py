@@ -143,10 +143,15 @@ class UCMConnector(KVConnectorBase_V1):
     # scheduler side
     # =========================================================================================
     def _init_scheduler(self, kv_cache_config) -> None:
+        if self.cfg["connector.load_failure"] == "recompute":
+            # Storage faults are cache misses: vLLM must recompute failed blocks, not fail the
+            # request (its default). The scheduler reads this right after creating us.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._reqs: dict[str, _ReqState] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # req -> (local tokens, hit blocks)
         self._lookup_store = None
         self._block_bytes = _block_bytes_from_spec(kv_cache_config)
+        ucm.hash_blocks(np.zeros(self.block_size, np.int64), self.ns)  # compile now, not per request
 
     def _lookup(self):
         """The store as seen from the scheduler: the one an in-process worker uses (so lookups
@@ -185,6 +190,8 @@ class UCMConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[Optional[int], bool]:
+        log.debug("ucm: match %s consumer=%s cacheable=%s", request.request_id, self.is_consumer,
+                  self._cacheable(request))
         if not self.is_consumer or not self._cacheable(request):
             return 0, False
         st = self._state(request)
@@ -199,6 +206,8 @@ class UCMConnector(KVConnectorBase_V1):
             log.warning("ucm: lookup failed (%r); treating as a miss", exc)
             hit = start
         self._matched[request.request_id] = (num_computed_tokens, hit)
+        log.debug("ucm: %s: %d tokens, %d local, store hit %d of %d blocks", request.request_id,
+                  request.num_tokens, num_computed_tokens, hit, n_full)
         return (hit - start) * self.block_size, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -230,6 +239,9 @@ class UCMConnector(KVConnectorBase_V1):
             elif new_blocks:
                 st.blocks.extend(new_blocks[0])
             self._plan(st, meta, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        if meta.loads or meta.saves:
+            log.debug("ucm: step plan: load %d blocks, save %d blocks",
+                      sum(len(t.blocks) for t in meta.loads), sum(len(t.blocks) for t in meta.saves))
         return meta
 
     def _plan(self, st: "_ReqState", meta: UCMConnectorMetadata, computed_after: int) -> None:
@@ -292,6 +304,9 @@ class UCMConnector(KVConnectorBase_V1):
                 seen.add(key)
                 unique.append(n)
         self._layer_names = unique
+        first = kv_caches[unique[0]]
+        log.debug("ucm: register_kv_caches: %d tensors, first %s %s strides %s", len(kv_caches),
+                  unique[0], tuple(first.shape), first.stride())
         self.layout = ucm.KVLayout.from_views([kv_caches[n] for n in unique])
         bb = self.layout.block_bytes
         shard = self.layout.shard_bytes(0)
@@ -459,7 +474,7 @@ class UCMConnector(KVConnectorBase_V1):
         return out
 
     def _write_stats(self) -> None:
-        if not self._stats_file:
+        if not getattr(self, "_stats_file", None):
             return
         try:
             with open(self._stats_file, "a") as f:

