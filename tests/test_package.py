@@ -69,7 +69,7 @@ def test_current_extension_is_used(tmp_path):
 
 def test_cli_commands():
     for args in (["info"], ["info", "--json"], ["config", "--preset", "low_memory"],
-                 ["config", "--markdown"], ["demo", "--tokens", "4096"]):
+                 ["config", "--markdown"], ["demo", "--hashing-only", "--tokens", "4096"]):
         r = subprocess.run([sys.executable, "-m", "ucm", *args], capture_output=True, text=True)
         assert r.returncode == 0, (args, r.stderr)
     r = subprocess.run([sys.executable, "-m", "ucm", "config", "--preset", "nope"],

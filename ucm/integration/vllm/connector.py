@@ -30,7 +30,8 @@ Worker side (data movement):
 * ``start_load_kv``: one batched load into a staging buffer, one scatter into the cache; blocks
   that fail to load are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes
   them;
-* ``wait_for_save``: one gather of the step's new blocks, one dump, commit;
+* ``wait_for_save``: one gather of the step's new blocks into a staging buffer, then the dump
+  runs in the background and is committed at a later step (the engine never waits for storage);
 * layer-wise mode (``connector.layerwise``): per-layer loads waited for in
   ``wait_for_layer_load`` and per-layer saves from ``save_kv_layer``.
 """
@@ -289,6 +290,8 @@ class UCMConnector(KVConnectorBase_V1):
         self._layer_names: list[str] = []
         self._layer_tasks: dict = {}
         self._pending_saves: list = []
+        self._inflight: list = []  # background saves: (ids, task, staging, t0)
+        self._free_staging: list = []
         self._stats_file = self.cfg["connector.stats_file"]
         self._counters = {"load_blocks": 0, "load_failed": 0, "load_bytes": 0, "load_s": 0.0,
                           "save_blocks": 0, "save_failed": 0, "save_bytes": 0, "save_s": 0.0}
@@ -316,6 +319,10 @@ class UCMConnector(KVConnectorBase_V1):
         self.store = _open_store(self.cfg, self.ns, bb, self._shard)
         self.store.prepare()  # allocate (and pin) host buffers now, not in the first request
         self._device = next(iter(kv_caches.values())).device
+        first_batch = min(64, self.layout.num_blocks) * bb  # staging for a long prompt, up front
+        self._staging = self._alloc(min(first_batch, 512 << 20))
+        self._free_staging.append(self._alloc(min(first_batch, 512 << 20)))
+        self._device = next(iter(kv_caches.values())).device
         log.info("ucm connector: %d layers, %d bytes per block, store %s", len(unique), bb,
                  self.cfg["store.pipeline"])
 
@@ -326,13 +333,17 @@ class UCMConnector(KVConnectorBase_V1):
             f"ucm-tp-rank-{self._rank}-of-{self.ns.tp_size}".encode()), dtype="<u8").astype(np.uint64)
         return ids ^ salt
 
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer: on the CPU from ucm's allocator (huge pages, faulted in once, so
+        a request never pays page faults); on a GPU, device memory."""
+        if self._device.type == "cpu":
+            return torch.from_numpy(ucm.alloc_aligned(max(nbytes, 1)))
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self._device)
+
     def _staging_rows(self, n: int, nbytes: int) -> torch.Tensor:
         need = n * nbytes
         if self._staging is None or self._staging.numel() < need:
-            pin = self._device.type == "cpu" and torch.cuda.is_available()
-            self._staging = torch.empty(max(need, 1), dtype=torch.uint8, device=self._device,
-                                        pin_memory=False) if not pin else \
-                torch.empty(need, dtype=torch.uint8, pin_memory=True)
+            self._staging = self._alloc(max(need, 2 * (self._staging.numel() if self._staging is not None else 0)))
         return self._staging[:need].view(n, nbytes)
 
     @staticmethod
@@ -429,22 +440,52 @@ class UCMConnector(KVConnectorBase_V1):
             self._finish_layer_saves(meta)
         elif meta.saves:
             self._save(meta.saves)
+        elif self._inflight:
+            self._reap(block=False)
         self._write_stats()
 
     def _save(self, saves: list) -> None:
+        """Copy the step's new blocks out of the paged cache now (the engine may reuse them
+        after this step), then store them in the background; committed when done."""
+        self._reap(block=False)
         t0 = time.perf_counter()
         ids, blocks = self._concat(saves)
         ids = self._rank_ids(ids)
-        staging = self._staging_rows(len(ids), self.layout.block_bytes)
-        ucm.gather_blocks(self.layout, torch.tensor(blocks, dtype=torch.int64, device=self._device), staging)
+        staging = self._take_staging(len(ids) * self.layout.block_bytes)
+        rows = staging[:len(ids) * self.layout.block_bytes].view(len(ids), self.layout.block_bytes)
+        ucm.gather_blocks(self.layout, torch.tensor(blocks, dtype=torch.int64, device=self._device), rows)
         try:
-            res = self.store.wait(self.store.dump(ids, 0, staging))
-            self.store.commit(ids, res.ok)
-            ok = res.ok
+            task = self.store.dump(ids, 0, rows)
         except Exception as exc:  # a failed save is a future miss, nothing more
             log.warning("ucm: save of %d blocks failed: %r", len(ids), exc)
-            ok = np.zeros(len(ids), dtype=bool)
-        self._count_save(ok, time.perf_counter() - t0)
+            self._free_staging.append(staging)
+            self._count_save(np.zeros(len(ids), dtype=bool), time.perf_counter() - t0)
+            return
+        self._inflight.append((ids, task, staging, t0))
+
+    def _take_staging(self, nbytes: int) -> torch.Tensor:
+        """A host/device staging buffer of at least nbytes, reused once its save completed."""
+        for i, buf in enumerate(self._free_staging):
+            if buf.numel() >= nbytes:
+                return self._free_staging.pop(i)
+        return self._alloc(max(nbytes, 1 << 20))
+
+    def _reap(self, block: bool) -> None:
+        """Commit the background saves that finished (all of them with ``block``)."""
+        still = []
+        for ids, task, staging, t0 in self._inflight:
+            if not block and not self.store.check(task):
+                still.append((ids, task, staging, t0))
+                continue
+            try:
+                ok = self.store.wait(task).ok
+                self.store.commit(ids, ok)
+            except Exception as exc:
+                log.warning("ucm: save of %d blocks failed: %r", len(ids), exc)
+                ok = np.zeros(len(ids), dtype=bool)
+            self._free_staging.append(staging)
+            self._count_save(ok, time.perf_counter() - t0)
+        self._inflight = still
 
     def _finish_layer_saves(self, meta) -> None:
         if not self._pending_saves:
@@ -490,6 +531,8 @@ class UCMConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
+        if getattr(self, "_inflight", None):
+            self._reap(block=True)
         self._write_stats()
         if self.store is not None and getattr(self, "_role", None) == KVConnectorRole.WORKER:
             _release_store(self.store)

@@ -1,0 +1,80 @@
+"""ucm.integration.patch(): registration with vLLM's connector factory, idempotence, unpatch,
+verify_patches, UCM_DISABLE_PATCHES, the vLLM plugin entry point."""
+import os
+
+import pytest
+
+from conftest import run_python
+
+vllm_missing = None
+try:
+    import vllm  # noqa: F401
+except Exception as exc:  # pragma: no cover
+    vllm_missing = repr(exc)
+
+if vllm_missing:
+    if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
+        pytest.fail(f"vLLM is required here: {vllm_missing}", pytrace=False)
+    pytest.skip(f"vLLM not installed: {vllm_missing}", allow_module_level=True)
+
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+
+import ucm.integration as integ  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("UCM_DISABLE_PATCHES", raising=False)
+    integ.unpatch()
+    KVConnectorFactory._registry.pop("UCMConnector", None)
+    yield
+    integ.unpatch()
+
+
+def test_patch_registers_and_is_idempotent():
+    state = integ.patch()
+    assert state["vllm_version"].startswith("0.32")
+    assert state["patches"]["connector_registration"] == {"applied": True, "wanted": True}
+    assert "UCMConnector" in KVConnectorFactory._registry
+    integ.patch()  # a second call changes nothing and does not raise
+    cls = KVConnectorFactory._registry["UCMConnector"]()
+    from ucm.integration.vllm import UCMConnector
+
+    assert cls is UCMConnector
+
+
+def test_unpatch_restores():
+    integ.patch()
+    state = integ.unpatch()
+    assert "UCMConnector" not in KVConnectorFactory._registry
+    assert state["patches"]["connector_registration"]["applied"] is False
+
+
+def test_disable_patches(monkeypatch):
+    monkeypatch.setenv("UCM_DISABLE_PATCHES", "1")
+    state = integ.patch()
+    assert state["disabled"] is True
+    assert "UCMConnector" not in KVConnectorFactory._registry
+
+
+def test_plugin_entry_point_registers_in_a_fresh_vllm_process():
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins();"
+            "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F;"
+            "print('UCMConnector' in F._registry)")
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "True"
+    r = run_python(code, env={"UCM_DISABLE_PATCHES": "1"})
+    assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_version_warning(monkeypatch, caplog):
+    import logging
+
+    from ucm.integration import patch as p
+
+    monkeypatch.setattr(p, "vllm_version", lambda: "0.99.0")
+    monkeypatch.setattr(p, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="ucm.integration"):
+        p.patch()
+    assert any("outside the tested range" in r.message for r in caplog.records)
