@@ -30,8 +30,11 @@ Worker side (data movement):
 * ``start_load_kv``: one batched load into a staging buffer, one scatter into the cache; blocks
   that fail to load are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes
   them;
-* ``wait_for_save``: one gather of the step's new blocks into a staging buffer, then the dump
-  runs in the background and is committed at a later step (the engine never waits for storage);
+* ``wait_for_save``: one gather of the step's new blocks into a staging buffer, one dump,
+  commit (``connector.async_save``: the dump runs in the background and is committed at a later
+  step; off by default: with it, a block two requests computed in different steps may be stored
+  in the other request's numerically different version, which changed greedy float32 outputs
+  in our end-to-end test);
 * layer-wise mode (``connector.layerwise``): per-layer loads waited for in
   ``wait_for_layer_load`` and per-layer saves from ``save_kv_layer``.
 """
@@ -450,6 +453,12 @@ class UCMConnector(KVConnectorBase_V1):
         self._reap(block=False)
         t0 = time.perf_counter()
         ids, blocks = self._concat(saves)
+        # Two requests of one step may both hold a block no one had stored yet: save it once
+        # (two writers of one block could interleave two numerically different versions).
+        _, first = np.unique(ids, axis=0, return_index=True)
+        if len(first) < len(ids):
+            keep = np.sort(first)
+            ids, blocks = ids[keep], [blocks[k] for k in keep]
         ids = self._rank_ids(ids)
         staging = self._take_staging(len(ids) * self.layout.block_bytes)
         rows = staging[:len(ids) * self.layout.block_bytes].view(len(ids), self.layout.block_bytes)
@@ -462,6 +471,8 @@ class UCMConnector(KVConnectorBase_V1):
             self._count_save(np.zeros(len(ids), dtype=bool), time.perf_counter() - t0)
             return
         self._inflight.append((ids, task, staging, t0))
+        if not self.cfg["connector.async_save"]:
+            self._reap(block=True)
 
     def _take_staging(self, nbytes: int) -> torch.Tensor:
         """A host/device staging buffer of at least nbytes, reused once its save completed."""
