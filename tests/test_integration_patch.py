@@ -70,8 +70,9 @@ def test_plugin_entry_point_registers_in_a_fresh_vllm_process():
 
 def test_version_warning(monkeypatch, caplog):
     import logging
+    import sys
 
-    from ucm.integration import patch as p
+    p = sys.modules["ucm.integration.patch"]  # the package's `patch` name is the function
 
     monkeypatch.setattr(p, "vllm_version", lambda: "0.99.0")
     monkeypatch.setattr(p, "_warned", False)
