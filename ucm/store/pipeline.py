@@ -2,7 +2,8 @@
 
 * lookup: tier by tier, asking a tier only about the blocks the tiers above missed;
 * load: each block from the first tier that has it; blocks found below the first tier are
-  promoted upward (dumped into and committed in the faster tiers) once loaded whole;
+  promoted upward (copied into and committed in the faster tiers) once loaded whole, before the
+  load reports done (the caller may reuse its buffer right after);
 * dump: write-through to every tier (a block succeeds if at least one tier stored it), or
   write-back: only the first tier, with lower tiers written in the background after commit;
 * commit: in every tier; stats: each tier's counters plus the pipeline's hits per tier.
@@ -98,9 +99,11 @@ class PipelineStore(KVStore):
 
             def done(child, rows=rows, tier_k=tier_k):
                 r = child.wait(0)
-                if full and tier_k > 0 and r.ok.any():  # queued before the load reports done
+                if full and tier_k > 0 and r.ok.any():
+                    # Promote before the load reports done: the caller owns dst afterwards and
+                    # may overwrite it (a later copy of it could store the wrong bytes).
                     good = rows[r.ok]
-                    self._background(self._promote, ids[good], _subset(bufs, good), tier_k)
+                    self._promote(ids[good], _subset(bufs, good), tier_k)
                 task.finish_part(rows[r.ok], {int(rows[i]): e for i, e in r.errors.items()}, r.nbytes)
             sub.on_done(done)
         return task.seal()
