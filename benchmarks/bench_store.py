@@ -21,27 +21,22 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
 import numpy as np
 
 import ucm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from foundation import best_of as best  # noqa: E402
 from ucm.store import BlockGeometry
 from ucm.store.memory import MemoryStore
 from ucm.store.posix import PosixStore
 
 BLOCK = 2 << 20
 SHARD = BLOCK // 32  # 32 "layers"
-
-
-def best(fn, repeats):
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return min(out)
 
 
 def dd(args) -> float:
