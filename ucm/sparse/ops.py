@@ -1,0 +1,423 @@
+"""Sparse-attention ops: the validated public surface (contracts in ``docs/sparse.md``).
+
+Each op checks its inputs here, once (shapes, dtypes, devices, head counts, windows and budgets,
+and the values that index memory: block ids, sequence lengths, selections), then dispatches
+through :mod:`ucm.dispatch` to
+
+==========================  ====================================  ===============================
+op                          reference (priority 0)                fast
+==========================  ====================================  ===============================
+update_block_reprs          ucm.reference.sparse (PyTorch)        ucm.fast.triton.sparse (20)
+hash_codes                  (same)                                (same)
+score_blocks                (same)                                (same)
+select_blocks               (same: two stable sorts)              (same: top-k on unique keys)
+sparse_block_table          (same; vectorized, runs on any        --
+                            device)
+paged_decode_attention      (same: per-request softmax)           (same: split-K flash decoding)
+block_attention_mass        (same; an oracle, reference only)     --
+==========================  ====================================  ===============================
+
+The Triton implementations take CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` (tests).
+
+Value checks (ids in range, lengths, selections) read a few scalars back from the tensors' device:
+one synchronization per call on CUDA. Hot loops that already hold validated inputs can call the
+implementations in :mod:`ucm.fast.triton.sparse` directly.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Union
+
+import torch
+
+from ucm import dispatch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KINDS = ("mean", "quest", "hamming")
+REDUCES = ("sum", "none")
+
+# ---------------------------------------------------------------------------------------------
+# registry
+
+
+def _triton_probe():
+    from ucm.fast import triton as _triton_pkg
+
+    return _triton_pkg.status()
+
+
+def _first_tensor(args, kwargs) -> Optional[torch.Tensor]:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def on_triton_device(*args, **kwargs):
+    """Verifier: the Triton kernels take CUDA tensors (CPU tensors through the interpreter)."""
+    t = _first_tensor(args, kwargs)
+    dev = None if t is None else t.device
+    if dev is not None and dev.type == "cuda":
+        return True, "CUDA tensors"
+    if dev is not None and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "CPU tensors through the Triton interpreter (TRITON_INTERPRET=1)"
+    return False, f"tensors on {dev} (the Triton kernels take CUDA tensors)"
+
+
+_TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
+               "paged_decode_attention")
+for _op in _TRITON_OPS + ("sparse_block_table", "block_attention_mass"):
+    dispatch.register(_op, "reference", f"ucm.reference.sparse:{_op}", priority=0)
+for _op in _TRITON_OPS:
+    dispatch.register(_op, "triton", f"ucm.fast.triton.sparse:{_op}", priority=20,
+                      platforms={"cuda", "cpu"}, probe=_triton_probe, verifier=on_triton_device)
+
+# ---------------------------------------------------------------------------------------------
+# validation helpers
+
+
+def _tensor(x, name: str, dtypes, ndim: Optional[int] = None, device=None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {list(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: on {x.device}, expected {device} (all tensors on one device)")
+    return x
+
+
+def _shape(x: torch.Tensor, name: str, expected: tuple, what: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {list(expected)} ({what}), got {list(x.shape)}")
+
+
+def _int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _cache(k_cache, name: str = "k_cache") -> torch.Tensor:
+    k = _tensor(k_cache, name, FLOAT_DTYPES, 4)
+    if min(k.shape) < 1:
+        raise ValueError(f"{name}: [num_blocks, block_size, num_kv_heads, head_dim] must all be "
+                         f">= 1, got {list(k.shape)}")
+    return k
+
+
+def _query(q, name: str, device, dtypes=FLOAT_DTYPES) -> torch.Tensor:
+    q = _tensor(q, name, dtypes, 3, device)
+    if q.shape[0] < 1 or q.shape[1] < 1:
+        raise ValueError(f"{name}: expected [batch >= 1, num_q_heads >= 1, head_dim], got "
+                         f"{list(q.shape)} (empty batch)")
+    return q
+
+
+def _heads(Hq: int, Hkv: int, where: str) -> None:
+    if Hq % Hkv:
+        raise ValueError(f"{where}: num_q_heads={Hq} is not a multiple of num_kv_heads={Hkv} (GQA)")
+
+
+def _table(block_table, B: int, device) -> torch.Tensor:
+    t = _tensor(block_table, "block_table", (torch.int32,), 2, device)
+    if t.shape[0] != B or t.shape[1] < 1:
+        raise ValueError(f"block_table: expected shape [{B}, M >= 1] (batch, blocks per request), "
+                         f"got {list(t.shape)}")
+    return t
+
+
+def _vector(x, name: str, B: int, device, dtypes=(torch.int32,)) -> torch.Tensor:
+    v = _tensor(x, name, dtypes, 1, device)
+    _shape(v, name, (B,), "one entry per request")
+    return v
+
+
+def _fail_if(checks: dict) -> None:
+    """Raise the first failed check (message -> bool or bool tensor scalar); the tensor flags are
+    read back from their device in one transfer."""
+    tensors = [v.reshape(()) for v in checks.values() if isinstance(v, torch.Tensor)]
+    flags = iter(torch.stack(tensors).tolist() if tensors else [])
+    for message, value in checks.items():
+        if (next(flags) if isinstance(value, torch.Tensor) else value):
+            raise ValueError(message)
+
+
+def _ids_used_out_of_range(table: torch.Tensor, used_blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """bool scalar: some entry ``table[b, j]`` with ``j < used_blocks[b]`` is outside ``[0, n)``."""
+    j = torch.arange(table.shape[1], device=table.device)[None, :]
+    used = j < used_blocks.long()[:, None]
+    return (used & ((table < 0) | (table >= n))).any()
+
+
+def _scale(scale, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+            or scale <= 0:
+        raise ValueError(f"scale: expected a finite float > 0 (default head_dim ** -0.5), got {scale!r}")
+    return float(scale)
+
+
+def _repr_table(x, name: str, dtype, shape: tuple, device) -> torch.Tensor:
+    t = _tensor(x, name, (dtype,), len(shape), device)
+    _shape(t, name, shape, "indexed by physical block id")
+    return t
+
+
+def _proj(proj, D: int, device) -> torch.Tensor:
+    p = _tensor(proj, "proj", (torch.float32,), 2, device)
+    if p.shape[0] != D or p.shape[1] < 32 or p.shape[1] % 32:
+        raise ValueError(f"proj: expected shape [head_dim={D}, hash_bits] with hash_bits a positive "
+                         f"multiple of 32, got {list(p.shape)}")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# ops
+
+
+def hash_codes(x, proj, *, backend: Optional[str] = None) -> torch.Tensor:
+    """Sign-bit codes of ``x @ proj`` (float32): int32 ``[..., hash_bits // 32]``, bit ``i`` of
+    word ``w`` set when channel ``32 w + i`` is positive.
+
+    x: float tensor ``[..., D]`` (float32/float16/bfloat16, at least one row);
+    proj: float32 ``[D, hash_bits]``, hash_bits a multiple of 32, on ``x``'s device.
+    """
+    x = _tensor(x, "x", FLOAT_DTYPES)
+    if x.ndim < 1 or x.numel() == 0:
+        raise ValueError(f"x: expected a non-empty tensor [..., head_dim], got shape {list(x.shape)}")
+    proj = _proj(proj, x.shape[-1], x.device)
+    return dispatch.call("hash_codes", x, proj, backend=backend)
+
+
+def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, kmax=None,
+                       codes=None, proj=None, backend: Optional[str] = None) -> None:
+    """Write the representations of the listed physical blocks in place.
+
+    k_cache: ``[num_blocks, block_size, Hkv, D]`` (any strides); block_ids: int32/int64 ``[N]``
+    distinct ids in ``[0, num_blocks)``; num_tokens: int32/int64 ``[N]``, each in
+    ``[1, block_size]``: the block's valid tokens. mean/kmin/kmax: float32 ``[num_blocks, Hkv, D]``;
+    codes: int32 ``[num_blocks, Hkv, hash_bits // 32]``, needs proj float32 ``[D, hash_bits]``.
+    At least one of mean/kmin/kmax/codes.
+    """
+    k = _cache(k_cache)
+    nb, bs, Hkv, D = k.shape
+    dev = k.device
+    ids = _tensor(block_ids, "block_ids", (torch.int32, torch.int64), 1, dev)
+    ntok = _tensor(num_tokens, "num_tokens", (torch.int32, torch.int64), 1, dev)
+    _shape(ntok, "num_tokens", ids.shape, "one count per entry of block_ids")
+    if mean is None and kmin is None and kmax is None and codes is None:
+        raise ValueError("update_block_reprs: pass at least one of mean, kmin, kmax, codes")
+    for name, t in (("mean", mean), ("kmin", kmin), ("kmax", kmax)):
+        if t is not None:
+            _repr_table(t, name, torch.float32, (nb, Hkv, D), dev)
+    if codes is not None:
+        if proj is None:
+            raise ValueError("proj: required with codes (codes hash the block mean)")
+        proj = _proj(proj, D, dev)
+        _repr_table(codes, "codes", torch.int32, (nb, Hkv, proj.shape[1] // 32), dev)
+    elif proj is not None:
+        _proj(proj, D, dev)
+    if ids.numel():
+        _fail_if({
+            f"block_ids: entries must lie in [0, num_blocks={nb})": ((ids < 0) | (ids >= nb)).any(),
+            f"num_tokens: entries must lie in [1, block_size={bs}]": ((ntok < 1) | (ntok > bs)).any(),
+            "block_ids: duplicate ids": (torch.sort(ids).values.diff() == 0).any(),
+        })
+    dispatch.call("update_block_reprs", k, ids, ntok, mean=mean, kmin=kmin, kmax=kmax, codes=codes,
+                  proj=proj, backend=backend)
+
+
+def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
+                 codes=None, proj=None, channel_mask=None, reduce: str = "sum",
+                 backend: Optional[str] = None) -> torch.Tensor:
+    """float32 scores of each request's logical blocks from their representations.
+
+    q: ``[B, Hq, D]`` float; block_table: int32 ``[B, M]``; num_blocks: int32 ``[B]``, each in
+    ``[1, M]``. kind: ``"mean"`` (needs mean; optional bool channel_mask ``[B, Hq, D]``),
+    ``"quest"`` (kmin, kmax) or ``"hamming"`` (codes, proj). reduce: ``"sum"`` -> ``[B, M]``;
+    ``"none"`` -> ``[B, Hq, M]`` (``[B, Hkv, M]`` for hamming). Positions past ``num_blocks`` are
+    ``-inf``.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+    if reduce not in REDUCES:
+        raise ValueError(f"reduce: expected one of {list(REDUCES)}, got {reduce!r}")
+    q = _query(q, "q", None)
+    B, Hq, D = q.shape
+    dev = q.device
+    table = _table(block_table, B, dev)
+    M = table.shape[1]
+    nblk = _vector(num_blocks, "num_blocks", B, dev)
+    needed = {"mean": ("mean",), "quest": ("kmin", "kmax"), "hamming": ("codes", "proj")}[kind]
+    given = {"mean": mean, "kmin": kmin, "kmax": kmax, "codes": codes, "proj": proj}
+    for name in needed:
+        if given[name] is None:
+            raise ValueError(f"{name}: required for kind={kind!r}")
+    if channel_mask is not None and kind != "mean":
+        raise ValueError(f"channel_mask: only used with kind='mean', got kind={kind!r}")
+    if kind == "hamming":
+        proj = _proj(proj, D, dev)
+        c = _tensor(codes, "codes", (torch.int32,), 3, dev)
+        n_phys, Hkv, W = c.shape
+        if W * 32 != proj.shape[1]:
+            raise ValueError(f"codes: expected {proj.shape[1] // 32} words per head (proj has "
+                             f"{proj.shape[1]} bits), got {W}")
+    else:
+        first = mean if kind == "mean" else kmin
+        n_phys, Hkv = _tensor(first, needed[0], (torch.float32,), 3, dev).shape[:2]
+        for name in needed:
+            _repr_table(given[name], name, torch.float32, (n_phys, Hkv, D), dev)
+    if n_phys < 1 or Hkv < 1:
+        raise ValueError(f"{needed[0]}: expected at least one block and one KV head")
+    _heads(Hq, Hkv, "q")
+    if channel_mask is not None:
+        _tensor(channel_mask, "channel_mask", (torch.bool,), 3, dev)
+        _shape(channel_mask, "channel_mask", (B, Hq, D), "per query head and channel")
+    _fail_if({
+        f"num_blocks: entries must lie in [1, M={M}] (an empty request has nothing to score)":
+            ((nblk < 1) | (nblk > M)).any(),
+        f"block_table: an entry below num_blocks lies outside [0, {n_phys}) (the representation "
+        f"tables' rows)": _ids_used_out_of_range(table, nblk.clamp(0, M), n_phys),
+    })
+    return dispatch.call("score_blocks", q, table, nblk, kind=kind, mean=mean, kmin=kmin, kmax=kmax,
+                         codes=codes, proj=proj, channel_mask=channel_mask, reduce=reduce,
+                         backend=backend)
+
+
+def select_width(M: int, max_budget: int, init_window: int, local_window: int) -> int:
+    """Width ``K`` of :func:`select_blocks`' output: the most blocks any row can keep."""
+    return min(M, max(max_budget, init_window + max(local_window, 1)))
+
+
+def select_blocks(scores, num_blocks, budget: Union[int, torch.Tensor], *, init_window: int,
+                  local_window: int, backend: Optional[str] = None):
+    """Pick each request's blocks: ``(sel int32 [B, K], count int32 [B])``.
+
+    scores: float32 ``[B, M]`` (NaN ranks like ``-inf``); num_blocks: int32 ``[B]`` in
+    ``[1, M]``; budget: int >= 1 or int32 ``[B]`` (each >= 1); init_window, local_window:
+    ints >= 0. Keeps blocks ``[0, init_window)``, the last ``local_window`` blocks and the last
+    block, then the highest scores (ties: lower index) until
+    ``count = min(n, max(budget, kept so far))``. ``sel`` lists logical indexes in increasing
+    order, padded with ``-1``; ``K = min(M, max(max(budget), init_window + max(local_window, 1)))``
+    (a tensor budget costs one read of its maximum).
+    """
+    s = _tensor(scores, "scores", (torch.float32,), 2)
+    B, M = s.shape
+    if B < 1 or M < 1:
+        raise ValueError(f"scores: expected [batch >= 1, M >= 1], got {list(s.shape)}")
+    dev = s.device
+    nblk = _vector(num_blocks, "num_blocks", B, dev)
+    init_window = _int(init_window, "init_window", 0)
+    local_window = _int(local_window, "local_window", 0)
+    checks = {f"num_blocks: entries must lie in [1, M={M}] (an empty request has no block to keep)":
+              ((nblk < 1) | (nblk > M)).any()}
+    if isinstance(budget, torch.Tensor):
+        bud = _vector(budget, "budget", B, dev)
+        stats = torch.stack([bud.min(), bud.max()]).tolist()
+        if stats[0] < 1:
+            raise ValueError(f"budget: entries must be >= 1, got min {stats[0]}")
+        max_budget = stats[1]
+    else:
+        max_budget = _int(budget, "budget", 1)
+        bud = torch.full((B,), min(max_budget, 2**31 - 1), dtype=torch.int32, device=dev)
+    _fail_if(checks)
+    width = select_width(M, max_budget, init_window, local_window)
+    return dispatch.call("select_blocks", s, nblk, bud, init_window=init_window,
+                         local_window=local_window, width=width, backend=backend)
+
+
+def sparse_block_table(block_table, seq_lens, sel, count, block_size: int, *,
+                       backend: Optional[str] = None):
+    """The block table and sequence lengths an attention kernel sees for the selected blocks:
+    ``(table int32 [B, K], lens int32 [B])``; unused table entries are 0 (never read).
+
+    block_table: int32 ``[B, M]``; seq_lens: int32 ``[B]`` in ``[1, M * block_size]``; sel, count:
+    from :func:`select_blocks` (sel increasing, its last used entry the request's last block).
+    """
+    table = _tensor(block_table, "block_table", (torch.int32,), 2)
+    B, M = table.shape
+    if B < 1 or M < 1:
+        raise ValueError(f"block_table: expected [batch >= 1, M >= 1], got {list(table.shape)}")
+    dev = table.device
+    block_size = _int(block_size, "block_size", 1)
+    lens = _vector(seq_lens, "seq_lens", B, dev)
+    s = _tensor(sel, "sel", (torch.int32,), 2, dev)
+    if s.shape[0] != B or s.shape[1] < 1:
+        raise ValueError(f"sel: expected shape [{B}, K >= 1], got {list(s.shape)}")
+    K = s.shape[1]
+    cnt = _vector(count, "count", B, dev)
+    nb = torch.div(lens.long() + block_size - 1, block_size, rounding_mode="floor")
+    k = torch.arange(K, device=dev)[None, :]
+    used = k < cnt.long()[:, None]
+    last = s.long().gather(1, (cnt.long() - 1).clamp(0, K - 1)[:, None])[:, 0]
+    rising = (s[:, 1:].long() > s[:, :-1].long()) | ~used[:, 1:]
+    _fail_if({
+        f"seq_lens: entries must lie in [1, M * block_size = {M * block_size}]":
+            ((lens < 1) | (lens > M * block_size)).any(),
+        f"count: entries must lie in [1, K={K}]": ((cnt < 1) | (cnt > K)).any(),
+        "sel: used entries must be increasing logical block indexes >= 0":
+            (used & (s < 0)).any() | ~rising.all(),
+        "sel: the last selected block of each request must be its last block "
+        "(ceil(seq_lens / block_size) - 1)": (last != nb - 1).any(),
+    })
+    return dispatch.call("sparse_block_table", table, lens, s, cnt, block_size, backend=backend)
+
+
+def _attention_inputs(q, k_cache, block_table, seq_lens, v_cache=None):
+    k = _cache(k_cache)
+    n_phys, bs, Hkv, D = k.shape
+    if v_cache is not None:
+        v = _cache(v_cache, "v_cache")
+        if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+            raise ValueError(f"v_cache: expected the shape, dtype and device of k_cache "
+                             f"({list(k.shape)}, {k.dtype}, {k.device}), got {list(v.shape)}, "
+                             f"{v.dtype}, {v.device}")
+    q = _query(q, "q", k.device)
+    B, Hq, Dq = q.shape
+    if Dq != D:
+        raise ValueError(f"q: head_dim {Dq} differs from the cache's head_dim {D}")
+    _heads(Hq, Hkv, "q")
+    table = _table(block_table, B, k.device)
+    M = table.shape[1]
+    lens = _vector(seq_lens, "seq_lens", B, k.device)
+    nb = torch.div(lens.long() + bs - 1, bs, rounding_mode="floor")
+    _fail_if({
+        f"seq_lens: entries must lie in [1, M * block_size = {M * bs}] (an empty request has no "
+        f"query to attend with)": ((lens < 1) | (lens > M * bs)).any(),
+        f"block_table: an entry holding a request's tokens lies outside [0, num_blocks={n_phys})":
+            _ids_used_out_of_range(table, nb.clamp(0, M), n_phys),
+    })
+    return q, k, table, lens
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, out=None,
+                           backend: Optional[str] = None) -> torch.Tensor:
+    """One decode query per request over its paged KV: ``[B, Hq, D]`` in ``q``'s dtype.
+
+    q: ``[B, Hq, D]`` with the cache's dtype (float32/float16/bfloat16); k_cache, v_cache:
+    ``[num_blocks, block_size, Hkv, D]`` (any strides), Hq a multiple of Hkv; block_table: int32
+    ``[B, M]``; seq_lens: int32 ``[B]`` in ``[1, M * block_size]``; scale: default
+    ``D ** -0.5``; out: optional ``[B, Hq, D]`` tensor of q's dtype and device, written and
+    returned.
+    """
+    q, k, table, lens = _attention_inputs(q, k_cache, block_table, seq_lens, v_cache)
+    if q.dtype != k.dtype:
+        raise ValueError(f"q: dtype {q.dtype} differs from the cache's {k.dtype}")
+    if out is not None:
+        _tensor(out, "out", (q.dtype,), 3, q.device)
+        _shape(out, "out", q.shape, "like q")
+    return dispatch.call("paged_decode_attention", q, k, v_cache, table, lens,
+                         scale=_scale(scale, q.shape[2]), out=out, backend=backend)
+
+
+def block_attention_mass(q, k_cache, block_table, seq_lens, *, scale=None,
+                         backend: Optional[str] = None) -> torch.Tensor:
+    """Exact softmax mass of each logical block, averaged over query heads: float32 ``[B, M]``
+    (0 past a request's last block). Reference only: an oracle for selection quality."""
+    q, k, table, lens = _attention_inputs(q, k_cache, block_table, seq_lens)
+    return dispatch.call("block_attention_mass", q, k, table, lens,
+                         scale=_scale(scale, q.shape[2]), backend=backend)
