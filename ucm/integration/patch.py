@@ -107,6 +107,18 @@ register_patch("connector_registration", _register_connector, _unregister_connec
                _connector_registered)
 
 
+# -- patches registered by other modules (they import vLLM) -------------------------------------
+
+_HOOK_MODULES = ("ucm.integration.vllm.sparse_hook",)
+
+
+def _register_hooks() -> None:
+    """Import the modules that register their patches (only where vLLM is installed)."""
+    if vllm_version() is not None:
+        for name in _HOOK_MODULES:
+            importlib.import_module(name)
+
+
 # -- public API --------------------------------------------------------------------------------
 
 def patch() -> dict:
@@ -116,6 +128,7 @@ def patch() -> dict:
         return verify_patches()
     if vllm_version() is None:
         return verify_patches()
+    _register_hooks()
     _check_version()
     with _lock:
         for p in _patches.values():
@@ -138,6 +151,7 @@ def verify_patches() -> dict:
     """``{patch name: {"applied": bool, "wanted": bool}}`` plus the vLLM version and whether
     patching is disabled."""
     out = {"vllm_version": vllm_version(), "disabled": disabled(), "patches": {}}
+    _register_hooks()
     for p in _patches.values():
         try:
             applied = bool(p.check()) if out["vllm_version"] else False
