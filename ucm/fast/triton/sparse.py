@@ -1,0 +1,453 @@
+"""Triton sparse-attention ops: same names and signatures as :mod:`ucm.reference.sparse`; inputs
+validated by :mod:`ucm.sparse.ops`. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+
+- :func:`paged_decode_attention`: split-K ("flash decoding"). Program ``(b * Hkv + g, s)`` takes
+  KV head ``g`` of request ``b`` and the ``s``-th slice of its tokens, reads each K/V tile once
+  for the whole GQA group (the group's query heads, padded to 16 rows, are the rows of one
+  ``tl.dot``; float32 caches use exact float32 dots, and so do bfloat16 ones under the
+  interpreter, whose bfloat16 ``tl.dot`` is wrong in Triton 3.9), follows the block table per token, runs an online softmax in float32 (base 2) and
+  writes a partial output and its log-sum-exp. A second kernel merges the slices per query head.
+  The number of slices is chosen so that ``B * Hkv * splits`` covers the multiprocessors a few
+  times over (:func:`plan`). Any strides.
+- :func:`update_block_reprs`: one program per (listed block, KV head): masked mean / min / max
+  over the valid tokens, codes hashed from the mean.
+- :func:`score_blocks`: one program per (request, tile of logical blocks), looping over KV heads
+  and the heads of each group (quest bounds and mean products as masked row sums; hamming as
+  XOR + SWAR popcount of the group's query code).
+- :func:`hash_codes`: one program per row.
+- :func:`select_blocks`: PyTorch glue, no kernel: each (score, index) pair becomes one unique int64
+  key (an order-preserving integer image of the float32 score in the high half, ``M-1-j`` in the
+  low half, forced blocks above everything), so one ``torch.topk`` ranks exactly as the
+  reference's two stable sorts do.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ucm.fast.triton import interpreting
+
+LOG2E = 1.4426950408889634
+
+#: Tile of tokens per inner step of the decode kernel; launch shape knobs (see :func:`plan`).
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+#: Programs aimed at per multiprocessor by the split heuristic, and the fewest tokens per split.
+PROGRAMS_PER_SM = 2
+MIN_SPLIT_TOKENS = 256
+
+
+def _p2(n: int, least: int = 1) -> int:
+    return max(least, triton.next_power_of_2(int(n)))
+
+
+# ---------------------------------------------------------------------------------------------
+# decode attention
+
+
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, opart_ptr, lse_ptr,
+                         sq_b, sq_h, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
+                         st_b, st_m, scale_log2, split_tokens, num_splits,
+                         HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
+                         D: tl.constexpr, DPAD: tl.constexpr, BS: tl.constexpr,
+                         TILE: tl.constexpr, IEEE: tl.constexpr):
+    """Partial attention of one GQA group over one slice of one request's tokens.
+
+    Writes ``opart[b, h, s, :]`` (normalized partial output, float32) and ``lse[b, h, s]``
+    (log2-sum-exp of the slice's scaled logits; ``-inf`` for an empty slice).
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // HKV
+    g = pid % HKV
+    seq = tl.load(lens_ptr + b)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, seq)
+
+    rows = tl.arange(0, GPAD)
+    heads = g * GROUP + rows
+    hmask = rows < GROUP
+    d = tl.arange(0, DPAD)
+    dmask = d < D
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * sq_b + heads[:, None] * sq_h + d[None, :] * sq_d,
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([GPAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GPAD], tl.float32)
+    acc = tl.zeros([GPAD, DPAD], tl.float32)
+    k_head = k_ptr + g.to(tl.int64) * sk_h
+    v_head = v_ptr + g.to(tl.int64) * sv_h
+    cols = tl.arange(0, TILE)
+    for t0 in range(start, end, TILE):
+        t = t0 + cols
+        tmask = t < end
+        phys = tl.load(table_ptr + b64 * st_b + (t // BS) * st_m, mask=tmask, other=0).to(tl.int64)
+        off = t % BS
+        kv_mask = tmask[:, None] & dmask[None, :]
+        k = tl.load(k_head + phys[:, None] * sk_n + off[:, None] * sk_t + d[None, :] * sk_d,
+                    mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(tmask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + phys[:, None] * sv_n + off[:, None] * sv_t + d[None, :] * sv_d,
+                    mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    row = (b64 * (HKV * GROUP) + heads) * num_splits + split            # [GPAD]
+    if start < end:
+        lse = m_i + tl.log2(l_i)
+        o = acc / l_i[:, None]
+    else:
+        lse = tl.full([GPAD], float("-inf"), tl.float32)
+        o = tl.zeros([GPAD, DPAD], tl.float32)
+    tl.store(lse_ptr + row, lse, mask=hmask)
+    tl.store(opart_ptr + row[:, None] * D + d[None, :], o, mask=hmask[:, None] & dmask[None, :])
+
+
+def _decode_reduce_kernel(opart_ptr, lse_ptr, out_ptr, so_b, so_h, so_d, num_splits,
+                          HQ: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
+                          SPAD: tl.constexpr):
+    """Merge the slices of one (request, query head): weights ``2 ** (lse_s - max lse)``."""
+    pid = tl.program_id(0)
+    b = pid // HQ
+    h = pid % HQ
+    s = tl.arange(0, SPAD)
+    smask = s < num_splits
+    d = tl.arange(0, DPAD)
+    dmask = d < D
+    base = pid.to(tl.int64) * num_splits
+    lse = tl.load(lse_ptr + base + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
+    o = tl.load(opart_ptr + (base + s)[:, None] * D + d[None, :],
+                mask=smask[:, None] & dmask[None, :], other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b.to(tl.int64) * so_b + h * so_h + d * so_d,
+             res.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+_jitted: dict = {}
+
+
+def _jit(fn):
+    """``triton.jit(fn)``, made on first use so that ``TRITON_INTERPRET`` set before the first
+    call is honoured (``triton.jit`` reads it when it decorates)."""
+    key = (fn.__name__, interpreting())
+    k = _jitted.get(key)
+    if k is None:
+        k = _jitted[key] = triton.jit(fn)
+    return k
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any small number
+
+
+def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
+         block_n: Optional[int] = None) -> tuple[int, int]:
+    """``(num_splits, split_tokens)`` for a decode launch: enough programs
+    (``batch * num_kv_heads * num_splits``) for ``PROGRAMS_PER_SM`` per multiprocessor, each
+    slice a multiple of the token tile and at least ``MIN_SPLIT_TOKENS`` long."""
+    tile = block_n or BLOCK_N
+    units = batch * num_kv_heads
+    want = max(1, math.ceil(PROGRAMS_PER_SM * _sm_count(device) / units))
+    most = max(1, max_tokens // max(MIN_SPLIT_TOKENS, tile))
+    splits = min(want, most)
+    split_tokens = math.ceil(math.ceil(max_tokens / splits) / tile) * tile
+    return math.ceil(max_tokens / split_tokens), split_tokens
+
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *,
+           block_n: Optional[int] = None, num_splits: Optional[int] = None,
+           num_warps: Optional[int] = None, num_stages: Optional[int] = None):
+    """:func:`paged_decode_attention` with explicit launch knobs (benchmarks, tuning)."""
+    B, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    group = Hq // Hkv
+    tile = block_n or BLOCK_N
+    max_tokens = block_table.shape[1] * bs
+    if num_splits is None:
+        num_splits, split_tokens = plan(B, Hkv, max_tokens, q.device, tile)
+    else:
+        split_tokens = math.ceil(math.ceil(max_tokens / num_splits) / tile) * tile
+        num_splits = math.ceil(max_tokens / split_tokens)
+    opart = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    dpad = _p2(D, 16)
+    warps = num_warps or NUM_WARPS
+    _jit(_decode_split_kernel)[(B * Hkv, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, opart, lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
+        scale * LOG2E, split_tokens, num_splits,
+        HKV=Hkv, GROUP=group, GPAD=_p2(group, 16), D=D, DPAD=dpad, BS=bs, TILE=tile,
+        IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
+        num_warps=warps, num_stages=num_stages or NUM_STAGES)
+    _jit(_decode_reduce_kernel)[(B * Hq,)](
+        opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=dpad,
+        SPAD=_p2(num_splits), num_warps=4)
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: float,
+                           out=None):
+    """Same contract as :func:`ucm.reference.sparse.paged_decode_attention`; asynchronous."""
+    return decode(q, k_cache, v_cache, block_table, seq_lens, scale, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# hashing and block representations
+
+
+@triton.jit
+def _hash_words(x, proj_ptr, d, dmask, WORDS: tl.constexpr, HASH_BITS: tl.constexpr,
+                WPAD: tl.constexpr):
+    """int32 ``[WPAD]`` sign-bit words of ``x [DPAD] @ proj [D, HASH_BITS]`` (float32)."""
+    lanes = tl.arange(0, 32)
+    word_ids = tl.arange(0, WPAD)
+    words = tl.zeros([WPAD], tl.int32)
+    for w in tl.static_range(WORDS):
+        cols = w * 32 + lanes
+        p = tl.load(proj_ptr + d[:, None] * HASH_BITS + cols[None, :], mask=dmask[:, None], other=0.0)
+        y = tl.sum(x[:, None] * p, 0)                                        # [32]
+        bits = tl.where(y > 0, tl.full([32], 1, tl.uint32) << lanes.to(tl.uint32), 0)
+        word = tl.sum(bits, 0).to(tl.int32, bitcast=True)
+        words = tl.where(word_ids == w, word, words)
+    return words
+
+
+def _hash_kernel(x_ptr, proj_ptr, out_ptr, D: tl.constexpr, DPAD: tl.constexpr,
+                 WORDS: tl.constexpr, WPAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, DPAD)
+    dmask = d < D
+    x = tl.load(x_ptr + row * D + d, mask=dmask, other=0.0).to(tl.float32)
+    words = _hash_words(x, proj_ptr, d, dmask, WORDS, WORDS * 32, WPAD)
+    w = tl.arange(0, WPAD)
+    tl.store(out_ptr + row * WORDS + w, words, mask=w < WORDS)
+
+
+def hash_codes(x, proj):
+    """Same contract as :func:`ucm.reference.sparse.hash_codes`."""
+    D, bits = proj.shape
+    rows = x.reshape(-1, D).contiguous()
+    proj = proj.contiguous()
+    out = torch.empty(rows.shape[0], bits // 32, dtype=torch.int32, device=x.device)
+    if rows.shape[0]:
+        _jit(_hash_kernel)[(rows.shape[0],)](rows, proj, out, D=D, DPAD=_p2(D, 16),
+                                              WORDS=bits // 32, WPAD=_p2(bits // 32))
+    return out.reshape(*x.shape[:-1], bits // 32)
+
+
+def _reprs_kernel(k_ptr, ids_ptr, ntok_ptr, mean_ptr, kmin_ptr, kmax_ptr, codes_ptr, proj_ptr,
+                  sk_n, sk_t, sk_h, sk_d, HKV: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
+                  BS: tl.constexpr, BSPAD: tl.constexpr, DO_MEAN: tl.constexpr,
+                  DO_MIN: tl.constexpr, DO_MAX: tl.constexpr, WORDS: tl.constexpr,
+                  WPAD: tl.constexpr):
+    i = tl.program_id(0)
+    g = tl.program_id(1)
+    blk = tl.load(ids_ptr + i).to(tl.int64)
+    n = tl.load(ntok_ptr + i).to(tl.int32)
+    t = tl.arange(0, BSPAD)
+    d = tl.arange(0, DPAD)
+    dmask = d < D
+    live = (t < n)[:, None] & dmask[None, :]
+    keys = tl.load(k_ptr + blk * sk_n + t[:, None] * sk_t + g * sk_h + d[None, :] * sk_d,
+                   mask=live, other=0.0).to(tl.float32)
+    row = (blk * HKV + g) * D + d
+    mean = tl.sum(keys, 0) / n.to(tl.float32)
+    if DO_MEAN:
+        tl.store(mean_ptr + row, mean, mask=dmask)
+    if DO_MIN:
+        tl.store(kmin_ptr + row, tl.min(tl.where(live, keys, float("inf")), 0), mask=dmask)
+    if DO_MAX:
+        tl.store(kmax_ptr + row, tl.max(tl.where(live, keys, float("-inf")), 0), mask=dmask)
+    if WORDS > 0:
+        words = _hash_words(mean, proj_ptr, d, dmask, WORDS, WORDS * 32, WPAD)
+        w = tl.arange(0, WPAD)
+        tl.store(codes_ptr + (blk * HKV + g) * WORDS + w, words, mask=w < WORDS)
+
+
+def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, kmax=None,
+                       codes=None, proj=None) -> None:
+    """Same contract as :func:`ucm.reference.sparse.update_block_reprs`; asynchronous."""
+    n = block_ids.shape[0]
+    if n == 0:
+        return
+    _, bs, Hkv, D = k_cache.shape
+    words = 0 if codes is None else codes.shape[2]
+    dummy = torch.empty(1, dtype=torch.float32, device=k_cache.device)
+    tables = []
+    for t in (mean, kmin, kmax, codes):  # written through flat row indexes: need contiguity
+        tables.append(None if t is None else (t if t.is_contiguous() else t.contiguous()))
+    _jit(_reprs_kernel)[(n, Hkv)](
+        k_cache, block_ids, num_tokens,
+        *(dummy if t is None else t for t in tables),
+        dummy if proj is None else proj.contiguous(),
+        *k_cache.stride(), HKV=Hkv, D=D, DPAD=_p2(D, 16), BS=bs, BSPAD=_p2(bs),
+        DO_MEAN=mean is not None, DO_MIN=kmin is not None, DO_MAX=kmax is not None,
+        WORDS=words, WPAD=_p2(max(words, 1)))
+    for given, used in zip((mean, kmin, kmax, codes), tables):
+        if given is not None and used is not given:
+            given.copy_(used)
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+
+
+@triton.jit
+def _popcount32(x):
+    """Set bits of each uint32 (SWAR, no multiply)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    return x & 0x3F
+
+
+def _score_kernel(q_ptr, table_ptr, nblk_ptr, rep_a_ptr, rep_b_ptr, mask_ptr, proj_ptr, out_ptr,
+                  sq_b, sq_h, sq_d, st_b, st_m, M,
+                  HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
+                  KIND: tl.constexpr, HAS_MASK: tl.constexpr, PER_HEAD: tl.constexpr,
+                  WORDS: tl.constexpr, WPAD: tl.constexpr, TILE_M: tl.constexpr):
+    """Scores of logical blocks ``[tile * TILE_M, +TILE_M)`` of request ``b``. KIND: 0 mean,
+    1 quest, 2 hamming. PER_HEAD: write ``[B, heads, M]`` rows, else their sum ``[B, M]``."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * TILE_M + tl.arange(0, TILE_M)
+    nb = tl.load(nblk_ptr + b)
+    valid = j < nb
+    inside = j < M
+    phys = tl.load(table_ptr + b * st_b + j * st_m, mask=valid, other=0).to(tl.int64)
+    d = tl.arange(0, DPAD)
+    dmask = d < D
+    total = tl.zeros([TILE_M], tl.float32)
+    for g in range(HKV):
+        if KIND == 2:
+            qsum = tl.zeros([DPAD], tl.float32)
+            for r in tl.static_range(GROUP):
+                h = g * GROUP + r
+                qsum += tl.load(q_ptr + b * sq_b + h * sq_h + d * sq_d, mask=dmask,
+                                other=0.0).to(tl.float32)
+            qwords = _hash_words(qsum, proj_ptr, d, dmask, WORDS, WORDS * 32, WPAD)
+            w = tl.arange(0, WPAD)
+            wmask = valid[:, None] & (w < WORDS)[None, :]
+            codes = tl.load(rep_a_ptr + (phys[:, None] * HKV + g) * WORDS + w[None, :],
+                            mask=wmask, other=0)
+            x = (codes ^ qwords[None, :]).to(tl.uint32, bitcast=True)
+            diff = tl.sum(tl.where(wmask, _popcount32(x), 0), 1)
+            score = (WORDS * 32 - diff.to(tl.int32)).to(tl.float32)
+            total += score
+            if PER_HEAD:
+                tl.store(out_ptr + (b * HKV + g) * M + j, tl.where(valid, score, float("-inf")),
+                         mask=inside)
+        else:
+            rmask = valid[:, None] & dmask[None, :]
+            rows = (phys[:, None] * HKV + g) * D + d[None, :]
+            rep_a = tl.load(rep_a_ptr + rows, mask=rmask, other=0.0)
+            if KIND == 1:
+                rep_b = tl.load(rep_b_ptr + rows, mask=rmask, other=0.0)
+            for r in tl.static_range(GROUP):
+                h = g * GROUP + r
+                qh = tl.load(q_ptr + b * sq_b + h * sq_h + d * sq_d, mask=dmask,
+                             other=0.0).to(tl.float32)
+                if HAS_MASK:
+                    keep = tl.load(mask_ptr + (b * (HKV * GROUP) + h) * D + d, mask=dmask, other=0)
+                    qh = tl.where(keep != 0, qh, 0.0)
+                if KIND == 1:
+                    score = tl.sum(tl.maximum(qh[None, :] * rep_a, qh[None, :] * rep_b), 1)
+                else:
+                    score = tl.sum(qh[None, :] * rep_a, 1)
+                total += score
+                if PER_HEAD:
+                    tl.store(out_ptr + (b * (HKV * GROUP) + h) * M + j,
+                             tl.where(valid, score, float("-inf")), mask=inside)
+    if not PER_HEAD:
+        tl.store(out_ptr + b * M + j, tl.where(valid, total, float("-inf")), mask=inside)
+
+
+SCORE_TILE = 32
+
+
+def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
+                 codes=None, proj=None, channel_mask=None, reduce: str = "sum"):
+    """Same contract as :func:`ucm.reference.sparse.score_blocks`; asynchronous."""
+    B, Hq, D = q.shape
+    M = block_table.shape[1]
+    dev = q.device
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    words = 0
+    if kind == "hamming":
+        Hkv = codes.shape[1]
+        words = codes.shape[2]
+        rep_a, rep_b = codes.contiguous(), dummy
+        proj = proj.contiguous()
+    elif kind == "quest":
+        Hkv = kmin.shape[1]
+        rep_a, rep_b = kmin.contiguous(), kmax.contiguous()
+    else:
+        Hkv = mean.shape[1]
+        rep_a, rep_b = mean.contiguous(), dummy
+    per_head = reduce == "none"
+    heads = Hkv if kind == "hamming" else Hq
+    out = torch.empty((B, heads, M) if per_head else (B, M), dtype=torch.float32, device=dev)
+    cmask = dummy if channel_mask is None else channel_mask.contiguous().view(torch.uint8)
+    _jit(_score_kernel)[(B, triton.cdiv(M, SCORE_TILE))](
+        q, block_table, num_blocks, rep_a, rep_b, cmask, dummy if proj is None else proj, out,
+        *q.stride(), *block_table.stride(), M,
+        HKV=Hkv, GROUP=Hq // Hkv, D=D, DPAD=_p2(D, 16), KIND=("mean", "quest", "hamming").index(kind),
+        HAS_MASK=channel_mask is not None, PER_HEAD=per_head, WORDS=words, WPAD=_p2(max(words, 1)),
+        TILE_M=SCORE_TILE)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# selection (PyTorch glue: one top-k over unique integer keys)
+
+
+def _ordered_int(scores: torch.Tensor) -> torch.Tensor:
+    """int64 image of float32 scores with the same order (``-0.0`` maps with ``+0.0``, NaN with
+    ``-inf``)."""
+    s = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")) + 0.0
+    bits = s.view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: reverse magnitude
+
+
+def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window: int, width: int):
+    """Same contract as :func:`ucm.reference.sparse.select_blocks` (identical output)."""
+    B, M = scores.shape
+    dev = scores.device
+    j = torch.arange(M, device=dev)[None, :]
+    n = num_blocks.long()[:, None]
+    valid = j < n
+    forced = ((j < init_window) | (j >= n - local_window) | (j == n - 1)) & valid
+    count = torch.minimum(n[:, 0], torch.maximum(budget.long(), forced.sum(1)))
+    low = (M - 1) - j                                             # lower index ranks higher
+    key = _ordered_int(scores.float()) * (1 << 32) + low
+    key = torch.where(forced, torch.iinfo(torch.int64).max - j, key)
+    key = torch.where(valid, key, torch.iinfo(torch.int64).min)
+    top = torch.topk(key, width, dim=1, sorted=True).indices      # best first
+    rank = torch.arange(width, device=dev)[None, :]
+    picked = torch.where(rank < count[:, None], top, M)
+    sel = torch.sort(picked, dim=1).values
+    sel = torch.where(sel < M, sel, -1).to(torch.int32)
+    return sel, count.to(torch.int32)
