@@ -287,6 +287,9 @@ class UCMConnector(KVConnectorBase_V1):
     # worker side
     # =========================================================================================
     def _init_worker(self) -> None:
+        from ucm.integration.vllm import sparse_hook
+
+        sparse_hook.configure(self.cfg)  # sparse settings may come from kv_connector_extra_config
         self.layout = None
         self._staging = None
         self._load_errors: set[int] = set()
