@@ -10,9 +10,8 @@ op                          reference (priority 0)                fast
 update_block_reprs          ucm.reference.sparse (PyTorch)        ucm.fast.triton.sparse (20)
 hash_codes                  (same)                                (same)
 score_blocks                (same)                                (same)
-select_blocks               (same: two stable sorts)              (same: top-k on unique keys)
-sparse_block_table          (same; vectorized, runs on any        --
-                            device)
+select_blocks               (same: two stable sorts)              (same: threshold search)
+sparse_block_table          (same)                                (same: one gather kernel)
 paged_decode_attention      (same: per-request softmax)           (same: split-K flash decoding)
 block_attention_mass        (same; an oracle, reference only)     --
 ==========================  ====================================  ===============================
@@ -66,8 +65,8 @@ def on_triton_device(*args, **kwargs):
 
 
 _TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
-               "paged_decode_attention")
-for _op in _TRITON_OPS + ("sparse_block_table", "block_attention_mass"):
+               "sparse_block_table", "paged_decode_attention")
+for _op in _TRITON_OPS + ("block_attention_mass",):
     dispatch.register(_op, "reference", f"ucm.reference.sparse:{_op}", priority=0)
 for _op in _TRITON_OPS:
     dispatch.register(_op, "triton", f"ucm.fast.triton.sparse:{_op}", priority=20,

@@ -15,10 +15,12 @@ validated by :mod:`ucm.sparse.ops`. CUDA tensors, or CPU tensors under ``TRITON_
   and the heads of each group (quest bounds and mean products as masked row sums; hamming as
   XOR + SWAR popcount of the group's query code).
 - :func:`hash_codes`: one program per row.
-- :func:`select_blocks`: PyTorch glue, no kernel: each (score, index) pair becomes one unique int64
-  key (an order-preserving integer image of the float32 score in the high half, ``M-1-j`` in the
-  low half, forced blocks above everything), so one ``torch.topk`` ranks exactly as the
-  reference's two stable sorts do.
+- :func:`select_blocks`: one program per request holding its row of scores: a 32-step binary
+  search for the threshold score over an order-preserving integer image of the floats, ties to
+  the lower index through a prefix count, compaction through a second one. Rows longer than
+  ``SELECT_KERNEL_MAX_BLOCKS`` use PyTorch glue instead: one ``torch.topk`` over unique int64
+  keys (score image, then ``M-1-j``). Both give exactly the reference's selection.
+- :func:`sparse_block_table`: one gather kernel (table entries and lengths).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from ucm.fast.triton import interpreting
 LOG2E = 1.4426950408889634
 
 #: Tile of tokens per inner step of the decode kernel; launch shape knobs (see :func:`plan`).
-BLOCK_N = 64
+BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 2
 #: Programs aimed at per multiprocessor by the split heuristic, and the fewest tokens per split.
@@ -154,10 +156,16 @@ def _jit(fn):
     return k
 
 
+_sm_counts: dict = {}
+
+
 def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: any small number
+    if device.type != "cuda":
+        return 4  # the interpreter: any small number
+    n = _sm_counts.get(device.index)
+    if n is None:
+        n = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
@@ -217,32 +225,22 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale:
 # hashing and block representations
 
 
-@triton.jit
-def _hash_words(x, proj_ptr, d, dmask, WORDS: tl.constexpr, HASH_BITS: tl.constexpr,
-                WPAD: tl.constexpr):
-    """int32 ``[WPAD]`` sign-bit words of ``x [DPAD] @ proj [D, HASH_BITS]`` (float32)."""
-    lanes = tl.arange(0, 32)
-    word_ids = tl.arange(0, WPAD)
-    words = tl.zeros([WPAD], tl.int32)
-    for w in tl.static_range(WORDS):
-        cols = w * 32 + lanes
-        p = tl.load(proj_ptr + d[:, None] * HASH_BITS + cols[None, :], mask=dmask[:, None], other=0.0)
-        y = tl.sum(x[:, None] * p, 0)                                        # [32]
-        bits = tl.where(y > 0, tl.full([32], 1, tl.uint32) << lanes.to(tl.uint32), 0)
-        word = tl.sum(bits, 0).to(tl.int32, bitcast=True)
-        words = tl.where(word_ids == w, word, words)
-    return words
-
-
 def _hash_kernel(x_ptr, proj_ptr, out_ptr, D: tl.constexpr, DPAD: tl.constexpr,
-                 WORDS: tl.constexpr, WPAD: tl.constexpr):
+                 WORDS: tl.constexpr):
+    """Row ``program_id(0)`` of ``x [rows, D]``: word ``w`` = sign bits of
+    ``x @ proj[:, 32 w : 32 w + 32]`` (float32 products summed over D)."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, DPAD)
     dmask = d < D
     x = tl.load(x_ptr + row * D + d, mask=dmask, other=0.0).to(tl.float32)
-    words = _hash_words(x, proj_ptr, d, dmask, WORDS, WORDS * 32, WPAD)
-    w = tl.arange(0, WPAD)
-    tl.store(out_ptr + row * WORDS + w, words, mask=w < WORDS)
+    lanes = tl.arange(0, 32)
+    for w in range(WORDS):
+        cols = w * 32 + lanes
+        p = tl.load(proj_ptr + d[:, None] * (WORDS * 32) + cols[None, :], mask=dmask[:, None],
+                    other=0.0)
+        y = tl.sum(x[:, None] * p, 0)                                        # [32]
+        bits = tl.where(y > 0, tl.full([32], 1, tl.uint32) << lanes.to(tl.uint32), 0)
+        tl.store(out_ptr + row * WORDS + w, tl.sum(bits, 0).to(tl.int32, bitcast=True))
 
 
 def hash_codes(x, proj):
@@ -253,15 +251,16 @@ def hash_codes(x, proj):
     out = torch.empty(rows.shape[0], bits // 32, dtype=torch.int32, device=x.device)
     if rows.shape[0]:
         _jit(_hash_kernel)[(rows.shape[0],)](rows, proj, out, D=D, DPAD=_p2(D, 16),
-                                              WORDS=bits // 32, WPAD=_p2(bits // 32))
+                                              WORDS=bits // 32)
     return out.reshape(*x.shape[:-1], bits // 32)
 
 
-def _reprs_kernel(k_ptr, ids_ptr, ntok_ptr, mean_ptr, kmin_ptr, kmax_ptr, codes_ptr, proj_ptr,
+def _reprs_kernel(k_ptr, ids_ptr, ntok_ptr, mean_ptr, kmin_ptr, kmax_ptr, listed_ptr,
                   sk_n, sk_t, sk_h, sk_d, HKV: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
-                  BS: tl.constexpr, BSPAD: tl.constexpr, DO_MEAN: tl.constexpr,
-                  DO_MIN: tl.constexpr, DO_MAX: tl.constexpr, WORDS: tl.constexpr,
-                  WPAD: tl.constexpr):
+                  BSPAD: tl.constexpr, DO_MEAN: tl.constexpr, DO_MIN: tl.constexpr,
+                  DO_MAX: tl.constexpr, DO_LISTED: tl.constexpr):
+    """Block ``ids[i]``, KV head ``g``: mean / min / max over its first ``ntok[i]`` tokens into the
+    per-block tables; DO_LISTED also writes the mean to row ``i`` of ``listed [N, HKV, D]``."""
     i = tl.program_id(0)
     g = tl.program_id(1)
     blk = tl.load(ids_ptr + i).to(tl.int64)
@@ -280,10 +279,8 @@ def _reprs_kernel(k_ptr, ids_ptr, ntok_ptr, mean_ptr, kmin_ptr, kmax_ptr, codes_
         tl.store(kmin_ptr + row, tl.min(tl.where(live, keys, float("inf")), 0), mask=dmask)
     if DO_MAX:
         tl.store(kmax_ptr + row, tl.max(tl.where(live, keys, float("-inf")), 0), mask=dmask)
-    if WORDS > 0:
-        words = _hash_words(mean, proj_ptr, d, dmask, WORDS, WORDS * 32, WPAD)
-        w = tl.arange(0, WPAD)
-        tl.store(codes_ptr + (blk * HKV + g) * WORDS + w, words, mask=w < WORDS)
+    if DO_LISTED:
+        tl.store(listed_ptr + (i.to(tl.int64) * HKV + g) * D + d, mean, mask=dmask)
 
 
 def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, kmax=None,
@@ -293,45 +290,36 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
     if n == 0:
         return
     _, bs, Hkv, D = k_cache.shape
-    words = 0 if codes is None else codes.shape[2]
     dummy = torch.empty(1, dtype=torch.float32, device=k_cache.device)
     tables = []
-    for t in (mean, kmin, kmax, codes):  # written through flat row indexes: need contiguity
+    for t in (mean, kmin, kmax):  # written through flat row indexes: need contiguity
         tables.append(None if t is None else (t if t.is_contiguous() else t.contiguous()))
+    listed = None if codes is None else torch.empty(n, Hkv, D, dtype=torch.float32,
+                                                    device=k_cache.device)
     _jit(_reprs_kernel)[(n, Hkv)](
-        k_cache, block_ids, num_tokens,
-        *(dummy if t is None else t for t in tables),
-        dummy if proj is None else proj.contiguous(),
-        *k_cache.stride(), HKV=Hkv, D=D, DPAD=_p2(D, 16), BS=bs, BSPAD=_p2(bs),
-        DO_MEAN=mean is not None, DO_MIN=kmin is not None, DO_MAX=kmax is not None,
-        WORDS=words, WPAD=_p2(max(words, 1)))
-    for given, used in zip((mean, kmin, kmax, codes), tables):
+        k_cache, block_ids, num_tokens, *(dummy if t is None else t for t in tables),
+        dummy if listed is None else listed, *k_cache.stride(),
+        HKV=Hkv, D=D, DPAD=_p2(D, 16), BSPAD=_p2(bs), DO_MEAN=mean is not None,
+        DO_MIN=kmin is not None, DO_MAX=kmax is not None, DO_LISTED=listed is not None)
+    for given, used in zip((mean, kmin, kmax), tables):
         if given is not None and used is not given:
             given.copy_(used)
+    if codes is not None:
+        codes[block_ids.long()] = hash_codes(listed, proj)
 
 
 # ---------------------------------------------------------------------------------------------
 # scoring
 
 
-@triton.jit
-def _popcount32(x):
-    """Set bits of each uint32 (SWAR, no multiply)."""
-    x = x - ((x >> 1) & 0x55555555)
-    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F
-    x = x + (x >> 8)
-    x = x + (x >> 16)
-    return x & 0x3F
-
-
-def _score_kernel(q_ptr, table_ptr, nblk_ptr, rep_a_ptr, rep_b_ptr, mask_ptr, proj_ptr, out_ptr,
+def _score_kernel(q_ptr, table_ptr, nblk_ptr, rep_a_ptr, rep_b_ptr, mask_ptr, qcode_ptr, out_ptr,
                   sq_b, sq_h, sq_d, st_b, st_m, M,
                   HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
                   KIND: tl.constexpr, HAS_MASK: tl.constexpr, PER_HEAD: tl.constexpr,
                   WORDS: tl.constexpr, WPAD: tl.constexpr, TILE_M: tl.constexpr):
     """Scores of logical blocks ``[tile * TILE_M, +TILE_M)`` of request ``b``. KIND: 0 mean,
-    1 quest, 2 hamming. PER_HEAD: write ``[B, heads, M]`` rows, else their sum ``[B, M]``."""
+    1 quest, 2 hamming (``qcode [B, HKV, WORDS]``: codes of the groups' summed queries).
+    PER_HEAD: write ``[B, heads, M]`` rows, else their sum ``[B, M]``."""
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * TILE_M + tl.arange(0, TILE_M)
     nb = tl.load(nblk_ptr + b)
@@ -343,18 +331,18 @@ def _score_kernel(q_ptr, table_ptr, nblk_ptr, rep_a_ptr, rep_b_ptr, mask_ptr, pr
     total = tl.zeros([TILE_M], tl.float32)
     for g in range(HKV):
         if KIND == 2:
-            qsum = tl.zeros([DPAD], tl.float32)
-            for r in tl.static_range(GROUP):
-                h = g * GROUP + r
-                qsum += tl.load(q_ptr + b * sq_b + h * sq_h + d * sq_d, mask=dmask,
-                                other=0.0).to(tl.float32)
-            qwords = _hash_words(qsum, proj_ptr, d, dmask, WORDS, WORDS * 32, WPAD)
             w = tl.arange(0, WPAD)
+            qwords = tl.load(qcode_ptr + (b * HKV + g) * WORDS + w, mask=w < WORDS, other=0)
             wmask = valid[:, None] & (w < WORDS)[None, :]
             codes = tl.load(rep_a_ptr + (phys[:, None] * HKV + g) * WORDS + w[None, :],
                             mask=wmask, other=0)
             x = (codes ^ qwords[None, :]).to(tl.uint32, bitcast=True)
-            diff = tl.sum(tl.where(wmask, _popcount32(x), 0), 1)
+            x = x - ((x >> 1) & 0x55555555)                       # SWAR popcount
+            x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+            x = (x + (x >> 4)) & 0x0F0F0F0F
+            x = x + (x >> 8)
+            x = (x + (x >> 16)) & 0x3F
+            diff = tl.sum(tl.where(wmask, x, 0), 1)
             score = (WORDS * 32 - diff.to(tl.int32)).to(tl.float32)
             total += score
             if PER_HEAD:
@@ -400,7 +388,8 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
         Hkv = codes.shape[1]
         words = codes.shape[2]
         rep_a, rep_b = codes.contiguous(), dummy
-        proj = proj.contiguous()
+        qsum = q.float().reshape(B, Hkv, Hq // Hkv, D).sum(2)
+        qcode = hash_codes(qsum, proj).contiguous()
     elif kind == "quest":
         Hkv = kmin.shape[1]
         rep_a, rep_b = kmin.contiguous(), kmax.contiguous()
@@ -412,7 +401,7 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
     out = torch.empty((B, heads, M) if per_head else (B, M), dtype=torch.float32, device=dev)
     cmask = dummy if channel_mask is None else channel_mask.contiguous().view(torch.uint8)
     _jit(_score_kernel)[(B, triton.cdiv(M, SCORE_TILE))](
-        q, block_table, num_blocks, rep_a, rep_b, cmask, dummy if proj is None else proj, out,
+        q, block_table, num_blocks, rep_a, rep_b, cmask, qcode if kind == "hamming" else dummy, out,
         *q.stride(), *block_table.stride(), M,
         HKV=Hkv, GROUP=Hq // Hkv, D=D, DPAD=_p2(D, 16), KIND=("mean", "quest", "hamming").index(kind),
         HAS_MASK=channel_mask is not None, PER_HEAD=per_head, WORDS=words, WPAD=_p2(max(words, 1)),
@@ -421,19 +410,66 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
 
 
 # ---------------------------------------------------------------------------------------------
-# selection (PyTorch glue: one top-k over unique integer keys)
+# selection and the sparse block table
+
+
+def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, width,
+                   ss_b, ss_m, INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr):
+    """One request: forced blocks, then the ``r`` best other blocks by (score desc, index asc).
+
+    The ``r``-th best score is found by a binary search over the 32-bit order-preserving integer
+    image ``u`` of the scores (32 counting passes over the row held in registers); blocks above it
+    are taken, and of those equal to it the lowest indexes (an inclusive prefix count).
+    """
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, MPAD)
+    n = tl.load(nblk_ptr + b)
+    valid = j < n
+    forced = valid & ((j < INIT) | (j >= n - LOCAL) | (j == n - 1))
+    s = tl.load(scores_ptr + b * ss_b + j * ss_m, mask=valid, other=float("-inf"))
+    s = tl.where(s != s, float("-inf"), s)                     # NaN ranks like -inf
+    s = tl.where(s == 0.0, 0.0, s)                             # -0.0 ties with +0.0
+    bits = s.to(tl.int32, bitcast=True)
+    u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648   # [0, 2**32)
+    cand = valid & ~forced
+    n_forced = tl.sum(forced.to(tl.int32), 0)
+    keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
+    r = keep - n_forced                                        # blocks still to take
+    lo = tl.zeros([], tl.int64)
+    hi = tl.full([], 4294967295, tl.int64)
+    for _ in range(32):                                        # largest t: #(u >= t) >= r
+        mid = (lo + hi + 1) // 2
+        enough = tl.sum((cand & (u >= mid)).to(tl.int32), 0) >= r
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = cand & (u > lo)
+    ties = cand & (u == lo)
+    rank = tl.cumsum(ties.to(tl.int32), 0)
+    chosen = forced | above | (ties & (rank <= r - tl.sum(above.to(tl.int32), 0)))
+    pos = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    out = sel_ptr + b * width
+    tl.store(out + pos, j, mask=chosen)
+    tl.store(out + j, tl.full([MPAD], -1, tl.int32), mask=(j >= keep) & (j < width))
+    tl.store(count_ptr + b, keep)
+
+
+#: Rows up to this many blocks are selected by the kernel (held in registers); longer rows use
+#: the top-k glue below.
+SELECT_KERNEL_MAX_BLOCKS = 16384
 
 
 def _ordered_int(scores: torch.Tensor) -> torch.Tensor:
     """int64 image of float32 scores with the same order (``-0.0`` maps with ``+0.0``, NaN with
     ``-inf``)."""
-    s = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")) + 0.0
+    s = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    s = torch.where(s == 0, 0.0, s)
     bits = s.view(torch.int32).long()
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: reverse magnitude
 
 
-def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window: int, width: int):
-    """Same contract as :func:`ucm.reference.sparse.select_blocks` (identical output)."""
+def _select_topk(scores, num_blocks, budget, init_window: int, local_window: int, width: int):
+    """Long rows: one ``torch.topk`` over unique int64 keys (score image in the high half,
+    ``M-1-j`` in the low half, forced blocks above everything, invalid ones below)."""
     B, M = scores.shape
     dev = scores.device
     j = torch.arange(M, device=dev)[None, :]
@@ -441,13 +477,54 @@ def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window:
     valid = j < n
     forced = ((j < init_window) | (j >= n - local_window) | (j == n - 1)) & valid
     count = torch.minimum(n[:, 0], torch.maximum(budget.long(), forced.sum(1)))
-    low = (M - 1) - j                                             # lower index ranks higher
-    key = _ordered_int(scores.float()) * (1 << 32) + low
+    key = _ordered_int(scores.float()) * (1 << 32) + ((M - 1) - j)
     key = torch.where(forced, torch.iinfo(torch.int64).max - j, key)
     key = torch.where(valid, key, torch.iinfo(torch.int64).min)
-    top = torch.topk(key, width, dim=1, sorted=True).indices      # best first
+    top = torch.topk(key, width, dim=1, sorted=True).indices     # best first
     rank = torch.arange(width, device=dev)[None, :]
     picked = torch.where(rank < count[:, None], top, M)
     sel = torch.sort(picked, dim=1).values
     sel = torch.where(sel < M, sel, -1).to(torch.int32)
     return sel, count.to(torch.int32)
+
+
+def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window: int, width: int):
+    """Same contract as :func:`ucm.reference.sparse.select_blocks` (identical output)."""
+    B, M = scores.shape
+    if M > SELECT_KERNEL_MAX_BLOCKS:
+        return _select_topk(scores, num_blocks, budget, init_window, local_window, width)
+    sel = torch.empty(B, width, dtype=torch.int32, device=scores.device)
+    count = torch.empty(B, dtype=torch.int32, device=scores.device)
+    mpad = _p2(M, 16)
+    _jit(_select_kernel)[(B,)](scores, num_blocks, budget, sel, count, M, width, *scores.stride(),
+                               INIT=init_window, LOCAL=local_window, MPAD=mpad,
+                               num_warps=8 if mpad <= 4096 else 16)
+    return sel, count
+
+
+def _table_kernel(table_ptr, lens_ptr, sel_ptr, count_ptr, out_ptr, out_lens_ptr, K,
+                  st_b, st_m, BS: tl.constexpr, TILE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    cnt = tl.load(count_ptr + b)
+    used = k < cnt
+    logical = tl.load(sel_ptr + b * K + k, mask=used, other=0)
+    phys = tl.load(table_ptr + b * st_b + logical * st_m, mask=used, other=0)
+    tl.store(out_ptr + b * K + k, tl.where(used, phys, 0), mask=k < K)
+    if tl.program_id(1) == 0:
+        n = tl.load(lens_ptr + b)
+        last_len = n - ((n + BS - 1) // BS - 1) * BS
+        tl.store(out_lens_ptr + b, (cnt - 1) * BS + last_len)
+
+
+def sparse_block_table(block_table, seq_lens, sel, count, block_size: int):
+    """Same contract as :func:`ucm.reference.sparse.sparse_block_table`; asynchronous."""
+    B, K = sel.shape
+    sel = sel.contiguous()
+    table = torch.empty(B, K, dtype=torch.int32, device=sel.device)
+    lens = torch.empty(B, dtype=torch.int32, device=sel.device)
+    tile = min(1024, _p2(K, 16))
+    _jit(_table_kernel)[(B, triton.cdiv(K, tile))](block_table, seq_lens, sel, count, table, lens,
+                                                   K, *block_table.stride(), BS=block_size,
+                                                   TILE=tile)
+    return table, lens

@@ -1,0 +1,511 @@
+"""Sparse-attention ops (ucm.sparse.ops): the reference against independent checks, the Triton
+kernels against the reference, and clear errors for bad input.
+
+Independent checks: paged attention vs ``scaled_dot_product_attention`` on the gathered
+contiguous K/V (float64); block representations vs per-block loops; hash codes vs a bit-by-bit
+loop; Quest scores as upper bounds of every ``q . k`` of a block; selection invariants (windows
+and the last block kept, ``count == min(budget, n)``, increasing indexes, the best scores kept);
+sparse tables through attention over exactly the selected tokens.
+
+Triton runs natively on CUDA tensors when a GPU is present; otherwise on CPU tensors through the
+Triton interpreter, which must be active when triton is imported (its standard library is
+jitted at import), so this module imports triton under ``TRITON_INTERPRET=1`` on such machines.
+"""
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+if HAS_TRITON and not HAS_CUDA and "triton" not in sys.modules:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language  # noqa: E402,F401  (standard library jitted for the interpreter)
+    if _saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+from ucm import dispatch  # noqa: E402
+from ucm.sparse import ops  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+@pytest.fixture
+def triton_ready(monkeypatch):
+    """Make the Triton implementations runnable on this machine's tensors (interpreter on CPU)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not HAS_CUDA:
+        import triton.language as tl
+        from triton.runtime.jit import JITFunction
+
+        if isinstance(tl.sum, JITFunction):
+            pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: its standard "
+                        "library cannot run in the interpreter in this process")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dispatch._reset_for_tests()
+    [impl] = [i for i in dispatch.implementations("paged_decode_attention") if i.name == "triton"]
+    ok, why = impl.available(dispatch.detect_platform())
+    assert ok, why
+    return "triton"
+
+
+@pytest.fixture
+def small_splits(monkeypatch):
+    """Force the split-K path to cut short sequences into many slices."""
+    from ucm.fast.triton import sparse as tri
+
+    monkeypatch.setattr(tri, "BLOCK_N", 16)
+    monkeypatch.setattr(tri, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(tri, "PROGRAMS_PER_SM", 8)
+    return tri
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rand(shape, g, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+
+def paged_case(g, *, B=3, Hq=4, Hkv=2, D=16, bs=4, M=6, dtype=torch.float32, lens=None,
+               layout="canonical"):
+    """(q, k_cache, v_cache, block_table, seq_lens): blocks handed out in a random order.
+
+    layout: "canonical" [N, bs, Hkv, D]; "vllm_cpu": views of one vLLM-CPU-like
+    ``[N, Hkv, bs, 2D]`` K/V-interleaved cache (``kv[..., :D].permute(0, 2, 1, 3)``);
+    "strided": every dimension padded (no unit strides but the channel one)."""
+    n_phys = B * M + 3
+    if layout == "canonical":
+        k = rand((n_phys, bs, Hkv, D), g, dtype)
+        v = rand((n_phys, bs, Hkv, D), g, dtype)
+    elif layout == "vllm_cpu":
+        kv = rand((n_phys, Hkv, bs, 2 * D), g, dtype)
+        k, v = kv[..., :D].permute(0, 2, 1, 3), kv[..., D:].permute(0, 2, 1, 3)
+    else:
+        big = rand((n_phys, bs + 1, Hkv + 1, 2, D + 3), g, dtype)
+        k, v = big[:, :bs, :Hkv, 0, :D], big[:, 1:, 1:, 1, 3:]
+    q = rand((B, Hq, D), g, dtype)
+    perm = torch.randperm(n_phys, generator=g)[: B * M]
+    table = perm.reshape(B, M).to(torch.int32).to(DEV)
+    if lens is None:
+        lens = torch.randint(1, M * bs + 1, (B,), generator=g)
+    seq_lens = torch.as_tensor(lens, dtype=torch.int32).to(DEV)
+    return q, k, v, table, seq_lens
+
+
+def sdpa_oracle(q, k, v, table, seq_lens, scale=None):
+    """float64 attention of each request over its gathered contiguous K/V through
+    scaled_dot_product_attention (GQA by repeating K/V heads)."""
+    B, Hq, D = q.shape
+    bs, Hkv = k.shape[1], k.shape[2]
+    outs = []
+    for b in range(B):
+        n = int(seq_lens[b])
+        ids = table[b, : -(-n // bs)].long()
+        kk = k[ids].double().reshape(-1, Hkv, D)[:n].permute(1, 0, 2).repeat_interleave(Hq // Hkv, 0)
+        vv = v[ids].double().reshape(-1, Hkv, D)[:n].permute(1, 0, 2).repeat_interleave(Hq // Hkv, 0)
+        o = torch.nn.functional.scaled_dot_product_attention(q[b].double()[:, None], kk, vv,
+                                                             scale=scale)
+        outs.append(o[:, 0])
+    return torch.stack(outs)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ---------------------------------------------------------------------------------------------
+# paged decode attention
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa3", "mqa"])
+def test_reference_attention_matches_sdpa(dtype, heads):
+    g = gen(1)
+    q, k, v, table, lens = paged_case(g, Hq=heads[0], Hkv=heads[1], dtype=dtype, lens=[1, 13, 24])
+    out = ops.paged_decode_attention(q, k, v, table, lens, backend="reference")
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel(out, sdpa_oracle(q, k, v, table, lens)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,heads,layout,bs,D", [
+    (torch.float32, (4, 2), "canonical", 4, 16),
+    (torch.float16, (6, 2), "vllm_cpu", 4, 16),
+    (torch.bfloat16, (3, 3), "strided", 5, 24),
+    (torch.float32, (8, 1), "vllm_cpu", 16, 32),
+])
+def test_triton_attention_matches_reference(triton_ready, small_splits, dtype, heads, layout, bs, D):
+    g = gen(2)
+    q, k, v, table, lens = paged_case(g, Hq=heads[0], Hkv=heads[1], D=D, bs=bs, M=7, dtype=dtype,
+                                      layout=layout, lens=[7 * bs, 1, 3 * bs + 2])
+    want = ops.paged_decode_attention(q, k, v, table, lens, backend="reference")
+    out = torch.full_like(q, float("nan"))
+    got = ops.paged_decode_attention(q, k, v, table, lens, out=out, backend="triton")
+    assert got is out and not torch.isnan(out).any()
+    assert rel(out, want) < TOL[dtype]
+    assert rel(out, sdpa_oracle(q, k, v, table, lens)) < TOL[dtype]
+
+
+def test_triton_attention_single_split_and_scale(triton_ready):
+    """Default launch (one slice for these lengths), custom scale, strided query."""
+    g = gen(3)
+    q, k, v, table, lens = paged_case(g, B=2, Hq=4, Hkv=2, D=16, bs=8, M=5, lens=[40, 9])
+    qs = torch.cat([q, q], dim=2)[:, :, ::2]  # non-unit channel stride, same values
+    want = ops.paged_decode_attention(qs, k, v, table, lens, scale=0.3, backend="reference")
+    got = ops.paged_decode_attention(qs, k, v, table, lens, scale=0.3, backend="triton")
+    assert rel(got, want) < 2e-5
+    assert rel(got, sdpa_oracle(qs, k, v, table, lens, scale=0.3)) < 2e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# representations and hashing
+
+def bitwise_codes(x, proj):
+    """Hash codes word by word, bit by bit (independent of the vectorized reference)."""
+    y = (x.double() @ proj.double()).reshape(-1, proj.shape[1])
+    words = []
+    for row in y:
+        ws = []
+        for w in range(proj.shape[1] // 32):
+            value = sum(1 << i for i in range(32) if row[32 * w + i] > 0)
+            ws.append(value - (1 << 32) if value >= 1 << 31 else value)
+        words.append(ws)
+    return torch.tensor(words, dtype=torch.int32).reshape(*x.shape[:-1], -1)
+
+
+def test_hash_codes_reference_bitwise():
+    g = gen(4)
+    x, proj = rand((3, 2, 16), g), rand((16, 64), g)
+    codes = ops.hash_codes(x, proj, backend="reference")
+    assert codes.shape == (3, 2, 2) and codes.dtype == torch.int32
+    assert torch.equal(codes.cpu(), bitwise_codes(x.cpu(), proj.cpu()))
+
+
+def test_hash_codes_triton(triton_ready):
+    g = gen(5)
+    x, proj = rand((5, 3, 24), g, torch.bfloat16), rand((24, 96), g)
+    assert torch.equal(ops.hash_codes(x, proj, backend="triton"),
+                       ops.hash_codes(x, proj, backend="reference"))
+
+
+def _repr_tables(n, Hkv, D, words):
+    nan = float("nan")
+    return dict(mean=torch.full((n, Hkv, D), nan, device=DEV), kmin=torch.full((n, Hkv, D), nan, device=DEV),
+                kmax=torch.full((n, Hkv, D), nan, device=DEV),
+                codes=torch.full((n, Hkv, words), 7, dtype=torch.int32, device=DEV))
+
+
+@pytest.mark.parametrize("layout", ["canonical", "vllm_cpu"])
+def test_update_block_reprs_reference(layout):
+    g = gen(6)
+    _, k, _, _, _ = paged_case(g, Hkv=2, D=16, bs=4, layout=layout)
+    proj = rand((16, 32), g)
+    ids = torch.tensor([5, 0, 9], dtype=torch.int64, device=DEV)
+    ntok = torch.tensor([4, 1, 3], dtype=torch.int32, device=DEV)
+    t = _repr_tables(k.shape[0], 2, 16, 1)
+    ops.update_block_reprs(k, ids, ntok, proj=proj, backend="reference", **t)
+    for blk, n in zip(ids.tolist(), ntok.tolist()):
+        keys = k[blk, :n].double()
+        assert torch.allclose(t["mean"][blk].double(), keys.mean(0), atol=1e-6)
+        assert torch.equal(t["kmin"][blk], keys.min(0).values.float())
+        assert torch.equal(t["kmax"][blk], keys.max(0).values.float())
+        assert torch.equal(t["codes"][blk].cpu(), bitwise_codes(t["mean"][blk].cpu(), proj.cpu()))
+    untouched = [i for i in range(k.shape[0]) if i not in ids.tolist()]
+    assert torch.isnan(t["mean"][untouched]).all() and (t["codes"][untouched] == 7).all()
+
+
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, "strided"), (torch.bfloat16, "vllm_cpu")])
+def test_update_block_reprs_triton(triton_ready, dtype, layout):
+    g = gen(7)
+    _, k, _, _, _ = paged_case(g, Hkv=2, D=16, bs=4, dtype=dtype, layout=layout)
+    proj = rand((16, 64), g)
+    ids = torch.tensor([2, 11, 4, 7], dtype=torch.int32, device=DEV)
+    ntok = torch.tensor([4, 2, 1, 3], dtype=torch.int64, device=DEV)
+    want, got = _repr_tables(k.shape[0], 2, 16, 2), _repr_tables(k.shape[0], 2, 16, 2)
+    ops.update_block_reprs(k, ids, ntok, proj=proj, backend="reference", **want)
+    ops.update_block_reprs(k, ids, ntok, proj=proj, backend="triton", **got)
+    rows = ids.long()
+    assert torch.allclose(got["mean"][rows], want["mean"][rows], atol=1e-6)
+    for name in ("kmin", "kmax", "codes"):
+        assert torch.equal(got[name][rows], want[name][rows]), name
+    assert torch.isnan(got["mean"]).sum() == torch.isnan(want["mean"]).sum()
+    # only the requested tables: kmax alone
+    only = torch.zeros(k.shape[0], 2, 16, device=DEV)
+    ops.update_block_reprs(k, ids, ntok, kmax=only, backend="triton")
+    assert torch.equal(only[rows], want["kmax"][rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+
+def scoring_case(seed, B=3, Hq=6, Hkv=2, D=16, bs=4, M=6):
+    g = gen(seed)
+    q, k, _, table, _ = paged_case(g, B=B, Hq=Hq, Hkv=Hkv, D=D, bs=bs, M=M)
+    t = _repr_tables(k.shape[0], Hkv, D, 2)
+    proj = rand((D, 64), g)
+    ops.update_block_reprs(k, torch.arange(k.shape[0], device=DEV),
+                           torch.full((k.shape[0],), bs, device=DEV), proj=proj,
+                           backend="reference", **t)
+    nblk = torch.tensor([M, 2, 5][:B], dtype=torch.int32, device=DEV)
+    mask = torch.rand(B, Hq, D, generator=g).to(DEV) > 0.3
+    return q, k, table, nblk, t, proj, mask
+
+
+def test_scores_reference_independent():
+    q, k, table, nblk, t, proj, mask = scoring_case(8)
+    B, Hq, D = q.shape
+    Hkv, group = k.shape[2], Hq // k.shape[2]
+    quest = ops.score_blocks(q, table, nblk, kind="quest", kmin=t["kmin"], kmax=t["kmax"],
+                             reduce="none", backend="reference")
+    mean = ops.score_blocks(q, table, nblk, kind="mean", mean=t["mean"], channel_mask=mask,
+                            reduce="none", backend="reference")
+    ham = ops.score_blocks(q, table, nblk, kind="hamming", codes=t["codes"], proj=proj,
+                           reduce="none", backend="reference")
+    assert quest.shape == (B, Hq, 6) and ham.shape == (B, Hkv, 6)
+    for b in range(B):
+        for j in range(table.shape[1]):
+            if j >= nblk[b]:
+                assert torch.isinf(quest[b, :, j]).all() and (quest[b, :, j] < 0).all()
+                assert (mean[b, :, j] == float("-inf")).all() and (ham[b, :, j] == float("-inf")).all()
+                continue
+            blk = int(table[b, j])
+            for h in range(Hq):
+                keys = k[blk, :, h // group].double()
+                true_max = float((keys @ q[b, h].double()).max())
+                assert float(quest[b, h, j]) >= true_max - 1e-4          # an upper bound
+                qm = q[b, h].double() * mask[b, h]
+                assert abs(float(mean[b, h, j]) - float(qm @ t["mean"][blk, h // group].double())) < 1e-4
+            for grp in range(Hkv):
+                qsum = q[b, grp * group:(grp + 1) * group].double().sum(0)
+                qc = bitwise_codes(qsum[None].float().cpu(), proj.cpu())[0]
+                diff = sum(bin((int(a) ^ int(c)) & 0xFFFFFFFF).count("1")
+                           for a, c in zip(qc.tolist(), t["codes"][blk, grp].tolist()))
+                assert float(ham[b, grp, j]) == 64 - diff
+    summed = ops.score_blocks(q, table, nblk, kind="quest", kmin=t["kmin"], kmax=t["kmax"],
+                              backend="reference")
+    valid = torch.isfinite(summed)
+    assert torch.allclose(summed[valid], quest.sum(1)[valid], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mean", "quest", "hamming"])
+def test_scores_triton_match_reference(triton_ready, kind):
+    q, k, table, nblk, t, proj, mask = scoring_case(9, Hq=8, Hkv=2)
+    kw = dict(mean=t["mean"]) if kind == "mean" else dict(kmin=t["kmin"], kmax=t["kmax"]) \
+        if kind == "quest" else dict(codes=t["codes"], proj=proj)
+    masks = [None, mask] if kind == "mean" else [None]
+    for channel_mask in masks:
+        for reduce in ("sum", "none"):
+            args = dict(kind=kind, reduce=reduce, channel_mask=channel_mask, **kw)
+            want = ops.score_blocks(q, table, nblk, backend="reference", **args)
+            got = ops.score_blocks(q, table, nblk, backend="triton", **args)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert torch.equal(torch.isinf(got), torch.isinf(want))
+            fin = torch.isfinite(want)
+            assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# selection and sparse tables
+
+def check_selection(scores, nblk, budget, iw, lw, sel, count):
+    """Invariants of one selection, from its definition."""
+    B, M = scores.shape
+    for b in range(B):
+        n = int(nblk[b])
+        bud = budget if isinstance(budget, int) else int(budget[b])
+        forced = set(range(min(iw, n))) | set(range(max(0, n - lw), n)) | {n - 1}
+        c = int(count[b])
+        assert c == min(n, max(bud, len(forced)))
+        row = sel[b].tolist()
+        kept = row[:c]
+        assert kept == sorted(set(kept)) and all(0 <= j < n for j in kept)
+        assert all(x == -1 for x in row[c:])
+        assert forced <= set(kept) and kept[-1] == n - 1
+        s = torch.nan_to_num(scores[b, :n].double(), nan=float("-inf"))
+        others = [j for j in range(n) if j not in forced]
+        chosen = [j for j in kept if j not in forced]
+        dropped = [j for j in others if j not in kept]
+        if chosen and dropped:  # every kept block scores at least as high as every dropped one
+            assert min(s[chosen]) >= max(s[dropped])
+            worst = min(s[chosen])
+            assert all(j > max(c2 for c2 in chosen if s[c2] == worst) for j in dropped if s[j] == worst)
+
+
+def selection_cases(seed):
+    g = gen(seed)
+    B, M = 4, 23
+    ties = torch.randint(0, 4, (B, M), generator=g).float()          # many equal scores
+    ties[0, ::3] = float("nan")
+    ties[1, 1::4] = -0.0
+    ties[2, 2] = float("inf")
+    ties[3, :5] = float("-inf")
+    nblk = torch.tensor([23, 1, 9, 17], dtype=torch.int32)
+    return ties.to(DEV), nblk.to(DEV)
+
+
+@pytest.mark.parametrize("budget", [1, 4, 7, 100, "per_row"])
+@pytest.mark.parametrize("windows", [(0, 0), (2, 3)])
+def test_select_reference_invariants(budget, windows):
+    scores, nblk = selection_cases(10)
+    if budget == "per_row":
+        budget = torch.tensor([3, 1, 9, 6], dtype=torch.int32, device=DEV)
+    sel, count = ops.select_blocks(scores, nblk, budget, init_window=windows[0],
+                                   local_window=windows[1], backend="reference")
+    assert sel.dtype == torch.int32 and count.dtype == torch.int32
+    check_selection(scores.cpu(), nblk.cpu(), budget, *windows, sel.cpu(), count.cpu())
+
+
+def test_select_triton_identical(triton_ready, monkeypatch):
+    from ucm.fast.triton import sparse as tri
+
+    scores, nblk = selection_cases(11)
+    g = gen(12)
+    continuous = torch.randn(3, 40, generator=g).to(DEV)
+    cont_n = torch.tensor([40, 12, 1], dtype=torch.int32, device=DEV)
+    for path in ("kernel", "topk"):
+        monkeypatch.setattr(tri, "SELECT_KERNEL_MAX_BLOCKS", 1 << 20 if path == "kernel" else 0)
+        for s, n in ((scores, nblk), (continuous, cont_n)):
+            for budget in (1, 5, 12, torch.arange(2, 2 + len(n), dtype=torch.int32, device=DEV) * 3):
+                kw = dict(init_window=1, local_window=2)
+                want = ops.select_blocks(s, n, budget, backend="reference", **kw)
+                got = ops.select_blocks(s, n, budget, backend="triton", **kw)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (path, budget)
+
+
+def test_sparse_block_table_attends_to_selected_tokens():
+    """Attention over the sparse table == attention over exactly the selected blocks' tokens."""
+    g = gen(13)
+    bs = 4
+    q, k, v, table, lens = paged_case(g, B=3, M=8, bs=bs, lens=[30, 5, 17])
+    nblk = ((lens + bs - 1) // bs).int()
+    scores = rand((3, 8), g)
+    sel, count = ops.select_blocks(scores, nblk, 3, init_window=1, local_window=1)
+    stab, slens = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
+    out = ops.paged_decode_attention(q, k, v, stab, slens, backend="reference")
+    for b in range(3):
+        n, c = int(lens[b]), int(count[b])
+        tokens = [j * bs + t for j in sel[b, :c].tolist() for t in range(bs) if j * bs + t < n]
+        assert int(slens[b]) == len(tokens)
+        ids = table[b].long()
+        kk = k[ids].reshape(-1, k.shape[2], k.shape[3])[tokens].double()
+        vv = v[ids].reshape(-1, v.shape[2], v.shape[3])[tokens].double()
+        kk, vv = (x.permute(1, 0, 2).repeat_interleave(2, 0) for x in (kk, vv))
+        want = torch.nn.functional.scaled_dot_product_attention(q[b].double()[:, None], kk, vv)[:, 0]
+        assert rel(out[b], want) < 2e-5
+        assert (stab[b, c:] == 0).all()
+
+
+def test_sparse_block_table_triton(triton_ready):
+    g = gen(14)
+    bs = 5
+    _, _, _, table, lens = paged_case(g, B=3, M=9, bs=bs, lens=[45, 3, 22])
+    nblk = ((lens + bs - 1) // bs).int()
+    sel, count = ops.select_blocks(rand((3, 9), g), nblk, 4, init_window=1, local_window=1)
+    want = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
+    got = ops.sparse_block_table(table, lens, sel, count, bs, backend="triton")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_block_attention_mass():
+    g = gen(15)
+    q, k, _, table, lens = paged_case(g, B=2, Hq=4, Hkv=2, bs=4, M=5, lens=[18, 4])
+    mass = ops.block_attention_mass(q, k, table, lens)
+    assert mass.shape == (2, 5) and torch.allclose(mass.sum(1), torch.ones(2, device=DEV))
+    assert (mass[0, 5:] == 0).all() and (mass[1, 1:] == 0).all()
+    keys = k[table[0].long()].reshape(-1, 2, 16)[:18].double().repeat_interleave(2, 1)
+    p = torch.softmax(torch.einsum("hd,nhd->hn", q[0].double(), keys) / 4.0, dim=-1)
+    per_block = torch.nn.functional.pad(p, (0, 2)).reshape(4, 5, 4).sum(-1).mean(0)
+    assert torch.allclose(mass[0].double(), per_block, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch and errors
+
+def test_registered_and_auto_falls_back_on_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    info = dispatch.backend_info()["ops"]
+    for op in ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
+               "sparse_block_table", "paged_decode_attention"):
+        assert set(info[op]["implementations"]) == {"reference", "triton"}
+    assert set(info["block_attention_mass"]["implementations"]) == {"reference"}
+    impl, reason = dispatch.select("paged_decode_attention", None, (torch.zeros(1),), {})
+    assert impl.name == "reference"
+    with pytest.raises(dispatch.BackendUnavailableError, match="CUDA"):
+        dispatch.select("paged_decode_attention", "triton", (torch.zeros(1),), {})
+
+
+def _bad_calls():
+    g = gen(16)
+    q, k, v, table, lens = paged_case(g, B=2, Hq=4, Hkv=2, D=16, bs=4, M=3, lens=[12, 5])
+    nblk = torch.tensor([3, 2], dtype=torch.int32, device=DEV)
+    mean = torch.zeros(k.shape[0], 2, 16, device=DEV)
+    scores = rand((2, 3), g)
+    sel, count = ops.select_blocks(scores, nblk, 2, init_window=0, local_window=1)
+    att = ops.paged_decode_attention
+    return [
+        ("seq_lens", lambda: att(q, k, v, table, torch.tensor([0, 5], dtype=torch.int32, device=DEV))),
+        ("seq_lens", lambda: att(q, k, v, table, torch.tensor([13, 5], dtype=torch.int32, device=DEV))),
+        ("seq_lens", lambda: att(q, k, v, table, lens.long())),
+        ("block_table", lambda: att(q, k, v, table.long(), lens)),
+        ("block_table", lambda: att(q, k, v, table.clone().fill_(10_000), lens)),
+        ("block_table", lambda: att(q, k, v, table[:1], lens)),
+        ("num_q_heads=3", lambda: att(q[:, :3], k, v, table, lens)),
+        ("head_dim", lambda: att(q[..., :8], k, v, table, lens)),
+        ("q: dtype", lambda: att(q.half(), k, v, table, lens)),
+        ("k_cache: expected dtype", lambda: att(q, k.int(), v, table, lens)),
+        ("v_cache", lambda: att(q, k, v[:, :2], table, lens)),
+        ("empty batch", lambda: att(q[:0], k, v, table[:0], lens[:0])),
+        ("scale", lambda: att(q, k, v, table, lens, scale=-1.0)),
+        ("out", lambda: att(q, k, v, table, lens, out=torch.empty(2, 4, 8, device=DEV))),
+        ("kind", lambda: ops.score_blocks(q, table, nblk, kind="max", mean=mean)),
+        ("reduce", lambda: ops.score_blocks(q, table, nblk, kind="mean", mean=mean, reduce="avg")),
+        ("kmax: required", lambda: ops.score_blocks(q, table, nblk, kind="quest", kmin=mean)),
+        ("num_blocks", lambda: ops.score_blocks(q, table, nblk * 0, kind="mean", mean=mean)),
+        ("channel_mask", lambda: ops.score_blocks(q, table, nblk, kind="quest", kmin=mean, kmax=mean,
+                                                  channel_mask=torch.ones(2, 4, 16, dtype=torch.bool))),
+        ("proj", lambda: ops.score_blocks(q, table, nblk, kind="hamming",
+                                          codes=torch.zeros(k.shape[0], 2, 1, dtype=torch.int32, device=DEV),
+                                          proj=torch.zeros(16, 33, device=DEV))),
+        ("budget", lambda: ops.select_blocks(scores, nblk, 0, init_window=0, local_window=1)),
+        ("budget", lambda: ops.select_blocks(scores, nblk, torch.tensor([1, 0], dtype=torch.int32, device=DEV),
+                                             init_window=0, local_window=1)),
+        ("init_window", lambda: ops.select_blocks(scores, nblk, 2, init_window=-1, local_window=1)),
+        ("num_blocks", lambda: ops.select_blocks(scores, nblk + 1, 2, init_window=0, local_window=1)),
+        ("scores", lambda: ops.select_blocks(scores.double(), nblk, 2, init_window=0, local_window=1)),
+        ("increasing", lambda: ops.sparse_block_table(table, lens, sel.flip(1), count, 4)),
+        ("last selected block", lambda: ops.sparse_block_table(
+            table, lens, torch.tensor([[0, 1], [0, 1]], dtype=torch.int32, device=DEV), count, 4)),
+        ("count", lambda: ops.sparse_block_table(table, lens, sel, count * 0, 4)),
+        ("block_size", lambda: ops.sparse_block_table(table, lens, sel, count, 0)),
+        ("num_tokens", lambda: ops.update_block_reprs(k, torch.tensor([1], device=DEV),
+                                                      torch.tensor([5], device=DEV), mean=mean)),
+        ("block_ids", lambda: ops.update_block_reprs(k, torch.tensor([1, 1], device=DEV),
+                                                     torch.tensor([2, 2], device=DEV), mean=mean)),
+        ("block_ids", lambda: ops.update_block_reprs(k, torch.tensor([99], device=DEV),
+                                                     torch.tensor([2], device=DEV), mean=mean)),
+        ("at least one", lambda: ops.update_block_reprs(k, torch.tensor([1], device=DEV),
+                                                        torch.tensor([2], device=DEV))),
+        ("proj: required", lambda: ops.update_block_reprs(
+            k, torch.tensor([1], device=DEV), torch.tensor([2], device=DEV),
+            codes=torch.zeros(k.shape[0], 2, 1, dtype=torch.int32, device=DEV))),
+        ("mean: expected shape", lambda: ops.update_block_reprs(k, torch.tensor([1], device=DEV),
+                                                                torch.tensor([2], device=DEV),
+                                                                mean=mean[:, :1])),
+        ("x: expected a non-empty", lambda: ops.hash_codes(torch.zeros(0, 16), torch.zeros(16, 32))),
+    ]
+
+
+def test_bad_input_errors():
+    for fragment, call in _bad_calls():
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            call()
