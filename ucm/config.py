@@ -178,6 +178,10 @@ def _check_pipeline(value: str) -> Optional[str]:
     return None
 
 
+def _check_hash_bits(value: int) -> Optional[str]:
+    return None if value % 32 == 0 else "a multiple of 32 (>= 32)"
+
+
 def _check_roots(value: list) -> Optional[str]:
     return None if value else "at least one directory"
 
@@ -201,6 +205,14 @@ OPTIONS: tuple[Option, ...] = (
            min=1),
     Option("adaptive_mass", "float", 0.95, "Attention mass the adaptive method keeps.", min=0.0,
            max=1.0, min_exclusive=True),
+    Option("sparse_dense_layers", "int", 0, "The first this many layers always attend densely "
+           "(every sparse method).", min=0),
+    Option("sparse_hash_bits", "int", 128, "Bits of GSA's block hash codes (a multiple of 32).",
+           min=32, check=_check_hash_bits),
+    Option("kvstar_channels", "int", 32, "Channels of each query head KVStar scores with (those "
+           "of the largest absolute query values); at most the model's head_dim.", min=1),
+    Option("kvstar_votes", "int", 4, "Recent decode queries that vote for KVStar's blocks.",
+           min=1),
     # host buffers and capacity
     Option("buffer_number", "int", 2048, "Slots of the pinned host buffer pool (memory tier), one "
            "KV block each.", min=1),

@@ -1,0 +1,272 @@
+"""The sparse-attention method base class: request lifecycle, block representations, budgets.
+
+A :class:`SparseMethod` is driven by an engine hook or a harness (contract in
+``docs/sparse.md``)::
+
+    m.request_begin(req_id, prompt_len)          # per request
+    m.step_begin()                                # per decode step
+    sel = m.attention_begin(layer, req_ids, q, k_cache, block_table, seq_lens)
+    m.attention_finished(layer, req_ids)          # per layer
+    m.step_end()
+    m.request_finished(req_id)                    # frees the request's state
+
+What the base class does, so that a method only has to say how it scores blocks:
+
+* **Which rows are sparse.** A row of ``n = ceil(seq_len / block_size)`` blocks is sparse when
+  ``n >= min_blocks`` and its budget ``max(init_window + local_window + 1,
+  ceil(sparse_ratio * n))`` is below ``n`` (so ``sparse_ratio = 1.0`` keeps every block), and the
+  layer is not one of the first ``sparse_dense_layers``. Other rows keep their own table and
+  length; a call where no row is sparse returns ``None``.
+* **Representations.** Per layer, tables indexed by physical block id (``mean``, ``kmin``,
+  ``kmax``, ``codes``: whichever :attr:`SparseMethod.reprs` names), allocated on first use with
+  the cache's number of blocks and device. A request remembers, per layer, how many of its
+  leading blocks are done; each call computes the blocks that filled since (one
+  :func:`ucm.sparse.ops.update_block_reprs` call for the whole batch), plus the partial last
+  block of each row, which is recomputed every step.
+* **Selection to table.** :meth:`SparseMethod.select` returns logical block indexes (as
+  :func:`ucm.sparse.ops.select_blocks` does); :func:`ucm.sparse.ops.sparse_block_table` turns
+  them into the table and lengths the attention kernel reads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+
+from ucm.config import Config
+from ucm.sparse import ops
+
+REPR_KINDS = ("mean", "kmin", "kmax", "codes")
+
+
+@dataclass
+class RequestState:
+    """What a method keeps for one live request."""
+    req_id: str
+    prompt_len: int
+    done: dict = field(default_factory=dict)       # layer -> leading blocks with representations
+    calls: dict = field(default_factory=dict)      # layer -> sparse attention calls so far
+    selection: dict = field(default_factory=dict)  # layer -> last selection (logical indexes)
+    extra: dict = field(default_factory=dict)      # method-specific (e.g. recent queries)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return value
+
+
+def as_config(config: Union[Config, Mapping, None]) -> Config:
+    """A validated :class:`ucm.Config` from a Config, a dict of options, or None (defaults)."""
+    if isinstance(config, Config):
+        return config
+    if config is None or isinstance(config, Mapping):
+        return Config(config)
+    raise ValueError(f"config: expected a ucm.Config, a dict of options or None, got "
+                     f"{type(config).__name__}")
+
+
+class SparseMethod:
+    """Base class of the sparse-attention methods (see the module docstring).
+
+    Subclasses set :attr:`name` and :attr:`reprs` and implement :meth:`select`."""
+
+    name = "base"
+    reprs: tuple = ()  # representation tables the method scores with (subset of REPR_KINDS)
+
+    def __init__(self, config: Union[Config, Mapping, None] = None, *, num_layers: int,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 device: Union[str, torch.device] = "cpu"):
+        cfg = as_config(config)
+        self.num_layers = _positive_int(num_layers, "num_layers")
+        self.num_q_heads = _positive_int(num_q_heads, "num_q_heads")
+        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = _positive_int(head_dim, "head_dim")
+        self.block_size = _positive_int(block_size, "block_size")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads: {num_q_heads} is not a multiple of num_kv_heads="
+                             f"{num_kv_heads} (grouped-query attention)")
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got "
+                             f"{device!r} ({exc})") from None
+        self.config = cfg
+        self.sparse_ratio = float(cfg["sparse_ratio"])
+        self.min_blocks = int(cfg["min_blocks"])
+        self.init_window = int(cfg["init_window"])
+        self.local_window = int(cfg["local_window"])
+        self.dense_layers = int(cfg["sparse_dense_layers"])
+        self.step = 0                                 # decode steps begun (step_begin calls)
+        self._requests: dict[str, RequestState] = {}
+        self._tables: list[Optional[dict]] = [None] * self.num_layers
+        self._proj: Optional[torch.Tensor] = None
+        if "codes" in self.reprs:
+            bits = int(cfg["sparse_hash_bits"])
+            gen = torch.Generator().manual_seed(0x5EED)
+            self._proj = torch.randn(self.head_dim, bits, generator=gen).to(self.device)
+
+    # lifecycle ------------------------------------------------------------------------------
+    def request_begin(self, req_id: str, prompt_len: int) -> None:
+        """Start tracking ``req_id`` (a request seen again starts over)."""
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 0:
+            raise ValueError(f"prompt_len: expected an int >= 0, got {prompt_len!r}")
+        self._requests[req_id] = RequestState(req_id, prompt_len)
+
+    def request_finished(self, req_id: str) -> None:
+        """Forget everything about ``req_id`` (unknown ids are ignored)."""
+        self._requests.pop(req_id, None)
+
+    def step_begin(self) -> None:
+        self.step += 1
+
+    def step_end(self) -> None:
+        """End of a decode step (nothing to do for the built-in methods)."""
+
+    def attention_finished(self, layer: int, req_ids: Sequence[str]) -> None:
+        """End of one layer's attention (nothing to do for the built-in methods)."""
+
+    @property
+    def live_requests(self) -> int:
+        return len(self._requests)
+
+    # budget ---------------------------------------------------------------------------------
+    def budget(self, n: int) -> int:
+        """Blocks kept for a request of ``n`` blocks (before the adaptive rule, if any)."""
+        return max(self.init_window + self.local_window + 1, math.ceil(self.sparse_ratio * n - 1e-9))
+
+    def is_sparse(self, n: int) -> bool:
+        return n >= self.min_blocks and self.budget(n) < n
+
+    # representations ------------------------------------------------------------------------
+    def _layer_tables(self, layer: int, k_cache: torch.Tensor) -> dict:
+        """The representation tables of ``layer``, (re)allocated for the cache's block count."""
+        tables = self._tables[layer]
+        nb, _, hkv, d = k_cache.shape
+        if tables is None or tables["num_blocks"] != nb or tables["device"] != k_cache.device:
+            dev = k_cache.device
+            tables = {"num_blocks": nb, "device": dev}
+            for kind in self.reprs:
+                if kind == "codes":
+                    tables[kind] = torch.zeros(nb, hkv, self._proj.shape[1] // 32, dtype=torch.int32,
+                                               device=dev)
+                else:
+                    tables[kind] = torch.zeros(nb, hkv, d, dtype=torch.float32, device=dev)
+            self._tables[layer] = tables
+            for st in self._requests.values():   # a new cache: every block is new
+                st.done.pop(layer, None)
+        return tables
+
+    def _update_reprs(self, layer: int, states: list, k_cache: torch.Tensor, table_rows: list,
+                      lens: list) -> dict:
+        """Compute the representations of newly filled blocks and of partial last blocks."""
+        tables = self._layer_tables(layer, k_cache)
+        if self._proj is not None and self._proj.device != k_cache.device:
+            self._proj = self._proj.to(k_cache.device)
+        bs = self.block_size
+        todo: dict[int, int] = {}                     # physical id -> valid tokens
+        for st, row, n_tok in zip(states, table_rows, lens):
+            full = n_tok // bs
+            start = st.done.get(layer, 0)
+            for j in range(start, full):
+                todo[row[j]] = bs
+            st.done[layer] = max(start, full)
+            if n_tok % bs:
+                todo[row[full]] = n_tok % bs
+        if todo:
+            dev = k_cache.device
+            ids = torch.tensor(list(todo), dtype=torch.int64, device=dev)
+            ntok = torch.tensor(list(todo.values()), dtype=torch.int64, device=dev)
+            ops.update_block_reprs(k_cache, ids, ntok, mean=tables.get("mean"),
+                                   kmin=tables.get("kmin"), kmax=tables.get("kmax"),
+                                   codes=tables.get("codes"), proj=self._proj if "codes" in tables else None)
+        return tables
+
+    # the hook -------------------------------------------------------------------------------
+    def attention_begin(self, layer: int, req_ids: Sequence[str], q: torch.Tensor,
+                        k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor):
+        """Choose the blocks each row attends to in ``layer``: ``None`` (all rows dense) or
+        ``(table int32 [B, K], lens int32 [B])`` (dense rows keep their table and length)."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
+        B = len(req_ids)
+        if q.dim() != 3 or q.shape[0] != B or block_table.dim() != 2 or block_table.shape[0] != B \
+                or seq_lens.dim() != 1 or seq_lens.shape[0] != B:
+            raise ValueError(f"q, block_table, seq_lens: expected one row per request ({B} req_ids), "
+                             f"got shapes {list(q.shape)}, {list(block_table.shape)}, "
+                             f"{list(seq_lens.shape)}")
+        states = []
+        for rid in req_ids:
+            st = self._requests.get(rid)
+            if st is None:
+                raise ValueError(f"req_ids: request {rid!r} was not begun (call request_begin first)")
+            states.append(st)
+        if layer < self.dense_layers:
+            return None
+        bs = self.block_size
+        lens = seq_lens.tolist()
+        nblocks = [-(-n // bs) for n in lens]
+        rows = [i for i, n in enumerate(nblocks) if self.is_sparse(n)]
+        if not rows:
+            return None
+        dev = block_table.device
+        ri = torch.tensor(rows, device=dev)
+        sub_states = [states[i] for i in rows]
+        sub_table = block_table[ri]
+        sub_lens = seq_lens[ri]
+        tables = None
+        if self.reprs:
+            width = max(nblocks[i] for i in rows)
+            rows_list = sub_table[:, :width].tolist()
+            tables = self._update_reprs(layer, sub_states, k_cache, rows_list, [lens[i] for i in rows])
+        n_t = torch.tensor([nblocks[i] for i in rows], dtype=torch.int32, device=dev)
+        budget = torch.tensor([self.budget(nblocks[i]) for i in rows], dtype=torch.int32, device=dev)
+        sel, count = self.select(layer, sub_states, q[ri], k_cache, sub_table, sub_lens, n_t, budget,
+                                 tables)
+        for st in sub_states:
+            st.calls[layer] = st.calls.get(layer, 0) + 1
+        t_sparse, l_sparse = ops.sparse_block_table(sub_table, sub_lens, sel, count, bs)
+        if len(rows) == B:
+            return t_sparse, l_sparse
+        dense_width = max(n for i, n in enumerate(nblocks) if i not in set(rows))
+        width = max(t_sparse.shape[1], dense_width)
+        out_table = torch.zeros(B, width, dtype=torch.int32, device=dev)
+        out_table[:, :dense_width] = block_table[:, :dense_width]
+        out_table[ri] = 0
+        out_table[ri, :t_sparse.shape[1]] = t_sparse
+        out_lens = seq_lens.clone()
+        out_lens[ri] = l_sparse
+        return out_table, out_lens
+
+    def select(self, layer: int, states: list, q: torch.Tensor, k_cache: torch.Tensor,
+               block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: torch.Tensor,
+               budget: torch.Tensor, tables: Optional[dict]):
+        """Logical blocks for the sparse rows: ``(sel int32 [b, K], count int32 [b])`` as
+        :func:`ucm.sparse.ops.select_blocks` returns them (increasing, padded with -1, the
+        windows and the last block included). ``tables`` holds this layer's representations."""
+        raise NotImplementedError
+
+    # helpers for subclasses -----------------------------------------------------------------
+    def pick(self, scores: torch.Tensor, num_blocks: torch.Tensor, budget: torch.Tensor):
+        """Top blocks by ``scores [b, M]`` with this method's windows."""
+        return ops.select_blocks(scores.float().contiguous(), num_blocks, budget,
+                                 init_window=self.init_window, local_window=self.local_window)
+
+    def forced(self, n: int) -> list:
+        """Logical blocks every selection of a request of ``n`` blocks keeps."""
+        keep = set(range(min(self.init_window, n)))
+        keep.update(range(max(0, n - self.local_window), n))
+        keep.add(n - 1)
+        return sorted(keep)
+
+
+def pack_selection(rows: Sequence[Sequence[int]], device) -> tuple:
+    """``(sel int32 [b, K], count int32 [b])`` from increasing lists of logical indexes."""
+    width = max(len(r) for r in rows)
+    sel = torch.full((len(rows), width), -1, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        sel[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    count = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+    return sel.to(device), count.to(device)

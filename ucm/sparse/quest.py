@@ -1,0 +1,20 @@
+"""Quest: per-channel key bounds, scored by the upper bound of ``q . k`` inside each block.
+
+Each block keeps the per-channel minimum and maximum of its keys; ``sum_d max(q_d kmin_d,
+q_d kmax_d)`` bounds every ``q . k`` in the block from above. Blocks are selected every step by
+that bound summed over query heads.
+"""
+from __future__ import annotations
+
+from ucm.sparse import ops
+from ucm.sparse.base import SparseMethod
+
+
+class Quest(SparseMethod):
+    name = "quest"
+    reprs = ("kmin", "kmax")
+
+    def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
+        scores = ops.score_blocks(q, block_table, num_blocks, kind="quest", kmin=tables["kmin"],
+                                  kmax=tables["kmax"])
+        return self.pick(scores, num_blocks, budget)
