@@ -209,6 +209,7 @@ def use_config(cfg: dict) -> None:
     tri.PROGRAMS_PER_SM = cfg.get("per_sm", DEFAULTS["per_sm"])
 
 
+SELECT_DEFAULTS = (tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS)
 DEFAULTS = dict(block_n=tri.BLOCK_N, warps=tri.NUM_WARPS, stages=tri.NUM_STAGES,
                 per_sm=tri.PROGRAMS_PER_SM)
 
@@ -293,6 +294,13 @@ def time_shape(batch: int, tokens: int, cfg: dict) -> dict:
                                                ("table", build), ("attention", attend))}
     parts_graph = {name: bench(fn, graph=True) for name, fn in (
         ("score", score), ("select", select), ("table", build), ("attention", attend))}
+    select_variants = {}
+    for name, radix, limit in (("radix", True, 1 << 30), ("bisect", False, 1 << 30),
+                               ("topk", True, 0)):
+        tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = radix, limit
+        assert all(torch.equal(a, b) for a, b in zip(select(), (sel, count)))
+        select_variants[name] = bench(select, graph=True)
+    tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = SELECT_DEFAULTS
     sparse_eager = bench(sparse_path)
     sparse_graph = bench(sparse_path, graph=True)
     public = bench(sparse_public)
@@ -303,7 +311,8 @@ def time_shape(batch: int, tokens: int, cfg: dict) -> dict:
     res.update(
         ms=dict(dense=dense, dense_graph=dense_graph, sdpa=sdpa, copy=copy,
                 sparse_eager=sparse_eager, sparse_graph=sparse_graph, sparse_public_ops=public,
-                sparse_parts_eager=parts, sparse_parts_graph=parts_graph),
+                sparse_parts_eager=parts, sparse_parts_graph=parts_graph,
+                select_variants_graph=select_variants),
         sdpa_backend=sdpa_name, sdpa_backends_ms=sdpa_all, dense_vs_sdpa_rel_err=sdpa_err,
         sparse_budget_blocks=budget_n, sparse_blocks=n_blocks, public_equals_impl=same,
         bandwidth_GBps=dict(dense_attention=attn_bw / 1e9, copy_read_plus_write=copy_bw / 1e9),

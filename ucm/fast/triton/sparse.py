@@ -414,12 +414,15 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
 
 
 def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, width,
-                   ss_b, ss_m, INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr):
+                   ss_b, ss_m, INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr,
+                   RADIX: tl.constexpr):
     """One request: forced blocks, then the ``r`` best other blocks by (score desc, index asc).
 
-    The ``r``-th best score is found by a binary search over the 32-bit order-preserving integer
-    image ``u`` of the scores (32 counting passes over the row held in registers); blocks above it
-    are taken, and of those equal to it the lowest indexes (an inclusive prefix count).
+    The ``r``-th best score ``t`` is found over the 32-bit order-preserving integer image ``u`` of
+    the scores (the row held in registers), either by RADIX select (four 8-bit digit histograms,
+    most significant first) or by a binary search (32 counting passes); both give the largest
+    ``t`` with ``#(u >= t) >= r``. Blocks above ``t`` are taken, and of those equal to it the
+    lowest indexes (an inclusive prefix count).
     """
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, MPAD)
@@ -435,13 +438,29 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
     n_forced = tl.sum(forced.to(tl.int32), 0)
     keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
     r = keep - n_forced                                        # blocks still to take
-    lo = tl.zeros([], tl.int64)
-    hi = tl.full([], 4294967295, tl.int64)
-    for _ in range(32):                                        # largest t: #(u >= t) >= r
-        mid = (lo + hi + 1) // 2
-        enough = tl.sum((cand & (u >= mid)).to(tl.int32), 0) >= r
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
+    if RADIX:
+        bins = tl.arange(0, 512)
+        real = bins < 256
+        match = cand                                           # equal to lo's digits so far
+        need = r
+        lo = tl.zeros([], tl.int64)
+        for shift in tl.static_range(24, -1, -8):
+            digit = ((u >> shift) & 255).to(tl.int32)
+            hist = tl.histogram(tl.where(match, digit, 256), 512)   # bin 256: not matching
+            hist = tl.where(real, hist, 0)
+            at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # #(digit >= bin)
+            top = tl.max(tl.where(real & (at_least >= need), bins, 0), 0)
+            need -= tl.sum(tl.where(real & (bins > top), hist, 0), 0)
+            match = match & (digit == top)
+            lo = lo | (top.to(tl.int64) << shift)
+    else:
+        lo = tl.zeros([], tl.int64)
+        hi = tl.full([], 4294967295, tl.int64)
+        for _ in range(32):                                    # largest t: #(u >= t) >= r
+            mid = (lo + hi + 1) // 2
+            enough = tl.sum((cand & (u >= mid)).to(tl.int32), 0) >= r
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
     above = cand & (u > lo)
     ties = cand & (u == lo)
     rank = tl.cumsum(ties.to(tl.int32), 0)
@@ -454,8 +473,9 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
 
 
 #: Rows up to this many blocks are selected by the kernel (held in registers); longer rows use
-#: the top-k glue below.
+#: the top-k glue below. SELECT_RADIX: the kernel's threshold search (radix select, else bisection).
 SELECT_KERNEL_MAX_BLOCKS = 16384
+SELECT_RADIX = True
 
 
 def _ordered_int(scores: torch.Tensor) -> torch.Tensor:
@@ -498,7 +518,7 @@ def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window:
     mpad = _p2(M, 16)
     _jit(_select_kernel)[(B,)](scores, num_blocks, budget, sel, count, M, width, *scores.stride(),
                                INIT=init_window, LOCAL=local_window, MPAD=mpad,
-                               num_warps=8 if mpad <= 4096 else 16)
+                               RADIX=SELECT_RADIX, num_warps=8 if mpad <= 4096 else 16)
     return sel, count
 
 
