@@ -91,6 +91,8 @@ class _Counter:
     def __init__(self, tokenizer: Any):
         # A Hugging Face fast tokenizer's Rust backend is several times faster than its wrapper.
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None and type(tokenizer).__module__.startswith("tokenizers"):
+            backend = tokenizer  # a plain ``tokenizers.Tokenizer``
         if backend is not None:
             self.encode = lambda text: backend.encode(text, add_special_tokens=False).ids
         else:
@@ -255,3 +257,17 @@ def make_instances(tasks: Sequence[str], lengths: Sequence[int], depths: Sequenc
     """Every combination of task x length x depth x seed, in that nesting order."""
     return [make_instance(t, n, d, s, tokenizer)
             for t in tasks for n in lengths for d in depths for s in seeds]
+
+
+def encode(tokenizer: Any, inst: Instance) -> tuple[list[int], list[int]]:
+    """``(prompt ids, answer ids)``: the answer's tokens as they follow the prompt's.
+
+    Raises ``ValueError`` if tokenizing prompt + answer does not start with the prompt's tokens
+    (the answer would then not be a plain continuation)."""
+    enc = _counter(tokenizer).encode
+    prompt = list(enc(inst.prompt))
+    full = list(enc(inst.prompt + inst.answer))
+    if full[:len(prompt)] != prompt or len(full) == len(prompt):
+        raise ValueError(f"inst: the answer {inst.answer!r} does not tokenize as a continuation "
+                         "of the prompt")
+    return prompt, full[len(prompt):]

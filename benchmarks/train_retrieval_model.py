@@ -79,15 +79,6 @@ class _WhitespaceCounter:
         return [0] * len(text.split())
 
 
-def encode_instance(tok, inst: rt.Instance) -> tuple[list[int], list[int]] | None:
-    """Token ids of prompt + answer, and the answer's token count (None if they don't split)."""
-    p = tok.backend_tokenizer.encode(inst.prompt, add_special_tokens=False).ids
-    full = tok.backend_tokenizer.encode(inst.prompt + inst.answer, add_special_tokens=False).ids
-    if full[:len(p)] != p or len(full) == len(p):
-        return None
-    return full, full[len(p):]
-
-
 class Batches(torch.utils.data.IterableDataset):
     """Endless batches ``(ids int64 [b, L], kind int8 [b, L])``; kind 1 = answer, 2 = pad.
 
@@ -115,10 +106,13 @@ class Batches(torch.utils.data.IterableDataset):
                 inst = rt.make_instance(task, length - 8, rng.random(),
                                         rng.randrange(1 << 30), self.tok,
                                         num_keys=rng.randint(2, 6))
-                enc = encode_instance(self.tok, inst)
-                if enc is None or len(enc[0]) > length:
+                try:
+                    prompt, ans = rt.encode(self.tok, inst)
+                except ValueError:
                     continue
-                full, ans = enc
+                full = prompt + ans
+                if len(full) > length:
+                    continue
                 ids[i, :len(full)] = torch.tensor(full)
                 kind[i, :len(full)] = 0
                 kind[i, len(full) - len(ans):len(full)] = 1
@@ -168,7 +162,8 @@ def evaluate(model, tok, lengths, depths, seeds, device) -> list[dict]:
                 hits = 0
                 for seed in seeds:
                     inst = rt.make_instance(task, length, depth, 10**6 + seed, tok)
-                    full, ans = encode_instance(tok, inst)
+                    prompt, ans = rt.encode(tok, inst)
+                    full = prompt + ans
                     ids = torch.tensor([full], device=device)
                     with torch.autocast(device.type, dtype=torch.bfloat16,
                                         enabled=device.type == "cuda"):

@@ -1,0 +1,245 @@
+"""RULER-style retrieval accuracy of every sparse attention method against its budget.
+
+For each task x length x depth (``benchmarks/retrieval_tasks.py``: pass key, multi-key needle
+with distractors, key-value recall) the prompt (question included) is prefilled densely except
+its last token; that token and the answer tokens are then fed as decode steps
+(``benchmarks/sparse_model.py``, paged cache, block size 16), one batch row per method and
+``sparse_ratio`` plus one dense row, each method choosing the blocks every layer attends to at
+every step (``ucm.sparse.create``). So *every* answer token is predicted under sparse attention
+(in vLLM the first answer token would come from the dense prefill: this is stricter). An
+instance counts as solved when every answer token is the argmax given the previous answer tokens,
+which is exactly "greedy decoding produces the answer" (exact match).
+
+Reported per method and budget: accuracy (pooled and per task x length), the attention mass the
+attended blocks hold under dense attention, and the smallest budget from which on (this and every
+larger budget) the method's accuracy matches dense. ``oracle`` (exact block mass) and ``random``
+are baselines. The target: dense-level retrieval accuracy at <= 20% of blocks.
+
+The model is SmolLM2-135M by default (``ucm.models.ensure_smollm2``); ``--model DIR`` takes any
+Llama-architecture Hugging Face folder with a ``tokenizer.json``. Run with the vLLM environment
+(it has ``tokenizers``)::
+
+    /work/vllm-venv/bin/python benchmarks/sparse_retrieval.py --json benchmarks/results/sparse_retrieval.json
+    /work/vllm-venv/bin/python benchmarks/sparse_retrieval.py --quick     # about a minute
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import retrieval_tasks as rt  # noqa: E402
+from benchmarks.sparse_model import SmolLM2, run_continuation  # noqa: E402
+
+METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
+RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5)
+TARGET_RATIO = 0.2
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise ValueError(f"{name}: expected at least one value")
+    return vals
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="Hugging Face folder (default: SmolLM2-135M)")
+    ap.add_argument("--tasks", default="passkey,multikey", help=f"comma-separated, of {rt.TASKS}")
+    ap.add_argument("--lengths", default="2048,4096", help="prompt lengths in tokens")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
+    ap.add_argument("--seeds", type=int, default=1, help="instances per task x length x depth")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--ratios", default=",".join(str(r) for r in RATIOS), help="sparse_ratio values")
+    ap.add_argument("--config", default="{}", help="extra ucm options as JSON (windows, stride...)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for the prefill")
+    ap.add_argument("--quick", action="store_true",
+                    help="one pass-key instance of 2K tokens, budgets 0.1 and 0.2 (about a minute)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tasks, args.lengths, args.depths, args.seeds = "passkey", "2048", "0.5", 1
+        args.ratios = "0.1,0.2"
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    for t in args.tasks:
+        if t not in rt.TASKS:
+            raise ValueError(f"--tasks: unknown task {t!r}; expected some of {rt.TASKS}")
+    args.lengths = [int(x) for x in _floats(args.lengths, "--lengths")]
+    args.depths = _floats(args.depths, "--depths")
+    args.ratios = sorted(_floats(args.ratios, "--ratios"))
+    if any(not 0 < r <= 1 for r in args.ratios):
+        raise ValueError(f"--ratios: each must be in (0, 1], got {args.ratios}")
+    args.methods = [m for m in args.methods.split(",") if m]
+    for m in args.methods:
+        if m not in METHODS:
+            raise ValueError(f"--methods: unknown method {m!r}; expected some of {METHODS}")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    args.config = json.loads(args.config)
+    if not isinstance(args.config, dict):
+        raise ValueError("--config must be a JSON object of ucm options")
+    return args
+
+
+def load_tokenizer(path: str):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+
+
+def run_instance(model, tok, inst: rt.Instance, methods, ratios, base_cfg: dict) -> dict:
+    """Dense row + one row per (method, ratio) on one instance -> per-row exact match, mass."""
+    import ucm.sparse
+
+    prompt, answer = rt.encode(tok, inst)
+    shape = dict(num_layers=model.num_layers, num_q_heads=model.num_q_heads,
+                 num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, block_size=16)
+    rows, keys = [None], [("dense", 1.0)]
+    for ratio in ratios:
+        for name in methods:
+            cfg = dict(base_cfg, sparse_method="esa", sparse_ratio=ratio)
+            rows.append(ucm.sparse.create(cfg, method=name, **shape))
+            keys.append((name, ratio))
+    # Prefill all but the last prompt token; feed it and the answer (teacher-forced) as decode
+    # steps: step t predicts answer[t].
+    context, steps = prompt[:-1], [prompt[-1]] + answer[:-1]
+    t0 = time.perf_counter()
+    res = run_continuation(model, context, steps, rows)
+    target = torch.tensor(answer)
+    pred = res.logits.argmax(-1)                                     # [rows, T]
+    ok = (pred == target[None, :]).all(dim=1)
+    prefill_ok = bool((res.dense_logits.argmax(-1) == target).all())
+    out = dict(task=inst.task, length=inst.length, depth=inst.depth, seed=inst.seed,
+               prompt_tokens=len(prompt), answer=inst.answer, answer_tokens=len(answer),
+               blocks=-(-len(prompt) // 16), dense_prefill_ok=prefill_ok,
+               seconds=round(time.perf_counter() - t0, 2), rows=[])
+    for r, (name, ratio) in enumerate(keys):
+        out["rows"].append(dict(method=name, ratio=ratio, ok=bool(ok[r]),
+                                first_wrong=None if ok[r] else int((pred[r] != target).nonzero()[0]),
+                                mass=round(float(res.mass[r].mean()), 4),
+                                blocks_kept=round(float(res.blocks[r].mean()) / out["blocks"], 4)))
+    return out
+
+
+def summarize(instances: list, methods, ratios) -> dict:
+    """Accuracy per (method, ratio), pooled and per task x length; smallest matching budget."""
+    def acc(rows):
+        return sum(r["ok"] for r in rows) / len(rows) if rows else float("nan")
+
+    groups = sorted({(i["task"], i["length"]) for i in instances})
+    all_rows = [(i, r) for i in instances for r in i["rows"]]
+    summary = {"dense": {"accuracy": acc([r for _, r in all_rows if r["method"] == "dense"]),
+                         "by_task": {f"{t}@{n}": acc([r for i, r in all_rows if r["method"] == "dense"
+                                                      and i["task"] == t and i["length"] == n])
+                                     for t, n in groups}},
+               "methods": {}}
+    dense = summary["dense"]["accuracy"]
+    for name in methods:
+        per_ratio = {}
+        for ratio in ratios:
+            sel = [(i, r) for i, r in all_rows if r["method"] == name and r["ratio"] == ratio]
+            per_ratio[str(ratio)] = dict(
+                accuracy=acc([r for _, r in sel]),
+                mass=sum(r["mass"] for _, r in sel) / len(sel),
+                blocks_kept=sum(r["blocks_kept"] for _, r in sel) / len(sel),
+                by_task={f"{t}@{n}": acc([r for i, r in sel if i["task"] == t and i["length"] == n])
+                         for t, n in groups})
+        match = None
+        for ratio in sorted(ratios, reverse=True):  # from the largest budget down
+            if per_ratio[str(ratio)]["accuracy"] + 1e-9 >= dense:
+                match = ratio
+            else:
+                break
+        summary["methods"][name] = dict(per_ratio=per_ratio, matches_dense_from=match,
+                                        meets_target=match is not None and match <= TARGET_RATIO)
+    return summary
+
+
+def markdown(summary: dict, ratios, meta: dict) -> str:
+    lines = [f"Dense accuracy: {summary['dense']['accuracy']:.2f} "
+             f"({meta['instances']} instances: {meta['description']})", "",
+             "| method | " + " | ".join(f"{r:g}" for r in ratios)
+             + " | matches dense from | <= 20% |",
+             "| --- | " + " | ".join("---" for _ in ratios) + " | --- | --- |"]
+    for name, m in summary["methods"].items():
+        cells = [f"{m['per_ratio'][str(r)]['accuracy']:.2f} ({m['per_ratio'][str(r)]['mass']:.2f})"
+                 for r in ratios]
+        match = "never" if m["matches_dense_from"] is None else f"{m['matches_dense_from']:g}"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {match} | "
+                     + ("yes" if m["meets_target"] else "no") + " |")
+    lines += ["", "Cells: accuracy (attention mass kept by the attended blocks, mean over steps, "
+              "layers, heads). Per task x length:", "",
+              "| method | ratio | " + " | ".join(summary["dense"]["by_task"]) + " |",
+              "| --- | --- | " + " | ".join("---" for _ in summary["dense"]["by_task"]) + " |",
+              "| dense | 1 | " + " | ".join(f"{v:.2f}" for v in summary["dense"]["by_task"].values())
+              + " |"]
+    for name, m in summary["methods"].items():
+        for r in ratios:
+            bt = m["per_ratio"][str(r)]["by_task"]
+            lines.append(f"| {name} | {r:g} | " + " | ".join(f"{v:.2f}" for v in bt.values()) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.model is None:
+        from ucm.models import ensure_smollm2
+
+        args.model = ensure_smollm2()
+    tok = load_tokenizer(args.model)
+    model = SmolLM2.load(args.model)
+    base_cfg = {"min_blocks": 16, **args.config}
+    instances = []
+    t_start = time.perf_counter()
+    for task in args.tasks:
+        for length in args.lengths:
+            for depth in args.depths:
+                for seed in range(args.seeds):
+                    inst = rt.make_instance(task, length, depth, seed, tok)
+                    res = run_instance(model, tok, inst, args.methods, args.ratios, base_cfg)
+                    instances.append(res)
+                    solved = [f"{r['method']}@{r['ratio']:g}" for r in res["rows"][1:] if r["ok"]]
+                    print(f"{task} {length} depth={depth:g} seed={seed}: dense "
+                          f"{'ok' if res['rows'][0]['ok'] else 'FAIL'}; sparse solved "
+                          f"{len(solved)}/{len(res['rows']) - 1} ({res['seconds']:.0f} s)",
+                          flush=True)
+    summary = summarize(instances, args.methods, args.ratios)
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        model=os.path.basename(os.path.normpath(args.model)), tasks=args.tasks,
+        lengths=args.lengths, depths=args.depths, seeds=args.seeds, ratios=args.ratios,
+        methods=args.methods, config=base_cfg, instances=len(instances),
+        seconds=round(time.perf_counter() - t_start, 1),
+        description=f"{'/'.join(args.tasks)} x {'/'.join(str(n) for n in args.lengths)} tokens x "
+                    f"depths {'/'.join(f'{d:g}' for d in args.depths)} x {args.seeds} seed(s)",
+        protocol="prompt prefilled densely except its last token; that token and the answer "
+                 "teacher-forced as decode steps; solved = every answer token is the argmax")
+    mismatch = sum(i["dense_prefill_ok"] != i["rows"][0]["ok"] for i in instances)
+    print(f"\ndense decode vs dense prefill: {mismatch} of {len(instances)} instances disagree")
+    print(markdown(summary, args.ratios, meta))
+    result = dict(meta=meta, summary=summary, instances=instances,
+                  decode_vs_prefill_disagreements=mismatch)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
