@@ -139,18 +139,24 @@ def _assemble(
         raise ValueError(f"length {length} is too short for this task's fixed text ({fixed} tokens)")
     filler: list[str] = []
     used = 0
+    misses = 0
     for piece in pieces_iter:
         n = counter(piece)
         if used + n > budget:
-            break
+            misses += 1  # too long for what is left: try a few shorter ones, then stop
+            if misses > 50 or budget - used < 8:
+                break
+            continue
         filler.append(piece)
         used += n
     while True:
         prompt, needle_char = _join(counter, filler, needles, head, tail)
         # Piece counts are additive only approximately: drop filler (never a needle) to fit.
-        if counter.full(prompt) <= length or not filler:
+        over = counter.full(prompt) - length
+        if over <= 0 or not filler:
             return prompt, needle_char
-        del filler[-max(1, len(filler) // 50):]
+        while over > 0 and filler:
+            over -= counter(filler.pop())
 
 
 def _join(counter: _Counter, filler: list[str], needles: Sequence[tuple[float, str]], head: str,
@@ -198,7 +204,7 @@ def make_instance(task: str, length: int, depth: float, seed: int, tokenizer: An
     counter = _counter(tokenizer)
     if task == "passkey":
         answer = _digits(rng, 5)
-        needle = f"The pass key is {answer}. Remember it. {answer} is the pass key."
+        needle = f"The pass key is {answer}. Remember it."
         head = ("There is an important piece of information hidden inside a lot of irrelevant "
                 "text. Find it and memorize it.")
         tail = "\nQuestion: What is the pass key? Answer: The pass key is "
