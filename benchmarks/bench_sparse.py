@@ -28,7 +28,8 @@ separately. Ratios: dense/SDPA time, achieved/copy bandwidth, dense/sparse time.
     python benchmarks/bench_sparse.py --json benchmarks/results/sparse_h200.json [--sweep]
 
 ``--sweep`` also times the decode kernel over launch configurations (token tile, warps, stages,
-programs per multiprocessor) first and uses the fastest for the figures.
+programs per multiprocessor; dense and on the sparse table) and the selection kernel's warps;
+the figures themselves always use the modules' defaults (what the public ops run).
 """
 from __future__ import annotations
 
@@ -214,7 +215,7 @@ DEFAULTS = dict(block_n=tri.BLOCK_N, warps=tri.NUM_WARPS, stages=tri.NUM_STAGES,
                 per_sm=tri.PROGRAMS_PER_SM)
 
 
-def time_shape(batch: int, tokens: int, cfg: dict) -> dict:
+def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     q, k, v, table, lens = make_case(batch, tokens, seed=11)
     scale = D ** -0.5
     use_config(cfg)
@@ -301,6 +302,19 @@ def time_shape(batch: int, tokens: int, cfg: dict) -> dict:
         assert all(torch.equal(a, b) for a, b in zip(select(), (sel, count)))
         select_variants[name] = bench(select, graph=True)
     tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = SELECT_DEFAULTS
+    if tune:
+        for warps in (4, 8, 16, 32):
+            tri.SELECT_WARPS = warps
+            select_variants[f"{'radix' if tri.SELECT_RADIX else 'bisect'}_warps{warps}"] = \
+                bench(select, graph=True)
+        tri.SELECT_WARPS = None
+        # the sparse attention's own launch: tile x programs per multiprocessor
+        attn_sweep = {}
+        for block_n, per_sm in itertools.product((64, 128), (1, 2, 3, 4, 6)):
+            tri.BLOCK_N, tri.PROGRAMS_PER_SM = block_n, per_sm
+            attn_sweep[f"block_n{block_n}_per_sm{per_sm}"] = bench(attend, graph=True)
+        use_config({})
+        res["sparse_attention_sweep_graph_ms"] = attn_sweep
     sparse_eager = bench(sparse_path)
     sparse_graph = bench(sparse_path, graph=True)
     public = bench(sparse_public)
@@ -349,10 +363,11 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
         return 1
-    best = sweep(report) if args.sweep else {}
+    if args.sweep:
+        sweep(report)
     report["timings"] = []
     for batch, tokens in SHAPES:
-        r = time_shape(batch, tokens, best.get(f"{batch}x{tokens}", {}))
+        r = time_shape(batch, tokens, {}, tune=args.sweep)
         report["timings"].append(r)
         print(json.dumps(r), flush=True)
     report["seconds"] = time.time() - t0

@@ -298,7 +298,12 @@ def test_scores_reference_independent():
 
 
 @pytest.mark.parametrize("kind", ["mean", "quest", "hamming"])
-def test_scores_triton_match_reference(triton_ready, kind):
+@pytest.mark.parametrize("tile_elems", [None, 64], ids=["one_tile", "tiles_of_2"])
+def test_scores_triton_match_reference(triton_ready, monkeypatch, kind, tile_elems):
+    if tile_elems:
+        from ucm.fast.triton import sparse as tri
+
+        monkeypatch.setattr(tri, "SCORE_TILE_ELEMS", tile_elems)
     q, k, table, nblk, t, proj, mask = scoring_case(9, Hq=8, Hkv=2)
     kw = dict(mean=t["mean"]) if kind == "mean" else dict(kmin=t["kmin"], kmax=t["kmax"]) \
         if kind == "quest" else dict(codes=t["codes"], proj=proj)
