@@ -377,10 +377,11 @@ def test_select_triton_identical(triton_ready, monkeypatch):
     g = gen(12)
     continuous = torch.randn(3, 40, generator=g).to(DEV)
     cont_n = torch.tensor([40, 12, 1], dtype=torch.int32, device=DEV)
-    for path in ("radix", "bisect", "topk"):
+    wide = (torch.randn(3, 40, generator=g) * 10.0 ** torch.randint(-35, 35, (3, 40), generator=g)).to(DEV)
+    for path in ("radix", "4-ary", "topk"):
         monkeypatch.setattr(tri, "SELECT_KERNEL_MAX_BLOCKS", 0 if path == "topk" else 1 << 20)
         monkeypatch.setattr(tri, "SELECT_RADIX", path == "radix")
-        for s, n in ((scores, nblk), (continuous, cont_n)):
+        for s, n in ((scores, nblk), (continuous, cont_n), (wide, cont_n)):
             for budget in (1, 5, 12, torch.arange(2, 2 + len(n), dtype=torch.int32, device=DEV) * 3):
                 kw = dict(init_window=1, local_window=2)
                 want = ops.select_blocks(s, n, budget, backend="reference", **kw)

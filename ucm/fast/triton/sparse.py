@@ -16,9 +16,10 @@ validated by :mod:`ucm.sparse.ops`. CUDA tensors, or CPU tensors under ``TRITON_
   group member at a time (quest bounds and mean products as masked sums; hamming as XOR + SWAR
   popcount against the code of each group's summed query).
 - :func:`hash_codes`: one program per row.
-- :func:`select_blocks`: one program per request holding its row of scores: a 32-step binary
-  search for the threshold score over an order-preserving integer image of the floats, ties to
-  the lower index through a prefix count, compaction through a second one. Rows longer than
+- :func:`select_blocks`: one program per request holding its row of scores: a 17-step 4-ary
+  search for the threshold score over an order-preserving integer image of the floats (three
+  probes counted in one packed reduction per step), ties to the lower index through a prefix
+  count, compaction through a second one. Rows longer than
   ``SELECT_KERNEL_MAX_BLOCKS`` use PyTorch glue instead: one ``torch.topk`` over unique int64
   keys (score image, then ``M-1-j``). Both give exactly the reference's selection.
 - :func:`sparse_block_table`: one gather kernel (table entries and lengths).
@@ -437,7 +438,7 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
 
     The ``r``-th best score ``t`` is found over the 32-bit order-preserving integer image ``u`` of
     the scores (the row held in registers), either by RADIX select (four 8-bit digit histograms,
-    most significant first) or by a binary search (32 counting passes); both give the largest
+    most significant first) or by a 4-ary search (17 counting passes); both give the largest
     ``t`` with ``#(u >= t) >= r``. Blocks above ``t`` are taken, and of those equal to it the
     lowest indexes (an inclusive prefix count).
     """
@@ -471,13 +472,24 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
             match = match & (digit == top)
             lo = lo | (top.to(tl.int64) << shift)
     else:
+        # 4-ary search for the largest t with #(u >= t) >= r, invariant lo <= t <= hi: three
+        # probes per step, their counts packed in 21-bit fields of one int64 sum (one reduction)
         lo = tl.zeros([], tl.int64)
         hi = tl.full([], 4294967295, tl.int64)
-        for _ in range(32):                                    # largest t: #(u >= t) >= r
-            mid = (lo + hi + 1) // 2
-            enough = tl.sum((cand & (u >= mid)).to(tl.int32), 0) >= r
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
+        field = (1 << 21) - 1
+        for _ in range(17):                                    # (2**32 - 1) / 4**16 < 1
+            span = hi - lo
+            t1 = lo + (span + 3) // 4
+            t2 = lo + (2 * span + 3) // 4
+            t3 = lo + (3 * span + 3) // 4
+            packed = tl.sum(tl.where(cand, (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21)
+                                     + ((u >= t3).to(tl.int64) << 42), 0), 0)
+            ok1 = (packed & field) >= r
+            ok2 = ((packed >> 21) & field) >= r
+            ok3 = (packed >> 42) >= r
+            new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
+            hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
+            lo = new_lo
     above = cand & (u > lo)
     ties = cand & (u == lo)
     rank = tl.cumsum(ties.to(tl.int32), 0)
@@ -490,11 +502,12 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
 
 
 #: Rows up to this many blocks are selected by the kernel (held in registers); longer rows use
-#: the top-k glue below. SELECT_RADIX: the kernel's threshold search (radix select, else
-#: bisection, faster on the H200: 11 vs 14 us for 8 x 2,048 blocks, 27 vs 44 us for 1 x 8,192).
+#: the top-k glue below (the kernel's packed counts hold up to 2**21 - 1). SELECT_RADIX: the
+#: kernel's threshold search (radix select, else the 4-ary search; on the H200 a binary search
+#: took 11 us for 8 x 2,048 blocks and 27 us for 1 x 8,192, radix select 14 and 44 us).
 SELECT_KERNEL_MAX_BLOCKS = 16384
 SELECT_RADIX = False
-#: Warps of the selection program (None: 8 up to 4,096 blocks, else 16).
+#: Warps of the selection program (None: 4 up to 2,048 blocks, else 8; tuned on the H200).
 SELECT_WARPS = None
 
 
@@ -539,7 +552,7 @@ def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window:
     _jit(_select_kernel)[(B,)](scores, num_blocks, budget, sel, count, M, width, *scores.stride(),
                                INIT=init_window, LOCAL=local_window, MPAD=mpad,
                                RADIX=SELECT_RADIX,
-                               num_warps=SELECT_WARPS or (8 if mpad <= 4096 else 16))
+                               num_warps=SELECT_WARPS or (4 if mpad <= 2048 else 8))
     return sel, count
 
 
