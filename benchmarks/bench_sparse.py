@@ -15,15 +15,17 @@ error of attention, equality of selections), then times, in one run, with
     kept (its name is reported); the time of making the K/V contiguous is excluded;
 (c) the ceiling: ``copy_`` of a device buffer the size of the K/V read by (a); bandwidth counts
     bytes read + written;
-(d) sparse at 20%: ``score_blocks(kind="mean")`` + ``select_blocks`` + ``sparse_block_table`` +
-    attention over the selected blocks, each part timed alone too. The block means are computed
-    beforehand (a method keeps them incrementally). The sparse path is timed as launched eagerly
-    and as one CUDA graph replay (what a decode step under CUDA graphs pays).
+(d) sparse at 20% of blocks: ``score_blocks(kind="mean")`` + ``select_blocks`` +
+    ``sparse_block_table`` + attention over the selected blocks, each part timed alone too. The
+    block means are computed beforehand (a method keeps them incrementally). The sparse path is
+    timed as launched eagerly and as one CUDA graph replay (what a decode step under CUDA graphs
+    pays; eager launches of five small kernels cost more host time than the GPU work here).
 
-The timed functions are the implementations behind the ops (``ucm.fast.triton.sparse`` and
-``ucm.reference.sparse.sparse_block_table``), as an attention backend would call them with
-validated inputs; the public ops' validation costs (one device sync per call) are reported
-separately. Ratios: dense/SDPA time, achieved/copy bandwidth, dense/sparse time.
+The timed functions are the Triton implementations behind the ops (``ucm.fast.triton.sparse``),
+as an attention backend calls them with validated inputs; the public ops (validation: one device
+sync per call) are timed once more for the whole sparse path. Ratios: dense/SDPA time (eager,
+both one launch), attention bandwidth (bytes of K, V, q, out and table read or written over the
+dense time) / copy bandwidth (bytes read + written), dense/sparse time (graph replays).
 
     python benchmarks/bench_sparse.py --json benchmarks/results/sparse_h200.json [--sweep]
 
@@ -211,6 +213,7 @@ def use_config(cfg: dict) -> None:
 
 
 SELECT_DEFAULTS = (tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS)
+SCORE_DEFAULTS = (tri.SCORE_TILE_ELEMS, tri.SCORE_WARPS)
 DEFAULTS = dict(block_n=tri.BLOCK_N, warps=tri.NUM_WARPS, stages=tri.NUM_STAGES,
                 per_sm=tri.PROGRAMS_PER_SM)
 
@@ -296,7 +299,7 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     parts_graph = {name: bench(fn, graph=True) for name, fn in (
         ("score", score), ("select", select), ("table", build), ("attention", attend))}
     select_variants = {}
-    for name, radix, limit in (("radix", True, 1 << 30), ("bisect", False, 1 << 30),
+    for name, radix, limit in (("radix", True, 1 << 30), ("4-ary", False, 1 << 30),
                                ("topk", True, 0)):
         tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = radix, limit
         assert all(torch.equal(a, b) for a, b in zip(select(), (sel, count)))
@@ -305,9 +308,15 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     if tune:
         for warps in (4, 8, 16, 32):
             tri.SELECT_WARPS = warps
-            select_variants[f"{'radix' if tri.SELECT_RADIX else 'bisect'}_warps{warps}"] = \
+            select_variants[f"{'radix' if tri.SELECT_RADIX else '4-ary'}_warps{warps}"] = \
                 bench(select, graph=True)
         tri.SELECT_WARPS = None
+        score_sweep = {}
+        for elems, warps in itertools.product((2048, 4096, 8192, 16384), (2, 4, 8)):
+            tri.SCORE_TILE_ELEMS, tri.SCORE_WARPS = elems, warps
+            score_sweep[f"elems{elems}_warps{warps}"] = bench(score, graph=True)
+        tri.SCORE_TILE_ELEMS, tri.SCORE_WARPS = SCORE_DEFAULTS
+        res["score_sweep_graph_ms"] = score_sweep
         # the sparse attention's own launch: tile x programs per multiprocessor
         attn_sweep = {}
         for block_n, per_sm in itertools.product((64, 128), (1, 2, 3, 4, 6)):

@@ -387,8 +387,10 @@ def _score_kernel(q_ptr, table_ptr, nblk_ptr, rep_a_ptr, rep_b_ptr, mask_ptr, qc
         tl.store(out_ptr + b * M + j, tl.where(valid, total, float("-inf")), mask=inside)
 
 
-#: Elements of representation rows one scoring program holds per table (sets its block tile).
+#: Elements of representation rows one scoring program holds per table (sets its block tile),
+#: and its warps.
 SCORE_TILE_ELEMS = 8192
+SCORE_WARPS = 4
 
 
 def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
@@ -423,7 +425,7 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
         *q.stride(), *block_table.stride(), M,
         HKV=Hkv, HPAD=hpad, GROUP=Hq // Hkv, D=D, DPAD=dpad,
         KIND=("mean", "quest", "hamming").index(kind), HAS_MASK=channel_mask is not None,
-        PER_HEAD=per_head, WORDS=words, WPAD=wpad, TILE_M=tile, num_warps=4)
+        PER_HEAD=per_head, WORDS=words, WPAD=wpad, TILE_M=tile, num_warps=SCORE_WARPS)
     return out
 
 
