@@ -24,6 +24,7 @@ from ucm.sparse.base import SparseMethod
 class Adaptive(SparseMethod):
     name = "adaptive"
     reprs = ("mean",)
+    partial_reprs = True
 
     def __init__(self, config=None, **shape):
         super().__init__(config, **shape)

@@ -21,8 +21,10 @@ What the base class does, so that a method only has to say how it scores blocks:
   ``kmax``, ``codes``: whichever :attr:`SparseMethod.reprs` names), allocated on first use with
   the cache's number of blocks and device. A request remembers, per layer, how many of its
   leading blocks are done; each call computes the blocks that filled since (one
-  :func:`ucm.sparse.ops.update_block_reprs` call for the whole batch), plus the partial last
-  block of each row, which is recomputed every step.
+  :func:`ucm.sparse.ops.update_block_reprs` call for the whole batch). The partial last block is
+  always attended, so its representation only matters to methods that set
+  :attr:`SparseMethod.partial_reprs` (adaptive: its estimated mass); those recompute it every
+  step.
 * **Selection to table.** :meth:`SparseMethod.select` returns logical block indexes (as
   :func:`ucm.sparse.ops.select_blocks` does); :func:`ucm.sparse.ops.sparse_block_table` turns
   them into the table and lengths the attention kernel reads.
@@ -75,6 +77,7 @@ class SparseMethod:
 
     name = "base"
     reprs: tuple = ()  # representation tables the method scores with (subset of REPR_KINDS)
+    partial_reprs = False  # also keep the partial last block's representations current
 
     def __init__(self, config: Union[Config, Mapping, None] = None, *, num_layers: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -173,7 +176,7 @@ class SparseMethod:
             for j in range(start, full):
                 todo[row[j]] = bs
             st.done[layer] = max(start, full)
-            if n_tok % bs:
+            if n_tok % bs and self.partial_reprs:
                 todo[row[full]] = n_tok % bs
         if todo:
             dev = k_cache.device
@@ -253,6 +256,14 @@ class SparseMethod:
         """Top blocks by ``scores [b, M]`` with this method's windows."""
         return ops.select_blocks(scores.float().contiguous(), num_blocks, budget,
                                  init_window=self.init_window, local_window=self.local_window)
+
+    def head_mass(self, per_head: torch.Tensor) -> torch.Tensor:
+        """Block scores from per-head logit estimates ``[b, Hq, M]`` (``-inf`` past a request's
+        blocks): a softmax over the blocks per query head (scale ``head_dim ** -0.5``), averaged
+        over heads, i.e. each block's estimated share of the attention. Unlike a plain sum over
+        heads, a head with large query norms cannot drown the others, and every head's ranking
+        counts in proportion to how concentrated its attention is."""
+        return torch.softmax(per_head / math.sqrt(self.head_dim), dim=-1).mean(1)
 
     def forced(self, n: int) -> list:
         """Logical blocks every selection of a request of ``n`` blocks keeps."""

@@ -1,7 +1,8 @@
 """ESA: retrieval by mean keys, re-selected every ``retrieval_stride`` decode steps.
 
 Each block is represented by the mean of its keys. A request's selection in a layer is computed
-from the current query (``q . mean`` summed over query heads, top blocks within the budget) on its
+from the current query (``q_h . mean`` per query head, combined as shares of attention by
+:meth:`SparseMethod.head_mass`; top blocks within the budget) on its
 first sparse step and then every ``retrieval_stride`` steps; in between, the previous selection is
 reused, extended by the blocks that are new since (the windows and the last block are always
 current, so a step never misses the token being decoded or its neighbours).
@@ -30,9 +31,9 @@ class ESA(SparseMethod):
         rows: list = [None] * len(states)
         if due:
             di = torch.tensor(due, device=q.device)
-            scores = ops.score_blocks(q[di], block_table[di], num_blocks[di], kind="mean",
-                                      mean=tables["mean"])
-            sel, count = self.pick(scores, num_blocks[di], budget[di])
+            per_head = ops.score_blocks(q[di], block_table[di], num_blocks[di], kind="mean",
+                                        mean=tables["mean"], reduce="none")
+            sel, count = self.pick(self.head_mass(per_head), num_blocks[di], budget[di])
             for j, i in enumerate(due):
                 rows[i] = sel[j, :int(count[j])].tolist()
             self.retrievals += len(due)

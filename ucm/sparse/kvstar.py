@@ -1,7 +1,8 @@
 """KVStar: channel-pruned mean-key scores and multi-query voting.
 
 Scoring: for each query head only the ``kvstar_channels`` channels with the largest ``|q|`` count
-(``q . mean`` over those channels; the others carry little of the dot product and mostly noise).
+(``q . mean`` over those channels; the others carry little of the dot product and mostly noise);
+heads are combined as shares of attention (:meth:`SparseMethod.head_mass`).
 
 Voting: a request keeps, per layer, the queries of its last ``kvstar_votes`` decode steps
 (the current one included). Each of them votes for its own top-``budget`` blocks; blocks are
@@ -46,10 +47,11 @@ class KVStar(SparseMethod):
             hist.append([recent[0]] * (V - len(recent)) + recent)
         queries = torch.stack([torch.stack(h) for h in hist])              # [b, V, Hq, D]
         flat = queries.reshape(b * V, *q.shape[1:])
-        scores = ops.score_blocks(flat, block_table.repeat_interleave(V, 0),
-                                  num_blocks.repeat_interleave(V, 0), kind="mean",
-                                  mean=tables["mean"], channel_mask=self.channel_mask(flat))
-        scores = scores.reshape(b, V, M)
+        per_head = ops.score_blocks(flat, block_table.repeat_interleave(V, 0),
+                                    num_blocks.repeat_interleave(V, 0), kind="mean",
+                                    mean=tables["mean"], channel_mask=self.channel_mask(flat),
+                                    reduce="none")
+        scores = self.head_mass(per_head).reshape(b, V, M)
         # each query's rank of every block (0 = best; ties to the lower index)
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(M, device=q.device).expand_as(order))

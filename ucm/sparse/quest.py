@@ -2,7 +2,9 @@
 
 Each block keeps the per-channel minimum and maximum of its keys; ``sum_d max(q_d kmin_d,
 q_d kmax_d)`` bounds every ``q . k`` in the block from above. Blocks are selected every step by
-that bound summed over query heads.
+that bound, combined over query heads as shares of attention (:meth:`SparseMethod.head_mass`:
+per-head softmax over blocks, averaged; on SmolLM2 this lost less perplexity than summing the
+bounds over heads).
 """
 from __future__ import annotations
 
@@ -15,6 +17,6 @@ class Quest(SparseMethod):
     reprs = ("kmin", "kmax")
 
     def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
-        scores = ops.score_blocks(q, block_table, num_blocks, kind="quest", kmin=tables["kmin"],
-                                  kmax=tables["kmax"])
-        return self.pick(scores, num_blocks, budget)
+        bound = ops.score_blocks(q, block_table, num_blocks, kind="quest", kmin=tables["kmin"],
+                                 kmax=tables["kmax"], reduce="none")
+        return self.pick(self.head_mass(bound), num_blocks, budget)

@@ -1,0 +1,374 @@
+"""Sparse-attention methods (ucm.sparse): valid selections, lifecycle, strides, adaptive bounds,
+accuracy on a synthetic cache, validation; and the harness model's paged decode path."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import ucm.sparse
+from ucm.config import Config
+from ucm.sparse import ops
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HQ, HKV, D, BS = 6, 2, 32, 8
+SHAPE = dict(num_layers=3, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS)
+ALL = list(ucm.sparse.METHODS)
+SMART = [m for m in ALL if m != "random"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors: one torch thread is faster (and much faster on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make(method, **opts):
+    cfg = {"min_blocks": 8, "init_window": 1, "local_window": 2, "sparse_ratio": 0.25, **opts}
+    return ucm.sparse.create(cfg, method=method, **SHAPE)
+
+
+def cache(num_blocks=120, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_blocks, BS, HKV, D, generator=g)
+
+
+def tables(lens, num_blocks=120, seed=1, grow=0):
+    """Disjoint random physical blocks per request (so a wrong id shows), room for ``grow`` more
+    tokens each."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g)
+    nbs = [math.ceil((n + grow) / BS) for n in lens]
+    M = max(nbs)
+    table = torch.zeros(len(lens), M, dtype=torch.int32)
+    start = 0
+    for b, nb in enumerate(nbs):
+        table[b, :nb] = perm[start:start + nb].to(torch.int32)
+        start += nb
+    return table, torch.tensor(lens, dtype=torch.int32)
+
+
+def plant(k, table, b, blocks, q, strength=4.0):
+    """Make the keys of logical ``blocks`` of request ``b`` point along its query."""
+    for j in blocks:
+        direction = q[b].reshape(HKV, HQ // HKV, D).sum(1)
+        direction = direction / direction.norm(dim=-1, keepdim=True)
+        k[int(table[b, j])] += strength * direction[None]
+
+
+def check_selection(m, table, lens, out, row):
+    """The row's sparse table: its own blocks, windows + last block, length consistent."""
+    t_sel, l_sel = out
+    n = math.ceil(int(lens[row]) / BS)
+    count = math.ceil(int(l_sel[row]) / BS)
+    chosen = t_sel[row, :count].tolist()
+    own = table[row, :n].tolist()
+    logical = [own.index(p) for p in chosen]                         # raises if not its block
+    assert logical == sorted(set(logical)), "increasing, no repeats"
+    forced = set(range(m.init_window)) | set(range(n - m.local_window, n)) | {n - 1}
+    assert forced <= set(logical)
+    last_len = int(lens[row]) - (n - 1) * BS
+    assert int(l_sel[row]) == (count - 1) * BS + last_len
+    return logical
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_valid_selection_and_budget(method):
+    torch.manual_seed(0)
+    m = make(method)
+    k = cache()
+    table, lens = tables([40 * BS + 3, 24 * BS], grow=3)
+    for rid in ("a", "b"):
+        m.request_begin(rid, 100)
+    for step in range(2):
+        m.step_begin()
+        lens_t = lens + step
+        q = torch.randn(2, HQ, D)
+        for layer in range(SHAPE["num_layers"]):
+            out = m.attention_begin(layer, ["a", "b"], q, k, table, lens_t)
+            assert out is not None
+            for row in range(2):
+                n = math.ceil(int(lens_t[row]) / BS)
+                logical = check_selection(m, table, lens_t, out, row)
+                budget = max(m.init_window + m.local_window + 1, math.ceil(0.25 * n))
+                if method == "adaptive":
+                    assert m.init_window + m.local_window + 1 <= len(logical) <= budget
+                elif method == "esa":
+                    assert budget <= len(logical) <= budget + step + 1   # + new trailing blocks
+                else:
+                    assert len(logical) == budget
+            m.attention_finished(layer, ["a", "b"])
+        m.step_end()
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_short_requests_and_ratio_one_stay_dense(method):
+    k = cache()
+    table, lens = tables([7 * BS, 3])          # 7 blocks < min_blocks=8
+    q = torch.randn(2, HQ, D)
+    m = make(method)
+    m.request_begin("a", 1), m.request_begin("b", 1)
+    assert m.attention_begin(0, ["a", "b"], q, k, table, lens) is None
+    table, lens = tables([40 * BS, 30 * BS + 1])
+    dense = make(method, sparse_ratio=1.0)
+    dense.request_begin("a", 1), dense.request_begin("b", 1)
+    assert dense.attention_begin(0, ["a", "b"], q, k, table, lens) is None
+
+
+@pytest.mark.parametrize("method", ["esa", "quest", "adaptive"])
+def test_mixed_batch_dense_rows_keep_their_table(method):
+    k = cache()
+    table, lens = tables([5 * BS, 40 * BS + 2])
+    m = make(method)
+    m.request_begin("short", 1), m.request_begin("long", 1)
+    t_sel, l_sel = m.attention_begin(1, ["short", "long"], torch.randn(2, HQ, D), k, table, lens)
+    assert t_sel.shape[1] <= table.shape[1]
+    assert int(l_sel[0]) == int(lens[0])
+    assert t_sel[0, :5].tolist() == table[0, :5].tolist()
+    check_selection(m, table, lens, (t_sel, l_sel), 1)
+    assert int(l_sel[1]) < int(lens[1])
+
+
+def test_dense_layers_for_every_method():
+    k = cache()
+    table, lens = tables([40 * BS])
+    for method in ALL:
+        m = make(method, sparse_dense_layers=2)
+        m.request_begin("a", 1)
+        q = torch.randn(1, HQ, D)
+        assert m.attention_begin(0, ["a"], q, k, table, lens) is None
+        assert m.attention_begin(1, ["a"], q, k, table, lens) is None
+        assert m.attention_begin(2, ["a"], q, k, table, lens) is not None
+
+
+def test_esa_reselects_exactly_every_stride():
+    stride, steps = 3, 10
+    m = make("esa", retrieval_stride=stride)
+    k = cache()
+    table, lens = tables([30 * BS + 5, 26 * BS], grow=2 * steps)
+    m.request_begin("a", 1), m.request_begin("b", 1)
+    prev = None
+    for step in range(steps):
+        m.step_begin()
+        before = m.retrievals
+        lens_t = lens + 2 * step              # blocks fill as the decode goes on
+        out = m.attention_begin(1, ["a", "b"], torch.randn(2, HQ, D), k, table, lens_t)
+        fresh = m.retrievals - before
+        assert fresh == (2 if step % stride == 0 else 0), step
+        logical = [check_selection(m, table, lens_t, out, r) for r in range(2)]
+        if fresh == 0:                        # reused: the old selection plus new trailing blocks
+            for r in range(2):
+                assert set(prev[r]) <= set(logical[r])
+                n = math.ceil(int(lens_t[r]) / BS)
+                assert set(logical[r]) - set(prev[r]) <= set(range(n - m.local_window, n))
+        prev = logical
+    assert m.retrievals == 2 * math.ceil(steps / stride)
+
+
+def test_adaptive_budget_follows_concentration():
+    torch.manual_seed(0)
+    k = cache() * 0.05                        # nearly flat attention unless planted
+    table, lens = tables([60 * BS, 60 * BS])
+    q = torch.randn(2, HQ, D)
+    plant(k, table, 0, [20], q, strength=60.0)          # request 0: one block takes the mass
+    m = make("adaptive", sparse_ratio=0.5, adaptive_mass=0.9)
+    m.request_begin("a", 1), m.request_begin("b", 1)
+    t_sel, l_sel = m.attention_begin(1, ["a", "b"], q, k, table, lens)
+    kept = [math.ceil(int(n) / BS) for n in l_sel]
+    lower = m.init_window + m.local_window + 1
+    assert kept[0] <= lower + 1               # concentrated: the windows and the hot block
+    assert 20 in check_selection(m, table, lens, (t_sel, l_sel), 0)
+    assert kept[1] == math.ceil(0.5 * 60)     # diffuse: the upper bound
+    assert all(lower <= a <= max(lower, math.ceil(0.5 * n)) for a, n in m.kept)
+
+
+def test_request_finished_frees_state_and_interleaving_keeps_requests_apart():
+    k = cache()
+    table, lens = tables([30 * BS + 1, 40 * BS + 7], grow=6)
+    g = torch.Generator().manual_seed(5)
+    qs = [torch.randn(2, HQ, D, generator=g) for _ in range(5)]
+    for method in ("esa", "kvstar"):
+        alone = {}
+        for r, rid in enumerate(("a", "b")):        # each request with a method of its own
+            m = make(method, retrieval_stride=2)
+            m.request_begin(rid, 1)
+            sel = []
+            for s, q in enumerate(qs):
+                m.step_begin()
+                out = m.attention_begin(0, [rid], q[r:r + 1], k, table[r:r + 1], lens[r:r + 1] + s)
+                sel.append(out[0][0].tolist())
+            alone[rid] = sel
+        m = make(method, retrieval_stride=2)         # one method, the requests interleaved
+        m.request_begin("a", 1), m.request_begin("b", 1)
+        for s, q in enumerate(qs):
+            m.step_begin()
+            for r, rid in ((1, "b"), (0, "a")):
+                out = m.attention_begin(0, [rid], q[r:r + 1], k, table[r:r + 1], lens[r:r + 1] + s)
+                assert out[0][0].tolist() == alone[rid][s], (method, rid, s)
+        assert m.live_requests == 2
+        m.request_finished("a")
+        assert m.live_requests == 1
+        with pytest.raises(ValueError, match="was not begun"):
+            m.attention_begin(0, ["a"], qs[0][:1], k, table[:1], lens[:1])
+        m.request_finished("b")
+        m.request_finished("never-begun")
+        assert m.live_requests == 0
+
+
+@pytest.mark.parametrize("method", SMART)
+def test_finds_the_blocks_aligned_with_the_query(method):
+    """A synthetic cache where three blocks per request hold keys along the query: every method
+    but random keeps them (random is checked to miss some, so the check can fail)."""
+    torch.manual_seed(3)
+    k = cache(seed=3)
+    table, lens = tables([64 * BS + 4, 48 * BS], seed=4)
+    q = torch.randn(2, HQ, D)
+    hot = {0: [9, 25, 40], 1: [5, 17, 33]}
+    for b in (0, 1):
+        plant(k, table, b, hot[b], q)
+    m = make(method, sparse_ratio=0.125)
+    m.request_begin("a", 1), m.request_begin("b", 1)
+    for layer in range(2):
+        m.step_begin()
+        out = m.attention_begin(layer, ["a", "b"], q, k, table, lens)
+        for b in (0, 1):
+            assert set(hot[b]) <= set(check_selection(m, table, lens, out, b)), (method, b)
+
+
+def test_random_baseline_misses_planted_blocks():
+    torch.manual_seed(3)
+    k = cache(seed=3)
+    table, lens = tables([64 * BS + 4, 48 * BS], seed=4)
+    q = torch.randn(2, HQ, D)
+    hot = {0: [9, 25, 40], 1: [5, 17, 33]}
+    m = make("random", sparse_ratio=0.125)
+    m.request_begin("a", 1), m.request_begin("b", 1)
+    out = m.attention_begin(0, ["a", "b"], q, k, table, lens)
+    found = sum(len(set(hot[b]) & set(check_selection(m, table, lens, out, b))) for b in (0, 1))
+    assert found < 6
+
+
+def test_gsa_prefetch_gets_the_selected_physical_blocks():
+    calls = []
+    m = ucm.sparse.create({"min_blocks": 8, "sparse_ratio": 0.25}, method="gsa",
+                          prefetch=lambda layer, rid, ids: calls.append((layer, rid, ids.tolist())),
+                          **SHAPE)
+    k = cache()
+    table, lens = tables([40 * BS])
+    m.request_begin("a", 1)
+    t_sel, l_sel = m.attention_begin(2, ["a"], torch.randn(1, HQ, D), k, table, lens)
+    assert calls == [(2, "a", t_sel[0, :math.ceil(int(l_sel[0]) / BS)].tolist())]
+
+
+def test_kvstar_votes_break_ties_by_current_score():
+    m = make("kvstar", kvstar_votes=3, kvstar_channels=8)
+    mask = m.channel_mask(torch.randn(4, HQ, D))
+    assert mask.sum(-1).eq(8).all()
+    k = cache()
+    table, lens = tables([40 * BS], grow=5)
+    m.request_begin("a", 1)
+    for s in range(5):
+        m.attention_begin(0, ["a"], torch.randn(1, HQ, D), k, table, lens + s)
+    assert len(m._requests["a"].extra[0]) == 3          # only the last kvstar_votes queries
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="sparse_ratio"):
+        Config({"sparse_ratio": 0.0})
+    with pytest.raises(ValueError, match="sparse_ratio"):
+        Config({"sparse_ratio": 1.5})
+    with pytest.raises(ValueError, match="min_blocks"):
+        Config({"init_window": 4, "local_window": 5, "min_blocks": 8})
+    with pytest.raises(ValueError, match="sparse_hash_bits"):
+        Config({"sparse_hash_bits": 48})
+    with pytest.raises(ValueError, match="sparse_method"):
+        Config({"sparse_method": "oracle"})
+    with pytest.raises(ValueError, match="method"):
+        ucm.sparse.create({}, method="nope", **SHAPE)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        ucm.sparse.create({"sparse_method": "esa"}, **dict(SHAPE, num_q_heads=5))
+    with pytest.raises(ValueError, match="block_size"):
+        ucm.sparse.create({"sparse_method": "quest"}, **dict(SHAPE, block_size=0))
+    with pytest.raises(ValueError, match="kvstar_channels"):
+        ucm.sparse.create({"sparse_method": "kvstar", "kvstar_channels": D + 1}, **SHAPE)
+    with pytest.raises(ValueError, match="prefetch"):
+        ucm.sparse.create({"sparse_method": "gsa"}, prefetch=3, **SHAPE)
+    with pytest.raises(ValueError, match="layer"):
+        m = make("esa")
+        m.request_begin("a", 1)
+        m.attention_begin(3, ["a"], torch.randn(1, HQ, D), cache(), *tables([40 * BS]))
+    assert ucm.sparse.create({"sparse_method": "none"}, **SHAPE) is None
+    assert isinstance(ucm.sparse.create(Config({"sparse_method": "quest"}), **SHAPE),
+                      ucm.sparse.SparseMethod)
+
+
+# ---------------------------------------------------------------------------------------------
+# the harness model (benchmarks/sparse_model.py), with small random weights
+
+def tiny_model():
+    from benchmarks.sparse_model import SmolLM2
+
+    g = torch.Generator().manual_seed(0)
+    H, I, V, L = 48, 64, 97, 2
+    cfg = {"num_hidden_layers": L, "num_attention_heads": 6, "num_key_value_heads": 2,
+           "hidden_size": H, "head_dim": 8, "vocab_size": V, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0}
+    w = {"model.embed_tokens.weight": torch.randn(V, H, generator=g),
+         "model.norm.weight": 1 + 0.1 * torch.randn(H, generator=g)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (48, H)), ("self_attn.k_proj", (16, H)),
+                            ("self_attn.v_proj", (16, H)), ("self_attn.o_proj", (H, 48)),
+                            ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
+                            ("mlp.down_proj", (H, I))):
+            w[p + name + ".weight"] = torch.randn(*shape, generator=g) / math.sqrt(shape[1])
+        w[p + "input_layernorm.weight"] = torch.ones(H)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(H)
+    return SmolLM2(cfg, w)
+
+
+def test_model_paged_attention_matches_the_op():
+    from benchmarks.sparse_model import paged_attention
+
+    k, v = cache(seed=7), cache(seed=8)
+    table, lens = tables([30 * BS + 3, 12 * BS])
+    q = torch.randn(2, HQ, D)
+    sel, count = ops.select_blocks(torch.randn(2, table.shape[1]), torch.tensor([31, 12], dtype=torch.int32),
+                                   8, init_window=1, local_window=2)
+    t_sel, l_sel = ops.sparse_block_table(table, lens, sel, count, BS)
+    for t, n in ((table, lens), (t_sel, l_sel)):
+        ref = ops.paged_decode_attention(q, k, v, t, n, backend="reference")
+        assert torch.allclose(paged_attention(q, k, v, t, n), ref, atol=1e-5)
+    out, mass = paged_attention(q, k, v, t_sel, l_sel, full=(table, lens))
+    exact = ops.block_attention_mass(q, k, table, lens)
+    kept = torch.stack([exact[b, sel[b, :int(count[b])].long()].sum() for b in range(2)])
+    assert torch.allclose(mass, kept, atol=1e-5)
+
+
+def test_model_decode_matches_prefill_and_runs_methods():
+    from benchmarks.sparse_model import run_continuation
+
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (16 * 20 + 5 + 6,), generator=g).tolist()
+    shape = dict(num_layers=2, num_q_heads=6, num_kv_heads=2, head_dim=8, block_size=16)
+    methods = [None, ucm.sparse.create({"sparse_ratio": 1.0}, method="esa", **shape),
+               ucm.sparse.create({"sparse_ratio": 0.3}, method="quest", **shape),
+               ucm.sparse.create({"sparse_ratio": 0.3}, method="oracle", **shape)]
+    res = run_continuation(model, ids[:325], ids[325:], methods)
+    assert res.logits.shape == (4, 6, 97)
+    for r in (0, 1):                          # dense and ratio 1.0 = the prefill's logits
+        assert torch.allclose(res.logits[r], res.dense_logits, atol=1e-4)
+        assert res.mass[r].eq(1).all()
+    for r in (2, 3):                          # sparse: fewer blocks, less mass, other logits
+        assert (res.blocks[r] < 21).all() and (res.mass[r] < 1).all()
+        assert not torch.allclose(res.logits[r], res.dense_logits, atol=1e-4)
+    assert (res.mass[3] >= res.mass[2] - 1e-6).all()    # the oracle keeps the most mass
+    assert all(m is None or m.live_requests == 0 for m in methods)
