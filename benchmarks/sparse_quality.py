@@ -157,9 +157,9 @@ def markdown(rows: list) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", default="2048,4096,8192", help="context lengths, comma-separated")
-    p.add_argument("--docs", default="3,2,1", help="documents per context length (one number "
+    p.add_argument("--docs", default="1", help="documents per context length (one number "
                    "for all, or one per context)")
-    p.add_argument("--tokens", type=int, default=48, help="continuation tokens per document")
+    p.add_argument("--tokens", type=int, default=32, help="continuation tokens per document")
     p.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--config", default="{}", help="JSON dict of extra ucm options for every method "

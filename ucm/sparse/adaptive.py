@@ -29,7 +29,8 @@ class Adaptive(SparseMethod):
     def __init__(self, config=None, **shape):
         super().__init__(config, **shape)
         self.mass = float(self.config["adaptive_mass"])
-        self.kept = []              # (blocks kept, blocks) of each selection, for reports
+        self.kept_blocks = 0        # blocks kept and blocks seen over all selections (reports)
+        self.seen_blocks = 0
 
     def estimated_mass(self, q, block_table, seq_lens, num_blocks, tables) -> torch.Tensor:
         """float32 ``[b, M]``: estimated softmax mass per block, averaged over query heads."""
@@ -57,5 +58,6 @@ class Adaptive(SparseMethod):
         lower = self.init_window + self.local_window + 1
         adaptive = torch.minimum(torch.clamp(forced.sum(1) + need, min=lower), budget.long())
         adaptive = adaptive.to(torch.int32)
-        self.kept.extend(zip(adaptive.tolist(), num_blocks.tolist()))
+        self.kept_blocks += int(adaptive.sum())
+        self.seen_blocks += int(num_blocks.sum())
         return self.pick(est, num_blocks, adaptive)
