@@ -378,9 +378,9 @@ def test_select_triton_identical(triton_ready, monkeypatch):
     continuous = torch.randn(3, 40, generator=g).to(DEV)
     cont_n = torch.tensor([40, 12, 1], dtype=torch.int32, device=DEV)
     wide = (torch.randn(3, 40, generator=g) * 10.0 ** torch.randint(-35, 35, (3, 40), generator=g)).to(DEV)
-    for path in ("radix", "4-ary", "topk"):
+    for path in ("one_chunk", "chunks_of_16", "topk"):
         monkeypatch.setattr(tri, "SELECT_KERNEL_MAX_BLOCKS", 0 if path == "topk" else 1 << 20)
-        monkeypatch.setattr(tri, "SELECT_RADIX", path == "radix")
+        monkeypatch.setattr(tri, "SELECT_CHUNK", 16 if path == "chunks_of_16" else 2048)
         for s, n in ((scores, nblk), (continuous, cont_n), (wide, cont_n)):
             for budget in (1, 5, 12, torch.arange(2, 2 + len(n), dtype=torch.int32, device=DEV) * 3):
                 kw = dict(init_window=1, local_window=2)
