@@ -378,15 +378,19 @@ def test_select_triton_identical(triton_ready, monkeypatch):
     continuous = torch.randn(3, 40, generator=g).to(DEV)
     cont_n = torch.tensor([40, 12, 1], dtype=torch.int32, device=DEV)
     wide = (torch.randn(3, 40, generator=g) * 10.0 ** torch.randint(-35, 35, (3, 40), generator=g)).to(DEV)
-    for path in ("one_chunk", "chunks_of_16", "topk"):
+    per_row = torch.arange(2, 5, dtype=torch.int32, device=DEV) * 3
+    runs = [("one_chunk", data, budget) for data in ((scores, nblk), (continuous, cont_n), (wide, cont_n))
+            for budget in (1, 5, 12)]
+    runs += [("one_chunk", (continuous, cont_n), per_row), ("topk", (scores, nblk), 5),
+             ("topk", (wide, cont_n), per_row), ("chunks_of_16", (scores, nblk), 5),
+             ("chunks_of_16", (wide, cont_n), 12)]
+    for path, (s, n), budget in runs:
         monkeypatch.setattr(tri, "SELECT_KERNEL_MAX_BLOCKS", 0 if path == "topk" else 1 << 20)
         monkeypatch.setattr(tri, "SELECT_CHUNK", 16 if path == "chunks_of_16" else 2048)
-        for s, n in ((scores, nblk), (continuous, cont_n), (wide, cont_n)):
-            for budget in (1, 5, 12, torch.arange(2, 2 + len(n), dtype=torch.int32, device=DEV) * 3):
-                kw = dict(init_window=1, local_window=2)
-                want = ops.select_blocks(s, n, budget, backend="reference", **kw)
-                got = ops.select_blocks(s, n, budget, backend="triton", **kw)
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (path, budget)
+        kw = dict(init_window=1, local_window=2)
+        want = ops.select_blocks(s, n, budget, backend="reference", **kw)
+        got = ops.select_blocks(s, n, budget, backend="triton", **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (path, budget)
 
 
 def test_sparse_block_table_attends_to_selected_tokens():
