@@ -212,7 +212,7 @@ def use_config(cfg: dict) -> None:
     tri.PROGRAMS_PER_SM = cfg.get("per_sm", DEFAULTS["per_sm"])
 
 
-SELECT_DEFAULTS = (tri.SELECT_CHUNK, tri.SELECT_KERNEL_MAX_BLOCKS)
+SELECT_DEFAULTS = (tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS)
 SCORE_DEFAULTS = (tri.SCORE_TILE_ELEMS, tri.SCORE_WARPS)
 DEFAULTS = dict(block_n=tri.BLOCK_N, warps=tri.NUM_WARPS, stages=tri.NUM_STAGES,
                 per_sm=tri.PROGRAMS_PER_SM)
@@ -299,16 +299,16 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     parts_graph = {name: bench(fn, graph=True) for name, fn in (
         ("score", score), ("select", select), ("table", build), ("attention", attend))}
     select_variants = {}
-    for name, chunk, limit in (("kernel_chunk1024", 1024, 1 << 20), ("kernel_chunk2048", 2048, 1 << 20),
-                               ("kernel_chunk8192", 8192, 1 << 20), ("topk", 2048, 0)):
-        tri.SELECT_CHUNK, tri.SELECT_KERNEL_MAX_BLOCKS = chunk, limit
+    for name, radix, limit in (("radix", True, 1 << 30), ("4-ary", False, 1 << 30),
+                               ("topk", True, 0)):
+        tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = radix, limit
         assert all(torch.equal(a, b) for a, b in zip(select(), (sel, count)))
         select_variants[name] = bench(select, graph=True)
-    tri.SELECT_CHUNK, tri.SELECT_KERNEL_MAX_BLOCKS = SELECT_DEFAULTS
+    tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = SELECT_DEFAULTS
     if tune:
         for warps in (4, 8, 16, 32):
             tri.SELECT_WARPS = warps
-            select_variants[f"kernel_warps{warps}"] = \
+            select_variants[f"{'radix' if tri.SELECT_RADIX else '4-ary'}_warps{warps}"] = \
                 bench(select, graph=True)
         tri.SELECT_WARPS = None
         score_sweep = {}

@@ -379,14 +379,14 @@ def test_select_triton_identical(triton_ready, monkeypatch):
     cont_n = torch.tensor([40, 12, 1], dtype=torch.int32, device=DEV)
     wide = (torch.randn(3, 40, generator=g) * 10.0 ** torch.randint(-35, 35, (3, 40), generator=g)).to(DEV)
     per_row = torch.arange(2, 5, dtype=torch.int32, device=DEV) * 3
-    runs = [("one_chunk", data, budget) for data in ((scores, nblk), (continuous, cont_n), (wide, cont_n))
+    runs = [("4-ary", data, budget) for data in ((scores, nblk), (continuous, cont_n), (wide, cont_n))
             for budget in (1, 5, 12)]
-    runs += [("one_chunk", (continuous, cont_n), per_row), ("topk", (scores, nblk), 5),
-             ("topk", (wide, cont_n), per_row), ("chunks_of_16", (scores, nblk), 5),
-             ("chunks_of_16", (wide, cont_n), 12)]
+    runs += [("4-ary", (continuous, cont_n), per_row), ("topk", (scores, nblk), 5),
+             ("topk", (wide, cont_n), per_row), ("radix", (scores, nblk), 5),
+             ("radix", (wide, cont_n), 12), ("radix", (continuous, cont_n), per_row)]
     for path, (s, n), budget in runs:
         monkeypatch.setattr(tri, "SELECT_KERNEL_MAX_BLOCKS", 0 if path == "topk" else 1 << 20)
-        monkeypatch.setattr(tri, "SELECT_CHUNK", 16 if path == "chunks_of_16" else 2048)
+        monkeypatch.setattr(tri, "SELECT_RADIX", path == "radix")
         kw = dict(init_window=1, local_window=2)
         want = ops.select_blocks(s, n, budget, backend="reference", **kw)
         got = ops.select_blocks(s, n, budget, backend="triton", **kw)

@@ -16,12 +16,12 @@ validated by :mod:`ucm.sparse.ops`. CUDA tensors, or CPU tensors under ``TRITON_
   group member at a time (quest bounds and mean products as masked sums; hamming as XOR + SWAR
   popcount against the code of each group's summed query).
 - :func:`hash_codes`: one program per row.
-- :func:`select_blocks`: one program per request walking its row in chunks: a 17-step 4-ary
+- :func:`select_blocks`: one program per request holding its row of scores: a 17-step 4-ary
   search for the threshold score over an order-preserving integer image of the floats (three
-  probes counted in one packed reduction per step), ties to the lower index through a running
-  prefix count, compaction through another. Rows longer than ``SELECT_KERNEL_MAX_BLOCKS`` use
-  PyTorch glue instead: one ``torch.topk`` over unique int64 keys (score image, then ``M-1-j``).
-  Both give exactly the reference's selection.
+  probes counted in one packed reduction per step), ties to the lower index through a prefix
+  count, compaction through a second one. Rows longer than
+  ``SELECT_KERNEL_MAX_BLOCKS`` use PyTorch glue instead: one ``torch.topk`` over unique int64
+  keys (score image, then ``M-1-j``). Both give exactly the reference's selection.
 - :func:`sparse_block_table`: one gather kernel (table entries and lengths).
 """
 from __future__ import annotations
@@ -433,86 +433,83 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
 # selection and the sparse block table
 
 
-def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, key_ptr, sel_ptr, count_ptr, M, width,
-                   ss_b, ss_m, INIT: tl.constexpr, LOCAL: tl.constexpr, CHUNK: tl.constexpr):
+def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, width,
+                   ss_b, ss_m, INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr,
+                   RADIX: tl.constexpr):
     """One request: forced blocks, then the ``r`` best other blocks by (score desc, index asc).
 
-    Pass 1 writes ``key[b, j]``: for candidate blocks (valid, not forced) the 32-bit
-    order-preserving integer image ``u`` of the score (NaN as -inf, -0.0 as +0.0), else -1.
-    Then a 4-ary search finds the largest ``t`` with ``#(u >= t) >= r`` (the ``r``-th best
-    score): 17 steps, each counting three probes in one packed int64 reduction. Blocks above
-    ``t`` are taken, and of those equal to it the lowest indexes; the kept indexes are compacted
-    in order by running prefix counts. Every pass walks the row in chunks of CHUNK blocks.
+    The ``r``-th best score ``t`` is found over the 32-bit order-preserving integer image ``u`` of
+    the scores (the row held in registers), either by RADIX select (four 8-bit digit histograms,
+    most significant first) or by a 4-ary search (17 counting passes); both give the largest
+    ``t`` with ``#(u >= t) >= r``. Blocks above ``t`` are taken, and of those equal to it the
+    lowest indexes (an inclusive prefix count).
     """
     b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, MPAD)
     n = tl.load(nblk_ptr + b)
-    lanes = tl.arange(0, CHUNK)
-    keys = key_ptr + b * M
-    n_forced = tl.zeros([], tl.int32)
-    for c0 in range(0, M, CHUNK):
-        j = c0 + lanes
-        valid = j < n
-        forced = valid & ((j < INIT) | (j >= n - LOCAL) | (j == n - 1))
-        s = tl.load(scores_ptr + b * ss_b + j * ss_m, mask=valid, other=0.0)
-        s = tl.where(s != s, float("-inf"), s)                 # NaN ranks like -inf
-        s = tl.where(s == 0.0, 0.0, s)                         # -0.0 ties with +0.0
-        bits = s.to(tl.int32, bitcast=True)
-        u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648  # [0, 2**32)
-        tl.store(keys + j, tl.where(valid & ~forced, u, -1), mask=j < M)
-        n_forced += tl.sum(forced.to(tl.int32), 0)
+    valid = j < n
+    forced = valid & ((j < INIT) | (j >= n - LOCAL) | (j == n - 1))
+    s = tl.load(scores_ptr + b * ss_b + j * ss_m, mask=valid, other=float("-inf"))
+    s = tl.where(s != s, float("-inf"), s)                     # NaN ranks like -inf
+    s = tl.where(s == 0.0, 0.0, s)                             # -0.0 ties with +0.0
+    bits = s.to(tl.int32, bitcast=True)
+    u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648   # [0, 2**32)
+    cand = valid & ~forced
+    n_forced = tl.sum(forced.to(tl.int32), 0)
     keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
     r = keep - n_forced                                        # blocks still to take
-    # 4-ary search, invariant lo <= t <= hi; counts packed in 21-bit fields
-    lo = tl.zeros([], tl.int64)
-    hi = tl.full([], 4294967295, tl.int64)
-    field = (1 << 21) - 1
-    for _ in range(17):                                        # (2**32 - 1) / 4**16 < 1
-        span = hi - lo
-        t1 = lo + (span + 3) // 4
-        t2 = lo + (2 * span + 3) // 4
-        t3 = lo + (3 * span + 3) // 4
-        packed = tl.zeros([], tl.int64)
-        for c0 in range(0, M, CHUNK):
-            u = tl.load(keys + c0 + lanes, mask=c0 + lanes < M, other=-1)
-            packed += tl.sum((u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21)
-                             + ((u >= t3).to(tl.int64) << 42), 0)
-        ok1 = (packed & field) >= r
-        ok2 = ((packed >> 21) & field) >= r
-        ok3 = (packed >> 42) >= r
-        new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
-        hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
-        lo = new_lo
-    n_above = tl.zeros([], tl.int32)
-    for c0 in range(0, M, CHUNK):
-        u = tl.load(keys + c0 + lanes, mask=c0 + lanes < M, other=-1)
-        n_above += tl.sum((u > lo).to(tl.int32), 0)
-    tie_quota = r - n_above
+    if RADIX:
+        bins = tl.arange(0, 512)
+        real = bins < 256
+        match = cand                                           # equal to lo's digits so far
+        need = r
+        lo = tl.zeros([], tl.int64)
+        for shift in tl.static_range(24, -1, -8):
+            digit = ((u >> shift) & 255).to(tl.int32)
+            hist = tl.histogram(tl.where(match, digit, 256), 512)   # bin 256: not matching
+            hist = tl.where(real, hist, 0)
+            at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # #(digit >= bin)
+            top = tl.max(tl.where(real & (at_least >= need), bins, 0), 0)
+            need -= tl.sum(tl.where(real & (bins > top), hist, 0), 0)
+            match = match & (digit == top)
+            lo = lo | (top.to(tl.int64) << shift)
+    else:
+        # 4-ary search for the largest t with #(u >= t) >= r, invariant lo <= t <= hi: three
+        # probes per step, their counts packed in 21-bit fields of one int64 sum (one reduction)
+        lo = tl.zeros([], tl.int64)
+        hi = tl.full([], 4294967295, tl.int64)
+        field = (1 << 21) - 1
+        for _ in range(17):                                    # (2**32 - 1) / 4**16 < 1
+            span = hi - lo
+            t1 = lo + (span + 3) // 4
+            t2 = lo + (2 * span + 3) // 4
+            t3 = lo + (3 * span + 3) // 4
+            packed = tl.sum(tl.where(cand, (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21)
+                                     + ((u >= t3).to(tl.int64) << 42), 0), 0)
+            ok1 = (packed & field) >= r
+            ok2 = ((packed >> 21) & field) >= r
+            ok3 = (packed >> 42) >= r
+            new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
+            hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
+            lo = new_lo
+    above = cand & (u > lo)
+    ties = cand & (u == lo)
+    rank = tl.cumsum(ties.to(tl.int32), 0)
+    chosen = forced | above | (ties & (rank <= r - tl.sum(above.to(tl.int32), 0)))
+    pos = tl.cumsum(chosen.to(tl.int32), 0) - 1
     out = sel_ptr + b * width
-    ties_before = tl.zeros([], tl.int32)
-    kept_before = tl.zeros([], tl.int32)
-    for c0 in range(0, M, CHUNK):
-        j = c0 + lanes
-        valid = j < n
-        forced = valid & ((j < INIT) | (j >= n - LOCAL) | (j == n - 1))
-        u = tl.load(keys + j, mask=j < M, other=-1)
-        ties = u == lo
-        rank = ties_before + tl.cumsum(ties.to(tl.int32), 0)
-        chosen = forced | (u > lo) | (ties & (rank <= tie_quota))
-        pos = kept_before + tl.cumsum(chosen.to(tl.int32), 0) - 1
-        tl.store(out + pos, j.to(tl.int32), mask=chosen)
-        ties_before += tl.sum(ties.to(tl.int32), 0)
-        kept_before += tl.sum(chosen.to(tl.int32), 0)
-    for c0 in range(0, width, CHUNK):
-        k = c0 + lanes
-        tl.store(out + k, tl.full([CHUNK], -1, tl.int32), mask=(k >= keep) & (k < width))
+    tl.store(out + pos, j, mask=chosen)
+    tl.store(out + j, tl.full([MPAD], -1, tl.int32), mask=(j >= keep) & (j < width))
     tl.store(count_ptr + b, keep)
 
 
-#: Rows of up to this many blocks are selected by the kernel (its packed counts hold up to
-#: 2**21 - 1); longer rows use the top-k glue below. SELECT_CHUNK: blocks per pass step.
-SELECT_KERNEL_MAX_BLOCKS = (1 << 21) - 1
-SELECT_CHUNK = 2048
-#: Warps of the selection program (None: 4 for rows up to 2,048 blocks, else 8).
+#: Rows up to this many blocks are selected by the kernel (held in registers); longer rows use
+#: the top-k glue below (the kernel's packed counts hold up to 2**21 - 1). SELECT_RADIX: the
+#: kernel's threshold search (radix select, else the 4-ary search; on the H200 a binary search
+#: took 11 us for 8 x 2,048 blocks and 27 us for 1 x 8,192, radix select 14 and 44 us).
+SELECT_KERNEL_MAX_BLOCKS = 16384
+SELECT_RADIX = False
+#: Warps of the selection program (None: 4 up to 2,048 blocks, else 8; tuned on the H200).
 SELECT_WARPS = None
 
 
@@ -553,11 +550,11 @@ def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window:
         return _select_topk(scores, num_blocks, budget, init_window, local_window, width)
     sel = torch.empty(B, width, dtype=torch.int32, device=scores.device)
     count = torch.empty(B, dtype=torch.int32, device=scores.device)
-    keys = torch.empty(B, M, dtype=torch.int64, device=scores.device)
-    chunk = min(_p2(M, 16), SELECT_CHUNK)
-    _jit(_select_kernel)[(B,)](scores, num_blocks, budget, keys, sel, count, M, width,
-                               *scores.stride(), INIT=init_window, LOCAL=local_window, CHUNK=chunk,
-                               num_warps=SELECT_WARPS or (4 if M <= 2048 else 8))
+    mpad = _p2(M, 16)
+    _jit(_select_kernel)[(B,)](scores, num_blocks, budget, sel, count, M, width, *scores.stride(),
+                               INIT=init_window, LOCAL=local_window, MPAD=mpad,
+                               RADIX=SELECT_RADIX,
+                               num_warps=SELECT_WARPS or (4 if mpad <= 2048 else 8))
     return sel, count
 
 
