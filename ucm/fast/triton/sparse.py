@@ -1,27 +1,31 @@
 """Triton sparse-attention ops: same names and signatures as :mod:`ucm.reference.sparse`; inputs
-validated by :mod:`ucm.sparse.ops`. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+validated by :mod:`ucm.sparse.ops`. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``
+(set before triton is imported: its standard library, ``tl.sum`` and friends, is jitted at
+import). Kernels call no ``@triton.jit`` helpers, so one process can run them both ways.
 
 - :func:`paged_decode_attention`: split-K ("flash decoding"). Program ``(b * Hkv + g, s)`` takes
   KV head ``g`` of request ``b`` and the ``s``-th slice of its tokens, reads each K/V tile once
   for the whole GQA group (the group's query heads, padded to 16 rows, are the rows of one
   ``tl.dot``; float32 caches use exact float32 dots, and so do bfloat16 ones under the
-  interpreter, whose bfloat16 ``tl.dot`` is wrong in Triton 3.9), follows the block table per token, runs an online softmax in float32 (base 2) and
-  writes a partial output and its log-sum-exp. A second kernel merges the slices per query head.
-  The number of slices is chosen so that ``B * Hkv * splits`` covers the multiprocessors a few
-  times over (:func:`plan`). Any strides.
+  interpreter, whose bfloat16 ``tl.dot`` is wrong in Triton 3.9), follows the block table per
+  token, runs an online softmax in float32 (base 2) and writes a partial output and its
+  log-sum-exp. A second kernel merges the slices per query head. The number of slices is chosen
+  so that ``B * Hkv * splits`` covers the multiprocessors a few times over (:func:`plan`).
+  Any strides. Launch defaults tuned on the H200 (``benchmarks/bench_sparse.py --sweep``).
 - :func:`update_block_reprs`: one program per (listed block, KV head): masked mean / min / max
-  over the valid tokens, codes hashed from the mean.
+  over the valid tokens; codes hashed from the mean by the :func:`hash_codes` kernel.
 - :func:`score_blocks`: one program per (request, tile of logical blocks) holding the tile's
   representation rows of all KV heads (one coalesced 3-D load), scoring the query heads one GQA
   group member at a time (quest bounds and mean products as masked sums; hamming as XOR + SWAR
   popcount against the code of each group's summed query).
 - :func:`hash_codes`: one program per row.
 - :func:`select_blocks`: one program per request holding its row of scores: a 17-step 4-ary
-  search for the threshold score over an order-preserving integer image of the floats (three
-  probes counted in one packed reduction per step), ties to the lower index through a prefix
-  count, compaction through a second one. Rows longer than
-  ``SELECT_KERNEL_MAX_BLOCKS`` use PyTorch glue instead: one ``torch.topk`` over unique int64
-  keys (score image, then ``M-1-j``). Both give exactly the reference's selection.
+  search (or, with ``SELECT_RADIX``, a radix select) for the threshold score over an
+  order-preserving integer image of the floats (three probes counted in one packed reduction
+  per step), ties to the lower index through a prefix count, compaction through a second one.
+  Rows longer than ``SELECT_KERNEL_MAX_BLOCKS`` use PyTorch glue instead: one ``torch.topk``
+  over unique int64 keys (score image, then ``M-1-j``). All give exactly the reference's
+  selection.
 - :func:`sparse_block_table`: one gather kernel (table entries and lengths).
 """
 from __future__ import annotations
