@@ -52,11 +52,11 @@ def update_block_reprs(k_cache: torch.Tensor, block_ids: torch.Tensor, num_token
     live = (torch.arange(bs, device=keys.device)[None, :] < n[:, None])[:, :, None, None]
     block_mean = torch.where(live, keys, 0.0).sum(1) / n[:, None, None].float()
     if mean is not None:
-        mean[ids] = block_mean
+        mean[ids] = block_mean.to(mean.dtype)
     if kmin is not None:
-        kmin[ids] = torch.where(live, keys, float("inf")).amin(1)
+        kmin[ids] = torch.where(live, keys, float("inf")).amin(1).to(kmin.dtype)
     if kmax is not None:
-        kmax[ids] = torch.where(live, keys, NEG_INF).amax(1)
+        kmax[ids] = torch.where(live, keys, NEG_INF).amax(1).to(kmax.dtype)
     if codes is not None:
         codes[ids] = hash_codes(block_mean, proj)
 
@@ -94,11 +94,11 @@ def score_blocks(q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.T
         if kind == "mean" and channel_mask is not None:
             qf = qf * channel_mask.to(qf.dtype)
         # block representations of each query head's KV head: [B, M, Hq, D]
-        per_q = table[ids].repeat_interleave(group, dim=2)
+        per_q = table[ids].float().repeat_interleave(group, dim=2)
         if kind == "mean":
             per_head = torch.einsum("bhd,bmhd->bhm", qf, per_q)
         else:
-            hi = kmax[ids].repeat_interleave(group, dim=2)
+            hi = kmax[ids].float().repeat_interleave(group, dim=2)
             prod = torch.maximum(qf[:, None] * per_q, qf[:, None] * hi)
             per_head = prod.sum(-1).permute(0, 2, 1)               # [B, Hq, M]
     per_head = torch.where(valid[:, None, :], per_head, NEG_INF)

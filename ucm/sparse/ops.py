@@ -33,6 +33,8 @@ import torch
 from ucm import dispatch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Dtypes of the mean / kmin / kmax tables (bfloat16 halves what scoring reads).
+REPR_DTYPES = (torch.float32, torch.bfloat16)
 KINDS = ("mean", "quest", "hamming")
 REDUCES = ("sum", "none")
 
@@ -160,8 +162,8 @@ def _scale(scale, D: int) -> float:
     return float(scale)
 
 
-def _repr_table(x, name: str, dtype, shape: tuple, device) -> torch.Tensor:
-    t = _tensor(x, name, (dtype,), len(shape), device)
+def _repr_table(x, name: str, dtypes, shape: tuple, device) -> torch.Tensor:
+    t = _tensor(x, name, dtypes, len(shape), device)
     _shape(t, name, shape, "indexed by physical block id")
     return t
 
@@ -198,7 +200,8 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
 
     k_cache: ``[num_blocks, block_size, Hkv, D]`` (any strides); block_ids: int32/int64 ``[N]``
     distinct ids in ``[0, num_blocks)``; num_tokens: int32/int64 ``[N]``, each in
-    ``[1, block_size]``: the block's valid tokens. mean/kmin/kmax: float32 ``[num_blocks, Hkv, D]``;
+    ``[1, block_size]``: the block's valid tokens. mean/kmin/kmax: float32 or bfloat16
+    ``[num_blocks, Hkv, D]`` (computed in float32, stored rounded to the table's dtype);
     codes: int32 ``[num_blocks, Hkv, hash_bits // 32]``, needs proj float32 ``[D, hash_bits]``.
     At least one of mean/kmin/kmax/codes.
     """
@@ -212,12 +215,12 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
         raise ValueError("update_block_reprs: pass at least one of mean, kmin, kmax, codes")
     for name, t in (("mean", mean), ("kmin", kmin), ("kmax", kmax)):
         if t is not None:
-            _repr_table(t, name, torch.float32, (nb, Hkv, D), dev)
+            _repr_table(t, name, REPR_DTYPES, (nb, Hkv, D), dev)
     if codes is not None:
         if proj is None:
             raise ValueError("proj: required with codes (codes hash the block mean)")
         proj = _proj(proj, D, dev)
-        _repr_table(codes, "codes", torch.int32, (nb, Hkv, proj.shape[1] // 32), dev)
+        _repr_table(codes, "codes", (torch.int32,), (nb, Hkv, proj.shape[1] // 32), dev)
     elif proj is not None:
         _proj(proj, D, dev)
     if ids.numel():
@@ -267,9 +270,10 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
                              f"{proj.shape[1]} bits), got {W}")
     else:
         first = mean if kind == "mean" else kmin
-        n_phys, Hkv = _tensor(first, needed[0], (torch.float32,), 3, dev).shape[:2]
-        for name in needed:
-            _repr_table(given[name], name, torch.float32, (n_phys, Hkv, D), dev)
+        first = _tensor(first, needed[0], REPR_DTYPES, 3, dev)
+        n_phys, Hkv = first.shape[:2]
+        for name in needed:  # kmin and kmax: one dtype
+            _repr_table(given[name], name, (first.dtype,), (n_phys, Hkv, D), dev)
     if n_phys < 1 or Hkv < 1:
         raise ValueError(f"{needed[0]}: expected at least one block and one KV head")
     _heads(Hq, Hkv, "q")
