@@ -61,6 +61,8 @@ DTYPE = torch.bfloat16
 SHAPES = ((8, 32768), (1, 131072))
 RATIO = 0.2
 INIT_WINDOW, LOCAL_WINDOW = 1, 4
+#: ESA's default ``retrieval_stride``: decode steps per scoring + selection.
+STRIDE = 8
 
 
 def make_case(batch: int, tokens: int, seed: int, dev: str = "cuda"):
@@ -80,6 +82,18 @@ def make_case(batch: int, tokens: int, seed: int, dev: str = "cuda"):
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return float((out.float() - want.float()).norm() / want.float().norm())
+
+
+def selection_agreement(sel_a, count_a, sel_b, count_b) -> dict:
+    """Share of the blocks of selection ``a`` that selection ``b`` also keeps (mean and worst
+    row), and whether the counts agree."""
+    shares = []
+    for b in range(sel_a.shape[0]):
+        ka = set(sel_a[b, : int(count_a[b])].tolist())
+        kb = set(sel_b[b, : int(count_b[b])].tolist())
+        shares.append(len(ka & kb) / len(ka))
+    return dict(mean=sum(shares) / len(shares), worst=min(shares),
+                counts_equal=bool(torch.equal(count_a, count_b)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,15 +136,33 @@ def check(report: dict) -> bool:
         sp_want = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
                                              backend="reference")
         sp_err = rel_err(sp, sp_want)
+        fused = tri.decode_selected(q, k, v, table, lens, *sel_r, scale=scale)
+        fused_err = rel_err(fused, sp_want)
+        # bfloat16 block means: Triton tables and scores against the reference's
+        m16 = torch.full_like(mean, float("nan"), dtype=torch.bfloat16)
+        ops.update_block_reprs(k, ids, full, mean=m16, backend="triton")
+        m16_ref = torch.empty_like(m16)
+        ops.update_block_reprs(k, ids, full, mean=m16_ref, backend="reference")
+        m16_ulps = float(((m16.float() - m16_ref.float()).abs()
+                          / m16_ref.float().abs().clamp_min(1e-30)).max() * 2 ** 7)
+        s16 = ops.score_blocks(q, table, n_blocks.int(), kind="mean", mean=m16, backend="triton")
+        s16_ref = ops.score_blocks(q, table, n_blocks.int(), kind="mean", mean=m16_ref,
+                                   backend="reference")
+        score16_err = float((s16[fin] - s16_ref[fin]).abs().max() / s16_ref[fin].abs().max())
         passed = (err < 1e-2 and not torch.isnan(out).any() and mean_err < 1e-5
-                  and score_err < 1e-5 and same_sel and sp_err < 1e-2)
+                  and score_err < 1e-5 and same_sel and sp_err < 1e-2 and fused_err < 1e-2
+                  and m16_ulps <= 1.0 and score16_err < 1e-2)
         ok &= passed
         results.append(dict(case=name, batch=batch, tokens=tokens, dense_rel_err=err,
-                            sparse_rel_err=sp_err, mean_max_abs_err=mean_err,
-                            score_rel_err=score_err, selection_identical=same_sel, passed=passed))
-        print(f"check {name}: attention rel err {err:.2e}, sparse {sp_err:.2e}, mean {mean_err:.1e},"
-              f" scores {score_err:.1e}, selection identical {same_sel} -> {'ok' if passed else 'FAIL'}",
-              flush=True)
+                            sparse_rel_err=sp_err, fused_table_rel_err=fused_err,
+                            mean_max_abs_err=mean_err, score_rel_err=score_err,
+                            bf16_mean_max_ulps_vs_reference=m16_ulps,
+                            bf16_score_rel_err=score16_err,
+                            selection_identical=same_sel, passed=passed))
+        print(f"check {name}: attention rel err {err:.2e}, sparse {sp_err:.2e}, fused table "
+              f"{fused_err:.2e}, mean {mean_err:.1e}, scores {score_err:.1e}, bf16 means "
+              f"{m16_ulps:.2f} ulp / scores {score16_err:.1e}, selection identical {same_sel} "
+              f"-> {'ok' if passed else 'FAIL'}", flush=True)
         del k, v
         torch.cuda.empty_cache()
     report["correctness"] = results
@@ -212,7 +244,7 @@ def use_config(cfg: dict) -> None:
     tri.PROGRAMS_PER_SM = cfg.get("per_sm", DEFAULTS["per_sm"])
 
 
-SELECT_DEFAULTS = (tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS)
+SELECT_DEFAULTS = (tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS, tri.SELECT_I32)
 SCORE_DEFAULTS = (tri.SCORE_TILE_ELEMS, tri.SCORE_WARPS)
 DEFAULTS = dict(block_n=tri.BLOCK_N, warps=tri.NUM_WARPS, stages=tri.NUM_STAGES,
                 per_sm=tri.PROGRAMS_PER_SM)
@@ -287,6 +319,45 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
         return tri.paged_decode_attention(q, k, v, t, n, scale=scale)
 
+    # (e) the same path as the methods run it: re-selection every STRIDE decode steps (ESA's
+    # retrieval_stride), alternatives: bfloat16 block means (scoring reads half the bytes), the
+    # sparse table folded into the attention kernel (``decode_selected``).
+    mean16 = torch.full_like(mean, float("nan"), dtype=torch.bfloat16)
+    tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=mean16)
+    mean16_err = float((mean16.float() - mean).abs().max() / mean.abs().max())
+    scores16 = tri.score_blocks(q, table, nblk, kind="mean", mean=mean16)
+    sel16, count16 = tri.select_blocks(scores16, nblk, budget, init_window=INIT_WINDOW,
+                                       local_window=LOCAL_WINDOW, width=width)
+    agreement = selection_agreement(sel, count, sel16, count16)
+    fused_out = tri.decode_selected(q, k, v, table, lens, sel, count, scale=scale)
+    fused_equal = bool(torch.equal(fused_out, attend()))
+
+    def step_fn(stride: int, bf16: bool, fused: bool):
+        reprs = mean16 if bf16 else mean
+
+        def steps():
+            s = tri.score_blocks(q, table, nblk, kind="mean", mean=reprs)
+            chosen, cnt = tri.select_blocks(s, nblk, budget, init_window=INIT_WINDOW,
+                                            local_window=LOCAL_WINDOW, width=width)
+            for _ in range(stride):
+                if fused:
+                    o = tri.decode_selected(q, k, v, table, lens, chosen, cnt, scale=scale)
+                else:
+                    t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
+                    o = tri.paged_decode_attention(q, k, v, t, n, scale=scale)
+            return o
+        return steps
+
+    per_step = {}
+    for stride in (1, STRIDE):
+        for bf16, fused in itertools.product((False, True), (False, True)):
+            name = f"stride{stride}{'_bf16means' if bf16 else ''}{'_fused_table' if fused else ''}"
+            per_step[name] = bench(step_fn(stride, bf16, fused), graph=True) / stride
+    parts_alt = dict(score_bf16_means=bench(lambda: tri.score_blocks(q, table, nblk, kind="mean",
+                                                                     mean=mean16), graph=True),
+                     attention_fused_table=bench(lambda: tri.decode_selected(
+                         q, k, v, table, lens, sel, count, scale=scale), graph=True))
+
     def sparse_public():
         s = ops.score_blocks(q, table, nblk, kind="mean", mean=mean)
         chosen, cnt = ops.select_blocks(s, nblk, budget_n, init_window=INIT_WINDOW,
@@ -299,12 +370,14 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     parts_graph = {name: bench(fn, graph=True) for name, fn in (
         ("score", score), ("select", select), ("table", build), ("attention", attend))}
     select_variants = {}
-    for name, radix, limit in (("radix", True, 1 << 30), ("4-ary", False, 1 << 30),
-                               ("topk", True, 0)):
-        tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = radix, limit
+    for name, radix, limit, i32 in (("radix", True, 1 << 30, True),
+                                    ("4-ary", False, 1 << 30, True),
+                                    ("4-ary-int64", False, 1 << 30, False),
+                                    ("topk", True, 0, True)):
+        tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS, tri.SELECT_I32 = radix, limit, i32
         assert all(torch.equal(a, b) for a, b in zip(select(), (sel, count)))
         select_variants[name] = bench(select, graph=True)
-    tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = SELECT_DEFAULTS
+    tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS, tri.SELECT_I32 = SELECT_DEFAULTS
     if tune:
         for warps in (4, 8, 16, 32):
             tri.SELECT_WARPS = warps
@@ -335,7 +408,11 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         ms=dict(dense=dense, dense_graph=dense_graph, sdpa=sdpa, copy=copy,
                 sparse_eager=sparse_eager, sparse_graph=sparse_graph, sparse_public_ops=public,
                 sparse_parts_eager=parts, sparse_parts_graph=parts_graph,
-                select_variants_graph=select_variants),
+                sparse_parts_alternatives_graph=parts_alt,
+                select_variants_graph=select_variants, sparse_per_step_graph=per_step),
+        bf16_means=dict(max_rel_err_vs_float32=mean16_err,
+                        selection_agreement_vs_float32=agreement),
+        fused_table_equals_table_then_attention=fused_equal, stride=STRIDE,
         sdpa_backend=sdpa_name, sdpa_backends_ms=sdpa_all, dense_vs_sdpa_rel_err=sdpa_err,
         sparse_budget_blocks=budget_n, sparse_blocks=n_blocks, public_equals_impl=same,
         bandwidth_GBps=dict(dense_attention=attn_bw / 1e9, copy_read_plus_write=copy_bw / 1e9),
@@ -343,7 +420,9 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                     bandwidth_over_copy=attn_bw / copy_bw,
                     dense_over_sparse_graph=dense_graph / sparse_graph,
                     dense_over_sparse_eager=dense / sparse_eager,
-                    dense_over_sparse_public_ops=dense / public),
+                    dense_over_sparse_public_ops=dense / public,
+                    **{f"dense_over_sparse_{name}": dense_graph / ms
+                       for name, ms in per_step.items()}),
     )
     use_config({})
     del k, v
@@ -383,6 +462,15 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    print(f"\nper decode step, graph replays (dense / sparse; stride {STRIDE} = one scoring + "
+          f"selection per {STRIDE} steps):")
+    for r in report["timings"]:
+        print(f"{r['batch']}x{r['tokens']}: " + ", ".join(
+            f"{name} {r['ms']['dense_graph'] / ms:.2f}x ({ms * 1e3:.1f} us)"
+            for name, ms in r["ms"]["sparse_per_step_graph"].items()))
+        print(f"   alt parts {r['ms']['sparse_parts_alternatives_graph']}, select "
+              f"{r['ms']['select_variants_graph']}, bf16 {r['bf16_means']}, fused equal "
+              f"{r['fused_table_equals_table_then_attention']}")
     print(f"\n{'shape':>10} {'dense ms':>9} {'SDPA ms':>8} {'dense/SDPA':>10} {'BW/copy':>8} "
           f"{'dense/sparse':>12} {'graph parts ms (score/select/table/attn)':>42}")
     for r in report["timings"]:

@@ -383,10 +383,12 @@ def test_select_triton_identical(triton_ready, monkeypatch):
             for budget in (1, 5, 12)]
     runs += [("4-ary", (continuous, cont_n), per_row), ("topk", (scores, nblk), 5),
              ("topk", (wide, cont_n), per_row), ("radix", (scores, nblk), 5),
-             ("radix", (wide, cont_n), 12), ("radix", (continuous, cont_n), per_row)]
+             ("radix", (wide, cont_n), 12), ("radix", (continuous, cont_n), per_row),
+             ("4-ary-int64", (scores, nblk), 5), ("4-ary-int64", (wide, cont_n), per_row)]
     for path, (s, n), budget in runs:
         monkeypatch.setattr(tri, "SELECT_KERNEL_MAX_BLOCKS", 0 if path == "topk" else 1 << 20)
         monkeypatch.setattr(tri, "SELECT_RADIX", path == "radix")
+        monkeypatch.setattr(tri, "SELECT_I32", path != "4-ary-int64")
         kw = dict(init_window=1, local_window=2)
         want = ops.select_blocks(s, n, budget, backend="reference", **kw)
         got = ops.select_blocks(s, n, budget, backend="triton", **kw)
@@ -425,6 +427,47 @@ def test_sparse_block_table_triton(triton_ready):
     want = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
     got = ops.sparse_block_table(table, lens, sel, count, bs, backend="triton")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_decode_selected_triton(triton_ready, small_splits):
+    """The sparse table folded into the attention kernel == sparse table + attention."""
+    g = gen(21)
+    bs = 4
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, table, lens = paged_case(g, B=3, M=9, bs=bs, dtype=dtype, lens=[35, 3, 22])
+        nblk = ((lens + bs - 1) // bs).int()
+        sel, count = ops.select_blocks(rand((3, 9), g), nblk, 4, init_window=1, local_window=1)
+        stab, slens = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
+        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
+                                          backend="reference")
+        out = torch.full_like(q, float("nan"))
+        got = small_splits.decode_selected(q, k, v, table, lens, sel, count, scale=16 ** -0.5,
+                                           out=out)
+        assert got is out and not torch.isnan(out).any()
+        assert rel(got, want) < TOL[dtype], dtype
+
+
+def test_bf16_block_reprs(triton_ready):
+    """bfloat16 mean / kmin / kmax tables: written rounded from the float32 values, scored like
+    their float32 values (reference and Triton)."""
+    q, k, table, nblk, t, _, mask = scoring_case(22, Hq=8, Hkv=2)
+    ids = torch.arange(k.shape[0], device=DEV)
+    ntok = torch.full((k.shape[0],), k.shape[1], device=DEV)
+    for backend in ("reference", "triton"):
+        half = {n: torch.full_like(t[n], float("nan"), dtype=torch.bfloat16)
+                for n in ("mean", "kmin", "kmax")}
+        ops.update_block_reprs(k, ids, ntok, backend=backend, **half)
+        for n, table_bf16 in half.items():   # at most one bfloat16 rounding step away
+            assert torch.allclose(table_bf16.float(), t[n], rtol=2 ** -7, atol=0), (backend, n)
+    for kind, kw in (("mean", dict(mean=half["mean"], channel_mask=mask)),
+                     ("quest", dict(kmin=half["kmin"], kmax=half["kmax"]))):
+        up = {n: x.float() if x.dtype == torch.bfloat16 else x for n, x in kw.items()}
+        want = ops.score_blocks(q, table, nblk, kind=kind, backend="reference", **up)
+        for backend in ("reference", "triton"):
+            got = ops.score_blocks(q, table, nblk, kind=kind, backend=backend, **kw)
+            fin = torch.isfinite(want)
+            assert torch.equal(torch.isfinite(got), fin)
+            assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), (kind, backend)
 
 
 def test_block_attention_mass():
@@ -513,6 +556,12 @@ def _bad_calls():
                                                                 torch.tensor([2], device=DEV),
                                                                 mean=mean[:, :1])),
         ("x: expected a non-empty", lambda: ops.hash_codes(torch.zeros(0, 16), torch.zeros(16, 32))),
+        ("mean: expected dtype torch.float32 or torch.bfloat16", lambda: ops.update_block_reprs(
+            k, torch.tensor([1], device=DEV), torch.tensor([2], device=DEV), mean=mean.half())),
+        ("mean: expected dtype torch.float32 or torch.bfloat16", lambda: ops.score_blocks(
+            q, table, nblk, kind="mean", mean=mean.half())),
+        ("kmax: expected dtype torch.bfloat16", lambda: ops.score_blocks(
+            q, table, nblk, kind="quest", kmin=mean.bfloat16(), kmax=mean)),
     ]
 
 

@@ -58,22 +58,29 @@ def _p2(n: int, least: int = 1) -> int:
 # decode attention
 
 
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, opart_ptr, lse_ptr,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, count_ptr,
+                         opart_ptr, lse_ptr,
                          sq_b, sq_h, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
-                         st_b, st_m, scale_log2, split_tokens, num_splits,
+                         st_b, st_m, ss_b, scale_log2, split_tokens, num_splits,
                          HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
                          D: tl.constexpr, DPAD: tl.constexpr, BS: tl.constexpr,
-                         TILE: tl.constexpr, IEEE: tl.constexpr):
+                         TILE: tl.constexpr, IEEE: tl.constexpr, SELECTED: tl.constexpr):
     """Partial attention of one GQA group over one slice of one request's tokens.
 
     Writes ``opart[b, h, s, :]`` (normalized partial output, float32) and ``lse[b, h, s]``
-    (log2-sum-exp of the slice's scaled logits; ``-inf`` for an empty slice).
+    (log2-sum-exp of the slice's scaled logits; ``-inf`` for an empty slice). SELECTED: the
+    tokens are those of the selected logical blocks ``sel[b, :count[b]]`` (physical block
+    ``table[b, sel[b, i]]``; only the last one, the sequence's last block, may be partial), i.e.
+    :func:`sparse_block_table` folded into the kernel.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV
     g = pid % HKV
     seq = tl.load(lens_ptr + b)
+    if SELECTED:
+        last_len = seq - ((seq + BS - 1) // BS - 1) * BS
+        seq = (tl.load(count_ptr + b) - 1) * BS + last_len
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, seq)
 
@@ -94,7 +101,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, opart_ptr, ls
     for t0 in range(start, end, TILE):
         t = t0 + cols
         tmask = t < end
-        phys = tl.load(table_ptr + b64 * st_b + (t // BS) * st_m, mask=tmask, other=0).to(tl.int64)
+        if SELECTED:
+            logical = tl.load(sel_ptr + b64 * ss_b + t // BS, mask=tmask, other=0)
+        else:
+            logical = t // BS
+        phys = tl.load(table_ptr + b64 * st_b + logical * st_m, mask=tmask, other=0).to(tl.int64)
         off = t % BS
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_head + phys[:, None] * sk_n + off[:, None] * sk_t + d[None, :] * sk_d,
@@ -189,14 +200,20 @@ def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
 
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *,
-           block_n: Optional[int] = None, num_splits: Optional[int] = None,
-           num_warps: Optional[int] = None, num_stages: Optional[int] = None):
-    """:func:`paged_decode_attention` with explicit launch knobs (benchmarks, tuning)."""
+           sel=None, count=None, block_n: Optional[int] = None,
+           num_splits: Optional[int] = None, num_warps: Optional[int] = None,
+           num_stages: Optional[int] = None):
+    """:func:`paged_decode_attention` with explicit launch knobs (benchmarks, tuning); with
+    ``sel, count`` from :func:`select_blocks`, over the selected blocks only
+    (:func:`decode_selected`)."""
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     group = Hq // Hkv
     tile = block_n or BLOCK_N
-    max_tokens = block_table.shape[1] * bs
+    selected = sel is not None
+    if selected:
+        sel = sel.contiguous()
+    max_tokens = (sel if selected else block_table).shape[1] * bs
     if num_splits is None:
         num_splits, split_tokens = plan(B, Hkv, max_tokens, q.device, tile)
     else:
@@ -209,11 +226,13 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
     dpad = _p2(D, 16)
     warps = num_warps or NUM_WARPS
     _jit(_decode_split_kernel)[(B * Hkv, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, opart, lse,
+        q, k_cache, v_cache, block_table, seq_lens, sel if selected else seq_lens,
+        count if selected else seq_lens, opart, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
-        scale * LOG2E, split_tokens, num_splits,
+        sel.stride(0) if selected else 0, scale * LOG2E, split_tokens, num_splits,
         HKV=Hkv, GROUP=group, GPAD=_p2(group, 16), D=D, DPAD=dpad, BS=bs, TILE=tile,
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
+        SELECTED=selected,
         num_warps=warps, num_stages=num_stages or NUM_STAGES)
     _jit(_decode_reduce_kernel)[(B * Hq,)](
         opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=dpad,
@@ -225,6 +244,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale:
                            out=None):
     """Same contract as :func:`ucm.reference.sparse.paged_decode_attention`; asynchronous."""
     return decode(q, k_cache, v_cache, block_table, seq_lens, scale, out)
+
+
+def decode_selected(q, k_cache, v_cache, block_table, seq_lens, sel, count, *, scale: float,
+                    out=None):
+    """Sparse decode in one step: the result of ``paged_decode_attention(q, k_cache, v_cache,
+    *sparse_block_table(block_table, seq_lens, sel, count, block_size))`` without building the
+    sparse table (the kernel reads ``sel`` and ``block_table`` itself). Not a public op: inputs
+    as validated by :func:`ucm.sparse.ops.sparse_block_table` (``sel, count`` from
+    :func:`select_blocks`); asynchronous."""
+    return decode(q, k_cache, v_cache, block_table, seq_lens, scale, out, sel=sel, count=count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,13 +468,13 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
 
 def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, width,
                    ss_b, ss_m, INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr,
-                   RADIX: tl.constexpr):
+                   RADIX: tl.constexpr, I32: tl.constexpr):
     """One request: forced blocks, then the ``r`` best other blocks by (score desc, index asc).
 
-    The ``r``-th best score ``t`` is found over the 32-bit order-preserving integer image ``u`` of
-    the scores (the row held in registers), either by RADIX select (four 8-bit digit histograms,
-    most significant first) or by a 4-ary search (17 counting passes); both give the largest
-    ``t`` with ``#(u >= t) >= r``. Blocks above ``t`` are taken, and of those equal to it the
+    The ``r``-th best score ``t`` is found over the order-preserving int32 image ``u`` of the
+    scores (the row held in registers), either by RADIX select (four 8-bit digit histograms,
+    most significant first) or by a 4-ary search (17 counting passes, comparing in int32 with I32,
+    else widened to int64); both give the largest ``t`` with ``#(u >= t) >= r``. Blocks above ``t`` are taken, and of those equal to it the
     lowest indexes (an inclusive prefix count).
     """
     b = tl.program_id(0).to(tl.int64)
@@ -457,19 +486,24 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
     s = tl.where(s != s, float("-inf"), s)                     # NaN ranks like -inf
     s = tl.where(s == 0.0, 0.0, s)                             # -0.0 ties with +0.0
     bits = s.to(tl.int32, bitcast=True)
-    u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648   # [0, 2**32)
+    ui = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)          # int32, ordered like the scores
+    if I32:
+        u = ui                                                 # compared as int32
+    else:
+        u = ui.to(tl.int64)
     cand = valid & ~forced
     n_forced = tl.sum(forced.to(tl.int32), 0)
     keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
     r = keep - n_forced                                        # blocks still to take
     if RADIX:
+        uu = ui.to(tl.int64) + 2147483648                     # [0, 2**32)
         bins = tl.arange(0, 512)
         real = bins < 256
         match = cand                                           # equal to lo's digits so far
         need = r
         lo = tl.zeros([], tl.int64)
         for shift in tl.static_range(24, -1, -8):
-            digit = ((u >> shift) & 255).to(tl.int32)
+            digit = ((uu >> shift) & 255).to(tl.int32)
             hist = tl.histogram(tl.where(match, digit, 256), 512)   # bin 256: not matching
             hist = tl.where(real, hist, 0)
             at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # #(digit >= bin)
@@ -477,27 +511,29 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
             need -= tl.sum(tl.where(real & (bins > top), hist, 0), 0)
             match = match & (digit == top)
             lo = lo | (top.to(tl.int64) << shift)
+        lo = lo - 2147483648
     else:
         # 4-ary search for the largest t with #(u >= t) >= r, invariant lo <= t <= hi: three
         # probes per step, their counts packed in 21-bit fields of one int64 sum (one reduction)
-        lo = tl.zeros([], tl.int64)
-        hi = tl.full([], 4294967295, tl.int64)
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
         field = (1 << 21) - 1
         for _ in range(17):                                    # (2**32 - 1) / 4**16 < 1
             span = hi - lo
             t1 = lo + (span + 3) // 4
             t2 = lo + (2 * span + 3) // 4
             t3 = lo + (3 * span + 3) // 4
-            packed = tl.sum(tl.where(cand, (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21)
-                                     + ((u >= t3).to(tl.int64) << 42), 0), 0)
+            packed = tl.sum(tl.where(cand, (u >= t1.to(u.dtype)).to(tl.int64)
+                                     + ((u >= t2.to(u.dtype)).to(tl.int64) << 21)
+                                     + ((u >= t3.to(u.dtype)).to(tl.int64) << 42), 0), 0)
             ok1 = (packed & field) >= r
             ok2 = ((packed >> 21) & field) >= r
             ok3 = (packed >> 42) >= r
             new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
             hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
             lo = new_lo
-    above = cand & (u > lo)
-    ties = cand & (u == lo)
+    above = cand & (ui > lo.to(tl.int32))
+    ties = cand & (ui == lo.to(tl.int32))
     rank = tl.cumsum(ties.to(tl.int32), 0)
     chosen = forced | above | (ties & (rank <= r - tl.sum(above.to(tl.int32), 0)))
     pos = tl.cumsum(chosen.to(tl.int32), 0) - 1
@@ -513,6 +549,9 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
 #: took 11 us for 8 x 2,048 blocks and 27 us for 1 x 8,192, radix select 14 and 44 us).
 SELECT_KERNEL_MAX_BLOCKS = 16384
 SELECT_RADIX = False
+#: The 4-ary search compares int32 images (else int64, the first version; both kept while the
+#: H200 decides, see benchmarks/RESULTS.md).
+SELECT_I32 = True
 #: Warps of the selection program (None: 4 up to 2,048 blocks, else 8; tuned on the H200).
 SELECT_WARPS = None
 
@@ -557,7 +596,7 @@ def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window:
     mpad = _p2(M, 16)
     _jit(_select_kernel)[(B,)](scores, num_blocks, budget, sel, count, M, width, *scores.stride(),
                                INIT=init_window, LOCAL=local_window, MPAD=mpad,
-                               RADIX=SELECT_RADIX,
+                               RADIX=SELECT_RADIX, I32=SELECT_I32,
                                num_warps=SELECT_WARPS or (4 if mpad <= 2048 else 8))
     return sel, count
 
