@@ -468,14 +468,18 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
 
 def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, width,
                    ss_b, ss_m, INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr,
-                   RADIX: tl.constexpr, I32: tl.constexpr):
+                   RADIX: tl.constexpr, I32: tl.constexpr, hist_ptr, parts,
+                   HIST_BITS: tl.constexpr, STEPS: tl.constexpr):
     """One request: forced blocks, then the ``r`` best other blocks by (score desc, index asc).
 
     The ``r``-th best score ``t`` is found over the order-preserving int32 image ``u`` of the
     scores (the row held in registers), either by RADIX select (four 8-bit digit histograms,
     most significant first) or by a 4-ary search (17 counting passes, comparing in int32 with I32,
-    else widened to int64); both give the largest ``t`` with ``#(u >= t) >= r``. Blocks above ``t`` are taken, and of those equal to it the
-    lowest indexes (an inclusive prefix count).
+    else widened to int64); both give the largest ``t`` with ``#(u >= t) >= r``. With
+    HIST_BITS > 0 the search starts inside the one bin of the top HIST_BITS bits that holds
+    ``t``, found from the per-tile histograms ``hist [B, parts, 2**HIST_BITS]`` written by
+    :func:`_select_hist_kernel` (STEPS passes instead of 17). Blocks above ``t`` are taken, and
+    of those equal to it the lowest indexes (an inclusive prefix count).
     """
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, MPAD)
@@ -515,10 +519,20 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
     else:
         # 4-ary search for the largest t with #(u >= t) >= r, invariant lo <= t <= hi: three
         # probes per step, their counts packed in 21-bit fields of one int64 sum (one reduction)
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
+        if HIST_BITS > 0:
+            hb = tl.arange(0, 1 << HIST_BITS)
+            h = tl.zeros([1 << HIST_BITS], tl.int32)
+            for part in range(parts):
+                h += tl.load(hist_ptr + (b * parts + part) * (1 << HIST_BITS) + hb)
+            at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h     # #(candidates in bins >= bin)
+            top = tl.max(tl.where(at_least >= r, hb, 0), 0)
+            lo = (top.to(tl.int64) << (32 - HIST_BITS)) - 2147483648
+            hi = lo + ((1 << (32 - HIST_BITS)) - 1)
+        else:
+            lo = tl.full([], -2147483648, tl.int64)
+            hi = tl.full([], 2147483647, tl.int64)
         field = (1 << 21) - 1
-        for _ in range(17):                                    # (2**32 - 1) / 4**16 < 1
+        for _ in range(STEPS):                   # span 2**S - 1: S // 2 + 1 passes suffice
             span = hi - lo
             t1 = lo + (span + 3) // 4
             t2 = lo + (2 * span + 3) // 4
@@ -543,6 +557,30 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
     tl.store(count_ptr + b, keep)
 
 
+def _select_hist_kernel(scores_ptr, nblk_ptr, hist_ptr, ss_b, ss_m, INIT: tl.constexpr,
+                        LOCAL: tl.constexpr, TILE: tl.constexpr, HIST_BITS: tl.constexpr):
+    """Tile ``program_id(1)`` of request ``b``'s scores: histogram of the top HIST_BITS bits of
+    the candidates' (unforced valid blocks') order-preserving images into
+    ``hist[b, tile, :]``."""
+    b = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    j = part * TILE + tl.arange(0, TILE)
+    n = tl.load(nblk_ptr + b)
+    valid = j < n
+    forced = (j < INIT) | (j >= n - LOCAL) | (j == n - 1)
+    cand = valid & ~forced
+    s = tl.load(scores_ptr + b * ss_b + j * ss_m, mask=valid, other=float("-inf"))
+    s = tl.where(s != s, float("-inf"), s)
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    ui = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    top = ((ui.to(tl.int64) + 2147483648) >> (32 - HIST_BITS)).to(tl.int32)
+    h = tl.histogram(tl.where(cand, top, 1 << HIST_BITS), 2 << HIST_BITS)  # top bin: no candidate
+    hb = tl.arange(0, 2 << HIST_BITS)
+    tl.store(hist_ptr + (b * tl.num_programs(1) + part) * (1 << HIST_BITS) + hb, h,
+             mask=hb < (1 << HIST_BITS))
+
+
 #: Rows up to this many blocks are selected by the kernel (held in registers); longer rows use
 #: the top-k glue below (the kernel's packed counts hold up to 2**21 - 1). SELECT_RADIX: the
 #: kernel's threshold search (radix select, else the 4-ary search; on the H200 a binary search
@@ -552,6 +590,12 @@ SELECT_RADIX = False
 #: The 4-ary search compares int32 images (else int64, the first version; both kept while the
 #: H200 decides, see benchmarks/RESULTS.md).
 SELECT_I32 = True
+#: Rows of at least this many blocks first get per-tile histograms of the top SELECT_HIST_BITS
+#: bits of their scores from SELECT_HIST_TILE-block programs (one more launch, many programs),
+#: so that the one-program search starts inside the right bin (fewer passes).
+SELECT_HIST_MIN_BLOCKS = 1 << 30
+SELECT_HIST_BITS = 12
+SELECT_HIST_TILE = 1024
 #: Warps of the selection program (None: 4 up to 2,048 blocks, else 8; tuned on the H200).
 SELECT_WARPS = None
 
@@ -594,9 +638,19 @@ def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window:
     sel = torch.empty(B, width, dtype=torch.int32, device=scores.device)
     count = torch.empty(B, dtype=torch.int32, device=scores.device)
     mpad = _p2(M, 16)
+    hist_bits = SELECT_HIST_BITS if M >= SELECT_HIST_MIN_BLOCKS and not SELECT_RADIX else 0
+    parts = triton.cdiv(M, SELECT_HIST_TILE)
+    if hist_bits:
+        hist = torch.empty(B, parts, 1 << hist_bits, dtype=torch.int32, device=scores.device)
+        _jit(_select_hist_kernel)[(B, parts)](scores, num_blocks, hist, *scores.stride(),
+                                              INIT=init_window, LOCAL=local_window,
+                                              TILE=SELECT_HIST_TILE, HIST_BITS=hist_bits)
+    else:
+        hist = count
     _jit(_select_kernel)[(B,)](scores, num_blocks, budget, sel, count, M, width, *scores.stride(),
                                INIT=init_window, LOCAL=local_window, MPAD=mpad,
-                               RADIX=SELECT_RADIX, I32=SELECT_I32,
+                               RADIX=SELECT_RADIX, I32=SELECT_I32, hist_ptr=hist, parts=parts,
+                               HIST_BITS=hist_bits, STEPS=(32 - hist_bits) // 2 + 1,
                                num_warps=SELECT_WARPS or (4 if mpad <= 2048 else 8))
     return sel, count
 
