@@ -364,7 +364,10 @@ class SparseHook:
                 or impl.is_fp8_kv_cache or impl.sinks is not None:
             return False  # selection is defined for plain full causal attention only
         nb, hkv, bs, d2 = kv_cache.shape
-        return _layout_matches(kv_cache.dtype, getattr(layer, "isa", "vec"), hkv, bs, d2 // 2)
+        if not _layout_matches(kv_cache.dtype, getattr(layer, "isa", "vec"), hkv, bs, d2 // 2):
+            self.disabled_reason = "vLLM's key cache layout is not the one this hook knows"
+            return False
+        return True
 
     def forward(self, orig: Callable, impl: Any, layer: Any, query: torch.Tensor,
                 key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
