@@ -24,9 +24,8 @@ error of attention, equality of selections), then times, in one run, with
 (e) per decode step as the methods run it: ESA re-selects every ``retrieval_stride`` = 8 steps,
     so one CUDA graph holds one scoring + selection then 8 x (sparse table + attention), its
     replay time divided by 8 (stride 1: the whole path every step). Also with bfloat16 block
-    means (and their selection's agreement with the float32 one), with the sparse table folded
-    into the attention kernel (``decode_selected``) and with the histogram-first selection;
-    selection variants timed alone (int32 / int64 compares, radix, top-k, histogram first).
+    means (and their selection's agreement with the float32 one) and with the sparse table
+    folded into the attention kernel (``decode_selected``).
 
 The timed functions are the Triton implementations behind the ops (``ucm.fast.triton.sparse``),
 as an attention backend calls them with validated inputs; the public ops (validation: one device
@@ -251,8 +250,7 @@ def use_config(cfg: dict) -> None:
     tri.PROGRAMS_PER_SM = cfg.get("per_sm", DEFAULTS["per_sm"])
 
 
-SELECT_DEFAULTS = (tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS, tri.SELECT_I32)
-HIST_DEFAULTS = (tri.SELECT_HIST_MIN_BLOCKS, tri.SELECT_HIST_BITS, tri.SELECT_HIST_TILE)
+SELECT_DEFAULTS = (tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS)
 SCORE_DEFAULTS = (tri.SCORE_TILE_ELEMS, tri.SCORE_WARPS)
 DEFAULTS = dict(block_n=tri.BLOCK_N, warps=tri.NUM_WARPS, stages=tri.NUM_STAGES,
                 per_sm=tri.PROGRAMS_PER_SM)
@@ -361,13 +359,6 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         for bf16, fused in itertools.product((False, True), (False, True)):
             name = f"stride{stride}{'_bf16means' if bf16 else ''}{'_fused_table' if fused else ''}"
             per_step[name] = bench(step_fn(stride, bf16, fused), graph=True) / stride
-        tri.SELECT_HIST_MIN_BLOCKS = 0   # the histogram-first selection, all three changes
-        try:
-            per_step[f"stride{stride}_bf16means_fused_table_hist_select"] = bench(
-                step_fn(stride, True, True), graph=True) / stride
-        except Exception as exc:
-            print(f"hist select per-step: {exc!r}"[:300], flush=True)
-        tri.SELECT_HIST_MIN_BLOCKS = HIST_DEFAULTS[0]
     parts_alt = dict(score_bf16_means=bench(lambda: tri.score_blocks(q, table, nblk, kind="mean",
                                                                      mean=mean16), graph=True),
                      attention_fused_table=bench(lambda: tri.decode_selected(
@@ -385,23 +376,12 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     parts_graph = {name: bench(fn, graph=True) for name, fn in (
         ("score", score), ("select", select), ("table", build), ("attention", attend))}
     select_variants = {}
-    for name, radix, limit, i32 in (("radix", True, 1 << 30, True),
-                                    ("4-ary", False, 1 << 30, True),
-                                    ("4-ary-int64", False, 1 << 30, False),
-                                    ("topk", True, 0, True)):
-        tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS, tri.SELECT_I32 = radix, limit, i32
+    for name, radix, limit in (("radix", True, 1 << 30), ("4-ary", False, 1 << 30),
+                               ("topk", True, 0)):
+        tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = radix, limit
         assert all(torch.equal(a, b) for a, b in zip(select(), (sel, count)))
         select_variants[name] = bench(select, graph=True)
-    tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS, tri.SELECT_I32 = SELECT_DEFAULTS
-    for bits, tile in ((12, 1024), (12, 512), (10, 1024), (10, 256)):
-        tri.SELECT_HIST_MIN_BLOCKS, tri.SELECT_HIST_BITS, tri.SELECT_HIST_TILE = 0, bits, tile
-        name = f"4-ary_hist{bits}_tile{tile}"
-        try:
-            assert all(torch.equal(a, b) for a, b in zip(select(), (sel, count))), "differs"
-            select_variants[name] = bench(select, graph=True)
-        except Exception as exc:  # a variant that fails to build is reported, not fatal
-            select_variants[name] = repr(exc)[:200]
-    tri.SELECT_HIST_MIN_BLOCKS, tri.SELECT_HIST_BITS, tri.SELECT_HIST_TILE = HIST_DEFAULTS
+    tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = SELECT_DEFAULTS
     if tune:
         for warps in (4, 8, 16, 32):
             tri.SELECT_WARPS = warps

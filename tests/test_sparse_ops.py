@@ -383,17 +383,10 @@ def test_select_triton_identical(triton_ready, monkeypatch):
             for budget in (1, 5, 12)]
     runs += [("4-ary", (continuous, cont_n), per_row), ("topk", (scores, nblk), 5),
              ("topk", (wide, cont_n), per_row), ("radix", (scores, nblk), 5),
-             ("radix", (wide, cont_n), 12), ("radix", (continuous, cont_n), per_row),
-             ("4-ary-int64", (scores, nblk), 5), ("4-ary-int64", (wide, cont_n), per_row),
-             ("hist12", (scores, nblk), 5), ("hist12", (continuous, cont_n), per_row),
-             ("hist3", (wide, cont_n), 12), ("hist3", (continuous, cont_n), 1)]
-    monkeypatch.setattr(tri, "SELECT_HIST_TILE", 16)    # several tiles per row
+             ("radix", (wide, cont_n), 12), ("radix", (continuous, cont_n), per_row)]
     for path, (s, n), budget in runs:
         monkeypatch.setattr(tri, "SELECT_KERNEL_MAX_BLOCKS", 0 if path == "topk" else 1 << 20)
         monkeypatch.setattr(tri, "SELECT_RADIX", path == "radix")
-        monkeypatch.setattr(tri, "SELECT_I32", path != "4-ary-int64")
-        monkeypatch.setattr(tri, "SELECT_HIST_MIN_BLOCKS", 0 if path.startswith("hist") else 1 << 30)
-        monkeypatch.setattr(tri, "SELECT_HIST_BITS", int(path[4:]) if path.startswith("hist") else 12)
         kw = dict(init_window=1, local_window=2)
         want = ops.select_blocks(s, n, budget, backend="reference", **kw)
         got = ops.select_blocks(s, n, budget, backend="triton", **kw)

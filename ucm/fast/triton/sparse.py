@@ -26,7 +26,9 @@ import). Kernels call no ``@triton.jit`` helpers, so one process can run them bo
   Rows longer than ``SELECT_KERNEL_MAX_BLOCKS`` use PyTorch glue instead: one ``torch.topk``
   over unique int64 keys (score image, then ``M-1-j``). All give exactly the reference's
   selection.
-- :func:`sparse_block_table`: one gather kernel (table entries and lengths).
+- :func:`sparse_block_table`: one gather kernel (table entries and lengths);
+  :func:`decode_selected` folds it into the decode kernel (reads ``sel`` and the block table).
+- mean / kmin / kmax tables may be bfloat16: written rounded from float32, read into float32.
 """
 from __future__ import annotations
 
@@ -468,18 +470,14 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
 
 def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, width,
                    ss_b, ss_m, INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr,
-                   RADIX: tl.constexpr, I32: tl.constexpr, hist_ptr, parts,
-                   HIST_BITS: tl.constexpr, STEPS: tl.constexpr):
+                   RADIX: tl.constexpr):
     """One request: forced blocks, then the ``r`` best other blocks by (score desc, index asc).
 
     The ``r``-th best score ``t`` is found over the order-preserving int32 image ``u`` of the
     scores (the row held in registers), either by RADIX select (four 8-bit digit histograms,
-    most significant first) or by a 4-ary search (17 counting passes, comparing in int32 with I32,
-    else widened to int64); both give the largest ``t`` with ``#(u >= t) >= r``. With
-    HIST_BITS > 0 the search starts inside the one bin of the top HIST_BITS bits that holds
-    ``t``, found from the per-tile histograms ``hist [B, parts, 2**HIST_BITS]`` written by
-    :func:`_select_hist_kernel` (STEPS passes instead of 17). Blocks above ``t`` are taken, and
-    of those equal to it the lowest indexes (an inclusive prefix count).
+    most significant first) or by a 4-ary search (17 counting passes, int32 compares); both give
+    the largest ``t`` with ``#(u >= t) >= r``. Blocks above ``t`` are taken, and of those equal
+    to it the lowest indexes (an inclusive prefix count).
     """
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, MPAD)
@@ -490,17 +488,13 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
     s = tl.where(s != s, float("-inf"), s)                     # NaN ranks like -inf
     s = tl.where(s == 0.0, 0.0, s)                             # -0.0 ties with +0.0
     bits = s.to(tl.int32, bitcast=True)
-    ui = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)          # int32, ordered like the scores
-    if I32:
-        u = ui                                                 # compared as int32
-    else:
-        u = ui.to(tl.int64)
+    u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)           # int32, ordered like the scores
     cand = valid & ~forced
     n_forced = tl.sum(forced.to(tl.int32), 0)
     keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
     r = keep - n_forced                                        # blocks still to take
     if RADIX:
-        uu = ui.to(tl.int64) + 2147483648                     # [0, 2**32)
+        uu = u.to(tl.int64) + 2147483648                     # [0, 2**32)
         bins = tl.arange(0, 512)
         real = bins < 256
         match = cand                                           # equal to lo's digits so far
@@ -519,35 +513,25 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
     else:
         # 4-ary search for the largest t with #(u >= t) >= r, invariant lo <= t <= hi: three
         # probes per step, their counts packed in 21-bit fields of one int64 sum (one reduction)
-        if HIST_BITS > 0:
-            hb = tl.arange(0, 1 << HIST_BITS)
-            h = tl.zeros([1 << HIST_BITS], tl.int32)
-            for part in range(parts):
-                h += tl.load(hist_ptr + (b * parts + part) * (1 << HIST_BITS) + hb)
-            at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h     # #(candidates in bins >= bin)
-            top = tl.max(tl.where(at_least >= r, hb, 0), 0)
-            lo = (top.to(tl.int64) << (32 - HIST_BITS)) - 2147483648
-            hi = lo + ((1 << (32 - HIST_BITS)) - 1)
-        else:
-            lo = tl.full([], -2147483648, tl.int64)
-            hi = tl.full([], 2147483647, tl.int64)
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
         field = (1 << 21) - 1
-        for _ in range(STEPS):                   # span 2**S - 1: S // 2 + 1 passes suffice
+        for _ in range(17):                                    # (2**32 - 1) / 4**16 < 1
             span = hi - lo
             t1 = lo + (span + 3) // 4
             t2 = lo + (2 * span + 3) // 4
             t3 = lo + (3 * span + 3) // 4
-            packed = tl.sum(tl.where(cand, (u >= t1.to(u.dtype)).to(tl.int64)
-                                     + ((u >= t2.to(u.dtype)).to(tl.int64) << 21)
-                                     + ((u >= t3.to(u.dtype)).to(tl.int64) << 42), 0), 0)
+            packed = tl.sum(tl.where(cand, (u >= t1.to(tl.int32)).to(tl.int64)
+                                     + ((u >= t2.to(tl.int32)).to(tl.int64) << 21)
+                                     + ((u >= t3.to(tl.int32)).to(tl.int64) << 42), 0), 0)
             ok1 = (packed & field) >= r
             ok2 = ((packed >> 21) & field) >= r
             ok3 = (packed >> 42) >= r
             new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
             hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
             lo = new_lo
-    above = cand & (ui > lo.to(tl.int32))
-    ties = cand & (ui == lo.to(tl.int32))
+    above = cand & (u > lo.to(tl.int32))
+    ties = cand & (u == lo.to(tl.int32))
     rank = tl.cumsum(ties.to(tl.int32), 0)
     chosen = forced | above | (ties & (rank <= r - tl.sum(above.to(tl.int32), 0)))
     pos = tl.cumsum(chosen.to(tl.int32), 0) - 1
@@ -557,45 +541,13 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
     tl.store(count_ptr + b, keep)
 
 
-def _select_hist_kernel(scores_ptr, nblk_ptr, hist_ptr, ss_b, ss_m, INIT: tl.constexpr,
-                        LOCAL: tl.constexpr, TILE: tl.constexpr, HIST_BITS: tl.constexpr):
-    """Tile ``program_id(1)`` of request ``b``'s scores: histogram of the top HIST_BITS bits of
-    the candidates' (unforced valid blocks') order-preserving images into
-    ``hist[b, tile, :]``."""
-    b = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    j = part * TILE + tl.arange(0, TILE)
-    n = tl.load(nblk_ptr + b)
-    valid = j < n
-    forced = (j < INIT) | (j >= n - LOCAL) | (j == n - 1)
-    cand = valid & ~forced
-    s = tl.load(scores_ptr + b * ss_b + j * ss_m, mask=valid, other=float("-inf"))
-    s = tl.where(s != s, float("-inf"), s)
-    s = tl.where(s == 0.0, 0.0, s)
-    bits = s.to(tl.int32, bitcast=True)
-    ui = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    top = ((ui.to(tl.int64) + 2147483648) >> (32 - HIST_BITS)).to(tl.int32)
-    h = tl.histogram(tl.where(cand, top, 1 << HIST_BITS), 2 << HIST_BITS)  # top bin: no candidate
-    hb = tl.arange(0, 2 << HIST_BITS)
-    tl.store(hist_ptr + (b * tl.num_programs(1) + part) * (1 << HIST_BITS) + hb, h,
-             mask=hb < (1 << HIST_BITS))
-
-
 #: Rows up to this many blocks are selected by the kernel (held in registers); longer rows use
 #: the top-k glue below (the kernel's packed counts hold up to 2**21 - 1). SELECT_RADIX: the
-#: kernel's threshold search (radix select, else the 4-ary search; on the H200 a binary search
-#: took 11 us for 8 x 2,048 blocks and 27 us for 1 x 8,192, radix select 14 and 44 us).
+#: kernel's threshold search (radix select, else the 4-ary search; on the H200 the 4-ary search
+#: took 10.4 us for 8 x 2,048 blocks and 25.1 us for 1 x 8,192, radix select 14 and 45 us, the
+#: 4-ary search comparing int64 images 12.3 and 28.1 us, a binary search 11 and 27 us).
 SELECT_KERNEL_MAX_BLOCKS = 16384
 SELECT_RADIX = False
-#: The 4-ary search compares int32 images (else int64, the first version; both kept while the
-#: H200 decides, see benchmarks/RESULTS.md).
-SELECT_I32 = True
-#: Rows of at least this many blocks first get per-tile histograms of the top SELECT_HIST_BITS
-#: bits of their scores from SELECT_HIST_TILE-block programs (one more launch, many programs),
-#: so that the one-program search starts inside the right bin (fewer passes).
-SELECT_HIST_MIN_BLOCKS = 1 << 30
-SELECT_HIST_BITS = 12
-SELECT_HIST_TILE = 1024
 #: Warps of the selection program (None: 4 up to 2,048 blocks, else 8; tuned on the H200).
 SELECT_WARPS = None
 
@@ -638,19 +590,9 @@ def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window:
     sel = torch.empty(B, width, dtype=torch.int32, device=scores.device)
     count = torch.empty(B, dtype=torch.int32, device=scores.device)
     mpad = _p2(M, 16)
-    hist_bits = SELECT_HIST_BITS if M >= SELECT_HIST_MIN_BLOCKS and not SELECT_RADIX else 0
-    parts = triton.cdiv(M, SELECT_HIST_TILE)
-    if hist_bits:
-        hist = torch.empty(B, parts, 1 << hist_bits, dtype=torch.int32, device=scores.device)
-        _jit(_select_hist_kernel)[(B, parts)](scores, num_blocks, hist, *scores.stride(),
-                                              INIT=init_window, LOCAL=local_window,
-                                              TILE=SELECT_HIST_TILE, HIST_BITS=hist_bits)
-    else:
-        hist = count
     _jit(_select_kernel)[(B,)](scores, num_blocks, budget, sel, count, M, width, *scores.stride(),
                                INIT=init_window, LOCAL=local_window, MPAD=mpad,
-                               RADIX=SELECT_RADIX, I32=SELECT_I32, hist_ptr=hist, parts=parts,
-                               HIST_BITS=hist_bits, STEPS=(32 - hist_bits) // 2 + 1,
+                               RADIX=SELECT_RADIX,
                                num_warps=SELECT_WARPS or (4 if mpad <= 2048 else 8))
     return sel, count
 
