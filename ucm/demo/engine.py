@@ -7,13 +7,18 @@ real, separate process (a restart is a new process) and nothing leaks between ru
 
 The spec (JSON) holds: ``model``, ``dtype``, ``connector`` (null | "ucm" | "example"),
 ``extra_config`` (kv_connector_extra_config), ``kv_role``, ``max_num_batched_tokens``,
-``max_model_len``, ``gpu_memory_utilization``, ``prompts`` (lists of token ids), ``phases``
-(list of {"name", "prompts": [indices], "max_tokens", "ttft": bool, "logprobs": bool}),
-``env`` (extra environment for the engine). Each phase is one ``generate`` call with all its
-prompts in flight together; with ``ttft`` each prompt is instead timed alone with one output
-token (time to first token). With ``logprobs`` the log-probability of each generated token is
-reported (prompt log-probabilities cannot be compared on cache hits: vLLM computes them only for
-prompts it prefills itself).
+``max_model_len``, ``gpu_memory_utilization``, ``num_gpu_blocks_override`` (a KV cache of
+exactly that many blocks), ``log_stats`` (report vLLM's counters, e.g. ``vllm:num_preemptions``,
+under ``"metrics"``), ``prompts`` (lists of token ids), ``phases`` (list of {"name", "prompts":
+[indices], "max_tokens", "ttft": bool, "logprobs": bool, "prompt_logprobs": bool,
+"read_cache": bool}), ``env`` (extra environment for the engine). Each phase is one
+``generate`` call with all its prompts in flight together; with ``ttft`` each prompt is instead
+timed alone with one output token (time to first token). With ``logprobs`` the log-probability
+of each generated token is reported. With ``prompt_logprobs`` the log-probability of each prompt
+token given its prefix is reported (``None`` for the first token). vLLM then skips prefix-cache
+and connector hits, unless ``read_cache`` is set: it then computes log-probabilities only for the
+prompt tokens it computed itself (the positions after the loaded prefix); ``prompt_logprobs_from``
+is the first position with a value.
 """
 from __future__ import annotations
 
@@ -50,6 +55,10 @@ def run(spec: dict) -> dict:
                   enforce_eager=spec.get("enforce_eager", True))
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
+    if spec.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
+    if spec.get("log_stats"):
+        kwargs["disable_log_stats"] = False
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True
@@ -70,8 +79,12 @@ def run(spec: dict) -> dict:
                 res["outputs"].append({"prompt": i, "ttft": time.perf_counter() - t,
                                        "tokens": list(o.outputs[0].token_ids)})
         else:
+            plp = phase.get("prompt_logprobs")
             sp = SamplingParams(max_tokens=phase.get("max_tokens", 24), temperature=0.0,
-                                logprobs=1 if phase.get("logprobs") else None)
+                                logprobs=1 if phase.get("logprobs") else None,
+                                prompt_logprobs=1 if plp else None,
+                                skip_reading_prefix_cache=False if phase.get("read_cache") else None,
+                                detokenize=not plp)  # (vLLM 0.32 fails detokenizing prompt logprobs)
             t = time.perf_counter()
             outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in phase["prompts"]], sp,
                                 use_tqdm=False)
@@ -82,12 +95,28 @@ def run(spec: dict) -> dict:
                 if phase.get("logprobs") and o.outputs[0].logprobs:
                     item["logprobs"] = [lp[tok].logprob for tok, lp in
                                         zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                if plp:
+                    item.update(_prompt_logprobs(prompts[i], o.prompt_logprobs, o.num_cached_tokens or 0))
                 res["outputs"].append(item)
         if spec.get("stats_file"):
             res["connector_stats"] = _last_stats(spec["stats_file"])
         out["phases"].append(res)
+    if spec.get("log_stats"):
+        out["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                          if hasattr(m, "value")}
     del llm
     return out
+
+
+def _prompt_logprobs(tokens: list, plps, num_cached: int) -> dict:
+    """Log-probabilities of the prompt's own tokens, one per position (``None`` for the first
+    token). After a cache hit of ``num_cached`` tokens vLLM 0.32 still returns one entry per
+    position, but only those it computed (from ``num_cached + 1`` on) hold values; the earlier
+    ones are uninitialised memory and are dropped here."""
+    start = num_cached + 1 if num_cached else 1
+    plps = list(plps or [])
+    vals = [None] * start + [plps[k][tokens[k]].logprob for k in range(start, len(plps))]
+    return {"prompt_logprobs": vals, "prompt_logprobs_from": start}
 
 
 def _last_stats(path: str):

@@ -86,6 +86,7 @@ class Transfer:
 class UCMConnectorMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
     saves: list = field(default_factory=list)
+    resumed: list = field(default_factory=list)  # requests resumed after a preemption this step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +241,7 @@ class UCMConnector(KVConnectorBase_V1):
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # after preemption: a whole new block table
                 st.blocks = list(new_blocks[0]) if new_blocks else []
+                meta.resumed.append(req_id)
             elif new_blocks:
                 st.blocks.extend(new_blocks[0])
             self._plan(st, meta, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
@@ -299,8 +301,14 @@ class UCMConnector(KVConnectorBase_V1):
         self._inflight: list = []  # background saves: (ids, task, staging, t0)
         self._free_staging: list = []
         self._stats_file = self.cfg["connector.stats_file"]
+        # load_s = load_store_s + scatter_s; save_s (gather to commit) includes gather_s;
+        # forward_s: from start_load_kv's return to wait_for_save (the model's forward pass).
         self._counters = {"load_blocks": 0, "load_failed": 0, "load_bytes": 0, "load_s": 0.0,
-                          "save_blocks": 0, "save_failed": 0, "save_bytes": 0, "save_s": 0.0}
+                          "load_store_s": 0.0, "scatter_s": 0.0,
+                          "save_blocks": 0, "save_failed": 0, "save_bytes": 0, "save_s": 0.0,
+                          "gather_s": 0.0, "steps": 0, "forward_s": 0.0,
+                          "resumed_requests": 0, "resumed_load_blocks": 0}
+        self._forward_t0: Optional[float] = None
         pc = self._vllm_config.parallel_config
         self._rank = int(getattr(pc, "rank", 0) or 0) % max(1, self.ns.tp_size)
 
@@ -359,8 +367,19 @@ class UCMConnector(KVConnectorBase_V1):
         return ids, blocks
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, UCMConnectorMetadata) or not meta.loads or self.store is None:
+        try:
+            self._start_load(self._get_connector_metadata())
+        finally:
+            self._forward_t0 = time.perf_counter()
+
+    def _start_load(self, meta) -> None:
+        if not isinstance(meta, UCMConnectorMetadata):
+            return
+        if meta.resumed:  # preempted requests back: their blocks load like any other hit
+            self._counters["resumed_requests"] += len(meta.resumed)
+            self._counters["resumed_load_blocks"] += sum(len(t.blocks) for t in meta.loads
+                                                         if t.req_id in meta.resumed)
+        if not meta.loads or self.store is None:
             return
         ids, blocks = self._concat(meta.loads)
         ids = self._rank_ids(ids)
@@ -375,10 +394,14 @@ class UCMConnector(KVConnectorBase_V1):
         except Exception as exc:
             log.warning("ucm: load failed (%r); %d blocks will be recomputed", exc, len(ids))
             ok = np.zeros(len(ids), dtype=bool)
+        t1 = time.perf_counter()
         idx = torch.tensor([b if good else -1 for b, good in zip(blocks, ok)], dtype=torch.int64)
         if ok.any():
             ucm.scatter_blocks(self.layout, staging, idx.to(self._device))
-        self._record_load(blocks, ok, time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        self._counters["load_store_s"] += t1 - t0
+        self._counters["scatter_s"] += t2 - t1
+        self._record_load(blocks, ok, t2 - t0)
 
     def _record_load(self, blocks, ok, seconds) -> None:
         failed = [b for b, good in zip(blocks, ok) if not good]
@@ -437,6 +460,10 @@ class UCMConnector(KVConnectorBase_V1):
         self._pending_saves.append((ids, self.store.dump(ids, k * self._shard, rows), rows))
 
     def wait_for_save(self) -> None:
+        if self._forward_t0 is not None:
+            self._counters["steps"] += 1
+            self._counters["forward_s"] += time.perf_counter() - self._forward_t0
+            self._forward_t0 = None
         if not self.has_connector_metadata() or self.store is None:
             return
         meta = self._get_connector_metadata()
@@ -466,6 +493,7 @@ class UCMConnector(KVConnectorBase_V1):
         staging = self._take_staging(len(ids) * self.layout.block_bytes)
         rows = staging[:len(ids) * self.layout.block_bytes].view(len(ids), self.layout.block_bytes)
         ucm.gather_blocks(self.layout, torch.tensor(blocks, dtype=torch.int64, device=self._device), rows)
+        self._counters["gather_s"] += time.perf_counter() - t0
         try:
             task = self.store.dump(ids, 0, rows)
         except Exception as exc:  # a failed save is a future miss, nothing more
