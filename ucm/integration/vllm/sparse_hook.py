@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import threading
@@ -195,7 +194,7 @@ class SparseHook:
         self._runner: Any = None  # the model runner of the step in progress
         self._active = False  # this step has a decode row that may be long
         self._rows_key: Any = None
-        self._rows: Any = None  # (rows tensor, req ids, seq lens list) of this step's long rows
+        self._rows: Any = None  # (rows, req ids, seq lens, query token index) of long rows
         self._sched_cache: dict = {}
         self._layer_index: dict[str, int] = {}
         self._step = 0
@@ -337,10 +336,10 @@ class SparseHook:
             self._layer_index[name] = idx
         return idx
 
-    def _ensure_method(self, impl: Any, kv_cache: torch.Tensor) -> bool:
+    def _ensure_method(self, impl: Any, kv_cache: torch.Tensor) -> None:
         if self.method is not None:
-            return True
-        nb, hkv, bs, d2 = kv_cache.shape
+            return
+        bs = kv_cache.shape[2]
         runner = self._runner
         num_layers = runner.model_config.get_num_layers(runner.parallel_config)
         factory = self._factory
@@ -357,9 +356,8 @@ class SparseHook:
         log.info("ucm sparse: %s (ratio %g, min_blocks %d) on %d layers, block size %d",
                  self.cfg["sparse_method"], self.cfg["sparse_ratio"], self.min_blocks,
                  num_layers, bs)
-        return True
 
-    def _usable(self, impl: Any, layer: Any, kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
+    def _usable(self, impl: Any, layer: Any, kv_cache: torch.Tensor) -> bool:
         if impl.attn_type != "decoder" or impl.sliding_window != -1 or impl.alibi_slopes is not None \
                 or impl.is_fp8_kv_cache or impl.sinks is not None:
             return False  # selection is defined for plain full causal attention only
@@ -375,7 +373,7 @@ class SparseHook:
         """One layer: vLLM's forward, with the long decode rows' tables made sparse."""
         bs = kv_cache.shape[2] if kv_cache.dim() == 4 else 0
         found = self._long_rows(meta, bs) if bs else None
-        if found is None or not self._usable(impl, layer, kv_cache, query):
+        if found is None or not self._usable(impl, layer, kv_cache):
             return orig(impl, layer, query, key, value, kv_cache, meta, output, *args, **kwargs)
         rows, req_ids, lens, tok = found
         self._ensure_method(impl, kv_cache)
