@@ -222,8 +222,9 @@ def test_request_finished_frees_state_and_interleaving_keeps_requests_apart():
         assert m.live_requests == 0
 
 
+@pytest.mark.parametrize("group", [0, 4])
 @pytest.mark.parametrize("method", SMART)
-def test_finds_the_blocks_aligned_with_the_query(method):
+def test_finds_the_blocks_aligned_with_the_query(method, group):
     """A synthetic cache where three blocks per request hold keys along the query: every method
     but random keeps them (random is checked to miss some, so the check can fail)."""
     torch.manual_seed(3)
@@ -233,13 +234,42 @@ def test_finds_the_blocks_aligned_with_the_query(method):
     hot = {0: [9, 25, 40], 1: [5, 17, 33]}
     for b in (0, 1):
         plant(k, table, b, hot[b], q)
-    m = make(method, sparse_ratio=0.125)
+    m = make(method, sparse_ratio=0.125, sparse_repr_group=group)
     m.request_begin("a", 1), m.request_begin("b", 1)
     for layer in range(2):
         m.step_begin()
         out = m.attention_begin(layer, ["a", "b"], q, k, table, lens)
         for b in (0, 1):
             assert set(hot[b]) <= set(check_selection(m, table, lens, out, b)), (method, b)
+
+
+def test_sub_block_summaries_are_exact_and_bound_tighter():
+    """sparse_repr_group=4 (two 4-token summaries per 8-token block): the tables hold each
+    sub-range's min/max, and Quest's per-head score is the best sub-block bound, which lies
+    between the exact max of q.k in the block and the whole-block bound."""
+    k = cache(seed=5)
+    table, lens = tables([30 * BS + 3], seed=6)
+    q = torch.randn(1, HQ, D)
+    fine, whole = make("quest", sparse_repr_group=4), make("quest")
+    for m in (fine, whole):
+        m.request_begin("a", 1)
+        m.attention_begin(0, ["a"], q, k, table, lens)
+    t = fine._tables[0]
+    assert fine.groups == 2 and t["kmin"].shape[:2] == (2, k.shape[0])
+    n = math.ceil(int(lens[0]) / BS)
+    ids = table[0, :n - 1].long()                                      # full blocks
+    for i in range(2):
+        torch.testing.assert_close(t["kmin"][i][ids], k[ids, 4 * i:4 * i + 4].amin(1))
+        torch.testing.assert_close(t["kmax"][i][ids], k[ids, 4 * i:4 * i + 4].amax(1))
+    nb = torch.tensor([n], dtype=torch.int32)
+    got = fine.score_per_head(q, table, nb, "quest", t)[0, :, :n - 1]     # [Hq, n - 1]
+    bound = whole.score_per_head(q, table, nb, "quest", whole._tables[0])[0, :, :n - 1]
+    kq = k[ids].repeat_interleave(HQ // HKV, dim=2)                      # [n-1, BS, Hq, D]
+    exact = torch.einsum("hd,jthd->hjt", q[0], kq).amax(-1)
+    assert bool((exact <= got + 1e-4).all()) and bool((got <= bound + 1e-4).all())
+    assert bool((got < bound - 1e-3).any()), "the finer bound is tighter somewhere"
+    with pytest.raises(ValueError, match="sparse_repr_group"):
+        make("quest", sparse_repr_group=3)
 
 
 def test_random_baseline_misses_planted_blocks():

@@ -25,6 +25,13 @@ What the base class does, so that a method only has to say how it scores blocks:
   always attended, so its representation only matters to methods that set
   :attr:`SparseMethod.partial_reprs` (adaptive: its estimated mass); those recompute it every
   step.
+* **Sub-block summaries** (``sparse_repr_group``, methods with :attr:`SparseMethod.sub_blocks`:
+  ESA, KVStar, Quest). With a group of ``t`` tokens (a divisor of the block size) the ``mean`` /
+  ``kmin`` / ``kmax`` tables hold one row per ``t``-token sub-block, ``[block_size // t,
+  num_blocks, Hkv, D]``, each computed by :func:`ucm.sparse.ops.update_block_reprs` on the
+  strided view ``k_cache[:, i*t:(i+1)*t]`` (no op change), and a block's per-head score is the
+  maximum over its sub-blocks (:meth:`SparseMethod.score_per_head`): a tighter Quest bound and a
+  sharper mean key. ``0`` (default) keeps one summary per block.
 * **Selection to table.** :meth:`SparseMethod.select` returns logical block indexes (as
   :func:`ucm.sparse.ops.select_blocks` does); :func:`ucm.sparse.ops.sparse_block_table` turns
   them into the table and lengths the attention kernel reads.
@@ -78,6 +85,7 @@ class SparseMethod:
     name = "base"
     reprs: tuple = ()  # representation tables the method scores with (subset of REPR_KINDS)
     partial_reprs = False  # also keep the partial last block's representations current
+    sub_blocks = False     # honours sparse_repr_group (scores through score_per_head)
 
     def __init__(self, config: Union[Config, Mapping, None] = None, *, num_layers: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -102,6 +110,12 @@ class SparseMethod:
         self.init_window = int(cfg["init_window"])
         self.local_window = int(cfg["local_window"])
         self.dense_layers = int(cfg["sparse_dense_layers"])
+        group = int(cfg["sparse_repr_group"])
+        if group and self.block_size % group:
+            raise ValueError(f"sparse_repr_group: {group} does not divide block_size="
+                             f"{self.block_size} (expected a divisor of it, or 0 = whole block)")
+        self.repr_group = group if group and self.sub_blocks else self.block_size
+        self.groups = self.block_size // self.repr_group   # summaries per block
         self.step = 0                                 # decode steps begun (step_begin calls)
         self._requests: dict[str, RequestState] = {}
         self._tables: list[Optional[dict]] = [None] * self.num_layers
@@ -156,7 +170,8 @@ class SparseMethod:
                     tables[kind] = torch.zeros(nb, hkv, self._proj.shape[1] // 32, dtype=torch.int32,
                                                device=dev)
                 else:
-                    tables[kind] = torch.zeros(nb, hkv, d, dtype=torch.float32, device=dev)
+                    tables[kind] = torch.zeros(self.groups, nb, hkv, d, dtype=torch.float32,
+                                               device=dev)
             self._tables[layer] = tables
             for st in self._requests.values():   # a new cache: every block is new
                 st.done.pop(layer, None)
@@ -178,13 +193,20 @@ class SparseMethod:
             st.done[layer] = max(start, full)
             if n_tok % bs and self.partial_reprs:
                 todo[row[full]] = n_tok % bs
-        if todo:
-            dev = k_cache.device
-            ids = torch.tensor(list(todo), dtype=torch.int64, device=dev)
-            ntok = torch.tensor(list(todo.values()), dtype=torch.int64, device=dev)
-            ops.update_block_reprs(k_cache, ids, ntok, mean=tables.get("mean"),
-                                   kmin=tables.get("kmin"), kmax=tables.get("kmax"),
-                                   codes=tables.get("codes"), proj=self._proj if "codes" in tables else None)
+        if not todo:
+            return tables
+        dev = k_cache.device
+        t = self.repr_group
+        for i in range(self.groups):          # sub-block i: tokens [i*t, (i+1)*t) of each block
+            part = {pid: min(n - i * t, t) for pid, n in todo.items() if n > i * t}
+            if not part:
+                continue
+            ids = torch.tensor(list(part), dtype=torch.int64, device=dev)
+            ntok = torch.tensor(list(part.values()), dtype=torch.int64, device=dev)
+            view = k_cache if self.groups == 1 else k_cache[:, i * t:(i + 1) * t]
+            rows = {k: tables[k][i] for k in ("mean", "kmin", "kmax") if k in tables}
+            ops.update_block_reprs(view, ids, ntok, **rows, codes=tables.get("codes"),
+                                   proj=self._proj if "codes" in tables else None)
         return tables
 
     # the hook -------------------------------------------------------------------------------
@@ -256,6 +278,19 @@ class SparseMethod:
         """Top blocks by ``scores [b, M]`` with this method's windows."""
         return ops.select_blocks(scores.float().contiguous(), num_blocks, budget,
                                  init_window=self.init_window, local_window=self.local_window)
+
+    def score_per_head(self, q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor,
+                       kind: str, tables: dict, channel_mask: Optional[torch.Tensor] = None):
+        """Per-head block scores ``[b, Hq, M]`` (:func:`ucm.sparse.ops.score_blocks`,
+        ``kind`` "mean" or "quest"): the maximum over the block's sub-block summaries."""
+        out = None
+        for i in range(self.groups):
+            reprs = ({"mean": tables["mean"][i]} if kind == "mean"
+                     else {"kmin": tables["kmin"][i], "kmax": tables["kmax"][i]})
+            s = ops.score_blocks(q, block_table, num_blocks, kind=kind, channel_mask=channel_mask,
+                                 reduce="none", **reprs)
+            out = s if out is None else torch.maximum(out, s)
+        return out
 
     def head_mass(self, per_head: torch.Tensor) -> torch.Tensor:
         """Block scores from per-head logit estimates ``[b, Hq, M]`` (``-inf`` past a request's

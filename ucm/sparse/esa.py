@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from ucm.sparse import ops
 from ucm.sparse.base import SparseMethod, pack_selection
 
 
 class ESA(SparseMethod):
     name = "esa"
     reprs = ("mean",)
+    sub_blocks = True
 
     def __init__(self, config=None, **shape):
         super().__init__(config, **shape)
@@ -31,8 +31,7 @@ class ESA(SparseMethod):
         rows: list = [None] * len(states)
         if due:
             di = torch.tensor(due, device=q.device)
-            per_head = ops.score_blocks(q[di], block_table[di], num_blocks[di], kind="mean",
-                                        mean=tables["mean"], reduce="none")
+            per_head = self.score_per_head(q[di], block_table[di], num_blocks[di], "mean", tables)
             sel, count = self.pick(self.head_mass(per_head), num_blocks[di], budget[di])
             for j, i in enumerate(due):
                 rows[i] = sel[j, :int(count[j])].tolist()

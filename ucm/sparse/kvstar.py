@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ucm.sparse import ops
 from ucm.sparse.base import SparseMethod
 
 
 class KVStar(SparseMethod):
     name = "kvstar"
     reprs = ("mean",)
+    sub_blocks = True
 
     def __init__(self, config=None, **shape):
         super().__init__(config, **shape)
@@ -47,10 +47,9 @@ class KVStar(SparseMethod):
             hist.append([recent[0]] * (V - len(recent)) + recent)
         queries = torch.stack([torch.stack(h) for h in hist])              # [b, V, Hq, D]
         flat = queries.reshape(b * V, *q.shape[1:])
-        per_head = ops.score_blocks(flat, block_table.repeat_interleave(V, 0),
-                                    num_blocks.repeat_interleave(V, 0), kind="mean",
-                                    mean=tables["mean"], channel_mask=self.channel_mask(flat),
-                                    reduce="none")
+        per_head = self.score_per_head(flat, block_table.repeat_interleave(V, 0),
+                                       num_blocks.repeat_interleave(V, 0), "mean", tables,
+                                       channel_mask=self.channel_mask(flat))
         scores = self.head_mass(per_head).reshape(b, V, M)
         # each query's rank of every block (0 = best; ties to the lower index)
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices

@@ -8,15 +8,14 @@ bounds over heads).
 """
 from __future__ import annotations
 
-from ucm.sparse import ops
 from ucm.sparse.base import SparseMethod
 
 
 class Quest(SparseMethod):
     name = "quest"
     reprs = ("kmin", "kmax")
+    sub_blocks = True
 
     def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
-        bound = ops.score_blocks(q, block_table, num_blocks, kind="quest", kmin=tables["kmin"],
-                                 kmax=tables["kmax"], reduce="none")
+        bound = self.score_per_head(q, block_table, num_blocks, "quest", tables)
         return self.pick(self.head_mass(bound), num_blocks, budget)

@@ -1,0 +1,192 @@
+"""Block-scoring experiments on SmolLM2-135M: which scoring keeps perplexity closest to dense at a
+small budget.
+
+A quick, comparable setting (default: 2K context, two documents x 24 teacher-forced tokens,
+``sparse_ratio`` 0.2), every variant one batch row of the same
+:func:`benchmarks.sparse_model.run_continuation` run (they share the dense prefill), pooled over
+the documents with :func:`benchmarks.sparse_quality.summarize`. Variants:
+
+* ``quest`` / ``esa1`` (ESA re-selecting every step, to isolate its scoring) / ``kvstar`` with
+  ``sparse_repr_group`` 0 (one summary per block) or 8 / 4 / 2 tokens (a block scores as its best
+  sub-block);
+* ``quest-kvhead``: each KV head its own top-``budget`` blocks (harness only: a vLLM request has
+  one block table for all heads, so this measures what the shared selection costs);
+* ``quest-prev``: the blocks selected at the previous step are scored by the exact attention
+  they received then (their estimated total share redistributed by it), the others by the Quest
+  bound;
+* ``oracle`` (exact block mass) and ``random`` baselines.
+
+Run with the vLLM environment (it has ``tokenizers``)::
+
+    /work/vllm-venv/bin/python benchmarks/sparse_explore.py [--ratio 0.2] [--variants a,b,...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import sparse_model  # noqa: E402
+from benchmarks.sparse_model import SmolLM2, run_continuation  # noqa: E402
+from benchmarks.sparse_quality import corpus_ids, documents, markdown, summarize  # noqa: E402
+from ucm.sparse import ops  # noqa: E402
+from ucm.sparse.quest import Quest  # noqa: E402
+
+# per-KV-head selections waiting for this layer's attention: batch row -> (tables [Hkv, K],
+# lens [Hkv]); filled by QuestPerKVHead.select, consumed by _paged_attention_per_head
+_PER_HEAD: dict = {}
+_paged_attention = sparse_model.paged_attention
+
+
+def _paged_attention_per_head(q, k_cache, v_cache, block_table, seq_lens, scale=None, full=None):
+    """sparse_model.paged_attention, except that rows with a pending per-KV-head selection
+    attend, per KV head, to that head's own blocks (mass averaged over all query heads)."""
+    res = _paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale, full)
+    if not _PER_HEAD:
+        return res
+    out, mass = (res[0].clone(), res[1].clone()) if full is not None else (res.clone(), None)
+    Hq, Hkv = q.shape[1], k_cache.shape[2]
+    rep = Hq // Hkv
+    for r, (tabs, lens) in _PER_HEAD.items():
+        head_mass = []
+        for h in range(Hkv):
+            hs = slice(h * rep, (h + 1) * rep)
+            args = (q[r:r + 1, hs], k_cache[:, :, h:h + 1], v_cache[:, :, h:h + 1],
+                    tabs[h:h + 1], lens[h:h + 1], scale)
+            if full is None:
+                out[r, hs] = _paged_attention(*args)[0]
+            else:
+                o, m = _paged_attention(*args, full=(full[0][r:r + 1], full[1][r:r + 1]))
+                out[r, hs] = o[0]
+                head_mass.append(float(m[0]))
+        if mass is not None:
+            mass[r] = sum(head_mass) / Hkv
+    _PER_HEAD.clear()
+    return (out, mass) if full is not None else out
+
+
+class QuestPerKVHead(Quest):
+    """Quest bound, each KV head selecting its own top-``budget`` blocks (harness only)."""
+
+    name = "quest-kvhead"
+
+    def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
+        bound = self.score_per_head(q, block_table, num_blocks, "quest", tables)   # [b, Hq, M]
+        b, Hq, M = bound.shape
+        Hkv = self.num_kv_heads
+        shares = torch.softmax(bound / math.sqrt(self.head_dim), -1)
+        per_kv = shares.reshape(b, Hkv, Hq // Hkv, M).mean(2).reshape(b * Hkv, M)
+        sel, count = self.pick(per_kv, num_blocks.repeat_interleave(Hkv),
+                               budget.repeat_interleave(Hkv))
+        tabs, lens = ops.sparse_block_table(block_table.repeat_interleave(Hkv, 0),
+                                            seq_lens.repeat_interleave(Hkv), sel, count,
+                                            self.block_size)
+        for i, st in enumerate(states):
+            _PER_HEAD[int(st.req_id[3:])] = (tabs[i * Hkv:(i + 1) * Hkv],
+                                             lens[i * Hkv:(i + 1) * Hkv])
+        return sel[::Hkv], count[::Hkv]     # KV head 0's selection stands for the row
+
+
+class QuestPrevExact(Quest):
+    """Quest, with the previous step's exact attention of its selected blocks (see module)."""
+
+    name = "quest-prev"
+
+    def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
+        est = self.head_mass(self.score_per_head(q, block_table, num_blocks, "quest", tables))
+        for i, st in enumerate(states):
+            prev = st.extra.get(layer)
+            if prev is None:
+                continue
+            idx, exact = prev
+            share = est[i, idx].sum()
+            est[i, idx] = exact / exact.sum().clamp(min=1e-30) * share
+        sel, count = self.pick(est, num_blocks, budget)
+        table, lens = ops.sparse_block_table(block_table, seq_lens, sel, count, self.block_size)
+        exact = ops.block_attention_mass(q, k_cache, table, lens)
+        for i, st in enumerate(states):
+            c = int(count[i])
+            st.extra[layer] = (sel[i, :c].long(), exact[i, :c])
+        return sel, count
+
+
+def build(variant: str, ratio: float, shape: dict):
+    """The method of a variant name such as ``quest:g4``, ``esa1:g8``, ``oracle``."""
+    import ucm.sparse
+
+    name, _, opt = variant.partition(":")
+    cfg = {"sparse_method": "esa", "sparse_ratio": ratio, "min_blocks": 16}
+    if opt:
+        cfg["sparse_repr_group"] = int(opt.lstrip("g"))
+    if name == "esa1":
+        return ucm.sparse.create(dict(cfg, retrieval_stride=1), method="esa", **shape)
+    if name == "quest-kvhead":
+        return QuestPerKVHead(cfg, **shape)
+    if name == "quest-prev":
+        return QuestPrevExact(cfg, **shape)
+    return ucm.sparse.create(cfg, method=name, **shape)
+
+
+DEFAULT = ("oracle,quest,quest:g8,quest:g4,quest:g2,esa1,esa1:g8,esa1:g4,kvstar,kvstar:g4,"
+           "quest-kvhead,quest-kvhead:g4,quest-prev")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--docs", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--variants", default=DEFAULT)
+    p.add_argument("--json", help="write the summary here")
+    args = p.parse_args(argv)
+    sparse_model.paged_attention = _paged_attention_per_head
+    variants = args.variants.split(",")
+    t0 = time.time()
+    model = SmolLM2.load()
+    from ucm.models import ensure_smollm2
+
+    ids = corpus_ids(ensure_smollm2())
+    shape = dict(num_layers=model.num_layers, num_q_heads=model.num_q_heads,
+                 num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, block_size=16)
+    records = []
+    for d, doc in enumerate(documents(ids, args.context, args.tokens, args.docs)):
+        L, T = args.context, args.tokens
+        rows = [None] + [build(v, args.ratio, shape) for v in variants]
+        res = run_continuation(model, doc[:L], doc[L:L + T], rows)
+        targets = torch.tensor(doc[L + 1:L + T + 1])
+        dense_lp = torch.log_softmax(res.dense_logits, -1)
+        dense_nll = -dense_lp.gather(1, targets[:, None])[:, 0]
+        print(f"doc {d}: {time.time() - t0:.0f} s; dense decode vs prefill max |logit diff| "
+              f"{float((res.logits[0] - res.dense_logits).abs().max()):.1e}", flush=True)
+        for r, v in enumerate(variants, start=1):
+            lp = torch.log_softmax(res.logits[r], -1)
+            records.append({
+                "method": v, "ratio": args.ratio, "context": L,
+                "nll": (-lp.gather(1, targets[:, None])[:, 0]).tolist(),
+                "dense_nll": dense_nll.tolist(),
+                "agree": (res.logits[r].argmax(-1) == res.dense_logits.argmax(-1)).float().tolist(),
+                "kl": (dense_lp.exp() * (dense_lp - lp)).sum(-1).tolist(),
+                "mass": res.mass[r].tolist(),
+                "kept": (res.blocks[r] / torch.tensor([math.ceil((L + t + 1) / 16)
+                                                       for t in range(T)])).tolist()})
+    summary = [r for r in summarize(records) if r["context"] != "all"]
+    order = {v: i for i, v in enumerate(variants)}
+    summary.sort(key=lambda r: order[r["method"]])
+    print(markdown(summary))
+    print(f"total {time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "summary": summary}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
