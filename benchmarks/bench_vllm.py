@@ -49,7 +49,9 @@ def main():
     ids = tok("\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"]
     n, r = args.tokens, args.repeats
     warm_prompt = ids[:n]
-    miss_prompts = [ids[(k + 1) * 9000:(k + 1) * 9000 + n] for k in range(r)]  # distinct: all misses
+    # distinct prompts, all misses; the last one only for the decode run (a prompt the TTFT runs
+    # did not store, or ucm would load its prefill and the decode comparison would be unfair)
+    miss_prompts = [ids[(k + 1) * 9000:(k + 1) * 9000 + n] for k in range(r + 1)]
     prompts = [warm_prompt] + miss_prompts
     work = tempfile.mkdtemp(prefix="ucm-bench-vllm-")
     store, exdir = os.path.join(work, "kv"), os.path.join(work, "example")
@@ -65,7 +67,7 @@ def main():
 
     misses = list(range(1, r + 1))
     miss_phases = [{"name": "miss-ttft", "prompts": misses, "ttft": True},
-                   {"name": "decode", "prompts": [1], "max_tokens": 128}]
+                   {"name": "decode", "prompts": [r + 1], "max_tokens": 128}]
     t0 = time.time()
     res = {}
     # miss path: the same distinct prompts through plain vLLM and through ucm (empty store)
