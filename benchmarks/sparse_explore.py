@@ -6,9 +6,9 @@ A quick, comparable setting (default: 2K context, two documents x 24 teacher-for
 :func:`benchmarks.sparse_model.run_continuation` run (they share the dense prefill), pooled over
 the documents with :func:`benchmarks.sparse_quality.summarize`. Variants:
 
-* ``quest`` / ``esa1`` (ESA re-selecting every step, to isolate its scoring) / ``kvstar`` with
-  ``sparse_repr_group`` 0 (one summary per block) or 8 / 4 / 2 tokens (a block scores as its best
-  sub-block);
+* ``quest`` / ``esa1`` (ESA re-selecting every step, to isolate its scoring) / ``kvstar`` /
+  ``esa``, with ``sparse_repr_group`` 0 (no suffix: one summary per block) or ``:g8`` / ``:g4`` /
+  ``:g2`` / ``:g1`` (summaries of 8 / 4 / 2 / 1 tokens; a block scores as its best sub-block);
 * ``quest-kvhead``: each KV head its own top-``budget`` blocks (harness only: a vLLM request has
   one block table for all heads, so this measures what the shared selection costs);
 * ``quest-prev``: the blocks selected at the previous step are scored by the exact attention
@@ -122,9 +122,8 @@ def build(variant: str, ratio: float, shape: dict):
     import ucm.sparse
 
     name, _, opt = variant.partition(":")
-    cfg = {"sparse_method": "esa", "sparse_ratio": ratio, "min_blocks": 16}
-    if opt:
-        cfg["sparse_repr_group"] = int(opt.lstrip("g"))
+    cfg = {"sparse_method": "esa", "sparse_ratio": ratio, "min_blocks": 16,
+           "sparse_repr_group": int(opt.lstrip("g")) if opt else 0}
     if name == "esa1":
         return ucm.sparse.create(dict(cfg, retrieval_stride=1), method="esa", **shape)
     if name == "quest-kvhead":

@@ -250,7 +250,7 @@ def test_sub_block_summaries_are_exact_and_bound_tighter():
     k = cache(seed=5)
     table, lens = tables([30 * BS + 3], seed=6)
     q = torch.randn(1, HQ, D)
-    fine, whole = make("quest", sparse_repr_group=4), make("quest")
+    fine, whole = make("quest", sparse_repr_group=4), make("quest", sparse_repr_group=0)
     for m in (fine, whole):
         m.request_begin("a", 1)
         m.attention_begin(0, ["a"], q, k, table, lens)
@@ -268,6 +268,8 @@ def test_sub_block_summaries_are_exact_and_bound_tighter():
     exact = torch.einsum("hd,jthd->hjt", q[0], kq).amax(-1)
     assert bool((exact <= got + 1e-4).all()) and bool((got <= bound + 1e-4).all())
     assert bool((got < bound - 1e-3).any()), "the finer bound is tighter somewhere"
+    assert whole.groups == 1 and make("quest", sparse_repr_group=BS).groups == 1
+    assert make("gsa", sparse_repr_group=4).groups == 1              # GSA: whole-block codes
     with pytest.raises(ValueError, match="sparse_repr_group"):
         make("quest", sparse_repr_group=3)
 

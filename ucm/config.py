@@ -207,9 +207,9 @@ OPTIONS: tuple[Option, ...] = (
            max=1.0, min_exclusive=True),
     Option("sparse_dense_layers", "int", 0, "The first this many layers always attend densely "
            "(every sparse method).", min=0),
-    Option("sparse_repr_group", "int", 0, "Tokens per sub-block summary of ESA/KVStar/Quest "
-           "(a block scores as its best sub-block; a divisor of the block size); 0 = whole block.",
-           min=0),
+    Option("sparse_repr_group", "int", 4, "Tokens per sub-block summary of ESA/KVStar/Quest "
+           "(a block scores as its best sub-block; a divisor of the block size); 0 or >= the "
+           "block size = one summary per block.", min=0),
     Option("sparse_hash_bits", "int", 128, "Bits of GSA's block hash codes (a multiple of 32).",
            min=32, check=_check_hash_bits),
     Option("kvstar_channels", "int", 32, "Channels of each query head KVStar scores with (those "

@@ -31,7 +31,8 @@ What the base class does, so that a method only has to say how it scores blocks:
   num_blocks, Hkv, D]``, each computed by :func:`ucm.sparse.ops.update_block_reprs` on the
   strided view ``k_cache[:, i*t:(i+1)*t]`` (no op change), and a block's per-head score is the
   maximum over its sub-blocks (:meth:`SparseMethod.score_per_head`): a tighter Quest bound and a
-  sharper mean key. ``0`` (default) keeps one summary per block.
+  sharper mean key. The default is 4; ``0`` (or a group >= the block size) keeps one summary per
+  block.
 * **Selection to table.** :meth:`SparseMethod.select` returns logical block indexes (as
   :func:`ucm.sparse.ops.select_blocks` does); :func:`ucm.sparse.ops.sparse_block_table` turns
   them into the table and lengths the attention kernel reads.
@@ -111,10 +112,11 @@ class SparseMethod:
         self.local_window = int(cfg["local_window"])
         self.dense_layers = int(cfg["sparse_dense_layers"])
         group = int(cfg["sparse_repr_group"])
-        if group and self.block_size % group:
+        if 0 < group < self.block_size and self.block_size % group:
             raise ValueError(f"sparse_repr_group: {group} does not divide block_size="
                              f"{self.block_size} (expected a divisor of it, or 0 = whole block)")
-        self.repr_group = group if group and self.sub_blocks else self.block_size
+        sub = 0 < group < self.block_size and self.sub_blocks
+        self.repr_group = group if sub else self.block_size
         self.groups = self.block_size // self.repr_group   # summaries per block
         self.step = 0                                 # decode steps begun (step_begin calls)
         self._requests: dict[str, RequestState] = {}
