@@ -1,8 +1,9 @@
 """KVStar: channel-pruned mean-key scores and multi-query voting.
 
 Scoring: for each query head only the ``kvstar_channels`` channels with the largest ``|q|`` count
-(``q . mean`` over those channels; the others carry little of the dot product and mostly noise);
-heads are combined as shares of attention (:meth:`SparseMethod.head_mass`).
+(``q . mean`` over those channels; the others carry little of the dot product and mostly noise),
+with the best of the block's ``sparse_repr_group`` sub-block means (default 4 tokens); heads are
+combined as shares of attention (:meth:`SparseMethod.head_mass`).
 
 Voting: a request keeps, per layer, the queries of its last ``kvstar_votes`` decode steps
 (the current one included). Each of them votes for its own top-``budget`` blocks; blocks are
