@@ -5,6 +5,27 @@ import sys
 import numpy as np
 import pytest
 
+# The Triton interpreter (CPU machines) only works if triton's standard library was jitted under
+# TRITON_INTERPRET=1, i.e. if triton was first imported with it set. Other modules (vLLM, the
+# transfer tests) import triton too, so import it here, before any test module, then restore the
+# variable: the Triton tests set it per test.
+if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")):
+    try:
+        import importlib.util as _ilu
+
+        if _ilu.find_spec("triton") is not None and "triton" not in sys.modules:
+            _saved = os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1"
+            try:
+                import triton.language  # noqa: F401
+            finally:
+                if _saved is None:
+                    del os.environ["TRITON_INTERPRET"]
+                else:
+                    os.environ["TRITON_INTERPRET"] = _saved
+    except ImportError:
+        pass
+
 from ucm import dispatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
