@@ -255,12 +255,12 @@ def test_sub_block_summaries_are_exact_and_bound_tighter():
         m.request_begin("a", 1)
         m.attention_begin(0, ["a"], q, k, table, lens)
     t = fine._tables[0]
-    assert fine.groups == 2 and t["kmin"].shape[:2] == (2, k.shape[0])
+    assert fine.groups == 2 and t["kmin"].shape[:2] == (k.shape[0], 2)
     n = math.ceil(int(lens[0]) / BS)
     ids = table[0, :n - 1].long()                                      # full blocks
     for i in range(2):
-        torch.testing.assert_close(t["kmin"][i][ids], k[ids, 4 * i:4 * i + 4].amin(1))
-        torch.testing.assert_close(t["kmax"][i][ids], k[ids, 4 * i:4 * i + 4].amax(1))
+        torch.testing.assert_close(t["kmin"][ids, i], k[ids, 4 * i:4 * i + 4].amin(1))
+        torch.testing.assert_close(t["kmax"][ids, i], k[ids, 4 * i:4 * i + 4].amax(1))
     nb = torch.tensor([n], dtype=torch.int32)
     got = fine.score_per_head(q, table, nb, "quest", t)[0, :, :n - 1]     # [Hq, n - 1]
     bound = whole.score_per_head(q, table, nb, "quest", whole._tables[0])[0, :, :n - 1]
@@ -272,6 +272,35 @@ def test_sub_block_summaries_are_exact_and_bound_tighter():
     assert make("gsa", sparse_repr_group=4).groups == 1              # GSA: whole-block codes
     with pytest.raises(ValueError, match="sparse_repr_group"):
         make("quest", sparse_repr_group=3)
+
+
+@pytest.mark.parametrize("method", ["esa", "kvstar", "quest"])
+def test_sub_blocks_one_op_call_per_layer(monkeypatch, method):
+    """The methods score every sub-block in one score_blocks call (the maximum over sub-blocks is
+    the op's), update them in one update_block_reprs call, and keep bfloat16 tables for a
+    bfloat16 cache (float32 otherwise)."""
+    calls = {"score_blocks": 0, "update_block_reprs": 0}
+    for name in calls:
+        real = getattr(ops, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(ops, name, counted)
+    k = cache(seed=7)
+    table, lens = tables([40 * BS + 3, 33 * BS], seed=8)
+    q = torch.randn(2, HQ, D)
+    m = make(method, sparse_repr_group=4, retrieval_stride=1, kvstar_votes=1)
+    m.request_begin("a", 1), m.request_begin("b", 1)
+    m.attention_begin(1, ["a", "b"], q, k, table, lens)
+    assert calls == {"score_blocks": 1, "update_block_reprs": 1}
+    t = m._tables[1]
+    assert t["mean" if method != "quest" else "kmin"].shape == (k.shape[0], 2, HKV, D)
+    assert t["mean" if method != "quest" else "kmin"].dtype == torch.float32
+    half = make(method, sparse_repr_group=4)
+    half.request_begin("a", 1)
+    half.attention_begin(1, ["a"], q[:1].bfloat16(), k.bfloat16(), table[:1], lens[:1])
+    assert half._tables[1]["mean" if method != "quest" else "kmax"].dtype == torch.bfloat16
 
 
 def test_random_baseline_misses_planted_blocks():

@@ -14,6 +14,7 @@ jitted at import), so this module imports triton under ``TRITON_INTERPRET=1`` on
 import importlib.util
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -466,6 +467,202 @@ def test_bf16_block_reprs(triton_ready):
             fin = torch.isfinite(want)
             assert torch.equal(torch.isfinite(got), fin)
             assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), (kind, backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# sub-block summaries: tables [num_blocks, G, Hkv, X], max over G inside score_blocks
+
+def _sub_tables(n, G, Hkv, D, words, dtype=torch.float32):
+    nan = float("nan")
+    return dict(mean=torch.full((n, G, Hkv, D), nan, dtype=dtype, device=DEV),
+                kmin=torch.full((n, G, Hkv, D), nan, dtype=dtype, device=DEV),
+                kmax=torch.full((n, G, Hkv, D), nan, dtype=dtype, device=DEV),
+                codes=torch.full((n, G, Hkv, words), 7, dtype=torch.int32, device=DEV))
+
+
+def sub_block_oracle(k, blk, n, G):
+    """Per sub-block key ranges of one block, by a plain loop: sub-block ``s`` covers tokens
+    ``[s t, (s + 1) t)`` cut at ``n``; an empty one repeats the last non-empty one."""
+    t = k.shape[1] // G
+    out = []
+    for s in range(G):
+        src = min(s, (n - 1) // t)
+        out.append(k[blk, src * t: min((src + 1) * t, n)].double())      # [tokens, Hkv, D]
+    return out
+
+
+@pytest.mark.parametrize("bs,G", [(8, 2), (12, 3), (16, 4), (4, 1)])
+def test_sub_block_reprs_reference(bs, G):
+    g = gen(30 + bs)
+    _, k, _, _, _ = paged_case(g, Hkv=2, D=16, bs=bs, layout="vllm_cpu")
+    proj = rand((16, 64), g)
+    ids = torch.tensor([5, 0, 9, 12], dtype=torch.int64, device=DEV)
+    ntok = torch.tensor([bs, 1, bs // 2 + 1, bs - 1], dtype=torch.int32, device=DEV)
+    t = _sub_tables(k.shape[0], G, 2, 16, 2)
+    ops.update_block_reprs(k, ids, ntok, proj=proj, backend="reference", **t)
+    for blk, n in zip(ids.tolist(), ntok.tolist()):
+        for s, keys in enumerate(sub_block_oracle(k, blk, n, G)):
+            assert torch.allclose(t["mean"][blk, s].double(), keys.mean(0), atol=1e-6)
+            assert torch.equal(t["kmin"][blk, s], keys.min(0).values.float())
+            assert torch.equal(t["kmax"][blk, s], keys.max(0).values.float())
+            assert torch.equal(t["codes"][blk, s].cpu(),
+                               bitwise_codes(t["mean"][blk, s].cpu(), proj.cpu()))
+    untouched = [i for i in range(k.shape[0]) if i not in ids.tolist()]
+    assert torch.isnan(t["mean"][untouched]).all() and (t["codes"][untouched] == 7).all()
+    # G = 1: the 4-D table equals the 3-D one
+    if G == 1:
+        flat = _repr_tables(k.shape[0], 2, 16, 2)
+        ops.update_block_reprs(k, ids, ntok, proj=proj, backend="reference", **flat)
+        for name in ("mean", "kmin", "kmax", "codes"):
+            assert torch.equal(flat[name][ids], t[name][ids, 0]), name
+
+
+@pytest.mark.parametrize("bs,G,dtype", [(8, 2, torch.float32), (12, 3, torch.bfloat16),
+                                        (16, 4, torch.bfloat16), (16, 8, torch.float32)])
+def test_sub_block_reprs_triton(triton_ready, bs, G, dtype):
+    g = gen(40 + G)
+    _, k, _, _, _ = paged_case(g, Hkv=2, D=16, bs=bs, dtype=dtype, layout="strided")
+    proj = rand((16, 64), g)
+    ids = torch.tensor([2, 11, 4, 7, 0], dtype=torch.int32, device=DEV)
+    ntok = torch.tensor([bs, 2, 1, bs - 1, bs // 2 + 1], dtype=torch.int64, device=DEV)
+    for tdtype in (torch.float32, torch.bfloat16):
+        want = _sub_tables(k.shape[0], G, 2, 16, 2, tdtype)
+        got = _sub_tables(k.shape[0], G, 2, 16, 2, tdtype)
+        ops.update_block_reprs(k, ids, ntok, proj=proj, backend="reference", **want)
+        ops.update_block_reprs(k, ids, ntok, proj=proj, backend="triton", **got)
+        rows = ids.long()
+        tol = 1e-6 if tdtype == torch.float32 else 2 ** -7   # bf16: one rounding step
+        for name in ("mean", "kmin", "kmax"):
+            assert torch.allclose(got[name][rows].float(), want[name][rows].float(), rtol=tol,
+                                  atol=1e-6), (name, tdtype)
+        assert torch.equal(got["codes"][rows], want["codes"][rows])
+        assert torch.isnan(got["mean"].float()).sum() == torch.isnan(want["mean"].float()).sum()
+
+
+def sub_scoring_case(seed, G, bs, B=3, Hq=8, Hkv=2, D=16, M=7, tdtype=torch.float32,
+                     qdtype=torch.float32):
+    g = gen(seed)
+    q, k, _, table, _ = paged_case(g, B=B, Hq=Hq, Hkv=Hkv, D=D, bs=bs, M=M, dtype=qdtype)
+    proj = rand((D, 64), g)
+    t = _sub_tables(k.shape[0], G, Hkv, D, 2, tdtype)
+    n = k.shape[0]
+    ntok = torch.randint(1, bs + 1, (n,), generator=g).to(DEV)   # some partial blocks too
+    ops.update_block_reprs(k, torch.arange(n, device=DEV), ntok, proj=proj, backend="reference", **t)
+    nblk = torch.tensor([M, 2, 5][:B], dtype=torch.int32, device=DEV)
+    mask = torch.rand(B, Hq, D, generator=g).to(DEV) > 0.3
+    return q, k, table, nblk, t, proj, mask
+
+
+@pytest.mark.parametrize("G", [2, 3, 4])
+def test_sub_block_scores_reference_independent(G):
+    """score_blocks on [n, G, Hkv, X] tables == the maximum over sub-blocks of per-sub-block
+    scores computed by plain loops (float64), for mean (with a channel mask), quest, hamming."""
+    q, k, table, nblk, t, proj, mask = sub_scoring_case(50 + G, G, 4 * G)
+    B, Hq, D = q.shape
+    Hkv = k.shape[2]
+    group = Hq // Hkv
+    got = {
+        "mean": ops.score_blocks(q, table, nblk, kind="mean", mean=t["mean"], channel_mask=mask,
+                                 reduce="none", backend="reference"),
+        "quest": ops.score_blocks(q, table, nblk, kind="quest", kmin=t["kmin"], kmax=t["kmax"],
+                                  reduce="none", backend="reference"),
+        "hamming": ops.score_blocks(q, table, nblk, kind="hamming", codes=t["codes"], proj=proj,
+                                    reduce="none", backend="reference"),
+    }
+    assert got["mean"].shape == (B, Hq, 7) and got["hamming"].shape == (B, Hkv, 7)
+    for b in range(B):
+        for j in range(int(nblk[b])):
+            blk = int(table[b, j])
+            for h in range(Hq):
+                kv = h // group
+                qh = q[b, h].double()
+                m = max(float((qh * mask[b, h]) @ t["mean"][blk, s, kv].double()) for s in range(G))
+                qu = max(sum(max(float(qh[d] * t["kmin"][blk, s, kv, d]),
+                                 float(qh[d] * t["kmax"][blk, s, kv, d])) for d in range(D))
+                         for s in range(G))
+                assert abs(float(got["mean"][b, h, j]) - m) < 1e-4
+                assert abs(float(got["quest"][b, h, j]) - qu) < 1e-4
+            for grp in range(Hkv):
+                qsum = q[b, grp * group:(grp + 1) * group].double().sum(0)
+                qc = bitwise_codes(qsum[None].float().cpu(), proj.cpu())[0]
+                best = max(64 - sum(bin((int(a) ^ int(c)) & 0xFFFFFFFF).count("1")
+                                    for a, c in zip(qc.tolist(), t["codes"][blk, s, grp].tolist()))
+                           for s in range(G))
+                assert float(got["hamming"][b, grp, j]) == best
+        for x in got.values():
+            assert (x[b, :, int(nblk[b]):] == float("-inf")).all()
+    summed = ops.score_blocks(q, table, nblk, kind="quest", kmin=t["kmin"], kmax=t["kmax"],
+                              backend="reference")
+    fin = torch.isfinite(summed)
+    assert torch.allclose(summed[fin], got["quest"].sum(1)[fin], atol=1e-4)
+
+
+def test_sub_block_scores_one_group_views():
+    """G = 1: a [n, 1, Hkv, X] table scores exactly like the [n, Hkv, X] one."""
+    q, k, table, nblk, t, proj, mask = sub_scoring_case(60, 1, 4)
+    for kind, four in (("mean", dict(mean=t["mean"], channel_mask=mask)),
+                       ("quest", dict(kmin=t["kmin"], kmax=t["kmax"])),
+                       ("hamming", dict(codes=t["codes"], proj=proj))):
+        three = {n: (x[:, 0] if n in ("mean", "kmin", "kmax", "codes") else x) for n, x in four.items()}
+        a = ops.score_blocks(q, table, nblk, kind=kind, reduce="none", backend="reference", **four)
+        b = ops.score_blocks(q, table, nblk, kind=kind, reduce="none", backend="reference", **three)
+        assert torch.equal(a, b), kind
+
+
+@pytest.mark.parametrize("G,bs", [(1, 4), (2, 8), (3, 12), (4, 16)])
+@pytest.mark.parametrize("rows", [None, 16], ids=["rows_default", "rows_16"])
+def test_sub_block_scores_triton_match_reference(triton_ready, monkeypatch, G, bs, rows):
+    from ucm.fast.triton import sparse as tri
+
+    if rows:  # many small tiles: several programs per request
+        monkeypatch.setattr(tri, "SCORE_ROWS", rows)
+        monkeypatch.setattr(tri, "SCORE_TILE_ELEMS", 64)
+    for tdtype, qdtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                           (torch.bfloat16, torch.float32)):
+        q, k, table, nblk, t, proj, mask = sub_scoring_case(70 + G, G, bs, M=23, tdtype=tdtype,
+                                                            qdtype=qdtype)
+        tables = {n: x[:, 0] for n, x in t.items()} if G == 1 and rows else t   # 3-D when G = 1
+        for kind, kw in (("mean", dict(mean=tables["mean"])),
+                         ("mean", dict(mean=tables["mean"], channel_mask=mask)),
+                         ("quest", dict(kmin=tables["kmin"], kmax=tables["kmax"])),
+                         ("hamming", dict(codes=tables["codes"], proj=proj))):
+            for reduce in ("sum", "none"):
+                want = ops.score_blocks(q, table, nblk, kind=kind, reduce=reduce,
+                                        backend="reference", **kw)
+                got = ops.score_blocks(q, table, nblk, kind=kind, reduce=reduce, backend="triton",
+                                       **kw)
+                assert got.shape == want.shape and got.dtype == torch.float32
+                assert torch.equal(torch.isinf(got), torch.isinf(want)), (kind, reduce)
+                fin = torch.isfinite(want)
+                assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), \
+                    (kind, reduce, tdtype, qdtype, float((got[fin] - want[fin]).abs().max()))
+
+
+def test_sub_block_bad_tables():
+    g = gen(80)
+    q, k, _, table, _ = paged_case(g, B=2, Hq=4, Hkv=2, D=16, bs=8, M=3)
+    nblk = torch.tensor([3, 2], dtype=torch.int32, device=DEV)
+    n = k.shape[0]
+    ids, ntok = torch.tensor([1], device=DEV), torch.tensor([2], device=DEV)
+    t2, t4 = torch.zeros(n, 2, 2, 16, device=DEV), torch.zeros(n, 4, 2, 16, device=DEV)
+    t3 = torch.zeros(n, 3, 2, 16, device=DEV)
+    for fragment, call in [
+        ("does not divide block_size", lambda: ops.update_block_reprs(k, ids, ntok, mean=t3)),
+        ("kmax: expected shape", lambda: ops.update_block_reprs(k, ids, ntok, kmin=t2, kmax=t4)),
+        ("codes: expected shape", lambda: ops.update_block_reprs(
+            k, ids, ntok, mean=t2, codes=torch.zeros(n, 4, 2, 2, dtype=torch.int32, device=DEV),
+            proj=torch.zeros(16, 64, device=DEV))),
+        ("mean: expected [num_blocks, Hkv, X] or", lambda: ops.update_block_reprs(
+            k, ids, ntok, mean=t2[None])),
+        ("kmax: expected shape", lambda: ops.score_blocks(q, table, nblk, kind="quest", kmin=t2,
+                                                          kmax=t4)),
+        ("kmax: expected 4 dimensions", lambda: ops.score_blocks(q, table, nblk, kind="quest",
+                                                                 kmin=t2[:, :1], kmax=t2[:, 0])),
+        ("mean: expected shape", lambda: ops.score_blocks(q, table, nblk, kind="mean",
+                                                          mean=t2[..., :8])),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            call()
 
 
 def test_block_attention_mass():

@@ -6,7 +6,9 @@ before they reach these functions, so nothing here re-checks shapes or dtypes. N
 ``reduce`` are valid names, and the output width ``width`` of :func:`select_blocks` is given.
 
 Cache layout: ``k_cache, v_cache: [num_blocks, block_size, Hkv, D]`` (any strides); query head
-``h`` reads KV head ``h // (Hq // Hkv)``.
+``h`` reads KV head ``h // (Hq // Hkv)``. Representation tables: ``[num_blocks, Hkv, X]`` or, with
+``G`` sub-block summaries per block, ``[num_blocks, G, Hkv, X]`` (a 3-D table is the ``G = 1``
+case, :func:`grouped`).
 """
 from __future__ import annotations
 
@@ -37,28 +39,55 @@ def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def grouped(table: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A representation table as ``[num_blocks, G, Hkv, X]``: a 3-D ``[num_blocks, Hkv, X]`` table
+    is the ``G = 1`` view (same storage)."""
+    if table is None or table.dim() == 4:
+        return table
+    return table.unsqueeze(1)
+
+
+def sub_block_keys(keys: torch.Tensor, num_tokens: torch.Tensor, G: int):
+    """Split blocks of keys ``[N, bs, Hkv, D]`` into ``G`` sub-blocks of ``bs // G`` tokens:
+    ``(keys [N, G, bs // G, Hkv, D], live bool [N, G, bs // G, 1, 1])``. Sub-block ``g`` holds
+    tokens ``[g t, (g + 1) t)`` cut at the block's ``num_tokens``; a sub-block with no valid token
+    (a partial block) stands for the last one that has some, so every summary is of real keys and
+    a maximum over sub-blocks is unchanged by it."""
+    N, bs = keys.shape[:2]
+    t = bs // G
+    n = num_tokens.long().to(keys.device)
+    last = torch.div(n - 1, t, rounding_mode="floor")                       # [N]
+    src = torch.minimum(torch.arange(G, device=keys.device)[None, :], last[:, None])   # [N, G]
+    split = keys.reshape(N, G, t, *keys.shape[2:])
+    sub = split[torch.arange(N, device=keys.device)[:, None], src]           # [N, G, t, Hkv, D]
+    pos = src[:, :, None] * t + torch.arange(t, device=keys.device)[None, None, :]
+    live = (pos < n[:, None, None])[..., None, None]
+    return sub, live
+
+
 def update_block_reprs(k_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: torch.Tensor,
                        *, mean: Optional[torch.Tensor] = None, kmin: Optional[torch.Tensor] = None,
                        kmax: Optional[torch.Tensor] = None, codes: Optional[torch.Tensor] = None,
                        proj: Optional[torch.Tensor] = None) -> None:
     """Write mean / kmin / kmax / codes rows of the listed physical blocks in place, over each
-    block's first ``num_tokens[i]`` tokens."""
+    block's first ``num_tokens[i]`` tokens, per sub-block when the tables are
+    ``[num_blocks, G, Hkv, X]`` (:func:`sub_block_keys`; 3-D tables: ``G = 1``)."""
     if block_ids.numel() == 0:
         return
+    given = [t for t in (mean, kmin, kmax, codes) if t is not None]
+    G = 1 if given[0].dim() == 3 else given[0].shape[1]
     ids = block_ids.long()
-    keys = k_cache[ids].float()                                  # [N, bs, Hkv, D]
-    bs = keys.shape[1]
-    n = num_tokens.long().to(keys.device)
-    live = (torch.arange(bs, device=keys.device)[None, :] < n[:, None])[:, :, None, None]
-    block_mean = torch.where(live, keys, 0.0).sum(1) / n[:, None, None].float()
+    sub, live = sub_block_keys(k_cache[ids].float(), num_tokens, G)   # [N, G, t, Hkv, D]
+    count = live.sum(2).float()                                        # [N, G, 1, 1]
+    sub_mean = torch.where(live, sub, 0.0).sum(2) / count              # [N, G, Hkv, D]
     if mean is not None:
-        mean[ids] = block_mean.to(mean.dtype)
+        grouped(mean)[ids] = sub_mean.to(mean.dtype)
     if kmin is not None:
-        kmin[ids] = torch.where(live, keys, float("inf")).amin(1).to(kmin.dtype)
+        grouped(kmin)[ids] = torch.where(live, sub, float("inf")).amin(2).to(kmin.dtype)
     if kmax is not None:
-        kmax[ids] = torch.where(live, keys, NEG_INF).amax(1).to(kmax.dtype)
+        grouped(kmax)[ids] = torch.where(live, sub, NEG_INF).amax(2).to(kmax.dtype)
     if codes is not None:
-        codes[ids] = hash_codes(block_mean, proj)
+        grouped(codes)[ids] = hash_codes(sub_mean, proj)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,31 +105,35 @@ def score_blocks(q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.T
                  proj: Optional[torch.Tensor] = None, channel_mask: Optional[torch.Tensor] = None,
                  reduce: str = "sum") -> torch.Tensor:
     """float32 block scores ``[B, M]`` (``reduce="sum"``) or per head (``reduce="none"``);
-    positions ``j >= num_blocks[b]`` are ``-inf``."""
+    positions ``j >= num_blocks[b]`` are ``-inf``. With sub-block tables
+    ``[num_blocks, G, Hkv, X]`` a block's per-head score is the maximum of its ``G`` sub-block
+    scores (taken before the sum over heads)."""
     B, Hq, D = q.shape
     ids, valid = _logical_ids(block_table, num_blocks)
     qf = q.float()
     if kind == "hamming":
-        Hkv = codes.shape[1]
+        table = grouped(codes)                                     # [n, G, Hkv, W]
+        Hkv = table.shape[2]
         qsum = qf.reshape(B, Hkv, Hq // Hkv, D).sum(2)            # [B, Hkv, D]
         qcode = hash_codes(qsum, proj)                             # [B, Hkv, W]
-        bcode = codes[ids].permute(0, 2, 1, 3)                     # [B, Hkv, M, W]
-        diff = _popcount32(qcode[:, :, None, :] ^ bcode).sum(-1)   # [B, Hkv, M]
-        per_head = (proj.shape[1] - diff).float()
+        bcode = table[ids]                                         # [B, M, G, Hkv, W]
+        diff = _popcount32(qcode[:, None, None] ^ bcode).sum(-1)   # [B, M, G, Hkv]
+        per_head = (proj.shape[1] - diff).float().amax(2).permute(0, 2, 1)   # [B, Hkv, M]
     else:
-        table = mean if kind == "mean" else kmin
-        Hkv = table.shape[1]
+        table = grouped(mean if kind == "mean" else kmin)          # [n, G, Hkv, D]
+        Hkv = table.shape[2]
         group = Hq // Hkv
         if kind == "mean" and channel_mask is not None:
             qf = qf * channel_mask.to(qf.dtype)
-        # block representations of each query head's KV head: [B, M, Hq, D]
-        per_q = table[ids].float().repeat_interleave(group, dim=2)
+        # sub-block representations of each query head's KV head: [B, M, G, Hq, D]
+        per_q = table[ids].float().repeat_interleave(group, dim=3)
         if kind == "mean":
-            per_head = torch.einsum("bhd,bmhd->bhm", qf, per_q)
+            per_sub = torch.einsum("bhd,bmghd->bhmg", qf, per_q)
         else:
-            hi = kmax[ids].float().repeat_interleave(group, dim=2)
-            prod = torch.maximum(qf[:, None] * per_q, qf[:, None] * hi)
-            per_head = prod.sum(-1).permute(0, 2, 1)               # [B, Hq, M]
+            hi = grouped(kmax)[ids].float().repeat_interleave(group, dim=3)
+            prod = torch.maximum(qf[:, None, None] * per_q, qf[:, None, None] * hi)
+            per_sub = prod.sum(-1).permute(0, 3, 1, 2)             # [B, Hq, M, G]
+        per_head = per_sub.amax(-1)                                # [B, Hq, M]
     per_head = torch.where(valid[:, None, :], per_head, NEG_INF)
     if reduce == "none":
         return per_head.contiguous()

@@ -34,7 +34,7 @@ class Adaptive(SparseMethod):
 
     def estimated_mass(self, q, block_table, seq_lens, num_blocks, tables) -> torch.Tensor:
         """float32 ``[b, M]``: estimated softmax mass per block, averaged over query heads."""
-        per_head = ops.score_blocks(q, block_table, num_blocks, kind="mean", mean=tables["mean"][0],
+        per_head = ops.score_blocks(q, block_table, num_blocks, kind="mean", mean=tables["mean"],
                                     reduce="none")                          # [b, Hq, M]
         b, _, M = per_head.shape
         bs = self.block_size

@@ -27,12 +27,13 @@ What the base class does, so that a method only has to say how it scores blocks:
   step.
 * **Sub-block summaries** (``sparse_repr_group``, methods with :attr:`SparseMethod.sub_blocks`:
   ESA, KVStar, Quest). With a group of ``t`` tokens (a divisor of the block size) the ``mean`` /
-  ``kmin`` / ``kmax`` tables hold one row per ``t``-token sub-block, ``[block_size // t,
-  num_blocks, Hkv, D]``, each computed by :func:`ucm.sparse.ops.update_block_reprs` on the
-  strided view ``k_cache[:, i*t:(i+1)*t]`` (no op change), and a block's per-head score is the
-  maximum over its sub-blocks (:meth:`SparseMethod.score_per_head`): a tighter Quest bound and a
-  sharper mean key. The default is 4; ``0`` (or a group >= the block size) keeps one summary per
-  block.
+  ``kmin`` / ``kmax`` tables hold ``G = block_size // t`` rows per block,
+  ``[num_blocks, G, Hkv, D]``, written by one :func:`ucm.sparse.ops.update_block_reprs` call, and
+  one :func:`ucm.sparse.ops.score_blocks` call scores a block per head as the maximum over its
+  sub-blocks (inside the op): a tighter Quest bound and a sharper mean key. The default is 4;
+  ``0`` (or a group >= the block size) keeps one summary per block (``G = 1``).
+* **Table dtype.** bfloat16 when the cache is bfloat16 (scoring reads half the bytes; summaries
+  are computed in float32 and stored rounded), else float32.
 * **Selection to table.** :meth:`SparseMethod.select` returns logical block indexes (as
   :func:`ucm.sparse.ops.select_blocks` does); :func:`ucm.sparse.ops.sparse_block_table` turns
   them into the table and lengths the attention kernel reads.
@@ -160,20 +161,25 @@ class SparseMethod:
         return n >= self.min_blocks and self.budget(n) < n
 
     # representations ------------------------------------------------------------------------
+    def repr_dtype(self, cache_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the mean / kmin / kmax tables for a cache of ``cache_dtype``."""
+        return torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float32
+
     def _layer_tables(self, layer: int, k_cache: torch.Tensor) -> dict:
         """The representation tables of ``layer``, (re)allocated for the cache's block count."""
         tables = self._tables[layer]
         nb, _, hkv, d = k_cache.shape
-        if tables is None or tables["num_blocks"] != nb or tables["device"] != k_cache.device:
+        dtype = self.repr_dtype(k_cache.dtype)
+        if tables is None or tables["num_blocks"] != nb or tables["device"] != k_cache.device \
+                or tables["dtype"] != dtype:
             dev = k_cache.device
-            tables = {"num_blocks": nb, "device": dev}
+            tables = {"num_blocks": nb, "device": dev, "dtype": dtype}
             for kind in self.reprs:
                 if kind == "codes":
-                    tables[kind] = torch.zeros(nb, hkv, self._proj.shape[1] // 32, dtype=torch.int32,
-                                               device=dev)
+                    tables[kind] = torch.zeros(nb, self.groups, hkv, self._proj.shape[1] // 32,
+                                               dtype=torch.int32, device=dev)
                 else:
-                    tables[kind] = torch.zeros(self.groups, nb, hkv, d, dtype=torch.float32,
-                                               device=dev)
+                    tables[kind] = torch.zeros(nb, self.groups, hkv, d, dtype=dtype, device=dev)
             self._tables[layer] = tables
             for st in self._requests.values():   # a new cache: every block is new
                 st.done.pop(layer, None)
@@ -198,17 +204,11 @@ class SparseMethod:
         if not todo:
             return tables
         dev = k_cache.device
-        t = self.repr_group
-        for i in range(self.groups):          # sub-block i: tokens [i*t, (i+1)*t) of each block
-            part = {pid: min(n - i * t, t) for pid, n in todo.items() if n > i * t}
-            if not part:
-                continue
-            ids = torch.tensor(list(part), dtype=torch.int64, device=dev)
-            ntok = torch.tensor(list(part.values()), dtype=torch.int64, device=dev)
-            view = k_cache if self.groups == 1 else k_cache[:, i * t:(i + 1) * t]
-            rows = {k: tables[k][i] for k in ("mean", "kmin", "kmax") if k in tables}
-            ops.update_block_reprs(view, ids, ntok, **rows, codes=tables.get("codes"),
-                                   proj=self._proj if "codes" in tables else None)
+        ids = torch.tensor(list(todo), dtype=torch.int64, device=dev)
+        ntok = torch.tensor(list(todo.values()), dtype=torch.int64, device=dev)
+        rows = {k: tables[k] for k in ("mean", "kmin", "kmax", "codes") if k in tables}
+        ops.update_block_reprs(k_cache, ids, ntok, **rows,
+                               proj=self._proj if "codes" in tables else None)
         return tables
 
     # the hook -------------------------------------------------------------------------------
@@ -283,16 +283,12 @@ class SparseMethod:
 
     def score_per_head(self, q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor,
                        kind: str, tables: dict, channel_mask: Optional[torch.Tensor] = None):
-        """Per-head block scores ``[b, Hq, M]`` (:func:`ucm.sparse.ops.score_blocks`,
+        """Per-head block scores ``[b, Hq, M]`` (one :func:`ucm.sparse.ops.score_blocks` call,
         ``kind`` "mean" or "quest"): the maximum over the block's sub-block summaries."""
-        out = None
-        for i in range(self.groups):
-            reprs = ({"mean": tables["mean"][i]} if kind == "mean"
-                     else {"kmin": tables["kmin"][i], "kmax": tables["kmax"][i]})
-            s = ops.score_blocks(q, block_table, num_blocks, kind=kind, channel_mask=channel_mask,
-                                 reduce="none", **reprs)
-            out = s if out is None else torch.maximum(out, s)
-        return out
+        reprs = ({"mean": tables["mean"]} if kind == "mean"
+                 else {"kmin": tables["kmin"], "kmax": tables["kmax"]})
+        return ops.score_blocks(q, block_table, num_blocks, kind=kind, channel_mask=channel_mask,
+                                reduce="none", **reprs)
 
     def head_mass(self, per_head: torch.Tensor) -> torch.Tensor:
         """Block scores from per-head logit estimates ``[b, Hq, M]`` (``-inf`` past a request's

@@ -162,10 +162,23 @@ def _scale(scale, D: int) -> float:
     return float(scale)
 
 
-def _repr_table(x, name: str, dtypes, shape: tuple, device) -> torch.Tensor:
-    t = _tensor(x, name, dtypes, len(shape), device)
-    _shape(t, name, shape, "indexed by physical block id")
-    return t
+def _sub_table(x, name: str, dtypes, device, n_phys: Optional[int], Hkv: Optional[int],
+               last: Optional[int], groups: Optional[int] = None) -> tuple:
+    """Validate a representation table ``[num_blocks, Hkv, X]`` (one summary per block) or
+    ``[num_blocks, G, Hkv, X]`` (``G`` sub-block summaries per block); ``None`` entries of the
+    expected sizes are taken from the table. Returns ``(n_phys, G, Hkv, X)``."""
+    t = _tensor(x, name, dtypes, None, device)
+    if t.ndim not in (3, 4):
+        raise ValueError(f"{name}: expected [num_blocks, Hkv, X] or [num_blocks, G, Hkv, X] "
+                         f"(G sub-block summaries per block), got shape {list(t.shape)}")
+    dims = (t.shape[0], 1, t.shape[1], t.shape[2]) if t.ndim == 3 else tuple(t.shape)
+    want = (n_phys, groups, Hkv, last)
+    if any(w is not None and w != d for w, d in zip(want, dims)) or min(dims) < 1:
+        shown = ["num_blocks" if w is None else w for w in want]
+        shown[1] = "G" if groups is None else groups
+        raise ValueError(f"{name}: expected shape {shown} (or without the G dimension when "
+                         f"G = 1), indexed by physical block id, got {list(t.shape)}")
+    return dims
 
 
 def _proj(proj, D: int, device) -> torch.Tensor:
@@ -203,7 +216,10 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
     ``[1, block_size]``: the block's valid tokens. mean/kmin/kmax: float32 or bfloat16
     ``[num_blocks, Hkv, D]`` (computed in float32, stored rounded to the table's dtype);
     codes: int32 ``[num_blocks, Hkv, hash_bits // 32]``, needs proj float32 ``[D, hash_bits]``.
-    At least one of mean/kmin/kmax/codes.
+    At least one of mean/kmin/kmax/codes. Sub-block summaries: every given table
+    ``[num_blocks, G, Hkv, X]`` (one ``G``, dividing block_size): row ``g`` summarises tokens
+    ``[g t, (g + 1) t)`` (``t = block_size // G``) cut at ``num_tokens``; a sub-block with no valid
+    token repeats the last one that has some.
     """
     k = _cache(k_cache)
     nb, bs, Hkv, D = k.shape
@@ -213,16 +229,20 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
     _shape(ntok, "num_tokens", ids.shape, "one count per entry of block_ids")
     if mean is None and kmin is None and kmax is None and codes is None:
         raise ValueError("update_block_reprs: pass at least one of mean, kmin, kmax, codes")
+    groups = None
     for name, t in (("mean", mean), ("kmin", kmin), ("kmax", kmax)):
         if t is not None:
-            _repr_table(t, name, REPR_DTYPES, (nb, Hkv, D), dev)
+            groups = _sub_table(t, name, REPR_DTYPES, dev, nb, Hkv, D, groups)[1]
     if codes is not None:
         if proj is None:
             raise ValueError("proj: required with codes (codes hash the block mean)")
         proj = _proj(proj, D, dev)
-        _repr_table(codes, "codes", (torch.int32,), (nb, Hkv, proj.shape[1] // 32), dev)
+        groups = _sub_table(codes, "codes", (torch.int32,), dev, nb, Hkv, proj.shape[1] // 32,
+                            groups)[1]
     elif proj is not None:
         _proj(proj, D, dev)
+    if bs % groups:
+        raise ValueError(f"tables: G={groups} sub-blocks per block does not divide block_size={bs}")
     if ids.numel():
         _fail_if({
             f"block_ids: entries must lie in [0, num_blocks={nb})": ((ids < 0) | (ids >= nb)).any(),
@@ -242,7 +262,9 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
     ``[1, M]``. kind: ``"mean"`` (needs mean; optional bool channel_mask ``[B, Hq, D]``),
     ``"quest"`` (kmin, kmax) or ``"hamming"`` (codes, proj). reduce: ``"sum"`` -> ``[B, M]``;
     ``"none"`` -> ``[B, Hq, M]`` (``[B, Hkv, M]`` for hamming). Positions past ``num_blocks`` are
-    ``-inf``.
+    ``-inf``. Tables ``[num_blocks, Hkv, X]`` or, with ``G`` sub-block summaries per block,
+    ``[num_blocks, G, Hkv, X]`` (as :func:`update_block_reprs` writes them): a block's per-head
+    score is then the maximum over its sub-blocks (before the sum over heads).
     """
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
@@ -263,17 +285,15 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
         raise ValueError(f"channel_mask: only used with kind='mean', got kind={kind!r}")
     if kind == "hamming":
         proj = _proj(proj, D, dev)
-        c = _tensor(codes, "codes", (torch.int32,), 3, dev)
-        n_phys, Hkv, W = c.shape
-        if W * 32 != proj.shape[1]:
-            raise ValueError(f"codes: expected {proj.shape[1] // 32} words per head (proj has "
-                             f"{proj.shape[1]} bits), got {W}")
+        n_phys, _, Hkv, _ = _sub_table(codes, "codes", (torch.int32,), dev, None, None,
+                                       proj.shape[1] // 32)
     else:
         first = mean if kind == "mean" else kmin
-        first = _tensor(first, needed[0], REPR_DTYPES, 3, dev)
-        n_phys, Hkv = first.shape[:2]
-        for name in needed:  # kmin and kmax: one dtype
-            _repr_table(given[name], name, (first.dtype,), (n_phys, Hkv, D), dev)
+        first = _tensor(first, needed[0], REPR_DTYPES, None, dev)
+        n_phys, groups, Hkv, _ = _sub_table(first, needed[0], REPR_DTYPES, dev, None, None, D)
+        for name in needed:  # kmin and kmax: one dtype, one shape
+            _tensor(given[name], name, (first.dtype,), first.ndim, dev)
+            _sub_table(given[name], name, (first.dtype,), dev, n_phys, Hkv, D, groups)
     if n_phys < 1 or Hkv < 1:
         raise ValueError(f"{needed[0]}: expected at least one block and one KV head")
     _heads(Hq, Hkv, "q")

@@ -12,12 +12,16 @@ import). Kernels call no ``@triton.jit`` helpers, so one process can run them bo
   log-sum-exp. A second kernel merges the slices per query head. The number of slices is chosen
   so that ``B * Hkv * splits`` covers the multiprocessors a few times over (:func:`plan`).
   Any strides. Launch defaults tuned on the H200 (``benchmarks/bench_sparse.py --sweep``).
-- :func:`update_block_reprs`: one program per (listed block, KV head): masked mean / min / max
-  over the valid tokens; codes hashed from the mean by the :func:`hash_codes` kernel.
-- :func:`score_blocks`: one program per (request, tile of logical blocks) holding the tile's
-  representation rows of all KV heads (one coalesced 3-D load), scoring the query heads one GQA
-  group member at a time (quest bounds and mean products as masked sums; hamming as XOR + SWAR
-  popcount against the code of each group's summed query).
+- :func:`update_block_reprs`: one program per (listed block, KV head, sub-block): masked mean /
+  min / max over the sub-block's valid tokens; codes hashed from the means by the
+  :func:`hash_codes` kernel.
+- :func:`score_blocks` (mean, Quest): one program per (request, tile of logical blocks; the tile
+  shrinks until a batch of one request fills the GPU), looping over the KV heads: the tile's
+  sub-block rows of one KV head (``[TILE_M * G, D]``, one coalesced load) meet the GQA group's
+  query heads in one ``tl.dot`` (Quest: two, ``max(q, 0) . kmax + min(q, 0) . kmin``), the
+  maximum over each block's ``G`` sub-blocks is taken on the product, then the sum over heads.
+  Hamming: one program per (request, tile), XOR + SWAR popcount against the code of each group's
+  summed query, the best sub-block per block.
 - :func:`hash_codes`: one program per row.
 - :func:`select_blocks`: one program per request holding its row of scores: a 17-step 4-ary
   search (or, with ``SELECT_RADIX``, a radix select) for the threshold score over an
@@ -28,7 +32,8 @@ import). Kernels call no ``@triton.jit`` helpers, so one process can run them bo
   selection.
 - :func:`sparse_block_table`: one gather kernel (table entries and lengths);
   :func:`decode_selected` folds it into the decode kernel (reads ``sel`` and the block table).
-- mean / kmin / kmax tables may be bfloat16: written rounded from float32, read into float32.
+- mean / kmin / kmax tables may be bfloat16: written rounded from float32; scored with bfloat16
+  operands and float32 accumulation when the query is bfloat16 too, else in float32.
 """
 from __future__ import annotations
 
@@ -294,22 +299,28 @@ def hash_codes(x, proj):
 
 def _reprs_kernel(k_ptr, ids_ptr, ntok_ptr, mean_ptr, kmin_ptr, kmax_ptr, listed_ptr,
                   sk_n, sk_t, sk_h, sk_d, HKV: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
-                  BSPAD: tl.constexpr, DO_MEAN: tl.constexpr, DO_MIN: tl.constexpr,
-                  DO_MAX: tl.constexpr, DO_LISTED: tl.constexpr):
-    """Block ``ids[i]``, KV head ``g``: mean / min / max over its first ``ntok[i]`` tokens into the
-    per-block tables; DO_LISTED also writes the mean to row ``i`` of ``listed [N, HKV, D]``."""
+                  T: tl.constexpr, TPAD: tl.constexpr, G: tl.constexpr, DO_MEAN: tl.constexpr,
+                  DO_MIN: tl.constexpr, DO_MAX: tl.constexpr, DO_LISTED: tl.constexpr):
+    """Block ``ids[i]``, KV head ``g``, sub-block ``s`` (tokens ``[s T, (s + 1) T)``, or the last
+    sub-block holding valid tokens when ``s T >= ntok[i]``): mean / min / max over its valid
+    tokens into row ``(ids[i], s, g)`` of the ``[num_blocks, G, HKV, D]`` tables; DO_LISTED also
+    writes the mean to row ``(i, s, g)`` of ``listed [N, G, HKV, D]``."""
     i = tl.program_id(0)
     g = tl.program_id(1)
+    sub = tl.program_id(2)
     blk = tl.load(ids_ptr + i).to(tl.int64)
     n = tl.load(ntok_ptr + i).to(tl.int32)
-    t = tl.arange(0, BSPAD)
+    src = tl.minimum(sub, (n - 1) // T)
+    t = tl.arange(0, TPAD)
+    pos = src * T + t
     d = tl.arange(0, DPAD)
     dmask = d < D
-    live = (t < n)[:, None] & dmask[None, :]
-    keys = tl.load(k_ptr + blk * sk_n + t[:, None] * sk_t + g * sk_h + d[None, :] * sk_d,
+    tok = (t < T) & (pos < n)
+    live = tok[:, None] & dmask[None, :]
+    keys = tl.load(k_ptr + blk * sk_n + pos[:, None] * sk_t + g * sk_h + d[None, :] * sk_d,
                    mask=live, other=0.0).to(tl.float32)
-    row = (blk * HKV + g) * D + d
-    mean = tl.sum(keys, 0) / n.to(tl.float32)
+    row = ((blk * G + sub) * HKV + g) * D + d
+    mean = tl.sum(keys, 0) / tl.minimum(n - src * T, T).to(tl.float32)
     if DO_MEAN:
         tl.store(mean_ptr + row, mean, mask=dmask)
     if DO_MIN:
@@ -317,7 +328,13 @@ def _reprs_kernel(k_ptr, ids_ptr, ntok_ptr, mean_ptr, kmin_ptr, kmax_ptr, listed
     if DO_MAX:
         tl.store(kmax_ptr + row, tl.max(tl.where(live, keys, float("-inf")), 0), mask=dmask)
     if DO_LISTED:
-        tl.store(listed_ptr + (i.to(tl.int64) * HKV + g) * D + d, mean, mask=dmask)
+        tl.store(listed_ptr + ((i.to(tl.int64) * G + sub) * HKV + g) * D + d, mean, mask=dmask)
+
+
+def _groups_of(*tables) -> int:
+    """Sub-block summaries per block of the given tables (3-D tables: 1)."""
+    t = next(x for x in tables if x is not None)
+    return 1 if t.dim() == 3 else t.shape[1]
 
 
 def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, kmax=None,
@@ -327,42 +344,114 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
     if n == 0:
         return
     _, bs, Hkv, D = k_cache.shape
+    G = _groups_of(mean, kmin, kmax, codes)
+    T = bs // G
     dummy = torch.empty(1, dtype=torch.float32, device=k_cache.device)
     tables = []
     for t in (mean, kmin, kmax):  # written through flat row indexes: need contiguity
         tables.append(None if t is None else (t if t.is_contiguous() else t.contiguous()))
-    listed = None if codes is None else torch.empty(n, Hkv, D, dtype=torch.float32,
+    listed = None if codes is None else torch.empty(n, G, Hkv, D, dtype=torch.float32,
                                                     device=k_cache.device)
-    _jit(_reprs_kernel)[(n, Hkv)](
+    _jit(_reprs_kernel)[(n, Hkv, G)](
         k_cache, block_ids, num_tokens, *(dummy if t is None else t for t in tables),
         dummy if listed is None else listed, *k_cache.stride(),
-        HKV=Hkv, D=D, DPAD=_p2(D, 16), BSPAD=_p2(bs), DO_MEAN=mean is not None,
+        HKV=Hkv, D=D, DPAD=_p2(D, 16), T=T, TPAD=_p2(T), G=G, DO_MEAN=mean is not None,
         DO_MIN=kmin is not None, DO_MAX=kmax is not None, DO_LISTED=listed is not None)
     for given, used in zip((mean, kmin, kmax), tables):
         if given is not None and used is not given:
             given.copy_(used)
     if codes is not None:
-        codes[block_ids.long()] = hash_codes(listed, proj)
+        view = codes if codes.dim() == 4 else codes.unsqueeze(1)
+        view[block_ids.long()] = hash_codes(listed, proj)
 
 
 # ---------------------------------------------------------------------------------------------
 # scoring
 
 
-def _score_kernel(q_ptr, table_ptr, nblk_ptr, rep_a_ptr, rep_b_ptr, mask_ptr, qcode_ptr, out_ptr,
-                  sq_b, sq_h, sq_d, st_b, st_m, M,
-                  HKV: tl.constexpr, HPAD: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                  DPAD: tl.constexpr, KIND: tl.constexpr, HAS_MASK: tl.constexpr,
-                  PER_HEAD: tl.constexpr, WORDS: tl.constexpr, WPAD: tl.constexpr,
-                  TILE_M: tl.constexpr):
-    """Scores of logical blocks ``[tile * TILE_M, +TILE_M)`` of request ``b``.
+def _score_dot_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_ptr,
+                      sq_b, sq_h, sq_d, st_b, st_m, M,
+                      HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
+                      D: tl.constexpr, DPAD: tl.constexpr, G: tl.constexpr, SPAD: tl.constexpr,
+                      KIND: tl.constexpr, HAS_MASK: tl.constexpr, PER_HEAD: tl.constexpr,
+                      TILE_M: tl.constexpr, IEEE: tl.constexpr):
+    """Mean (KIND 0) or Quest (KIND 1) scores of logical blocks ``[tile * TILE_M, +TILE_M)`` of
+    request ``b``, as matrix products.
 
-    Loads the tile's representation rows for all KV heads at once (``[TILE_M, HPAD, DPAD]``, each
-    block's rows contiguous), then for each member ``r`` of a GQA group scores query heads
-    ``g * GROUP + r`` of every group ``g`` together. KIND: 0 mean, 1 quest, 2 hamming
-    (``qcode [B, HKV, WORDS]``: codes of the groups' summed queries). PER_HEAD: write
-    ``[B, heads, M]`` rows, else their sum ``[B, M]``.
+    The tile's sub-block rows of one KV head, ``[TILE_M * SPAD, D]`` (row ``jj * SPAD + s``:
+    block ``jj``, sub-block ``s``), meet the GQA group's query heads (padded to ``GPAD`` rows) in
+    one ``tl.dot``; the maximum over each block's ``G`` sub-blocks is taken on the
+    ``[GPAD, TILE_M, SPAD]`` view of the product. Quest's bound is two products:
+    ``sum_d max(q_d kmin_d, q_d kmax_d) = max(q, 0) . kmax + min(q, 0) . kmin`` (``kmin <= kmax``,
+    as :func:`update_block_reprs` writes them); ``a`` is ``mean`` or ``kmax``, ``b`` ``kmin``.
+    IEEE: float32 operands and exact float32 products (float32 tables or queries, and the
+    interpreter), else bfloat16 operands with float32 accumulation (their products are exact).
     """
+    b = tl.program_id(0).to(tl.int64)
+    j0 = tl.program_id(1) * TILE_M
+    nb = tl.load(nblk_ptr + b)
+    r = tl.arange(0, TILE_M * SPAD)
+    jr = j0 + r // SPAD
+    sr = r % SPAD
+    rvalid = (jr < nb) & (sr < G)
+    phys = tl.load(table_ptr + b * st_b + jr * st_m, mask=rvalid, other=0).to(tl.int64)
+    j = j0 + tl.arange(0, TILE_M)
+    valid = j < nb
+    inside = j < M
+    rows = tl.arange(0, GPAD)
+    hmask = rows < GROUP
+    d = tl.arange(0, DPAD)
+    dmask = d < D
+    qmask = hmask[:, None] & dmask[None, :]
+    amask = rvalid[:, None] & dmask[None, :]
+    total = tl.zeros([TILE_M], tl.float32)
+    for g in tl.static_range(HKV):
+        heads = g * GROUP + rows
+        qg = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :] * sq_d, mask=qmask,
+                     other=0.0)
+        if IEEE:
+            qg = qg.to(tl.float32)
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + (b * (HKV * GROUP) + heads[:, None]) * D + d[None, :],
+                           mask=qmask, other=0)
+            qg = tl.where(keep != 0, qg, tl.zeros_like(qg))
+        off = ((phys * G + sr) * HKV + g)[:, None] * D + d[None, :]
+        rep_a = tl.load(a_ptr + off, mask=amask, other=0.0)
+        if IEEE:
+            rep_a = rep_a.to(tl.float32)
+        if KIND == 1:
+            rep_b = tl.load(b_ptr + off, mask=amask, other=0.0)
+            if IEEE:
+                rep_b = rep_b.to(tl.float32)
+            zero = tl.zeros_like(qg)
+            if IEEE:
+                s = tl.dot(tl.maximum(qg, zero), tl.trans(rep_a), input_precision="ieee")
+                s += tl.dot(tl.minimum(qg, zero), tl.trans(rep_b), input_precision="ieee")
+            else:
+                s = tl.dot(tl.maximum(qg, zero), tl.trans(rep_a))
+                s += tl.dot(tl.minimum(qg, zero), tl.trans(rep_b))
+        else:
+            if IEEE:
+                s = tl.dot(qg, tl.trans(rep_a), input_precision="ieee")
+            else:
+                s = tl.dot(qg, tl.trans(rep_a))                    # [GPAD, TILE_M * SPAD]
+        s = tl.where(rvalid[None, :], s, float("-inf"))
+        best = tl.max(tl.reshape(s, [GPAD, TILE_M, SPAD]), 2)      # [GPAD, TILE_M]
+        if PER_HEAD:
+            tl.store(out_ptr + (b * (HKV * GROUP) + heads[:, None]) * M + j[None, :],
+                     tl.where(valid[None, :], best, float("-inf")),
+                     mask=hmask[:, None] & inside[None, :])
+        total += tl.sum(tl.where(hmask[:, None], best, 0.0), 0)
+    if not PER_HEAD:
+        tl.store(out_ptr + b * M + j, tl.where(valid, total, float("-inf")), mask=inside)
+
+
+def _hamming_kernel(table_ptr, nblk_ptr, codes_ptr, qcode_ptr, out_ptr, st_b, st_m, M,
+                    HKV: tl.constexpr, HPAD: tl.constexpr, G: tl.constexpr, WORDS: tl.constexpr,
+                    WPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILE_M: tl.constexpr):
+    """Hamming scores of logical blocks ``[tile * TILE_M, +TILE_M)`` of request ``b``: per KV
+    head, equal bits between each sub-block's code and the code of the group's summed query
+    (``qcode [B, HKV, WORDS]``), XOR + SWAR popcount, the best sub-block per block."""
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * TILE_M + tl.arange(0, TILE_M)
     nb = tl.load(nblk_ptr + b)
@@ -371,15 +460,15 @@ def _score_kernel(q_ptr, table_ptr, nblk_ptr, rep_a_ptr, rep_b_ptr, mask_ptr, qc
     phys = tl.load(table_ptr + b * st_b + j * st_m, mask=valid, other=0).to(tl.int64)
     g = tl.arange(0, HPAD)
     gmask = g < HKV
-    out_mask = inside[:, None] & gmask[None, :]
-    if KIND == 2:
-        w = tl.arange(0, WPAD)
-        wmask = w < WORDS
-        m3 = valid[:, None, None] & gmask[None, :, None] & wmask[None, None, :]
-        codes = tl.load(rep_a_ptr + (phys[:, None, None] * HKV + g[None, :, None]) * WORDS
-                        + w[None, None, :], mask=m3, other=0)
-        qw = tl.load(qcode_ptr + (b * HKV + g[:, None]) * WORDS + w[None, :],
-                     mask=gmask[:, None] & wmask[None, :], other=0)
+    w = tl.arange(0, WPAD)
+    wmask = w < WORDS
+    m3 = valid[:, None, None] & gmask[None, :, None] & wmask[None, None, :]
+    qw = tl.load(qcode_ptr + (b * HKV + g[:, None]) * WORDS + w[None, :],
+                 mask=gmask[:, None] & wmask[None, :], other=0)
+    best = tl.zeros([TILE_M, HPAD], tl.int32)
+    for sub in tl.static_range(G):
+        codes = tl.load(codes_ptr + ((phys[:, None, None] * G + sub) * HKV + g[None, :, None])
+                        * WORDS + w[None, None, :], mask=m3, other=0)
         x = (codes ^ qw[None, :, :]).to(tl.uint32, bitcast=True)
         x = x - ((x >> 1) & 0x55555555)                           # SWAR popcount
         x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
@@ -387,45 +476,35 @@ def _score_kernel(q_ptr, table_ptr, nblk_ptr, rep_a_ptr, rep_b_ptr, mask_ptr, qc
         x = x + (x >> 8)
         x = (x + (x >> 16)) & 0x3F
         diff = tl.sum(tl.where(m3, x, 0), 2)
-        score = (WORDS * 32 - diff.to(tl.int32)).to(tl.float32)   # [TILE_M, HPAD]
-        if PER_HEAD:
-            tl.store(out_ptr + (b * HKV + g[None, :]) * M + j[:, None],
-                     tl.where(valid[:, None], score, float("-inf")), mask=out_mask)
-        total = tl.sum(tl.where(gmask[None, :], score, 0.0), 1)
+        best = tl.maximum(best, WORDS * 32 - diff.to(tl.int32))
+    score = best.to(tl.float32)                                    # [TILE_M, HPAD]
+    if PER_HEAD:
+        tl.store(out_ptr + (b * HKV + g[None, :]) * M + j[:, None],
+                 tl.where(valid[:, None], score, float("-inf")),
+                 mask=inside[:, None] & gmask[None, :])
     else:
-        d = tl.arange(0, DPAD)
-        dmask = d < D
-        m3 = valid[:, None, None] & gmask[None, :, None] & dmask[None, None, :]
-        rows = (phys[:, None, None] * HKV + g[None, :, None]) * D + d[None, None, :]
-        rep_a = tl.load(rep_a_ptr + rows, mask=m3, other=0.0)
-        if KIND == 1:
-            rep_b = tl.load(rep_b_ptr + rows, mask=m3, other=0.0)
-        qmask = gmask[:, None] & dmask[None, :]
-        total = tl.zeros([TILE_M], tl.float32)
-        for r in tl.static_range(GROUP):
-            h = g * GROUP + r                                      # [HPAD]
-            qr = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :] * sq_d, mask=qmask,
-                         other=0.0).to(tl.float32)
-            if HAS_MASK:
-                keep = tl.load(mask_ptr + (b * (HKV * GROUP) + h[:, None]) * D + d[None, :],
-                               mask=qmask, other=0)
-                qr = tl.where(keep != 0, qr, 0.0)
-            if KIND == 1:
-                score = tl.sum(tl.maximum(qr[None, :, :] * rep_a, qr[None, :, :] * rep_b), 2)
-            else:
-                score = tl.sum(qr[None, :, :] * rep_a, 2)          # [TILE_M, HPAD]
-            total += tl.sum(score, 1)                              # padded heads add 0
-            if PER_HEAD:
-                tl.store(out_ptr + (b * (HKV * GROUP) + h[None, :]) * M + j[:, None],
-                         tl.where(valid[:, None], score, float("-inf")), mask=out_mask)
-    if not PER_HEAD:
+        total = tl.sum(tl.where(gmask[None, :], score, 0.0), 1)
         tl.store(out_ptr + b * M + j, tl.where(valid, total, float("-inf")), mask=inside)
 
 
-#: Elements of representation rows one scoring program holds per table (sets its block tile),
-#: and its warps.
-SCORE_TILE_ELEMS = 8192
+#: Mean / Quest scoring: sub-block rows one program holds per KV head (``TILE_M * SPAD``; sets
+#: the block tile), the fewest programs aimed at per multiprocessor (the tile shrinks, down to
+#: 16 rows, until ``batch * tiles`` reaches it: batch 1 fills the GPU), warps, pipeline stages.
+SCORE_ROWS = 64
+SCORE_PROGRAMS_PER_SM = 4
 SCORE_WARPS = 4
+SCORE_STAGES = 2
+#: Hamming scoring: code words one program holds (sets its block tile).
+SCORE_TILE_ELEMS = 8192
+
+
+def score_tile(B: int, M: int, spad: int, device: torch.device, rows: Optional[int] = None) -> int:
+    """Blocks per mean / Quest scoring program (a power of two)."""
+    least = max(1, 16 // spad)                                     # tl.dot: >= 16 columns
+    tile = max(least, min(_p2(M), (rows or SCORE_ROWS) // spad))
+    while tile > least and B * triton.cdiv(M, tile) < SCORE_PROGRAMS_PER_SM * _sm_count(device):
+        tile //= 2
+    return tile
 
 
 def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
@@ -434,33 +513,39 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
     B, Hq, D = q.shape
     M = block_table.shape[1]
     dev = q.device
+    per_head = reduce == "none"
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
-    words = 0
     if kind == "hamming":
-        Hkv = codes.shape[1]
-        words = codes.shape[2]
-        rep_a, rep_b = codes.contiguous(), dummy
+        G = _groups_of(codes)
+        Hkv, words = codes.shape[-2], codes.shape[-1]
         qsum = q.float().reshape(B, Hkv, Hq // Hkv, D).sum(2)
         qcode = hash_codes(qsum, proj).contiguous()
-    elif kind == "quest":
-        Hkv = kmin.shape[1]
-        rep_a, rep_b = kmin.contiguous(), kmax.contiguous()
+        out = torch.empty((B, Hkv, M) if per_head else (B, M), dtype=torch.float32, device=dev)
+        hpad, wpad = _p2(Hkv), _p2(words)
+        fit = max(1, SCORE_TILE_ELEMS // (hpad * wpad * G))
+        tile = min(64, 1 << (fit.bit_length() - 1), _p2(M))         # a power of two
+        _jit(_hamming_kernel)[(B, triton.cdiv(M, tile))](
+            block_table, num_blocks, codes.contiguous(), qcode, out, *block_table.stride(), M,
+            HKV=Hkv, HPAD=hpad, G=G, WORDS=words, WPAD=wpad, PER_HEAD=per_head, TILE_M=tile,
+            num_warps=4)
+        return out
+    if kind == "quest":
+        rep_a, rep_b = kmax.contiguous(), kmin.contiguous()
     else:
-        Hkv = mean.shape[1]
         rep_a, rep_b = mean.contiguous(), dummy
-    per_head = reduce == "none"
-    heads = Hkv if kind == "hamming" else Hq
-    out = torch.empty((B, heads, M) if per_head else (B, M), dtype=torch.float32, device=dev)
+    G = _groups_of(rep_a)
+    Hkv = rep_a.shape[-2]
+    out = torch.empty((B, Hq, M) if per_head else (B, M), dtype=torch.float32, device=dev)
     cmask = dummy if channel_mask is None else channel_mask.contiguous().view(torch.uint8)
-    hpad, dpad, wpad = _p2(Hkv), _p2(D, 16), _p2(max(words, 1))
-    row = hpad * (wpad if kind == "hamming" else dpad) * (2 if kind == "quest" else 1)
-    tile = max(1, min(64, SCORE_TILE_ELEMS // row, _p2(M)))
-    _jit(_score_kernel)[(B, triton.cdiv(M, tile))](
-        q, block_table, num_blocks, rep_a, rep_b, cmask, qcode if kind == "hamming" else dummy, out,
-        *q.stride(), *block_table.stride(), M,
-        HKV=Hkv, HPAD=hpad, GROUP=Hq // Hkv, D=D, DPAD=dpad,
-        KIND=("mean", "quest", "hamming").index(kind), HAS_MASK=channel_mask is not None,
-        PER_HEAD=per_head, WORDS=words, WPAD=wpad, TILE_M=tile, num_warps=SCORE_WARPS)
+    spad = _p2(G)
+    tile = score_tile(B, M, spad, dev)
+    ieee = interpreting() or not (q.dtype == torch.bfloat16 and rep_a.dtype == torch.bfloat16)
+    _jit(_score_dot_kernel)[(B, triton.cdiv(M, tile))](
+        q, block_table, num_blocks, rep_a, rep_b, cmask, out, *q.stride(),
+        *block_table.stride(), M,
+        HKV=Hkv, GROUP=Hq // Hkv, GPAD=_p2(Hq // Hkv, 16), D=D, DPAD=_p2(D, 16), G=G, SPAD=spad,
+        KIND=1 if kind == "quest" else 0, HAS_MASK=channel_mask is not None, PER_HEAD=per_head,
+        TILE_M=tile, IEEE=ieee, num_warps=SCORE_WARPS, num_stages=SCORE_STAGES)
     return out
 
 
