@@ -52,6 +52,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: ``--smoke``: tiny shapes on the CPU through the Triton interpreter, every figure a single call
+#: (checks that the script runs, before spending GPU time; the numbers mean nothing).
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -65,13 +70,22 @@ from ucm.fast.triton import sparse as tri  # noqa: E402
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 SHAPES = ((8, 32768), (1, 131072))
+DEV = "cuda"
+if SMOKE:
+    HQ, HKV, D = 8, 2, 32
+    SHAPES = ((2, 1024), (1, 2048))
+    DEV = "cpu"
 RATIO = 0.2
 INIT_WINDOW, LOCAL_WINDOW = 1, 4
 #: ESA's default ``retrieval_stride``: decode steps per scoring + selection.
 STRIDE = 8
+#: The shipped sub-block summaries: ``sparse_repr_group`` 4 -> 4 summaries of 4 tokens per
+#: 16-token block, bfloat16 tables (what the methods keep for a bfloat16 cache).
+GROUPS = 4
+TABLE_DTYPE = torch.bfloat16
 
 
-def make_case(batch: int, tokens: int, seed: int, dev: str = "cuda"):
+def make_case(batch: int, tokens: int, seed: int, dev: str = DEV):
     """q, k_cache, v_cache, block_table, seq_lens: every request ``tokens`` long, blocks of the
     cache handed out in a random order (plus a few spare blocks)."""
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -105,72 +119,95 @@ def selection_agreement(sel_a, count_a, sel_b, count_b) -> dict:
 # ---------------------------------------------------------------------------------------------
 # correctness (before any timing)
 
-def check(report: dict) -> bool:
+def close(a, b) -> float:
+    """Relative max error over the finite entries (inf pattern must agree, else inf)."""
+    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return float("inf")
+    fin = torch.isfinite(b)
+    return float((a[fin] - b[fin]).abs().max() / b[fin].abs().max().clamp_min(1e-30))
+
+
+def check(report: dict, cases=None) -> bool:
+    """Triton vs reference on the GPU, fresh random inputs: attention (dense, on a selection,
+    both merges), G = 4 bf16 sub-block tables, scores (mean, Quest; per head and summed),
+    head mass, selection, selection with the table folded in."""
     results = []
     ok = True
-    cases = [(3, 1008, "ragged small"), (8, 32768, "8 x 32K"), (1, 131072, "1 x 128K")]
+    cases = cases or [(3, 1008, "ragged small"), (8, 32768, "8 x 32K"), (1, 131072, "1 x 128K")]
     for i, (batch, tokens, name) in enumerate(cases):
         q, k, v, table, lens = make_case(batch, tokens, seed=100 + i)
         if name == "ragged small":  # ragged lengths, partial last blocks
-            lens = torch.tensor([1000, 17, 513], dtype=torch.int32, device="cuda")
+            lens = torch.tensor([tokens - 8, 17, tokens // 2 + 1], dtype=torch.int32, device=DEV)
         scale = D ** -0.5
-        out = torch.full_like(q, float("nan"))
-        ops.paged_decode_attention(q, k, v, table, lens, out=out, backend="triton")
+        r = dict(case=name, batch=batch, tokens=tokens)
         want = ops.paged_decode_attention(q.float(), k.float(), v.float(), table, lens,
                                           backend="reference")
-        err = rel_err(out, want)
-        n_blocks = (lens + BS - 1) // BS
-        mean = torch.empty(k.shape[0], HKV, D, dtype=torch.float32, device="cuda")
-        ids = torch.arange(k.shape[0], device="cuda", dtype=torch.int32)
+        for merge in (False, True):
+            out = torch.full_like(q, float("nan"))
+            tri.decode(q, k, v, table, lens, scale, out, fused_merge=merge)
+            r[f"dense_rel_err_fused_merge_{merge}"] = (rel_err(out, want)
+                                                        if not torch.isnan(out).any() else 1.0)
+        n_blocks = ((lens + BS - 1) // BS).int()
+        ids = torch.arange(k.shape[0], device=DEV, dtype=torch.int32)
         full = torch.full_like(ids, BS)
-        ops.update_block_reprs(k, ids, full, mean=mean, backend="triton")
-        mean_ref = torch.empty_like(mean)
-        ops.update_block_reprs(k, ids, full, mean=mean_ref, backend="reference")
-        mean_err = float((mean - mean_ref).abs().max())
-        s_tri = ops.score_blocks(q, table, n_blocks.int(), kind="mean", mean=mean, backend="triton")
-        s_ref = ops.score_blocks(q, table, n_blocks.int(), kind="mean", mean=mean, backend="reference")
-        fin = torch.isfinite(s_ref)
-        score_err = float((s_tri[fin] - s_ref[fin]).abs().max() / s_ref[fin].abs().max())
+        tabs = {}
+        for backend in ("triton", "reference"):
+            t = {n: torch.full((k.shape[0], GROUPS, HKV, D), float("nan"), dtype=TABLE_DTYPE,
+                               device=DEV) for n in ("mean", "kmin", "kmax")}
+            ops.update_block_reprs(k, ids, full, backend=backend, **t)
+            tabs[backend] = t
+        r["tables_max_ulps"] = max(float(((tabs["triton"][n].float() - tabs["reference"][n].float())
+                                          .abs() / tabs["reference"][n].float().abs()
+                                          .clamp_min(1e-30)).max() * 2 ** 7)
+                                   for n in ("mean", "kmin", "kmax"))
+        t = tabs["reference"]
+        scores = {}
+        for kind, kw in (("mean", dict(mean=t["mean"])), ("quest", dict(kmin=t["kmin"], kmax=t["kmax"]))):
+            for reduce in ("none", "sum"):
+                got = ops.score_blocks(q, table, n_blocks, kind=kind, reduce=reduce, backend="triton", **kw)
+                ref_s = ops.score_blocks(q, table, n_blocks, kind=kind, reduce=reduce,
+                                         backend="reference", **kw)
+                r[f"score_{kind}_{reduce}_rel_err"] = close(got, ref_s)
+                scores[(kind, reduce)] = ref_s
+        per_head = scores[("mean", "none")]
+        hm_ref = torch.softmax(per_head * scale, -1).mean(1)
+        hm = tri.head_mass(per_head, scale)
+        r["head_mass_rel_err"] = close(hm, hm_ref)
         budget = max(1, math.ceil(RATIO * int(n_blocks.max())))
-        sel_t = ops.select_blocks(s_ref, n_blocks.int(), budget, init_window=INIT_WINDOW,
+        sel_t = ops.select_blocks(hm_ref, n_blocks, budget, init_window=INIT_WINDOW,
                                   local_window=LOCAL_WINDOW, backend="triton")
-        sel_r = ops.select_blocks(s_ref, n_blocks.int(), budget, init_window=INIT_WINDOW,
+        sel_r = ops.select_blocks(hm_ref, n_blocks, budget, init_window=INIT_WINDOW,
                                   local_window=LOCAL_WINDOW, backend="reference")
-        same_sel = bool(torch.equal(sel_t[0], sel_r[0]) and torch.equal(sel_t[1], sel_r[1]))
-        stab, slens = ops.sparse_block_table(table, lens, *sel_r, BS)
-        sp = ops.paged_decode_attention(q, k, v, stab, slens, backend="triton")
+        r["selection_identical"] = bool(torch.equal(sel_t[0], sel_r[0]) and torch.equal(sel_t[1], sel_r[1]))
+        stab, slens = ops.sparse_block_table(table, lens, *sel_r, BS, backend="reference")
+        width = ops.select_width(table.shape[1], budget, INIT_WINDOW, LOCAL_WINDOW)
+        folded = tri.select_sparse_table(hm_ref, n_blocks, torch.full_like(n_blocks, budget), table,
+                                         lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+                                         width=width, block_size=BS)
+        r["select_table_identical"] = all(torch.equal(a, b) for a, b in
+                                          zip(folded, (*sel_r, stab, slens)))
         sp_want = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
                                              backend="reference")
-        sp_err = rel_err(sp, sp_want)
-        fused = tri.decode_selected(q, k, v, table, lens, *sel_r, scale=scale)
-        fused_err = rel_err(fused, sp_want)
-        # bfloat16 block means: Triton tables and scores against the reference's
-        m16 = torch.full_like(mean, float("nan"), dtype=torch.bfloat16)
-        ops.update_block_reprs(k, ids, full, mean=m16, backend="triton")
-        m16_ref = torch.empty_like(m16)
-        ops.update_block_reprs(k, ids, full, mean=m16_ref, backend="reference")
-        m16_ulps = float(((m16.float() - m16_ref.float()).abs()
-                          / m16_ref.float().abs().clamp_min(1e-30)).max() * 2 ** 7)
-        s16 = ops.score_blocks(q, table, n_blocks.int(), kind="mean", mean=m16, backend="triton")
-        s16_ref = ops.score_blocks(q, table, n_blocks.int(), kind="mean", mean=m16_ref,
-                                   backend="reference")
-        score16_err = float((s16[fin] - s16_ref[fin]).abs().max() / s16_ref[fin].abs().max())
-        passed = (err < 1e-2 and not torch.isnan(out).any() and mean_err < 1e-5
-                  and score_err < 1e-5 and same_sel and sp_err < 1e-2 and fused_err < 1e-2
-                  and m16_ulps <= 1.0 and score16_err < 1e-2)
+        for merge in (False, True):
+            out = torch.full_like(q, float("nan"))
+            tri.decode(q, k, v, stab, slens, scale, out, fused_merge=merge)
+            r[f"sparse_rel_err_fused_merge_{merge}"] = (rel_err(out, sp_want)
+                                                         if not torch.isnan(out).any() else 1.0)
+        r["folded_table_rel_err"] = rel_err(tri.decode_selected(q, k, v, table, lens, *sel_r,
+                                                                scale=scale), sp_want)
+        errs = [v for n, v in r.items() if n.endswith("rel_err") or "rel_err_" in n]
+        passed = (all(e < 1e-2 for e in errs) and r["tables_max_ulps"] <= 1.0
+                  and all(r[n] < 1e-5 for n in r if n.startswith("score_"))
+                  and r["head_mass_rel_err"] < 1e-4 and r["selection_identical"]
+                  and r["select_table_identical"])
+        r["passed"] = passed
         ok &= passed
-        results.append(dict(case=name, batch=batch, tokens=tokens, dense_rel_err=err,
-                            sparse_rel_err=sp_err, fused_table_rel_err=fused_err,
-                            mean_max_abs_err=mean_err, score_rel_err=score_err,
-                            bf16_mean_max_ulps_vs_reference=m16_ulps,
-                            bf16_score_rel_err=score16_err,
-                            selection_identical=same_sel, passed=passed))
-        print(f"check {name}: attention rel err {err:.2e}, sparse {sp_err:.2e}, fused table "
-              f"{fused_err:.2e}, mean {mean_err:.1e}, scores {score_err:.1e}, bf16 means "
-              f"{m16_ulps:.2f} ulp / scores {score16_err:.1e}, selection identical {same_sel} "
-              f"-> {'ok' if passed else 'FAIL'}", flush=True)
+        results.append(r)
+        print(f"check {name}: " + ", ".join(f"{n} {v:.2e}" if isinstance(v, float) else f"{n} {v}"
+                                             for n, v in r.items() if n not in ("case", "batch", "tokens")),
+              flush=True)
         del k, v
-        torch.cuda.empty_cache()
+        empty_cache()
     report["correctness"] = results
     return ok
 
@@ -178,8 +215,16 @@ def check(report: dict) -> bool:
 # ---------------------------------------------------------------------------------------------
 # timing
 
+def empty_cache():
+    if not SMOKE:
+        torch.cuda.empty_cache()
+
+
 def bench(fn, graph: bool = False) -> float:
     """Median milliseconds."""
+    if SMOKE:
+        fn()
+        return 1.0
     if graph:
         return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -210,7 +255,7 @@ def sweep(report: dict) -> dict:
             if key not in best or ms < best[key]["ms"]:
                 best[key] = rows[-1]
         del k, v
-        torch.cuda.empty_cache()
+        empty_cache()
     use_config({})
     report["sweep"] = rows
     report["sweep_best"] = best
@@ -232,7 +277,8 @@ def sdpa_fastest(qs, kc, vc):
                 return torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)
         try:
             fn()
-            torch.cuda.synchronize()
+            if not SMOKE:
+                torch.cuda.synchronize()
             found[backend.name] = (bench(fn), fn)
         except Exception as exc:
             found[backend.name] = (None, repr(exc)[:160])
@@ -250,13 +296,14 @@ def use_config(cfg: dict) -> None:
     tri.PROGRAMS_PER_SM = cfg.get("per_sm", DEFAULTS["per_sm"])
 
 
-SELECT_DEFAULTS = (tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS)
-SCORE_DEFAULTS = (tri.SCORE_TILE_ELEMS, tri.SCORE_WARPS)
+SCORE_DEFAULTS = (tri.SCORE_ROWS, tri.SCORE_PROGRAMS_PER_SM)
 DEFAULTS = dict(block_n=tri.BLOCK_N, warps=tri.NUM_WARPS, stages=tri.NUM_STAGES,
                 per_sm=tri.PROGRAMS_PER_SM)
 
 
 def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
+    """All timings of one shape (one process, one run): dense, SDPA, copy; the sparse parts; and
+    the per-decode-step graphs of the shipped configurations."""
     q, k, v, table, lens = make_case(batch, tokens, seed=11)
     scale = D ** -0.5
     use_config(cfg)
@@ -266,179 +313,191 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     res = dict(batch=batch, tokens=tokens, kv_bytes_read=kv_bytes,
                decode_config=dict(block_n=tri.BLOCK_N, num_warps=tri.NUM_WARPS,
                                   num_stages=tri.NUM_STAGES, programs_per_sm=tri.PROGRAMS_PER_SM,
-                                  num_splits=splits,
-                                  is_default=all(cfg.get(k, v) == v for k, v in DEFAULTS.items())))
+                                  num_splits=splits, fused_merge_default=tri.FUSED_MERGE))
 
-    def dense_fn():
-        return tri.paged_decode_attention(q, k, v, table, lens, scale=scale)
+    def dense_fn(merge=False):
+        return lambda: tri.decode(q, k, v, table, lens, scale, fused_merge=merge)
 
-    # (a) dense Triton
-    dense = bench(dense_fn)
-    dense_graph = bench(dense_fn, graph=True)
+    # (a) dense Triton (both merges: the figures' numerator is the faster one)
+    dense = bench(dense_fn())
+    dense_graph = bench(dense_fn(), graph=True)
+    dense_graph_fused = bench(dense_fn(True), graph=True)
+    dense_best = min(dense_graph, dense_graph_fused)
     # (b) SDPA on contiguous K/V
     kc = k[table.long()].reshape(batch, tokens, HKV, D).transpose(1, 2).contiguous()
     vc = v[table.long()].reshape(batch, tokens, HKV, D).transpose(1, 2).contiguous()
     qs = q[:, :, None, :]
     sdpa_name, sdpa, sdpa_fn, sdpa_all = sdpa_fastest(qs, kc, vc)
-    sdpa_err = rel_err(dense_fn(), sdpa_fn()[:, :, 0])
+    sdpa_err = rel_err(dense_fn()(), sdpa_fn()[:, :, 0])
     del kc, vc
-    torch.cuda.empty_cache()
+    empty_cache()
     # (c) copy of the same number of bytes
-    src = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda").random_(0, 256)
+    src = torch.empty(kv_bytes, dtype=torch.uint8, device=DEV).random_(0, 256)
     dst = torch.empty_like(src)
     copy = bench(lambda: dst.copy_(src))
     del src, dst
-    torch.cuda.empty_cache()
-    # (d) sparse at 20%
+    empty_cache()
+
+    # (d) sparse at 20%: G = 4 bf16 sub-block tables (a method keeps them incrementally)
     n_blocks = table.shape[1]
-    nblk = torch.full((batch,), n_blocks, dtype=torch.int32, device="cuda")
-    mean = torch.empty(k.shape[0], HKV, D, dtype=torch.float32, device="cuda")
-    ids = torch.arange(k.shape[0], dtype=torch.int32, device="cuda")
-    tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=mean)
+    nblk = torch.full((batch,), n_blocks, dtype=torch.int32, device=DEV)
+    ids = torch.arange(k.shape[0], dtype=torch.int32, device=DEV)
+    t4 = {n: torch.empty(k.shape[0], GROUPS, HKV, D, dtype=TABLE_DTYPE, device=DEV)
+          for n in ("mean", "kmin", "kmax")}
+    tri.update_block_reprs(k, ids, torch.full_like(ids, BS), **t4)
+    mean1 = torch.empty(k.shape[0], HKV, D, dtype=TABLE_DTYPE, device=DEV)
+    tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=mean1)
     budget_n = math.ceil(RATIO * n_blocks)
-    budget = torch.full((batch,), budget_n, dtype=torch.int32, device="cuda")
+    budget = torch.full((batch,), budget_n, dtype=torch.int32, device=DEV)
     width = ops.select_width(n_blocks, budget_n, INIT_WINDOW, LOCAL_WINDOW)
+    kinds = {"esa": ("mean", dict(mean=t4["mean"])),
+             "quest": ("quest", dict(kmin=t4["kmin"], kmax=t4["kmax"]))}
 
-    def score():
-        return tri.score_blocks(q, table, nblk, kind="mean", mean=mean)
+    def scorer(method, reduce="none"):
+        kind, kw = kinds[method]
+        return lambda: tri.score_blocks(q, table, nblk, kind=kind, reduce=reduce, **kw)
 
-    scores = score()
+    per_head = scorer("esa")()
+    mass = tri.head_mass(per_head, scale)
+    sel, count, stab, slens = tri.select_sparse_table(
+        mass, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+        width=width, block_size=BS)
+    mass_torch = torch.softmax(per_head * scale, -1).mean(1)
+    sel_torch = tri.select_blocks(mass_torch, nblk, budget, init_window=INIT_WINDOW,
+                                  local_window=LOCAL_WINDOW, width=width)
+    head_mass_agreement = selection_agreement(sel_torch[0], sel_torch[1], sel, count)
 
-    def select():
-        return tri.select_blocks(scores, nblk, budget, init_window=INIT_WINDOW,
-                                 local_window=LOCAL_WINDOW, width=width)
+    parts = {
+        "score_esa_g4_per_head": scorer("esa"),
+        "score_esa_g4_sum": scorer("esa", "sum"),
+        "score_quest_g4_per_head": scorer("quest"),
+        "score_quest_g4_sum": scorer("quest", "sum"),
+        "score_esa_g1_sum": lambda: tri.score_blocks(q, table, nblk, kind="mean", mean=mean1),
+        "head_mass_torch": lambda: torch.softmax(per_head * scale, -1).mean(1),
+        "head_mass_triton": lambda: tri.head_mass(per_head, scale),
+        "select": lambda: tri.select_blocks(mass, nblk, budget, init_window=INIT_WINDOW,
+                                            local_window=LOCAL_WINDOW, width=width),
+        "select_with_table": lambda: tri.select_sparse_table(
+            mass, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+            width=width, block_size=BS),
+        "table": lambda: tri.sparse_block_table(table, lens, sel, count, BS),
+        "attention_table": lambda: tri.decode(q, k, v, stab, slens, scale, fused_merge=False),
+        "attention_table_fused_merge": lambda: tri.decode(q, k, v, stab, slens, scale,
+                                                          fused_merge=True),
+        "attention_folded": lambda: tri.decode(q, k, v, table, lens, scale, sel=sel, count=count,
+                                               fused_merge=False),
+        "attention_folded_fused_merge": lambda: tri.decode(q, k, v, table, lens, scale, sel=sel,
+                                                           count=count, fused_merge=True),
+    }
+    parts_graph = {name: bench(fn, graph=True) for name, fn in parts.items()}
 
-    sel, count = select()
-
-    def build():
-        return tri.sparse_block_table(table, lens, sel, count, BS)
-
-    stab, slens = build()
-
-    def attend():
-        return tri.paged_decode_attention(q, k, v, stab, slens, scale=scale)
-
-    def sparse_path():
-        s = tri.score_blocks(q, table, nblk, kind="mean", mean=mean)
-        chosen, cnt = tri.select_blocks(s, nblk, budget, init_window=INIT_WINDOW,
-                                        local_window=LOCAL_WINDOW, width=width)
-        t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
-        return tri.paged_decode_attention(q, k, v, t, n, scale=scale)
-
-    # (e) the same path as the methods run it: re-selection every STRIDE decode steps (ESA's
-    # retrieval_stride), alternatives: bfloat16 block means (scoring reads half the bytes), the
-    # sparse table folded into the attention kernel (``decode_selected``).
-    mean16 = torch.full_like(mean, float("nan"), dtype=torch.bfloat16)
-    tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=mean16)
-    mean16_err = float((mean16.float() - mean).abs().max() / mean.abs().max())
-    scores16 = tri.score_blocks(q, table, nblk, kind="mean", mean=mean16)
-    sel16, count16 = tri.select_blocks(scores16, nblk, budget, init_window=INIT_WINDOW,
-                                       local_window=LOCAL_WINDOW, width=width)
-    agreement = selection_agreement(sel, count, sel16, count16)
-    fused_out = tri.decode_selected(q, k, v, table, lens, sel, count, scale=scale)
-    fused_equal = bool(torch.equal(fused_out, attend()))
-
-    def step_fn(stride: int, bf16: bool, fused: bool):
-        reprs = mean16 if bf16 else mean
+    def step_fn(method: str, stride: int, variant: str):
+        """One graph: scoring + selection once, then ``stride`` attentions. "method": what
+        ucm.sparse runs on CUDA (per-head scores, PyTorch head mass, select, table kernel,
+        attention with the merge launch); "fast": the Triton head mass, the table folded into
+        the selection, the merge folded into the attention; "sum": scores summed over heads
+        inside the scoring kernel (no head mass), then as "fast"."""
+        score = scorer(method, "sum" if variant == "sum" else "none")
 
         def steps():
-            s = tri.score_blocks(q, table, nblk, kind="mean", mean=reprs)
-            chosen, cnt = tri.select_blocks(s, nblk, budget, init_window=INIT_WINDOW,
-                                            local_window=LOCAL_WINDOW, width=width)
+            s = score()
+            if variant == "method":
+                m = torch.softmax(s * scale, -1).mean(1)
+                chosen, cnt = tri.select_blocks(m, nblk, budget, init_window=INIT_WINDOW,
+                                                local_window=LOCAL_WINDOW, width=width)
+                t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
+            else:
+                m = tri.head_mass(s, scale) if variant == "fast" else s
+                chosen, cnt, t, n = tri.select_sparse_table(
+                    m, nblk, budget, table, lens, init_window=INIT_WINDOW,
+                    local_window=LOCAL_WINDOW, width=width, block_size=BS)
             for _ in range(stride):
-                if fused:
-                    o = tri.decode_selected(q, k, v, table, lens, chosen, cnt, scale=scale)
-                else:
-                    t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
-                    o = tri.paged_decode_attention(q, k, v, t, n, scale=scale)
+                o = tri.decode(q, k, v, t, n, scale, fused_merge=variant != "method")
             return o
         return steps
 
+    configs = [("esa", 1), ("esa", STRIDE), ("quest", 1)]
     per_step = {}
-    for stride in (1, STRIDE):
-        for bf16, fused in itertools.product((False, True), (False, True)):
-            name = f"stride{stride}{'_bf16means' if bf16 else ''}{'_fused_table' if fused else ''}"
-            per_step[name] = bench(step_fn(stride, bf16, fused), graph=True) / stride
-    parts_alt = dict(score_bf16_means=bench(lambda: tri.score_blocks(q, table, nblk, kind="mean",
-                                                                     mean=mean16), graph=True),
-                     attention_fused_table=bench(lambda: tri.decode_selected(
-                         q, k, v, table, lens, sel, count, scale=scale), graph=True))
+    for method, stride in configs:
+        for variant in ("method", "fast", "sum"):
+            name = f"{method}_stride{stride}_{variant}"
+            per_step[name] = bench(step_fn(method, stride, variant), graph=True) / stride
+
+    # the bytes each step must move at least: the selected K/V, plus the tables over the stride
+    sel_kv = kv_bytes * budget_n / n_blocks
+    table_bytes = {m: batch * n_blocks * GROUPS * HKV * D * 2 * (2 if m == "quest" else 1)
+                   for m in ("esa", "quest")}
+    floors = {f"{m}_stride{s}": kv_bytes / (sel_kv + table_bytes[m] / s) for m, s in configs}
+
+    sweeps = {}
+    if tune:
+        for rows, per_sm, warps in itertools.product((32, 64, 128), (1, 2, 4, 8), (4, 8)):
+            tri.SCORE_ROWS, tri.SCORE_PROGRAMS_PER_SM, tri.SCORE_WARPS = rows, per_sm, warps
+            for m in ("esa", "quest"):
+                sweeps[f"score_{m}_rows{rows}_persm{per_sm}_warps{warps}"] = bench(scorer(m), graph=True)
+        tri.SCORE_ROWS, tri.SCORE_PROGRAMS_PER_SM = SCORE_DEFAULTS
+        tri.SCORE_WARPS = 4
+        for block_n, per_sm, merge in itertools.product((64, 128), (1, 2, 3, 4, 6), (False, True)):
+            tri.BLOCK_N, tri.PROGRAMS_PER_SM = block_n, per_sm
+            sweeps[f"attention_block_n{block_n}_per_sm{per_sm}_fused{int(merge)}"] = bench(
+                lambda: tri.decode(q, k, v, stab, slens, scale, fused_merge=merge), graph=True)
+            sweeps[f"dense_block_n{block_n}_per_sm{per_sm}_fused{int(merge)}"] = bench(
+                lambda: tri.decode(q, k, v, table, lens, scale, fused_merge=merge), graph=True)
+        use_config({})
+        for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+            sweeps[f"attention_block_n{block_n}_warps{warps}_stages{stages}_fused1"] = bench(
+                lambda: tri.decode(q, k, v, stab, slens, scale, fused_merge=True, block_n=block_n,
+                                   num_warps=warps, num_stages=stages), graph=True)
+        for warps in (4, 8, 16):
+            tri.SELECT_WARPS = warps
+            sweeps[f"select_warps{warps}"] = bench(parts["select"], graph=True)
+        tri.SELECT_WARPS = None
 
     def sparse_public():
-        s = ops.score_blocks(q, table, nblk, kind="mean", mean=mean)
-        chosen, cnt = ops.select_blocks(s, nblk, budget_n, init_window=INIT_WINDOW,
-                                        local_window=LOCAL_WINDOW)
+        s = ops.score_blocks(q, table, nblk, kind="mean", reduce="none", mean=t4["mean"])
+        chosen, cnt = ops.select_blocks(torch.softmax(s * scale, -1).mean(1), nblk, budget_n,
+                                        init_window=INIT_WINDOW, local_window=LOCAL_WINDOW)
         t, n = ops.sparse_block_table(table, lens, chosen, cnt, BS)
         return ops.paged_decode_attention(q, k, v, t, n)
 
-    parts = {name: bench(fn) for name, fn in (("score", score), ("select", select),
-                                               ("table", build), ("attention", attend))}
-    parts_graph = {name: bench(fn, graph=True) for name, fn in (
-        ("score", score), ("select", select), ("table", build), ("attention", attend))}
-    select_variants = {}
-    for name, radix, limit in (("radix", True, 1 << 30), ("4-ary", False, 1 << 30),
-                               ("topk", True, 0)):
-        tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = radix, limit
-        assert all(torch.equal(a, b) for a, b in zip(select(), (sel, count)))
-        select_variants[name] = bench(select, graph=True)
-    tri.SELECT_RADIX, tri.SELECT_KERNEL_MAX_BLOCKS = SELECT_DEFAULTS
-    if tune:
-        for warps in (4, 8, 16, 32):
-            tri.SELECT_WARPS = warps
-            select_variants[f"{'radix' if tri.SELECT_RADIX else '4-ary'}_warps{warps}"] = \
-                bench(select, graph=True)
-        tri.SELECT_WARPS = None
-        score_sweep = {}
-        for elems, warps in itertools.product((2048, 4096, 8192, 16384), (2, 4, 8)):
-            tri.SCORE_TILE_ELEMS, tri.SCORE_WARPS = elems, warps
-            score_sweep[f"elems{elems}_warps{warps}"] = bench(score, graph=True)
-        tri.SCORE_TILE_ELEMS, tri.SCORE_WARPS = SCORE_DEFAULTS
-        res["score_sweep_graph_ms"] = score_sweep
-        # the sparse attention's own launch: tile x programs per multiprocessor
-        attn_sweep = {}
-        for block_n, per_sm in itertools.product((64, 128), (1, 2, 3, 4, 6)):
-            tri.BLOCK_N, tri.PROGRAMS_PER_SM = block_n, per_sm
-            attn_sweep[f"block_n{block_n}_per_sm{per_sm}"] = bench(attend, graph=True)
-        use_config({})
-        res["sparse_attention_sweep_graph_ms"] = attn_sweep
-    sparse_eager = bench(sparse_path)
-    sparse_graph = bench(sparse_path, graph=True)
     public = bench(sparse_public)
-    same = torch.equal(sparse_path(), sparse_public())
-
     copy_bw = 2 * kv_bytes / (copy * 1e-3)
     attn_bw = io_bytes / (dense * 1e-3)
     res.update(
-        ms=dict(dense=dense, dense_graph=dense_graph, sdpa=sdpa, copy=copy,
-                sparse_eager=sparse_eager, sparse_graph=sparse_graph, sparse_public_ops=public,
-                sparse_parts_eager=parts, sparse_parts_graph=parts_graph,
-                sparse_parts_alternatives_graph=parts_alt,
-                select_variants_graph=select_variants, sparse_per_step_graph=per_step),
-        bf16_means=dict(max_rel_err_vs_float32=mean16_err,
-                        selection_agreement_vs_float32=agreement),
-        fused_table_equals_table_then_attention=fused_equal, stride=STRIDE,
+        ms=dict(dense=dense, dense_graph=dense_graph, dense_graph_fused_merge=dense_graph_fused,
+                sdpa=sdpa, copy=copy, sparse_public_ops_esa_stride1=public,
+                sparse_parts_graph=parts_graph, sparse_per_step_graph=per_step),
+        sweeps_graph_ms=sweeps, stride=STRIDE, groups=GROUPS, table_dtype=str(TABLE_DTYPE),
+        head_mass_triton_vs_torch_selection_agreement=head_mass_agreement,
         sdpa_backend=sdpa_name, sdpa_backends_ms=sdpa_all, dense_vs_sdpa_rel_err=sdpa_err,
-        sparse_budget_blocks=budget_n, sparse_blocks=n_blocks, public_equals_impl=same,
+        sparse_budget_blocks=budget_n, sparse_blocks=n_blocks,
         bandwidth_GBps=dict(dense_attention=attn_bw / 1e9, copy_read_plus_write=copy_bw / 1e9),
+        byte_floor_ratios=floors,
         ratios=dict(dense_over_sdpa=dense / sdpa,
                     bandwidth_over_copy=attn_bw / copy_bw,
-                    dense_over_sparse_graph=dense_graph / sparse_graph,
-                    dense_over_sparse_eager=dense / sparse_eager,
-                    dense_over_sparse_public_ops=dense / public,
-                    **{f"dense_over_sparse_{name}": dense_graph / ms
-                       for name, ms in per_step.items()}),
+                    dense_over_sparse_public_ops_esa_stride1=dense / public,
+                    **{f"dense_over_{name}": dense_best / ms for name, ms in per_step.items()}),
     )
     use_config({})
     del k, v
-    torch.cuda.empty_cache()
+    empty_cache()
     return res
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the interpreter")
     ap.add_argument("--sweep", action="store_true", help="tune the decode launch first")
+    ap.add_argument("--tune", action="store_true",
+                    help="also sweep the scoring tile, the sparse attention launch and the selection warps")
     args = ap.parse_args()
+    if SMOKE:
+        report = dict(smoke=True, date=datetime.datetime.now(datetime.timezone.utc).isoformat())
+        ok = check(report, [(3, 200, "ragged small"), (1, 1024, "smoke")])
+        report["timings"] = [time_shape(b, t, {}, tune=args.tune) for b, t in SHAPES]
+        print("smoke run: correctness", ok)
+        return 0 if ok else 1
     if not torch.cuda.is_available():
         print("bench_sparse: needs a CUDA device", file=sys.stderr)
         return 2
@@ -447,7 +506,9 @@ def main() -> int:
                                sms=torch.cuda.get_device_properties(0).multi_processor_count),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, block_size=BS, dtype=str(DTYPE),
-                             sparse_ratio=RATIO, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW))
+                             sparse_ratio=RATIO, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+                             repr_groups=GROUPS, table_dtype=str(TABLE_DTYPE)),
+                  command=" ".join(sys.argv))
     t0 = time.time()
     if not check(report):
         print("correctness check FAILED: no timings", flush=True)
@@ -459,31 +520,29 @@ def main() -> int:
         sweep(report)
     report["timings"] = []
     for batch, tokens in SHAPES:
-        r = time_shape(batch, tokens, {}, tune=args.sweep)
+        r = time_shape(batch, tokens, {}, tune=args.tune)
         report["timings"].append(r)
-        print(json.dumps(r), flush=True)
+        print(f"timed {batch}x{tokens}", flush=True)
     report["seconds"] = time.time() - t0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    print(f"\nper decode step, graph replays (dense / sparse; stride {STRIDE} = one scoring + "
-          f"selection per {STRIDE} steps):")
+    print("\nper decode step, graph replays: dense (best merge) / sparse at 20%, G = 4 bf16 tables; "
+          "byte floor = dense bytes / (selected K/V + tables / stride)")
     for r in report["timings"]:
-        print(f"{r['batch']}x{r['tokens']}: " + ", ".join(
-            f"{name} {r['ms']['dense_graph'] / ms:.2f}x ({ms * 1e3:.1f} us)"
-            for name, ms in r["ms"]["sparse_per_step_graph"].items()))
-        print(f"   alt parts {r['ms']['sparse_parts_alternatives_graph']}, select "
-              f"{r['ms']['select_variants_graph']}, bf16 {r['bf16_means']}, fused equal "
-              f"{r['fused_table_equals_table_then_attention']}")
-    print(f"\n{'shape':>10} {'dense ms':>9} {'SDPA ms':>8} {'dense/SDPA':>10} {'BW/copy':>8} "
-          f"{'dense/sparse':>12} {'graph parts ms (score/select/table/attn)':>42}")
-    for r in report["timings"]:
-        p = r["ms"]["sparse_parts_graph"]
-        print(f"{r['batch']}x{r['tokens']:>7} {r['ms']['dense']:9.4f} {r['ms']['sdpa']:8.4f} "
-              f"{r['ratios']['dense_over_sdpa']:10.3f} {r['ratios']['bandwidth_over_copy']:8.3f} "
-              f"{r['ratios']['dense_over_sparse_graph']:12.3f}   "
-              f"{p['score']:.4f}/{p['select']:.4f}/{p['table']:.4f}/{p['attention']:.4f}"
-              f"  ({r['sdpa_backend']})")
+        dense_best = min(r["ms"]["dense_graph"], r["ms"]["dense_graph_fused_merge"])
+        print(f"{r['batch']}x{r['tokens']}: dense {dense_best * 1e3:.1f} us (graph; split+merge "
+              f"{r['ms']['dense_graph'] * 1e3:.1f}, fused merge "
+              f"{r['ms']['dense_graph_fused_merge'] * 1e3:.1f}); SDPA {r['ms']['sdpa'] * 1e3:.1f} us "
+              f"({r['sdpa_backend']}); BW/copy {r['ratios']['bandwidth_over_copy']:.3f}")
+        for name, ms in r["ms"]["sparse_per_step_graph"].items():
+            floor = r["byte_floor_ratios"]["_".join(name.split("_")[:2])]
+            print(f"   {name:28s} {dense_best / ms:5.2f}x ({ms * 1e3:6.1f} us; byte floor {floor:.2f}x)")
+        print("   parts (graph, us): " + ", ".join(f"{n} {v * 1e3:.1f}"
+                                                  for n, v in r["ms"]["sparse_parts_graph"].items()))
+        if r["sweeps_graph_ms"]:
+            print("   sweeps (us): " + ", ".join(f"{n} {v * 1e3:.1f}"
+                                                 for n, v in r["sweeps_graph_ms"].items()))
     return 0
 
 

@@ -446,6 +446,67 @@ def test_decode_selected_triton(triton_ready, small_splits):
         assert rel(got, want) < TOL[dtype], dtype
 
 
+def test_decode_fused_merge_triton(triton_ready, small_splits):
+    """The slices merged by the split kernel's last program (atomic counter) == the separate merge
+    launch, dense and on a selection, for repeated calls (the counters are left at zero)."""
+    g = gen(23)
+    bs = 4
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, table, lens = paged_case(g, B=3, M=9, bs=bs, dtype=dtype, lens=[35, 3, 22])
+        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), table, lens,
+                                          backend="reference")
+        nblk = ((lens + bs - 1) // bs).int()
+        sel, count = ops.select_blocks(rand((3, 9), g), nblk, 4, init_window=1, local_window=1)
+        stab, slens = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
+        want_sel = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
+                                              backend="reference")
+        for _ in range(2):
+            for kw, ref in ((dict(), want), (dict(sel=sel, count=count), want_sel)):
+                two = small_splits.decode(q, k, v, table, lens, 16 ** -0.5, fused_merge=False, **kw)
+                out = torch.full_like(q, float("nan"))
+                one = small_splits.decode(q, k, v, table, lens, 16 ** -0.5, out=out,
+                                          fused_merge=True, **kw)
+                assert one is out and not torch.isnan(out).any()
+                assert rel(one, ref) < TOL[dtype] and rel(one, two) < 1e-6, dtype
+        assert (small_splits._counters(q.device, 9)[:9] == 0).all()
+
+
+def test_select_sparse_table_triton(triton_ready):
+    """Selection with the sparse table folded in == select_blocks then sparse_block_table."""
+    from ucm.fast.triton import sparse as tri
+
+    g = gen(24)
+    bs = 5
+    _, _, _, table, lens = paged_case(g, B=4, M=11, bs=bs, lens=[55, 3, 22, 41])
+    nblk = ((lens + bs - 1) // bs).int()
+    scores = rand((4, 11), g)
+    scores[0, 3] = float("nan")
+    for budget in (2, 5, 11):
+        want = ops.select_blocks(scores, nblk, budget, init_window=1, local_window=2,
+                                 backend="reference")
+        want_t = ops.sparse_block_table(table, lens, *want, bs, backend="reference")
+        bud = torch.full((4,), budget, dtype=torch.int32, device=DEV)
+        width = ops.select_width(11, budget, 1, 2)
+        got = tri.select_sparse_table(scores, nblk, bud, table, lens, init_window=1,
+                                      local_window=2, width=width, block_size=bs)
+        for a, b in zip(got, want + want_t):
+            assert torch.equal(a, b), budget
+
+
+def test_head_mass_triton(triton_ready):
+    """The two-launch head mass == softmax over blocks per head, averaged over heads."""
+    from ucm.fast.triton import sparse as tri
+
+    g = gen(25)
+    per_head = rand((3, 8, 2100), g) * 30
+    per_head[1, :, 700:] = float("-inf")               # a shorter request
+    per_head[2, 3, :5] = float("-inf")
+    want = torch.softmax(per_head * 0.125, dim=-1).mean(1)
+    got = tri.head_mass(per_head, 0.125)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-9)
+    assert (got[1, 700:] == 0).all()
+
+
 def test_bf16_block_reprs(triton_ready):
     """bfloat16 mean / kmin / kmax tables: written rounded from the float32 values, scored like
     their float32 values (reference and Triton)."""

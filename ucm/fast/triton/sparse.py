@@ -66,12 +66,14 @@ def _p2(n: int, least: int = 1) -> int:
 
 
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, count_ptr,
-                         opart_ptr, lse_ptr,
+                         opart_ptr, lse_ptr, out_ptr, counter_ptr,
                          sq_b, sq_h, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
-                         st_b, st_m, ss_b, scale_log2, split_tokens, num_splits,
+                         st_b, st_m, ss_b, so_b, so_h, so_d, scale_log2, split_tokens,
+                         num_splits,
                          HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
                          D: tl.constexpr, DPAD: tl.constexpr, BS: tl.constexpr,
-                         TILE: tl.constexpr, IEEE: tl.constexpr, SELECTED: tl.constexpr):
+                         TILE: tl.constexpr, IEEE: tl.constexpr, SELECTED: tl.constexpr,
+                         MERGE: tl.constexpr, SPAD: tl.constexpr):
     """Partial attention of one GQA group over one slice of one request's tokens.
 
     Writes ``opart[b, h, s, :]`` (normalized partial output, float32) and ``lse[b, h, s]``
@@ -143,6 +145,27 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
         o = tl.zeros([GPAD, DPAD], tl.float32)
     tl.store(lse_ptr + row, lse, mask=hmask)
     tl.store(opart_ptr + row[:, None] * D + d[None, :], o, mask=hmask[:, None] & dmask[None, :])
+    if MERGE:
+        # the group's last slice to finish merges all of them (no second launch): the atomic
+        # orders this program's partial stores before it and the others' before the merge reads
+        done = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
+        if done == num_splits - 1:
+            sp = tl.arange(0, SPAD)
+            smask = sp < num_splits
+            for r in tl.static_range(GROUP):
+                h = g * GROUP + r
+                base = (b64 * (HKV * GROUP) + h) * num_splits
+                lse_s = tl.load(lse_ptr + base + sp, mask=smask, other=float("-inf"),
+                                cache_modifier=".cg")
+                mx = tl.max(lse_s, 0)
+                w = tl.where(smask & (lse_s > float("-inf")), tl.exp2(lse_s - mx), 0.0)
+                parts = tl.load(opart_ptr + (base + sp)[:, None] * D + d[None, :],
+                                mask=smask[:, None] & dmask[None, :], other=0.0,
+                                cache_modifier=".cg")
+                res = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+                tl.store(out_ptr + b64 * so_b + h * so_h + d * so_d,
+                         res.to(out_ptr.dtype.element_ty), mask=dmask)
+            tl.atomic_xchg(counter_ptr + pid, 0)                  # ready for the next launch
 
 
 def _decode_reduce_kernel(opart_ptr, lse_ptr, out_ptr, so_b, so_h, so_d, num_splits,
@@ -206,10 +229,28 @@ def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
     return math.ceil(max_tokens / split_tokens), split_tokens
 
 
+#: Merge the slices inside the split kernel (the last slice of each (request, KV head) to finish
+#: merges, counted by an atomic per group in a cached per-device buffer that the merging program
+#: resets) instead of a second launch. The buffer is shared: one decode launch at a time per
+#: device (streams launching decodes concurrently need FUSED_MERGE = False).
+FUSED_MERGE = False
+_counter_bufs: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` counters for ``device``, reused across calls (every
+    launch leaves it zeroed); grown outside any CUDA graph capture by a first eager call."""
+    key = (device.type, device.index)
+    buf = _counter_bufs.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _counter_bufs[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *,
            sel=None, count=None, block_n: Optional[int] = None,
            num_splits: Optional[int] = None, num_warps: Optional[int] = None,
-           num_stages: Optional[int] = None):
+           num_stages: Optional[int] = None, fused_merge: Optional[bool] = None):
     """:func:`paged_decode_attention` with explicit launch knobs (benchmarks, tuning); with
     ``sel, count`` from :func:`select_blocks`, over the selected blocks only
     (:func:`decode_selected`)."""
@@ -232,18 +273,22 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     dpad = _p2(D, 16)
     warps = num_warps or NUM_WARPS
+    merge = FUSED_MERGE if fused_merge is None else fused_merge
+    counters = _counters(q.device, B * Hkv) if merge else seq_lens
     _jit(_decode_split_kernel)[(B * Hkv, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, sel if selected else seq_lens,
-        count if selected else seq_lens, opart, lse,
+        count if selected else seq_lens, opart, lse, out, counters,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
-        sel.stride(0) if selected else 0, scale * LOG2E, split_tokens, num_splits,
+        sel.stride(0) if selected else 0, *out.stride(), scale * LOG2E, split_tokens,
+        num_splits,
         HKV=Hkv, GROUP=group, GPAD=_p2(group, 16), D=D, DPAD=dpad, BS=bs, TILE=tile,
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
-        SELECTED=selected,
+        SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits),
         num_warps=warps, num_stages=num_stages or NUM_STAGES)
-    _jit(_decode_reduce_kernel)[(B * Hq,)](
-        opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=dpad,
-        SPAD=_p2(num_splits), num_warps=4)
+    if not merge:
+        _jit(_decode_reduce_kernel)[(B * Hq,)](
+            opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=dpad,
+            SPAD=_p2(num_splits), num_warps=4)
     return out
 
 
@@ -554,8 +599,9 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
 
 
 def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, width,
-                   ss_b, ss_m, INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr,
-                   RADIX: tl.constexpr):
+                   ss_b, ss_m, table_ptr, lens_ptr, otable_ptr, olens_ptr, st_b, st_m,
+                   INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr,
+                   RADIX: tl.constexpr, TABLE: tl.constexpr, BS: tl.constexpr):
     """One request: forced blocks, then the ``r`` best other blocks by (score desc, index asc).
 
     The ``r``-th best score ``t`` is found over the order-preserving int32 image ``u`` of the
@@ -624,6 +670,13 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
     tl.store(out + pos, j, mask=chosen)
     tl.store(out + j, tl.full([MPAD], -1, tl.int32), mask=(j >= keep) & (j < width))
     tl.store(count_ptr + b, keep)
+    if TABLE:  # sparse_block_table folded in: physical ids of the chosen blocks, and the length
+        phys = tl.load(table_ptr + b * st_b + j * st_m, mask=chosen, other=0)
+        tl.store(otable_ptr + b * width + pos, phys, mask=chosen)
+        tl.store(otable_ptr + b * width + j, tl.zeros([MPAD], tl.int32),
+                 mask=(j >= keep) & (j < width))
+        n_tok = tl.load(lens_ptr + b)
+        tl.store(olens_ptr + b, (keep - 1) * BS + n_tok - ((n_tok + BS - 1) // BS - 1) * BS)
 
 
 #: Rows up to this many blocks are selected by the kernel (held in registers); longer rows use
@@ -672,14 +725,39 @@ def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window:
     B, M = scores.shape
     if M > SELECT_KERNEL_MAX_BLOCKS:
         return _select_topk(scores, num_blocks, budget, init_window, local_window, width)
-    sel = torch.empty(B, width, dtype=torch.int32, device=scores.device)
-    count = torch.empty(B, dtype=torch.int32, device=scores.device)
+    return _select(scores, num_blocks, budget, init_window, local_window, width)
+
+
+def _select(scores, num_blocks, budget, init_window, local_window, width, block_table=None,
+            seq_lens=None, block_size=1):
+    B, M = scores.shape
+    dev = scores.device
+    sel = torch.empty(B, width, dtype=torch.int32, device=dev)
+    count = torch.empty(B, dtype=torch.int32, device=dev)
+    table = block_table is not None
+    otable = torch.empty(B, width, dtype=torch.int32, device=dev) if table else count
+    olens = torch.empty(B, dtype=torch.int32, device=dev) if table else count
     mpad = _p2(M, 16)
     _jit(_select_kernel)[(B,)](scores, num_blocks, budget, sel, count, M, width, *scores.stride(),
+                               block_table if table else count, seq_lens if table else count,
+                               otable, olens, *(block_table.stride() if table else (0, 0)),
                                INIT=init_window, LOCAL=local_window, MPAD=mpad,
-                               RADIX=SELECT_RADIX,
+                               RADIX=SELECT_RADIX, TABLE=table, BS=block_size,
                                num_warps=SELECT_WARPS or (4 if mpad <= 2048 else 8))
-    return sel, count
+    return (sel, count, otable, olens) if table else (sel, count)
+
+
+def select_sparse_table(scores, num_blocks, budget, block_table, seq_lens, *, init_window: int,
+                        local_window: int, width: int, block_size: int):
+    """:func:`select_blocks` and :func:`sparse_block_table` in one launch: ``(sel, count, table,
+    lens)``, each as those ops return them (the selection kernel gathers the chosen blocks'
+    physical ids itself). Not a public op: validated inputs, ``num_blocks`` =
+    ``ceil(seq_lens / block_size)``; asynchronous."""
+    if scores.shape[1] > SELECT_KERNEL_MAX_BLOCKS:
+        sel, count = _select_topk(scores, num_blocks, budget, init_window, local_window, width)
+        return (sel, count) + sparse_block_table(block_table, seq_lens, sel, count, block_size)
+    return _select(scores, num_blocks, budget, init_window, local_window, width, block_table,
+                   seq_lens, block_size)
 
 
 def _table_kernel(table_ptr, lens_ptr, sel_ptr, count_ptr, out_ptr, out_lens_ptr, K,
@@ -708,3 +786,57 @@ def sparse_block_table(block_table, seq_lens, sel, count, block_size: int):
                                                    K, *block_table.stride(), BS=block_size,
                                                    TILE=tile)
     return table, lens
+
+
+# ---------------------------------------------------------------------------------------------
+# head mass (the methods' combination of per-head scores)
+
+
+def _lse_kernel(x_ptr, lse_ptr, M, scale_log2, CHUNK: tl.constexpr):
+    """Row ``program_id(0)`` of ``x [rows, M]``: ``log2 sum_j 2 ** (scale_log2 * x_j)``."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNK)
+    m_i = tl.full([CHUNK], float("-inf"), tl.float32)
+    l_i = tl.zeros([CHUNK], tl.float32)
+    for j0 in range(0, M, CHUNK):
+        x = tl.load(x_ptr + row * M + j0 + c, mask=j0 + c < M, other=float("-inf")) * scale_log2
+        m_new = tl.maximum(m_i, x)
+        safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        l_i = l_i * tl.exp2(m_i - safe) + tl.exp2(x - safe)
+        m_i = m_new
+    m = tl.max(m_i, 0)
+    safe = tl.where(m_i > float("-inf"), m_i, m)
+    total = tl.sum(tl.where(m_i > float("-inf"), l_i * tl.exp2(safe - m), 0.0), 0)
+    tl.store(lse_ptr + row, m + tl.log2(total))
+
+
+def _mass_kernel(x_ptr, lse_ptr, out_ptr, M, scale_log2, HQ: tl.constexpr, TILE: tl.constexpr):
+    """``out[b, j] = mean_h 2 ** (scale_log2 * x[b, h, j] - lse[b, h])`` for one tile of ``j``."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    inside = j < M
+    acc = tl.zeros([TILE], tl.float32)
+    for h in range(HQ):
+        x = tl.load(x_ptr + (b * HQ + h) * M + j, mask=inside, other=float("-inf"))
+        acc += tl.exp2(x * scale_log2 - tl.load(lse_ptr + b * HQ + h))
+    tl.store(out_ptr + b * M + j, acc / HQ, mask=inside)
+
+
+def head_mass(per_head: torch.Tensor, scale: float) -> torch.Tensor:
+    """``softmax(scale * per_head, -1).mean(1)`` for float32 ``[B, H, M]`` (``-inf`` entries
+    weigh 0; every row needs one finite entry): each block's estimated share of attention,
+    averaged over heads (:meth:`ucm.sparse.base.SparseMethod.head_mass`) in two launches, one
+    program per row then one per (request, tile). Equal to the PyTorch expression up to float32
+    rounding; asynchronous."""
+    B, H, M = per_head.shape
+    x = per_head.contiguous()
+    lse = torch.empty(B, H, dtype=torch.float32, device=x.device)
+    out = torch.empty(B, M, dtype=torch.float32, device=x.device)
+    _jit(_lse_kernel)[(B * H,)](x, lse, M, scale * LOG2E, CHUNK=min(1024, _p2(M, 16)),
+                                num_warps=4)
+    tile = min(256, _p2(M, 16))
+    while tile > 16 and B * triton.cdiv(M, tile) < 2 * _sm_count(x.device):
+        tile //= 2
+    _jit(_mass_kernel)[(B, triton.cdiv(M, tile))](x, lse, out, M, scale * LOG2E, HQ=H, TILE=tile,
+                                                  num_warps=4)
+    return out
