@@ -301,6 +301,53 @@ DEFAULTS = dict(block_n=tri.BLOCK_N, warps=tri.NUM_WARPS, stages=tri.NUM_STAGES,
                 per_sm=tri.PROGRAMS_PER_SM)
 
 
+PDL_ERROR = [None]
+
+
+def with_pdl(fn):
+    """``fn()`` with every kernel of ucm.fast.triton.sparse launched with programmatic dependent
+    launch (:data:`ucm.fast.triton.sparse.PDL`); None (error kept) where this Triton or device
+    cannot."""
+    if SMOKE or PDL_ERROR[0]:
+        return None
+    tri.PDL = True
+    try:
+        return fn()
+    except Exception as exc:  # e.g. no launch_pdl in this Triton: recorded, not fatal
+        PDL_ERROR[0] = repr(exc)[:300]
+        print(f"PDL unavailable: {PDL_ERROR[0]}", flush=True)
+        return None
+    finally:
+        tri.PDL = False
+
+
+def probe_pdl(report: dict) -> None:
+    """Launch the sparse path once eagerly with programmatic dependent launch and compare it with
+    the plain launch (outside any graph capture, so a failure cannot break a capture)."""
+    if SMOKE:
+        return
+    q, k, v, table, lens = make_case(2, 4096, seed=5)
+    nblk = ((lens + BS - 1) // BS).int()
+    t = torch.empty(k.shape[0], GROUPS, HKV, D, dtype=TABLE_DTYPE, device=DEV)
+    ids = torch.arange(k.shape[0], dtype=torch.int32, device=DEV)
+    tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=t)
+    budget = torch.full_like(nblk, 52)
+
+    def path():
+        s = tri.score_blocks(q, table, nblk, kind="mean", reduce="none", mean=t)
+        m = tri.head_mass(s, D ** -0.5)
+        _, _, st, sl = tri.select_sparse_table(m, nblk, budget, table, lens, init_window=1,
+                                               local_window=4, width=52, block_size=BS)
+        return tri.decode(q, k, v, st, sl, D ** -0.5)
+    want = path()
+    got = with_pdl(lambda: (path(), torch.cuda.synchronize())[0])
+    same = got is not None and bool(torch.equal(got, want))
+    if got is not None and not same:
+        PDL_ERROR[0] = "PDL output differs from the plain launch"
+    report["pdl_probe"] = dict(available=got is not None, identical=same, error=PDL_ERROR[0])
+    print(f"PDL probe: {report['pdl_probe']}", flush=True)
+
+
 def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     """All timings of one shape (one process, one run): dense, SDPA, copy; the sparse parts; and
     the per-decode-step graphs of the shipped configurations."""
@@ -322,7 +369,8 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     dense = bench(dense_fn())
     dense_graph = bench(dense_fn(), graph=True)
     dense_graph_fused = bench(dense_fn(True), graph=True)
-    dense_best = min(dense_graph, dense_graph_fused)
+    dense_graph_pdl = with_pdl(lambda: bench(dense_fn(), graph=True))
+    dense_best = min(x for x in (dense_graph, dense_graph_fused, dense_graph_pdl) if x is not None)
     # (b) SDPA on contiguous K/V
     kc = k[table.long()].reshape(batch, tokens, HKV, D).transpose(1, 2).contiguous()
     vc = v[table.long()].reshape(batch, tokens, HKV, D).transpose(1, 2).contiguous()
@@ -390,6 +438,9 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                                                            count=count, fused_merge=True),
     }
     parts_graph = {name: bench(fn, graph=True) for name, fn in parts.items()}
+    for name in ("score_esa_g4_per_head", "head_mass_triton", "select_with_table",
+                 "attention_table"):
+        parts_graph[name + "_pdl"] = with_pdl(lambda: bench(parts[name], graph=True))
 
     def step_fn(method: str, stride: int, variant: str):
         """One graph: scoring + selection once, then ``stride`` attentions. "method": what
@@ -407,12 +458,12 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                                                 local_window=LOCAL_WINDOW, width=width)
                 t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
             else:
-                m = tri.head_mass(s, scale) if variant == "fast" else s
+                m = s if variant == "sum" else tri.head_mass(s, scale)
                 chosen, cnt, t, n = tri.select_sparse_table(
                     m, nblk, budget, table, lens, init_window=INIT_WINDOW,
                     local_window=LOCAL_WINDOW, width=width, block_size=BS)
             for _ in range(stride):
-                o = tri.decode(q, k, v, t, n, scale, fused_merge=variant != "method")
+                o = tri.decode(q, k, v, t, n, scale, fused_merge=False)
             return o
         return steps
 
@@ -422,6 +473,10 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         for variant in ("method", "fast", "sum"):
             name = f"{method}_stride{stride}_{variant}"
             per_step[name] = bench(step_fn(method, stride, variant), graph=True) / stride
+            if variant != "method":
+                ms = with_pdl(lambda: bench(step_fn(method, stride, variant), graph=True))
+                if ms is not None:
+                    per_step[name + "_pdl"] = ms / stride
 
     # the bytes each step must move at least: the selected K/V, plus the tables over the stride
     sel_kv = kv_bytes * budget_n / n_blocks
@@ -464,7 +519,9 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     copy_bw = 2 * kv_bytes / (copy * 1e-3)
     attn_bw = io_bytes / (dense * 1e-3)
     res.update(
+        pdl_error=PDL_ERROR[0],
         ms=dict(dense=dense, dense_graph=dense_graph, dense_graph_fused_merge=dense_graph_fused,
+                dense_graph_pdl=dense_graph_pdl, dense_best=dense_best,
                 sdpa=sdpa, copy=copy, sparse_public_ops_esa_stride1=public,
                 sparse_parts_graph=parts_graph, sparse_per_step_graph=per_step),
         sweeps_graph_ms=sweeps, stride=STRIDE, groups=GROUPS, table_dtype=str(TABLE_DTYPE),
@@ -518,6 +575,7 @@ def main() -> int:
         return 1
     if args.sweep:
         sweep(report)
+    probe_pdl(report)
     report["timings"] = []
     for batch, tokens in SHAPES:
         r = time_shape(batch, tokens, {}, tune=args.tune)
@@ -530,16 +588,21 @@ def main() -> int:
     print("\nper decode step, graph replays: dense (best merge) / sparse at 20%, G = 4 bf16 tables; "
           "byte floor = dense bytes / (selected K/V + tables / stride)")
     for r in report["timings"]:
-        dense_best = min(r["ms"]["dense_graph"], r["ms"]["dense_graph_fused_merge"])
+        dense_best = r["ms"]["dense_best"]
+        pdl = r["ms"]["dense_graph_pdl"]
         print(f"{r['batch']}x{r['tokens']}: dense {dense_best * 1e3:.1f} us (graph; split+merge "
               f"{r['ms']['dense_graph'] * 1e3:.1f}, fused merge "
-              f"{r['ms']['dense_graph_fused_merge'] * 1e3:.1f}); SDPA {r['ms']['sdpa'] * 1e3:.1f} us "
+              f"{r['ms']['dense_graph_fused_merge'] * 1e3:.1f}, pdl "
+              f"{pdl * 1e3 if pdl else float('nan'):.1f}); SDPA {r['ms']['sdpa'] * 1e3:.1f} us "
               f"({r['sdpa_backend']}); BW/copy {r['ratios']['bandwidth_over_copy']:.3f}")
         for name, ms in r["ms"]["sparse_per_step_graph"].items():
             floor = r["byte_floor_ratios"]["_".join(name.split("_")[:2])]
+            if ms is None:
+                continue
             print(f"   {name:28s} {dense_best / ms:5.2f}x ({ms * 1e3:6.1f} us; byte floor {floor:.2f}x)")
         print("   parts (graph, us): " + ", ".join(f"{n} {v * 1e3:.1f}"
-                                                  for n, v in r["ms"]["sparse_parts_graph"].items()))
+                                                  for n, v in r["ms"]["sparse_parts_graph"].items()
+                                                  if v is not None))
         if r["sweeps_graph_ms"]:
             print("   sweeps (us): " + ", ".join(f"{n} {v * 1e3:.1f}"
                                                  for n, v in r["sweeps_graph_ms"].items()))

@@ -73,7 +73,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
                          HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
                          D: tl.constexpr, DPAD: tl.constexpr, BS: tl.constexpr,
                          TILE: tl.constexpr, IEEE: tl.constexpr, SELECTED: tl.constexpr,
-                         MERGE: tl.constexpr, SPAD: tl.constexpr):
+                         MERGE: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr = False):
     """Partial attention of one GQA group over one slice of one request's tokens.
 
     Writes ``opart[b, h, s, :]`` (normalized partial output, float32) and ``lse[b, h, s]``
@@ -82,6 +82,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
     ``table[b, sel[b, i]]``; only the last one, the sequence's last block, may be partial), i.e.
     :func:`sparse_block_table` folded into the kernel.
     """
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV
@@ -170,8 +173,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
 
 def _decode_reduce_kernel(opart_ptr, lse_ptr, out_ptr, so_b, so_h, so_d, num_splits,
                           HQ: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
-                          SPAD: tl.constexpr):
+                          SPAD: tl.constexpr, PDL: tl.constexpr = False):
     """Merge the slices of one (request, query head): weights ``2 ** (lse_s - max lse)``."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     b = pid // HQ
     h = pid % HQ
@@ -188,6 +194,18 @@ def _decode_reduce_kernel(opart_ptr, lse_ptr, out_ptr, so_b, so_h, so_d, num_spl
     res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + b.to(tl.int64) * so_b + h * so_h + d * so_d,
              res.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+#: Programmatic dependent launch (Hopper and later, CUDA tensors): every kernel of this module
+#: is launched with ``launch_pdl`` and starts with ``gdc_wait`` (the previous grid has finished
+#: and its writes are visible, so stream order is kept) then ``gdc_launch_dependents``: the next
+#: kernel's launch overlaps this one's run instead of following its end. Off by default.
+PDL = False
+
+
+def _pdl_launch() -> dict:
+    """Launch keywords for :data:`PDL` (none under the interpreter)."""
+    return {"PDL": True, "launch_pdl": True} if PDL and not interpreting() else {}
 
 
 _jitted: dict = {}
@@ -284,11 +302,11 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         HKV=Hkv, GROUP=group, GPAD=_p2(group, 16), D=D, DPAD=dpad, BS=bs, TILE=tile,
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
         SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits),
-        num_warps=warps, num_stages=num_stages or NUM_STAGES)
+        num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch())
     if not merge:
         _jit(_decode_reduce_kernel)[(B * Hq,)](
             opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=dpad,
-            SPAD=_p2(num_splits), num_warps=4)
+            SPAD=_p2(num_splits), num_warps=4, **_pdl_launch())
     return out
 
 
@@ -419,7 +437,7 @@ def _score_dot_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_pt
                       HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
                       D: tl.constexpr, DPAD: tl.constexpr, G: tl.constexpr, SPAD: tl.constexpr,
                       KIND: tl.constexpr, HAS_MASK: tl.constexpr, PER_HEAD: tl.constexpr,
-                      TILE_M: tl.constexpr, IEEE: tl.constexpr):
+                      TILE_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """Mean (KIND 0) or Quest (KIND 1) scores of logical blocks ``[tile * TILE_M, +TILE_M)`` of
     request ``b``, as matrix products.
 
@@ -432,6 +450,9 @@ def _score_dot_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_pt
     IEEE: float32 operands and exact float32 products (float32 tables or queries, and the
     interpreter), else bfloat16 operands with float32 accumulation (their products are exact).
     """
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     j0 = tl.program_id(1) * TILE_M
     nb = tl.load(nblk_ptr + b)
@@ -469,12 +490,14 @@ def _score_dot_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_pt
             if IEEE:
                 rep_b = rep_b.to(tl.float32)
             zero = tl.zeros_like(qg)
+            q_pos = tl.where(qg > 0, qg, zero)                     # same dtype as qg
+            q_neg = tl.where(qg < 0, qg, zero)
             if IEEE:
-                s = tl.dot(tl.maximum(qg, zero), tl.trans(rep_a), input_precision="ieee")
-                s += tl.dot(tl.minimum(qg, zero), tl.trans(rep_b), input_precision="ieee")
+                s = tl.dot(q_pos, tl.trans(rep_a), input_precision="ieee")
+                s += tl.dot(q_neg, tl.trans(rep_b), input_precision="ieee")
             else:
-                s = tl.dot(tl.maximum(qg, zero), tl.trans(rep_a))
-                s += tl.dot(tl.minimum(qg, zero), tl.trans(rep_b))
+                s = tl.dot(q_pos, tl.trans(rep_a))
+                s += tl.dot(q_neg, tl.trans(rep_b))
         else:
             if IEEE:
                 s = tl.dot(qg, tl.trans(rep_a), input_precision="ieee")
@@ -590,7 +613,8 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
         *block_table.stride(), M,
         HKV=Hkv, GROUP=Hq // Hkv, GPAD=_p2(Hq // Hkv, 16), D=D, DPAD=_p2(D, 16), G=G, SPAD=spad,
         KIND=1 if kind == "quest" else 0, HAS_MASK=channel_mask is not None, PER_HEAD=per_head,
-        TILE_M=tile, IEEE=ieee, num_warps=SCORE_WARPS, num_stages=SCORE_STAGES)
+        TILE_M=tile, IEEE=ieee, num_warps=SCORE_WARPS, num_stages=SCORE_STAGES,
+        **_pdl_launch())
     return out
 
 
@@ -601,7 +625,8 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
 def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, width,
                    ss_b, ss_m, table_ptr, lens_ptr, otable_ptr, olens_ptr, st_b, st_m,
                    INIT: tl.constexpr, LOCAL: tl.constexpr, MPAD: tl.constexpr,
-                   RADIX: tl.constexpr, TABLE: tl.constexpr, BS: tl.constexpr):
+                   RADIX: tl.constexpr, TABLE: tl.constexpr, BS: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """One request: forced blocks, then the ``r`` best other blocks by (score desc, index asc).
 
     The ``r``-th best score ``t`` is found over the order-preserving int32 image ``u`` of the
@@ -610,6 +635,9 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
     the largest ``t`` with ``#(u >= t) >= r``. Blocks above ``t`` are taken, and of those equal
     to it the lowest indexes (an inclusive prefix count).
     """
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, MPAD)
     n = tl.load(nblk_ptr + b)
@@ -743,7 +771,8 @@ def _select(scores, num_blocks, budget, init_window, local_window, width, block_
                                otable, olens, *(block_table.stride() if table else (0, 0)),
                                INIT=init_window, LOCAL=local_window, MPAD=mpad,
                                RADIX=SELECT_RADIX, TABLE=table, BS=block_size,
-                               num_warps=SELECT_WARPS or (4 if mpad <= 2048 else 8))
+                               num_warps=SELECT_WARPS or (4 if mpad <= 2048 else 8),
+                               **_pdl_launch())
     return (sel, count, otable, olens) if table else (sel, count)
 
 
@@ -761,7 +790,10 @@ def select_sparse_table(scores, num_blocks, budget, block_table, seq_lens, *, in
 
 
 def _table_kernel(table_ptr, lens_ptr, sel_ptr, count_ptr, out_ptr, out_lens_ptr, K,
-                  st_b, st_m, BS: tl.constexpr, TILE: tl.constexpr):
+                  st_b, st_m, BS: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * TILE + tl.arange(0, TILE)
     cnt = tl.load(count_ptr + b)
@@ -784,7 +816,7 @@ def sparse_block_table(block_table, seq_lens, sel, count, block_size: int):
     tile = min(1024, _p2(K, 16))
     _jit(_table_kernel)[(B, triton.cdiv(K, tile))](block_table, seq_lens, sel, count, table, lens,
                                                    K, *block_table.stride(), BS=block_size,
-                                                   TILE=tile)
+                                                   TILE=tile, **_pdl_launch())
     return table, lens
 
 
@@ -792,8 +824,11 @@ def sparse_block_table(block_table, seq_lens, sel, count, block_size: int):
 # head mass (the methods' combination of per-head scores)
 
 
-def _lse_kernel(x_ptr, lse_ptr, M, scale_log2, CHUNK: tl.constexpr):
+def _lse_kernel(x_ptr, lse_ptr, M, scale_log2, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Row ``program_id(0)`` of ``x [rows, M]``: ``log2 sum_j 2 ** (scale_log2 * x_j)``."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNK)
     m_i = tl.full([CHUNK], float("-inf"), tl.float32)
@@ -810,8 +845,12 @@ def _lse_kernel(x_ptr, lse_ptr, M, scale_log2, CHUNK: tl.constexpr):
     tl.store(lse_ptr + row, m + tl.log2(total))
 
 
-def _mass_kernel(x_ptr, lse_ptr, out_ptr, M, scale_log2, HQ: tl.constexpr, TILE: tl.constexpr):
+def _mass_kernel(x_ptr, lse_ptr, out_ptr, M, scale_log2, HQ: tl.constexpr, TILE: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """``out[b, j] = mean_h 2 ** (scale_log2 * x[b, h, j] - lse[b, h])`` for one tile of ``j``."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * TILE + tl.arange(0, TILE)
     inside = j < M
@@ -833,10 +872,10 @@ def head_mass(per_head: torch.Tensor, scale: float) -> torch.Tensor:
     lse = torch.empty(B, H, dtype=torch.float32, device=x.device)
     out = torch.empty(B, M, dtype=torch.float32, device=x.device)
     _jit(_lse_kernel)[(B * H,)](x, lse, M, scale * LOG2E, CHUNK=min(1024, _p2(M, 16)),
-                                num_warps=4)
+                                num_warps=4, **_pdl_launch())
     tile = min(256, _p2(M, 16))
     while tile > 16 and B * triton.cdiv(M, tile) < 2 * _sm_count(x.device):
         tile //= 2
     _jit(_mass_kernel)[(B, triton.cdiv(M, tile))](x, lse, out, M, scale * LOG2E, HQ=H, TILE=tile,
-                                                  num_warps=4)
+                                                  num_warps=4, **_pdl_launch())
     return out
