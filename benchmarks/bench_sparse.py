@@ -430,6 +430,8 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
             width=width, block_size=BS),
         "table": lambda: tri.sparse_block_table(table, lens, sel, count, BS),
         "attention_table": lambda: tri.decode(q, k, v, stab, slens, scale, fused_merge=False),
+        "attention_table_reduce_chunk32": lambda: chunked(lambda: tri.decode(
+            q, k, v, stab, slens, scale, fused_merge=False)),
         "attention_table_fused_merge": lambda: tri.decode(q, k, v, stab, slens, scale,
                                                           fused_merge=True),
         "attention_folded": lambda: tri.decode(q, k, v, table, lens, scale, sel=sel, count=count,
@@ -439,8 +441,15 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     }
     parts_graph = {name: bench(fn, graph=True) for name, fn in parts.items()}
     for name in ("score_esa_g4_per_head", "head_mass_triton", "select_with_table",
-                 "attention_table"):
+                 "attention_table", "attention_table_reduce_chunk32"):
         parts_graph[name + "_pdl"] = with_pdl(lambda: bench(parts[name], graph=True))
+
+    def chunked(fn, chunk=32):
+        tri.REDUCE_CHUNK = chunk
+        try:
+            return fn()
+        finally:
+            tri.REDUCE_CHUNK = None
 
     def step_fn(method: str, stride: int, variant: str):
         """One graph: scoring + selection once, then ``stride`` attentions. "method": what
@@ -465,12 +474,15 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
             for _ in range(stride):
                 o = tri.decode(q, k, v, t, n, scale, fused_merge=False)
             return o
+        if variant.endswith("_chunk32"):
+            variant = variant[:-len("_chunk32")]
+            return lambda: chunked(steps)
         return steps
 
     configs = [("esa", 1), ("esa", STRIDE), ("quest", 1)]
     per_step = {}
     for method, stride in configs:
-        for variant in ("method", "fast", "sum"):
+        for variant in ("method", "fast", "sum", "fast_chunk32"):
             name = f"{method}_stride{stride}_{variant}"
             per_step[name] = bench(step_fn(method, stride, variant), graph=True) / stride
             if variant != "method":

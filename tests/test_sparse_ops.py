@@ -469,6 +469,15 @@ def test_decode_fused_merge_triton(triton_ready, small_splits):
                 assert one is out and not torch.isnan(out).any()
                 assert rel(one, ref) < TOL[dtype] and rel(one, two) < 1e-6, dtype
         assert (small_splits._counters(q.device, 9)[:9] == 0).all()
+        q, k, v, table, lens = paged_case(g, B=2, M=5, bs=4, D=64, dtype=dtype, lens=[19, 7])
+        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), table, lens,
+                                          backend="reference")
+        small_splits.REDUCE_CHUNK = 16                       # the merge in 4 channel chunks
+        try:
+            chunked = small_splits.decode(q, k, v, table, lens, 0.125, fused_merge=False)
+        finally:
+            small_splits.REDUCE_CHUNK = None
+        assert rel(chunked, want) < TOL[dtype]
 
 
 def test_select_sparse_table_triton(triton_ready):

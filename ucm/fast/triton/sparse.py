@@ -183,7 +183,7 @@ def _decode_reduce_kernel(opart_ptr, lse_ptr, out_ptr, so_b, so_h, so_d, num_spl
     h = pid % HQ
     s = tl.arange(0, SPAD)
     smask = s < num_splits
-    d = tl.arange(0, DPAD)
+    d = tl.program_id(1) * DPAD + tl.arange(0, DPAD)               # a chunk of the channels
     dmask = d < D
     base = pid.to(tl.int64) * num_splits
     lse = tl.load(lse_ptr + base + s, mask=smask, other=float("-inf"))
@@ -195,6 +195,9 @@ def _decode_reduce_kernel(opart_ptr, lse_ptr, out_ptr, so_b, so_h, so_d, num_spl
     tl.store(out_ptr + b.to(tl.int64) * so_b + h * so_h + d * so_d,
              res.to(out_ptr.dtype.element_ty), mask=dmask)
 
+
+#: Channels per program of the merge launch (None: all; fewer -> more programs for small batches).
+REDUCE_CHUNK = None
 
 #: Programmatic dependent launch (Hopper and later, CUDA tensors): every kernel of this module
 #: is launched with ``launch_pdl`` and starts with ``gdc_wait`` (the previous grid has finished
@@ -304,8 +307,9 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits),
         num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch())
     if not merge:
-        _jit(_decode_reduce_kernel)[(B * Hq,)](
-            opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=dpad,
+        chunk = min(dpad, max(16, _p2(REDUCE_CHUNK))) if REDUCE_CHUNK else dpad
+        _jit(_decode_reduce_kernel)[(B * Hq, triton.cdiv(D, chunk))](
+            opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=chunk,
             SPAD=_p2(num_splits), num_warps=4, **_pdl_launch())
     return out
 
