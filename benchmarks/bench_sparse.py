@@ -415,6 +415,13 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                                   local_window=LOCAL_WINDOW, width=width)
     head_mass_agreement = selection_agreement(sel_torch[0], sel_torch[1], sel, count)
 
+    def chunked(fn, chunk=32):
+        tri.REDUCE_CHUNK = chunk
+        try:
+            return fn()
+        finally:
+            tri.REDUCE_CHUNK = None
+
     parts = {
         "score_esa_g4_per_head": scorer("esa"),
         "score_esa_g4_sum": scorer("esa", "sum"),
@@ -443,13 +450,6 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     for name in ("score_esa_g4_per_head", "head_mass_triton", "select_with_table",
                  "attention_table", "attention_table_reduce_chunk32"):
         parts_graph[name + "_pdl"] = with_pdl(lambda: bench(parts[name], graph=True))
-
-    def chunked(fn, chunk=32):
-        tri.REDUCE_CHUNK = chunk
-        try:
-            return fn()
-        finally:
-            tri.REDUCE_CHUNK = None
 
     def step_fn(method: str, stride: int, variant: str):
         """One graph: scoring + selection once, then ``stride`` attentions. "method": what
