@@ -1,43 +1,39 @@
 """GPU benchmark of the sparse-attention ops (run on a CUDA machine; H200 figures in
-``benchmarks/results/sparse_h200.json``).
+``benchmarks/results/sparse_h200.json`` and ``benchmarks/RESULTS.md``).
 
 Shape: Llama-3-8B decode, one layer: 32 query heads, 8 KV heads, head dim 128, bf16, 16-token
 blocks, paged cache ``[num_blocks, 16, 8, 128]`` whose blocks are handed to requests in a random
-order; batch 8 x 32K tokens and batch 1 x 128K tokens.
+order; batch 8 x 32K tokens and batch 1 x 128K tokens; 20% of the blocks kept.
 
-First checks the Triton ops against the reference on the GPU (fresh random inputs, relative
-error of attention, equality of selections), then times, in one run, with
-``triton.testing.do_bench`` (CUDA events, median):
+First checks the Triton ops against the reference on the GPU (fresh random inputs: attention
+dense and on a selection, G = 4 bf16 sub-block tables, mean / Quest scores per head and summed,
+the Triton head mass, selections, the selection with the table folded in), then times, in one
+run, with CUDA events (``triton.testing.do_bench``, median; "graph": replays of one CUDA graph):
 
-(a) dense: Triton ``paged_decode_attention`` over the full block table;
-(b) SDPA: ``torch.nn.functional.scaled_dot_product_attention`` on the same K/V already made
-    contiguous ``[B, Hkv, N, D]`` (GQA through ``enable_gqa``), every backend tried, the fastest
-    kept (its name is reported); the time of making the K/V contiguous is excluded;
-(c) the ceiling: ``copy_`` of a device buffer the size of the K/V read by (a); bandwidth counts
-    bytes read + written;
-(d) sparse at 20% of blocks: ``score_blocks(kind="mean")`` + ``select_blocks`` +
-    ``sparse_block_table`` + attention over the selected blocks, each part timed alone too. The
-    block means are computed beforehand (a method keeps them incrementally). The sparse path is
-    timed as launched eagerly and as one CUDA graph replay (what a decode step under CUDA graphs
-    pays; eager launches of five small kernels cost more host time than the GPU work here).
+(a) dense: Triton ``paged_decode_attention`` over the full block table (graph: the best of the
+    plain launch, the merge folded into the split kernel and programmatic dependent launch);
+(b) SDPA: ``scaled_dot_product_attention`` on the same K/V made contiguous (fastest backend);
+(c) ``copy_`` of a buffer the size of the K/V (read + write bandwidth);
+(d) the sparse parts alone: scoring with ``sparse_repr_group`` 4 tables (``[num_blocks, 4, 8,
+    128]`` bf16; ESA's means, Quest's min/max; per head and summed), head mass (PyTorch, Triton),
+    selection, selection with the table folded in, table, attention variants;
+(e) per decode step, the shipped configurations: ESA at ``retrieval_stride`` 1 and 8 and Quest
+    (every step); one graph holds one scoring + selection and ``stride`` attentions, divided by
+    ``stride``. Variants: "method" (what ``ucm.sparse`` computes: per-head scores, PyTorch head
+    mass, select, table kernel, attention), "fast" (Triton head mass, table folded into the
+    selection), "sum" (scores summed over heads in the kernel, no head mass), each optionally
+    with the merge launch in channel chunks and with programmatic dependent launch ("_pdl").
+    Also the byte floor of each: dense bytes / (selected K/V + table bytes / stride).
 
-(e) per decode step as the methods run it: ESA re-selects every ``retrieval_stride`` = 8 steps,
-    so one CUDA graph holds one scoring + selection then 8 x (sparse table + attention), its
-    replay time divided by 8 (stride 1: the whole path every step). Also with bfloat16 block
-    means (and their selection's agreement with the float32 one) and with the sparse table
-    folded into the attention kernel (``decode_selected``).
+The timed functions are the Triton implementations (``ucm.fast.triton.sparse``), as an attention
+backend would call them with validated inputs; the public, validating ops (one device sync per
+call) are timed once for the ESA stride-1 path.
 
-The timed functions are the Triton implementations behind the ops (``ucm.fast.triton.sparse``),
-as an attention backend calls them with validated inputs; the public ops (validation: one device
-sync per call) are timed once more for the whole sparse path. Ratios: dense/SDPA time (eager,
-both one launch), attention bandwidth (bytes of K, V, q, out and table read or written over the
-dense time) / copy bandwidth (bytes read + written), dense/sparse time (graph replays).
+    python benchmarks/bench_sparse.py --json benchmarks/results/sparse_h200.json [--tune] [--sweep]
+    python benchmarks/bench_sparse.py --smoke      # CPU, interpreter, tiny shapes: does it run
 
-    python benchmarks/bench_sparse.py --json benchmarks/results/sparse_h200.json [--sweep]
-
-``--sweep`` also times the decode kernel over launch configurations (token tile, warps, stages,
-programs per multiprocessor; dense and on the sparse table) and the selection kernel's warps;
-the figures themselves always use the modules' defaults (what the public ops run).
+``--tune`` also sweeps the scoring tile, the sparse attention's launch and the selection warps;
+``--sweep`` the dense decode launch. The figures use the modules' defaults.
 """
 from __future__ import annotations
 
