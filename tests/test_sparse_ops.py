@@ -516,6 +516,59 @@ def test_head_mass_triton(triton_ready):
     assert (got[1, 700:] == 0).all()
 
 
+def per_head_case(g, dtype=torch.float32, bs=4, M=9, lens=(35, 3, 22), Hq=6, Hkv=3):
+    """A per-KV-head selection: each KV head of each request its own blocks (select_blocks over
+    [B * Hkv, M] scores, sparse_block_table over the repeated table) -> the [B, Hkv, K] table,
+    [B, Hkv] lengths, and the selection [B, Hkv, K] / counts [B, Hkv]."""
+    q, k, v, table, seq = paged_case(g, B=len(lens), Hq=Hq, Hkv=Hkv, M=M, bs=bs, dtype=dtype,
+                                     lens=list(lens))
+    B = len(lens)
+    nblk = ((seq + bs - 1) // bs).int().repeat_interleave(Hkv)
+    sel, count = ops.select_blocks(rand((B * Hkv, M), g), nblk, 3, init_window=1, local_window=1)
+    t, n = ops.sparse_block_table(table.repeat_interleave(Hkv, 0), seq.repeat_interleave(Hkv), sel,
+                                  count, bs)
+    return (q, k, v, table, seq, t.reshape(B, Hkv, -1), n.reshape(B, Hkv),
+            sel.reshape(B, Hkv, -1), count.reshape(B, Hkv))
+
+
+def test_per_kv_head_attention_reference():
+    """A [B, Hkv, K] table: each KV head's query heads attend to exactly their own tokens (float64
+    SDPA per head on the gathered tokens); identical heads' tables equal the shared table."""
+    g = gen(26)
+    bs, Hq, Hkv = 4, 6, 3
+    q, k, v, table, seq, t, n, _, _ = per_head_case(g)
+    out = ops.paged_decode_attention(q, k, v, t, n, backend="reference")
+    for b in range(q.shape[0]):
+        for h in range(Hq):
+            kv = h // (Hq // Hkv)
+            ids = t[b, kv].long()
+            kk = k[ids, :, kv].reshape(-1, k.shape[3])[: int(n[b, kv])].double()
+            vv = v[ids, :, kv].reshape(-1, v.shape[3])[: int(n[b, kv])].double()
+            want = torch.softmax(kk @ q[b, h].double() / 4.0, 0) @ vv
+            assert rel(out[b, h], want) < 2e-5
+    shared = ops.paged_decode_attention(q, k, v, table, seq, backend="reference")
+    same = ops.paged_decode_attention(q, k, v, table[:, None].expand(-1, Hkv, -1).contiguous(),
+                                      seq[:, None].expand(-1, Hkv).contiguous(), backend="reference")
+    assert torch.allclose(same, shared, atol=1e-6)
+    with pytest.raises(ValueError, match="per KV head"):
+        ops.paged_decode_attention(q, k, v, t[:, :2], n[:, :2])
+    with pytest.raises(ValueError, match="seq_lens"):
+        ops.paged_decode_attention(q, k, v, t, n[:, 0])
+
+
+def test_per_kv_head_attention_triton(triton_ready, small_splits):
+    g = gen(27)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, table, seq, t, n, sel, count = per_head_case(g, dtype)
+        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), t, n,
+                                          backend="reference")
+        got = ops.paged_decode_attention(q, k, v, t, n, backend="triton")
+        assert rel(got, want) < TOL[dtype], dtype
+        folded = small_splits.decode_selected(q, k, v, table, seq, sel, count, scale=0.25)
+        assert rel(folded, want) < TOL[dtype], dtype
+        assert rel(folded, got) < 1e-6
+
+
 def test_bf16_block_reprs(triton_ready):
     """bfloat16 mean / kmin / kmax tables: written rounded from the float32 values, scored like
     their float32 values (reference and Triton)."""

@@ -203,12 +203,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``softmax(scale * q K^T) V`` over each request's ``seq_lens[b]`` cached tokens, float32
-    accumulation; ``[B, Hq, D]`` in ``q``'s dtype (written into ``out`` when given)."""
+    accumulation; ``[B, Hq, D]`` in ``q``'s dtype (written into ``out`` when given). A 3-D
+    ``block_table [B, Hkv, M]`` with ``seq_lens [B, Hkv]`` gives each KV head its own tokens."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
     result = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
-    for b, n in enumerate(seq_lens.tolist()):
+    if block_table.dim() == 3:   # one table per KV head: each KV head's group on its own tokens
+        for b in range(B):
+            for g, n in enumerate(seq_lens[b].tolist()):
+                heads = slice(g * group, (g + 1) * group)
+                keys = _gather_tokens(k_cache[:, :, g:g + 1], block_table[b, g], n)[:, 0]
+                vals = _gather_tokens(v_cache[:, :, g:g + 1], block_table[b, g], n)[:, 0]
+                logits = q[b, heads].float() @ keys.T * scale                 # [group, n]
+                result[b, heads] = torch.softmax(logits, dim=-1) @ vals
+    for b, n in enumerate([] if block_table.dim() == 3 else seq_lens.tolist()):
         keys = _gather_tokens(k_cache, block_table[b], n).repeat_interleave(group, dim=1)
         vals = _gather_tokens(v_cache, block_table[b], n).repeat_interleave(group, dim=1)
         logits = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scale

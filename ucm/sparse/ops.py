@@ -390,7 +390,7 @@ def sparse_block_table(block_table, seq_lens, sel, count, block_size: int, *,
     return dispatch.call("sparse_block_table", table, lens, s, cnt, block_size, backend=backend)
 
 
-def _attention_inputs(q, k_cache, block_table, seq_lens, v_cache=None):
+def _attention_inputs(q, k_cache, block_table, seq_lens, v_cache=None, per_head_ok=False):
     k = _cache(k_cache)
     n_phys, bs, Hkv, D = k.shape
     if v_cache is not None:
@@ -404,15 +404,26 @@ def _attention_inputs(q, k_cache, block_table, seq_lens, v_cache=None):
     if Dq != D:
         raise ValueError(f"q: head_dim {Dq} differs from the cache's head_dim {D}")
     _heads(Hq, Hkv, "q")
-    table = _table(block_table, B, k.device)
-    M = table.shape[1]
-    lens = _vector(seq_lens, "seq_lens", B, k.device)
-    nb = torch.div(lens.long() + bs - 1, bs, rounding_mode="floor")
+    if per_head_ok and isinstance(block_table, torch.Tensor) and block_table.dim() == 3:
+        # one table per KV head: [B, Hkv, M] and lengths [B, Hkv]
+        table = _tensor(block_table, "block_table", (torch.int32,), 3, k.device)
+        if table.shape[0] != B or table.shape[1] != Hkv or table.shape[2] < 1:
+            raise ValueError(f"block_table: expected shape [{B}, {Hkv}, M >= 1] (per KV head) or "
+                             f"[{B}, M], got {list(table.shape)}")
+        lens = _tensor(seq_lens, "seq_lens", (torch.int32,), 2, k.device)
+        _shape(lens, "seq_lens", (B, Hkv), "one length per request and KV head")
+        flat_table, flat_lens = table.reshape(B * Hkv, -1), lens.reshape(-1)
+    else:
+        table = _table(block_table, B, k.device)
+        lens = _vector(seq_lens, "seq_lens", B, k.device)
+        flat_table, flat_lens = table, lens
+    M = table.shape[-1]
+    nb = torch.div(flat_lens.long() + bs - 1, bs, rounding_mode="floor")
     _fail_if({
         f"seq_lens: entries must lie in [1, M * block_size = {M * bs}] (an empty request has no "
-        f"query to attend with)": ((lens < 1) | (lens > M * bs)).any(),
+        f"query to attend with)": ((flat_lens < 1) | (flat_lens > M * bs)).any(),
         f"block_table: an entry holding a request's tokens lies outside [0, num_blocks={n_phys})":
-            _ids_used_out_of_range(table, nb.clamp(0, M), n_phys),
+            _ids_used_out_of_range(flat_table, nb.clamp(0, M), n_phys),
     })
     return q, k, table, lens
 
@@ -423,11 +434,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
 
     q: ``[B, Hq, D]`` with the cache's dtype (float32/float16/bfloat16); k_cache, v_cache:
     ``[num_blocks, block_size, Hkv, D]`` (any strides), Hq a multiple of Hkv; block_table: int32
-    ``[B, M]``; seq_lens: int32 ``[B]`` in ``[1, M * block_size]``; scale: default
+    ``[B, M]``; seq_lens: int32 ``[B]`` in ``[1, M * block_size]``; or one table per KV head
+    (per-KV-head selection): block_table ``[B, Hkv, M]`` and seq_lens ``[B, Hkv]``, KV head ``g``
+    (and its query heads) attending to the tokens of ``block_table[b, g]``; scale: default
     ``D ** -0.5``; out: optional ``[B, Hq, D]`` tensor of q's dtype and device, written and
     returned.
     """
-    q, k, table, lens = _attention_inputs(q, k_cache, block_table, seq_lens, v_cache)
+    q, k, table, lens = _attention_inputs(q, k_cache, block_table, seq_lens, v_cache,
+                                          per_head_ok=True)
     if q.dtype != k.dtype:
         raise ValueError(f"q: dtype {q.dtype} differs from the cache's {k.dtype}")
     if out is not None:

@@ -69,7 +69,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
                          opart_ptr, lse_ptr, out_ptr, counter_ptr,
                          sq_b, sq_h, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
                          st_b, st_m, ss_b, so_b, so_h, so_d, scale_log2, split_tokens,
-                         num_splits,
+                         num_splits, st_h, sl_b, sl_h, ss_h, sc_b, sc_h,
                          HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
                          D: tl.constexpr, DPAD: tl.constexpr, BS: tl.constexpr,
                          TILE: tl.constexpr, IEEE: tl.constexpr, SELECTED: tl.constexpr,
@@ -89,10 +89,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
     split = tl.program_id(1)
     b = pid // HKV
     g = pid % HKV
-    seq = tl.load(lens_ptr + b)
+    # per-KV-head tables: the ``*_h`` strides pick KV head g's row (0 for one table per request)
+    seq = tl.load(lens_ptr + b * sl_b + g * sl_h)
     if SELECTED:
         last_len = seq - ((seq + BS - 1) // BS - 1) * BS
-        seq = (tl.load(count_ptr + b) - 1) * BS + last_len
+        seq = (tl.load(count_ptr + b * sc_b + g * sc_h) - 1) * BS + last_len
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, seq)
 
@@ -114,10 +115,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
         t = t0 + cols
         tmask = t < end
         if SELECTED:
-            logical = tl.load(sel_ptr + b64 * ss_b + t // BS, mask=tmask, other=0)
+            logical = tl.load(sel_ptr + b64 * ss_b + g * ss_h + t // BS, mask=tmask, other=0)
         else:
             logical = t // BS
-        phys = tl.load(table_ptr + b64 * st_b + logical * st_m, mask=tmask, other=0).to(tl.int64)
+        phys = tl.load(table_ptr + b64 * st_b + g * st_h + logical * st_m, mask=tmask,
+                       other=0).to(tl.int64)
         off = t % BS
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_head + phys[:, None] * sk_n + off[:, None] * sk_t + d[None, :] * sk_d,
@@ -282,7 +284,16 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
     selected = sel is not None
     if selected:
         sel = sel.contiguous()
-    max_tokens = (sel if selected else block_table).shape[1] * bs
+    max_tokens = (sel if selected else block_table).shape[-1] * bs
+    # per-KV-head tables ([B, Hkv, K] table or selection, [B, Hkv] lengths or counts)
+    st_h = block_table.stride(1) if block_table.dim() == 3 else 0
+    st_b, st_m = block_table.stride(0), block_table.stride(-1)
+    sl_b, sl_h = (seq_lens.stride(0), seq_lens.stride(1)) if seq_lens.dim() == 2 else (1, 0)
+    ss_b, ss_h = ((sel.stride(0), sel.stride(1) if sel.dim() == 3 else 0) if selected else (0, 0))
+    if selected and count.dim() == 2:
+        sc_b, sc_h = count.stride(0), count.stride(1)
+    else:
+        sc_b, sc_h = 1, 0
     if num_splits is None:
         num_splits, split_tokens = plan(B, Hkv, max_tokens, q.device, tile)
     else:
@@ -299,9 +310,9 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
     _jit(_decode_split_kernel)[(B * Hkv, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, sel if selected else seq_lens,
         count if selected else seq_lens, opart, lse, out, counters,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
-        sel.stride(0) if selected else 0, *out.stride(), scale * LOG2E, split_tokens,
-        num_splits,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), st_b, st_m,
+        ss_b, *out.stride(), scale * LOG2E, split_tokens,
+        num_splits, st_h, sl_b, sl_h, ss_h, sc_b, sc_h,
         HKV=Hkv, GROUP=group, GPAD=_p2(group, 16), D=D, DPAD=dpad, BS=bs, TILE=tile,
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
         SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits),
