@@ -30,9 +30,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def make(method, **opts):
+def make(method, per_kv_head=None, **opts):
     cfg = {"min_blocks": 8, "init_window": 1, "local_window": 2, "sparse_ratio": 0.25, **opts}
-    return ucm.sparse.create(cfg, method=method, **SHAPE)
+    extra = {} if per_kv_head is None else {"per_kv_head": per_kv_head}
+    return ucm.sparse.create(cfg, method=method, **extra, **SHAPE)
 
 
 def cache(num_blocks=120, seed=0):
@@ -301,6 +302,47 @@ def test_sub_blocks_one_op_call_per_layer(monkeypatch, method):
     half.request_begin("a", 1)
     half.attention_begin(1, ["a"], q[:1].bfloat16(), k.bfloat16(), table[:1], lens[:1])
     assert half._tables[1]["mean" if method != "quest" else "kmax"].dtype == torch.bfloat16
+
+
+def test_quest_per_kv_head_selects_each_heads_blocks():
+    """per_kv_head=True: each KV head keeps the blocks its own queries point at (planted per KV
+    head), tables [B, Hkv, K] / lengths [B, Hkv] that paged_decode_attention takes; a short row
+    stays dense (its table copied per head); other methods refuse the option."""
+    torch.manual_seed(5)
+    k = cache(seed=9)
+    table, lens = tables([64 * BS + 4, 5 * BS], seed=10)
+    q = torch.randn(2, HQ, D)
+    hot = {0: [9, 25, 40], 1: [13, 30, 51]}                  # KV head -> its planted blocks
+    for kv, blocks in hot.items():
+        direction = q[0, kv * (HQ // HKV):(kv + 1) * (HQ // HKV)].sum(0)
+        direction = direction / direction.norm()
+        for j in blocks:
+            k[int(table[0, j]), :, kv] += 4.0 * direction
+    m = make("quest", sparse_ratio=0.125, sparse_repr_group=4)
+    per = ucm.sparse.create({"min_blocks": 8, "init_window": 1, "local_window": 2,
+                             "sparse_ratio": 0.125, "sparse_repr_group": 4}, method="quest",
+                            per_kv_head=True, **SHAPE)
+    for meth in (m, per):
+        meth.request_begin("a", 1), meth.request_begin("b", 1)
+    t_sel, l_sel = per.attention_begin(0, ["a", "b"], q, k, table, lens)
+    assert t_sel.shape[:2] == (2, HKV) and l_sel.shape == (2, HKV)
+    n = math.ceil(int(lens[0]) / BS)
+    own = table[0, :n].tolist()
+    for kv, blocks in hot.items():
+        count = math.ceil(int(l_sel[0, kv]) / BS)
+        logical = [own.index(p) for p in t_sel[0, kv, :count].tolist()]
+        assert logical == sorted(set(logical)) and {0, n - 2, n - 1} <= set(logical)
+        assert set(blocks) <= set(logical), kv
+        other = hot[1 - kv]
+        assert not set(other) <= set(logical), "the other head's blocks are not all needed"
+    nb1 = math.ceil(int(lens[1]) / BS)                       # the short row: dense, per head
+    assert (l_sel[1] == lens[1]).all() and (t_sel[1, :, :nb1] == table[1, :nb1]).all()
+    out = ops.paged_decode_attention(q, k, k, t_sel, l_sel)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    shared = m.attention_begin(0, ["a", "b"], q, k, table, lens)
+    assert shared[0].dim() == 2
+    with pytest.raises(ValueError, match="per_kv_head"):
+        make("esa", per_kv_head=True)
 
 
 def test_random_baseline_misses_planted_blocks():

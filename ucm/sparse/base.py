@@ -88,11 +88,21 @@ class SparseMethod:
     reprs: tuple = ()  # representation tables the method scores with (subset of REPR_KINDS)
     partial_reprs = False  # also keep the partial last block's representations current
     sub_blocks = False     # honours sparse_repr_group (scores through score_per_head)
+    supports_per_kv_head = False   # select() honours per_kv_head (sel [b, Hkv, K], count [b, Hkv])
 
     def __init__(self, config: Union[Config, Mapping, None] = None, *, num_layers: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 device: Union[str, torch.device] = "cpu"):
+                 device: Union[str, torch.device] = "cpu", per_kv_head: bool = False):
         cfg = as_config(config)
+        if not isinstance(per_kv_head, bool):
+            raise ValueError(f"per_kv_head: expected a bool, got {per_kv_head!r}")
+        if per_kv_head and not self.supports_per_kv_head:
+            raise ValueError(f"per_kv_head: the {self.name!r} method selects one set of blocks per "
+                             f"request (supported: quest)")
+        #: each KV head selects its own blocks: attention_begin returns ``[B, Hkv, K]`` tables
+        #: and ``[B, Hkv]`` lengths (ucm.sparse.ops.paged_decode_attention takes them; the
+        #: vLLM hook does not, it never sets this)
+        self.per_kv_head = per_kv_head
         self.num_layers = _positive_int(num_layers, "num_layers")
         self.num_q_heads = _positive_int(num_q_heads, "num_q_heads")
         self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
@@ -254,16 +264,25 @@ class SparseMethod:
                                  tables)
         for st in sub_states:
             st.calls[layer] = st.calls.get(layer, 0) + 1
-        t_sparse, l_sparse = ops.sparse_block_table(sub_table, sub_lens, sel, count, bs)
+        if sel.dim() == 3:   # per KV head: one table per (row, KV head)
+            b_, H_, K_ = sel.shape
+            t_sparse, l_sparse = ops.sparse_block_table(
+                sub_table.repeat_interleave(H_, 0), sub_lens.repeat_interleave(H_),
+                sel.reshape(b_ * H_, K_), count.reshape(-1), bs)
+            t_sparse, l_sparse = t_sparse.reshape(b_, H_, K_), l_sparse.reshape(b_, H_)
+        else:
+            t_sparse, l_sparse = ops.sparse_block_table(sub_table, sub_lens, sel, count, bs)
         if len(rows) == B:
             return t_sparse, l_sparse
         dense_width = max(n for i, n in enumerate(nblocks) if i not in set(rows))
-        width = max(t_sparse.shape[1], dense_width)
-        out_table = torch.zeros(B, width, dtype=torch.int32, device=dev)
-        out_table[:, :dense_width] = block_table[:, :dense_width]
+        width = max(t_sparse.shape[-1], dense_width)
+        heads = () if sel.dim() == 2 else (sel.shape[1],)
+        out_table = torch.zeros(B, *heads, width, dtype=torch.int32, device=dev)
+        dense_part = block_table[:, :dense_width]
+        out_table[..., :dense_width] = dense_part[:, None] if heads else dense_part
         out_table[ri] = 0
-        out_table[ri, :t_sparse.shape[1]] = t_sparse
-        out_lens = seq_lens.clone()
+        out_table[ri, ..., :t_sparse.shape[-1]] = t_sparse
+        out_lens = seq_lens[:, None].repeat(1, *heads) if heads else seq_lens.clone()
         out_lens[ri] = l_sparse
         return out_table, out_lens
 
@@ -289,6 +308,22 @@ class SparseMethod:
                  else {"kmin": tables["kmin"], "kmax": tables["kmax"]})
         return ops.score_blocks(q, block_table, num_blocks, kind=kind, channel_mask=channel_mask,
                                 reduce="none", **reprs)
+
+    def pick_per_kv_head(self, scores: torch.Tensor, num_blocks: torch.Tensor,
+                         budget: torch.Tensor):
+        """Top blocks of each KV head by ``scores [b, Hkv, M]``: ``(sel [b, Hkv, K],
+        count [b, Hkv])``, the windows and the budget per KV head."""
+        b, H, M = scores.shape
+        sel, count = self.pick(scores.reshape(b * H, M), num_blocks.repeat_interleave(H),
+                               budget.repeat_interleave(H))
+        return sel.reshape(b, H, -1), count.reshape(b, H)
+
+    def kv_head_mass(self, per_head: torch.Tensor) -> torch.Tensor:
+        """:meth:`head_mass` per KV head: ``[b, Hkv, M]``, the shares of attention averaged over
+        each KV head's query heads."""
+        b, Hq, M = per_head.shape
+        shares = torch.softmax(per_head / math.sqrt(self.head_dim), dim=-1)
+        return shares.reshape(b, self.num_kv_heads, Hq // self.num_kv_heads, M).mean(2)
 
     def head_mass(self, per_head: torch.Tensor) -> torch.Tensor:
         """Block scores from per-head logit estimates ``[b, Hq, M]`` (``-inf`` past a request's

@@ -7,6 +7,11 @@ per-head softmax over blocks, averaged; on SmolLM2 this lost less perplexity tha
 bounds over heads). The bounds are kept per ``sparse_repr_group`` sub-block (default 4 tokens) and
 a block scores as its best sub-block: a tighter bound (``benchmarks/RESULTS.md``, "Scoring
 improvements").
+
+``per_kv_head=True`` (constructor keyword, e.g. ``ucm.sparse.create(cfg, per_kv_head=True, ...)``):
+each KV head keeps its own top blocks by the shares of its query heads; ``attention_begin`` then
+returns per-KV-head tables ``[B, Hkv, K]`` / lengths ``[B, Hkv]`` (the vLLM hook does not take
+them and never sets it).
 """
 from __future__ import annotations
 
@@ -17,7 +22,10 @@ class Quest(SparseMethod):
     name = "quest"
     reprs = ("kmin", "kmax")
     sub_blocks = True
+    supports_per_kv_head = True
 
     def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
         bound = self.score_per_head(q, block_table, num_blocks, "quest", tables)
+        if self.per_kv_head:   # each KV head its own top blocks, by its query heads' shares
+            return self.pick_per_kv_head(self.kv_head_mass(bound), num_blocks, budget)
         return self.pick(self.head_mass(bound), num_blocks, budget)
