@@ -138,7 +138,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     vals = v_cache[:used].reshape(used * bs, Hkv, D)
     qg = q.reshape(B, Hkv, Hq // Hkv, D).to(torch.float32)
     scores = torch.einsum("bkgd,nkd->bkgn", qg, keys) * scale
-    mask = _token_mask(block_table, seq_lens, used, bs)[:, None, None, :]
+    if block_table.dim() == 3:   # one table per KV head ([B, Hkv, M], lengths [B, Hkv])
+        mask = _token_mask(block_table.reshape(B * Hkv, -1), seq_lens.reshape(-1), used,
+                           bs).reshape(B, Hkv, 1, used * bs)
+    else:
+        mask = _token_mask(block_table, seq_lens, used, bs)[:, None, None, :]
     out = torch.einsum("bkgn,nkd->bkgd", torch.softmax(scores.masked_fill(~mask, float("-inf")), -1),
                        vals).reshape(B, Hq, D).to(q.dtype)
     if full is None:
@@ -369,12 +373,19 @@ def run_continuation(model: SmolLM2, context: Sequence[int], continuation: Seque
             sel = m.attention_begin(layer, ids, q[ri], k_cache, bt[ri], sl[ri])
             if sel is not None:
                 t_sel, l_sel = sel
+                if t_sel.dim() == 3 and out_table.dim() == 2:   # per-KV-head tables: all rows
+                    H = t_sel.shape[1]
+                    out_table = out_table[:, None].repeat(1, H, 1)
+                    out_lens = out_lens[:, None].repeat(1, H)
                 out_table[ri] = 0
-                out_table[ri, :t_sel.shape[1]] = t_sel.to(torch.int32)
+                if t_sel.dim() == 2 and out_table.dim() == 3:
+                    t_sel, l_sel = t_sel[:, None], l_sel[:, None]
+                out_table[ri, ..., :t_sel.shape[-1]] = t_sel.to(torch.int32)
                 out_lens[ri] = l_sel.to(torch.int32)
                 changed = True
             m.attention_finished(layer, ids)
-        step_blocks.add_(((out_lens.to(torch.long) + bs - 1) // bs).float())
+        kept = ((out_lens.to(torch.long) + bs - 1) // bs).float()
+        step_blocks.add_(kept.mean(1) if kept.dim() == 2 else kept)
         return (out_table, out_lens) if changed else None
 
     def step(t: int) -> None:

@@ -95,7 +95,9 @@ def evaluate(model, doc: list, length: int, tokens: int, ratios, methods, base_c
     for ratio in ratios:
         for name in methods:
             cfg = dict(base_cfg, sparse_method="esa", sparse_ratio=ratio)
-            rows.append(ucm.sparse.create(cfg, method=name, **shape))
+            base, _, opt = name.partition(":")      # "quest:kvhead": per-KV-head selection
+            extra = {"per_kv_head": True} if opt == "kvhead" else {}
+            rows.append(ucm.sparse.create(cfg, method=base, **extra, **shape))
             keys.append((name, ratio))
     context, cont = doc[:length], doc[length:length + tokens]
     targets = torch.tensor(doc[length + 1:length + tokens + 1])
@@ -161,7 +163,8 @@ def main(argv=None) -> int:
                    "for all, or one per context)")
     p.add_argument("--tokens", type=int, default=32, help="continuation tokens per document")
     p.add_argument("--ratios", default=",".join(map(str, RATIOS)))
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated; NAME:kvhead = per-KV-head selection (quest)")
     p.add_argument("--config", default="{}", help="JSON dict of extra ucm options for every method "
                    "(e.g. windows, sparse_dense_layers)")
     p.add_argument("--quick", action="store_true", help="one 2K document, 16 tokens (~1 minute)")
