@@ -11,7 +11,9 @@ import). Kernels call no ``@triton.jit`` helpers, so one process can run them bo
   token, runs an online softmax in float32 (base 2) and writes a partial output and its
   log-sum-exp. A second kernel merges the slices per query head. The number of slices is chosen
   so that ``B * Hkv * splits`` covers the multiprocessors a few times over (:func:`plan`).
-  Any strides. Launch defaults tuned on the H200 (``benchmarks/bench_sparse.py --sweep``).
+  Any strides. Per-KV-head tables (``[B, Hkv, M]`` tables / ``[B, Hkv]`` lengths, or a
+  ``[B, Hkv, K]`` selection): program ``(b * Hkv + g, s)`` reads row ``(b, g)``.
+  Launch defaults tuned on the H200 (``benchmarks/bench_sparse.py --sweep``).
 - :func:`update_block_reprs`: one program per (listed block, KV head, sub-block): masked mean /
   min / max over the sub-block's valid tokens; codes hashed from the means by the
   :func:`hash_codes` kernel.
