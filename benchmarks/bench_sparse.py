@@ -442,6 +442,30 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         "attention_folded_fused_merge": lambda: tri.decode(q, k, v, table, lens, scale, sel=sel,
                                                            count=count, fused_merge=True),
     }
+    # per-KV-head selection (Quest's per_kv_head option): one selection row per (request, KV
+    # head), tables [B, Hkv, K]; checked against the reference on one request first
+    try:
+        kv_mass = torch.softmax(scorer("quest")() * scale, -1).reshape(
+            batch, HKV, HQ // HKV, -1).mean(2)
+        kv_args = (kv_mass.reshape(batch * HKV, -1), nblk.repeat_interleave(HKV),
+                   budget.repeat_interleave(HKV), table.repeat_interleave(HKV, 0),
+                   lens.repeat_interleave(HKV))
+        _, _, kv_t, kv_n = tri.select_sparse_table(*kv_args, init_window=INIT_WINDOW,
+                                                   local_window=LOCAL_WINDOW, width=width,
+                                                   block_size=BS)
+        kv_t, kv_n = kv_t.reshape(batch, HKV, -1), kv_n.reshape(batch, HKV)
+        kv_out = tri.decode(q, k, v, kv_t, kv_n, scale)
+        kv_want = ops.paged_decode_attention(q[:1].float(), k.float(), v.float(), kv_t[:1],
+                                             kv_n[:1], backend="reference")
+        res["per_kv_head_attention_rel_err_row0"] = rel_err(kv_out[:1], kv_want)
+        del kv_want
+        parts["select_per_kv_head_with_table"] = lambda: tri.select_sparse_table(
+            *kv_args, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW, width=width,
+            block_size=BS)
+        parts["attention_per_kv_head_table"] = lambda: tri.decode(q, k, v, kv_t, kv_n, scale)
+    except Exception as exc:  # an extra figure: recorded, the run goes on
+        res["per_kv_head_error"] = repr(exc)[:300]
+        print(f"per-KV-head part failed: {res['per_kv_head_error']}", flush=True)
     parts_graph = {name: bench(fn, graph=True) for name, fn in parts.items()}
     for name in ("score_esa_g4_per_head", "head_mass_triton", "select_with_table",
                  "attention_table", "attention_table_reduce_chunk32"):
