@@ -39,6 +39,9 @@ def main():
     p.add_argument("--tokens", type=int, default=4000)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--decode-repeats", type=int, default=3)
+    p.add_argument("--reserved-cpus", type=int, default=1,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (vLLM's default on a 2-core "
+                        "machine is 1: one OpenMP thread computes, one core serves the rest)")
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -61,7 +64,8 @@ def main():
     store, exdir = os.path.join(work, "kv"), os.path.join(work, "example")
     os.makedirs(store)
     os.makedirs(exdir)
-    common = {"model": model, "dtype": "bfloat16", "prompts": prompts, "block_size": 128}
+    common = {"model": model, "dtype": "bfloat16", "prompts": prompts, "block_size": 128,
+              "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}}
 
     def ucm_spec(name, phases, root=store, **connector):
         stats = os.path.join(work, f"stats-{name}.jsonl")
@@ -127,6 +131,7 @@ def main():
     out = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
         "date": time.strftime("%Y-%m-%d"), "tokens": n, "repeats": r, "decode_repeats": nd,
+        "reserved_cpus": args.reserved_cpus,
         "dtype": "bfloat16",
         "plain_miss_ttft_s": med("plain", "miss-ttft"),
         "plain_after_miss_ttft_s": med("plain_after", "miss-ttft"),

@@ -521,3 +521,39 @@ def test_bad_geometry():
                       ({"block_bytes": 100, "shard_bytes": 100}, "multiple of 8")]:
         with pytest.raises(ValueError, match=match):
             open_store({"store": {"pipeline": "memory"}}, **kw)
+
+
+def test_borrow_lends_committed_rows_without_copy_and_pins_them(tmp_path):
+    """KVStore.borrow: the memory tier lends its pool rows (the bytes it stored), a lent row is
+    not evicted before release, a block it does not hold comes back as -1; tiers without host
+    memory (posix) lend nothing; a pipeline lends its first tier's rows."""
+    s = memory(buffer_number=2)
+    ids = make_ids(3, seed=21)
+    src = payload(ids)
+    s.commit(ids[:2], s.wait(s.dump(ids[:2], 0, src[:2])).ok)
+    lent = s.borrow(ids)
+    assert lent.rows[2] == -1 and not lent.all_found
+    for i in range(2):
+        assert np.array_equal(lent.pool[int(lent.rows[i])].numpy(), src[i])
+    # both slots lent: a third block cannot evict them
+    r = s.wait(s.dump(ids[2:], 0, src[2:]))
+    s.commit(ids[2:], r.ok)
+    assert s.lookup(ids[:2]) == [True, True]
+    lent.release()
+    lent.release()  # idempotent
+    s.commit(ids[2:], s.wait(s.dump(ids[2:], 0, src[2:])).ok)  # now evicts the oldest
+    assert s.lookup(ids).count(True) == 2 and s.lookup(ids[2:]) == [True]
+    with s.borrow(ids[2:]) as lent:
+        assert lent.all_found and np.array_equal(lent.pool[int(lent.rows[0])].numpy(), src[2])
+    s.close()
+    p = posix(tmp_path)
+    assert p.borrow(ids) is None
+    p.close()
+    (tmp_path / "p").mkdir()
+    pipe = PipelineStore([memory(), posix(tmp_path / "p")])
+    pipe.commit(ids, pipe.wait(pipe.dump(ids, 0, src)).ok)
+    with pipe.borrow(ids) as lent:
+        assert lent.all_found
+        got = np.stack([lent.pool[int(k)].numpy() for k in lent.rows])
+    assert np.array_equal(got, src)
+    pipe.close()

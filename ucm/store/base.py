@@ -358,6 +358,14 @@ class KVStore(ABC):
     def prefetch(self, block_ids) -> None:
         """Hint that these blocks will be loaded soon (a pipeline warms its faster tier)."""
 
+    def borrow(self, block_ids) -> Optional["Borrowed"]:
+        """Zero-copy read access to committed blocks this store holds in host memory: a
+        :class:`Borrowed` (one 2-D ``uint8`` pool tensor, the row of each block in it or -1,
+        and ``release()``), or ``None`` when the store keeps nothing in memory. Borrowed rows
+        are never evicted or overwritten before ``release()``. Optional capability: a caller
+        falls back to ``load`` when it gets ``None`` or rows of -1."""
+        return None
+
     def supports_batch_ops(self) -> bool:
         return False
 
@@ -408,6 +416,32 @@ class KVStore(ABC):
         if flags.shape != (len(ids),) or flags.dtype.kind not in "bi":
             raise ValueError(f"success_flags: expected {len(ids)} booleans, got {flags!r}")
         return ids, flags.astype(bool)
+
+
+class Borrowed:
+    """Blocks lent by :meth:`KVStore.borrow`: ``pool`` is ``uint8 [n_rows, block_bytes]``,
+    ``rows[i]`` the pool row holding block ``i`` (-1: not held). Release exactly once (also as a
+    context manager)."""
+
+    def __init__(self, pool, rows: np.ndarray, release):
+        self.pool = pool
+        self.rows = rows
+        self._release = release
+
+    @property
+    def all_found(self) -> bool:
+        return bool(len(self.rows)) and bool((self.rows >= 0).all())
+
+    def release(self) -> None:
+        rel, self._release = self._release, None
+        if rel is not None:
+            rel()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 def combine(kind: str, tasks: Sequence[Task]) -> Task:

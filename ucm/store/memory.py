@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from ucm.ops import BlockIndex, alloc_aligned, copy_segments
-from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task
+from ucm.store.base import Borrowed, BlockBuffers, BlockGeometry, KVStore, Task
 
 log = logging.getLogger("ucm.store.memory")
 
@@ -246,6 +246,27 @@ class MemoryStore(KVStore):
             ready = self._cuda_ready_event(bufs)
             self._exec.submit(self._run_load, task, found, slots[found], offset, nbytes, bufs, ready)
         return task.seal()
+
+    def borrow(self, block_ids) -> Borrowed:
+        """The pool as ``[n_slots, block_bytes]`` and each block's slot (-1: not held); the
+        slots are held like a load's until ``release()``."""
+        from ucm.ids import as_ids
+
+        ids = as_ids(block_ids, "block_ids")
+        with self._lock:
+            self._ensure_pool()
+            slots = self._index.lookup(ids).astype(np.int64)
+            found = slots[slots >= 0]
+            np.add.at(self._refs, found, 1)
+            self._index.touch(ids[slots >= 0])
+        self._stats.add(lookups=len(ids), hits=len(found), misses=len(ids) - len(found))
+
+        def release():
+            with self._lock:
+                np.add.at(self._refs, found, -1)
+
+        pool = self._torch_pool().view(self.n_slots, self.geometry.block_bytes)
+        return Borrowed(pool, slots, release)
 
     def _run_load(self, task, found, slots, offset, nbytes, bufs, ready):
         import time

@@ -118,6 +118,16 @@ class PipelineStore(KVStore):
             except Exception as exc:  # promotion is an optimisation: never fail a load for it
                 log.warning("ucm pipeline: promotion into %s failed: %r", tier.name, exc)
 
+    def borrow(self, block_ids):
+        """The first tier's zero-copy view (blocks only in lower tiers come back as -1)."""
+        out = self.tiers[0].borrow(block_ids)
+        if out is not None:
+            held = int((out.rows >= 0).sum())
+            with self._lock:
+                self._lookups += len(out.rows)
+                self._hits[0] += held
+        return out
+
     def prefetch(self, block_ids) -> None:
         """Promote blocks that only lower tiers hold into the first tier, in the background."""
         ids = as_ids(block_ids, "block_ids")

@@ -416,7 +416,8 @@ class UCMConnector(KVConnectorBase_V1):
                           "save_blocks": 0, "save_failed": 0, "save_bytes": 0, "save_s": 0.0,
                           "gather_s": 0.0, "save_tail_blocks": 0, "save_waits": 0,
                           "save_wait_s": 0.0, "steps": 0, "forward_s": 0.0,
-                          "resumed_requests": 0, "resumed_load_blocks": 0}
+                          "resumed_requests": 0, "resumed_load_blocks": 0,
+                          "borrowed_load_blocks": 0}
         self._forward_t0: Optional[float] = None
         pc = self._vllm_config.parallel_config
         self._rank = int(getattr(pc, "rank", 0) or 0) % max(1, self.ns.tp_size)
@@ -506,6 +507,8 @@ class UCMConnector(KVConnectorBase_V1):
             self._start_layer_loads(ids, blocks)
             return
         t0 = time.perf_counter()
+        if self._device.type == "cpu" and self._load_borrowed(ids, blocks, t0):
+            return
         staging = self._staging_rows(len(ids), self.layout.block_bytes)
         try:
             res = self.store.wait(self.store.load(ids, 0, staging))
@@ -521,6 +524,30 @@ class UCMConnector(KVConnectorBase_V1):
         self._counters["load_store_s"] += t1 - t0
         self._counters["scatter_s"] += t2 - t1
         self._record_load(blocks, ok, t2 - t0)
+
+    def _load_borrowed(self, ids, blocks, t0) -> bool:
+        """All blocks in the memory tier: one copy from its pool straight into the paged cache
+        (no staging buffer). False (nothing done) when some block is elsewhere."""
+        try:
+            lent = self.store.borrow(ids)
+        except Exception as exc:
+            log.debug("ucm: borrow failed (%r); loading through staging", exc)
+            return False
+        if lent is None:
+            return False
+        with lent:
+            if not lent.all_found or len(np.unique(lent.rows)) < len(lent.rows):
+                return False  # (one pool row cannot feed two cache blocks in one scatter)
+            idx = torch.full((lent.pool.shape[0],), -1, dtype=torch.int64)
+            idx[torch.from_numpy(lent.rows)] = torch.tensor(blocks, dtype=torch.int64)
+            t1 = time.perf_counter()
+            ucm.scatter_blocks(self.layout, lent.pool, idx)
+        t2 = time.perf_counter()
+        self._counters["load_store_s"] += t1 - t0
+        self._counters["scatter_s"] += t2 - t1
+        self._counters["borrowed_load_blocks"] += len(blocks)
+        self._record_load(blocks, np.ones(len(blocks), dtype=bool), t2 - t0)
+        return True
 
     def _record_load(self, blocks, ok, seconds) -> None:
         failed = [b for b, good in zip(blocks, ok) if not good]
