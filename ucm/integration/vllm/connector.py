@@ -333,7 +333,7 @@ class UCMConnector(KVConnectorBase_V1):
                 st.known = max(st.known, b)
             is_tail = False
             if tail is not None and len(ids) == b - a and len(st.blocks) > b:
-                _, is_tail = self._tail_id(st, b, st.request.num_tokens - b * bs)
+                is_tail = st.request.num_tokens - b * bs < bs  # else the full block b (see _tail_id)
                 ids = np.concatenate([ids, tail[None]])
                 blocks = blocks + [st.blocks[b]]
                 if is_tail:
@@ -446,7 +446,6 @@ class UCMConnector(KVConnectorBase_V1):
         first_batch = min(64, self.layout.num_blocks) * bb  # staging for a long prompt, up front
         self._staging = self._alloc(min(first_batch, 512 << 20))
         self._free_staging.append(self._alloc(min(first_batch, 512 << 20)))
-        self._device = next(iter(kv_caches.values())).device
         log.info("ucm connector: %d layers, %d bytes per block, store %s", len(unique), bb,
                  self.cfg["store.pipeline"])
 
