@@ -113,7 +113,7 @@ class MemoryStore(KVStore):
             torch.cuda.cudart().cudaHostUnregister(self.pool.ctypes.data)
             self.pinned = False
 
-    # -- slots (callers hold self._lock) ------------------------------------------------------
+    # -- slots (callers hold self._lock, except _hold and _unhold, which take it) ---------------
     def _alloc_slots(self, k: int) -> list:
         """Up to ``k`` slots: free ones first, then by evicting least recently used blocks that
         no load is reading (one batched index call, not one per block)."""
@@ -133,6 +133,20 @@ class MemoryStore(KVStore):
 
     def _release(self, p: _Pending) -> None:
         self._free.append(p.slot)
+
+    def _hold(self, ids) -> np.ndarray:
+        """Slots of ``ids`` (-1: not held), each held against eviction until ``_unhold`` (a
+        load or a borrow reading it); touched as most recently used."""
+        with self._lock:
+            slots = self._index.lookup(ids)
+            found = slots >= 0
+            np.add.at(self._refs, slots[found], 1)
+            self._index.touch(ids[found])
+        return slots
+
+    def _unhold(self, slots) -> None:
+        with self._lock:
+            np.add.at(self._refs, slots, -1)
 
     # -- API ----------------------------------------------------------------------------------
     def lookup(self, block_ids) -> list[bool]:
@@ -231,11 +245,8 @@ class MemoryStore(KVStore):
     def _load(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
         task = Task("load", ids)
         nbytes = len(shards) * self.geometry.shard_bytes
-        with self._lock:
-            slots = self._index.lookup(ids)
-            found = np.flatnonzero(slots >= 0)
-            np.add.at(self._refs, slots[found], 1)
-            self._index.touch(ids[found])
+        slots = self._hold(ids)
+        found = np.flatnonzero(slots >= 0)
         missing = {int(i): "not in memory tier" for i in np.flatnonzero(slots < 0)}
         self._stats.add(lookups=len(ids), hits=len(found), misses=len(missing),
                         load_failures=len(missing))
@@ -255,18 +266,11 @@ class MemoryStore(KVStore):
         ids = as_ids(block_ids, "block_ids")
         with self._lock:
             self._ensure_pool()
-            slots = self._index.lookup(ids).astype(np.int64)
-            found = slots[slots >= 0]
-            np.add.at(self._refs, found, 1)
-            self._index.touch(ids[slots >= 0])
+        slots = self._hold(ids).astype(np.int64)
+        found = slots[slots >= 0]
         self._stats.add(lookups=len(ids), hits=len(found), misses=len(ids) - len(found))
-
-        def release():
-            with self._lock:
-                np.add.at(self._refs, found, -1)
-
         pool = self._torch_pool().view(self.n_slots, self.geometry.block_bytes)
-        return Borrowed(pool, slots, release)
+        return Borrowed(pool, slots, lambda: self._unhold(found))
 
     def _run_load(self, task, found, slots, offset, nbytes, bufs, ready):
         import time
@@ -277,8 +281,7 @@ class MemoryStore(KVStore):
             ok, err = True, None
         except Exception as exc:
             ok, err = False, f"copy from memory tier failed: {exc!r}"
-        with self._lock:
-            np.add.at(self._refs, slots, -1)
+        self._unhold(slots)
         self._stats.add(load_blocks=len(found) if ok else 0, load_bytes=len(found) * nbytes if ok else 0,
                         load_seconds=time.perf_counter() - t0, load_failures=0 if ok else len(found))
         task.finish_part(found if ok else [], None if ok else {int(i): err for i in found},
