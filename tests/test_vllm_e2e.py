@@ -136,6 +136,8 @@ def runs(model, prompts, tmp_path_factory):
         f.seek(4096 + 1000)
         f.write(bytes([byte[0] ^ 0xFF]))
     out["victim"] = victim
+    with open(victim, "rb") as f:
+        out["victim_bytes"] = f.read()
     stats2 = tmp / "stats-restart.jsonl"
     out["restart"] = _run(_spec(model, prompts, NAMES, [{"name": "shared60", "prompts": [SHARED]},
                                                         {"name": "all", "prompts": MAIN}],
@@ -188,8 +190,15 @@ def test_restart_gets_hits_from_disk_and_recovers_from_corruption(runs):
     stats = phase["connector_stats"]
     assert stats["load_blocks"] > 50  # a fresh process: these came from the posix tier
     assert stats["load_failed"] >= 1  # the corrupted block, recomputed by vLLM
-    assert not os.path.exists(runs["victim"])  # quarantined
-    assert glob.glob(str(runs["store"] / ".ucm" / "quarantine" / "*"))
+    # the corrupted file itself was moved to quarantine ...
+    quarantined = [open(q, "rb").read() for q in glob.glob(str(runs["store"] / ".ucm" / "quarantine" / "*"))]
+    assert runs["victim_bytes"] in quarantined
+    # ... and the block is either gone or was saved again after vLLM recomputed it (another
+    # request in flight looked it up after the quarantine): never the corrupted bytes
+    if os.path.exists(runs["victim"]):
+        with open(runs["victim"], "rb") as f:
+            assert f.read() != runs["victim_bytes"]
+        assert stats["save_blocks"] >= 1
 
 
 def test_shared_prefix_loads_exactly_the_shared_full_blocks(runs):

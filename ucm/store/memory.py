@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from ucm import threads
 from typing import Optional
 
 import numpy as np
@@ -66,7 +66,7 @@ class MemoryStore(KVStore):
         self._pending: dict[bytes, _Pending] = {}
         self._refs = np.zeros(self.n_slots, dtype=np.int64)
         self._lock = threading.Lock()
-        self._exec = ThreadPoolExecutor(max(1, int(io_threads)), thread_name_prefix="ucm-memory")
+        self._exec = threads.pool(io_threads, "ucm-memory")
         self._copy_threads = copy_threads
         self._streams: dict = {}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from ucm import threads
 from typing import Sequence
 
 import numpy as np
@@ -41,7 +41,7 @@ class PipelineStore(KVStore):
         self._hits = np.zeros(len(tiers), dtype=np.int64)
         self._lookups = 0
         self._lock = threading.Lock()
-        self._bg = ThreadPoolExecutor(2, thread_name_prefix="ucm-pipeline")
+        self._bg = threads.pool(2, "ucm-pipeline")
         self._inflight: set = set()
 
     def _where(self, ids: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from ucm import threads
 from typing import Optional, Sequence
 
 import numpy as np
@@ -255,7 +255,7 @@ class PosixStore(KVStore):
         self.roots = [_Root(r, per_root, self.file_bytes, stale_tmp_s, self._stats) for r in roots]
         self._pending: dict[bytes, _Pending] = {}
         self._lock = threading.Lock()
-        self._exec = ThreadPoolExecutor(self.io_threads, thread_name_prefix="ucm-posix")
+        self._exec = threads.pool(self.io_threads, "ucm-posix")
         self._bounce_free: list = []  # pinned host buffers for CUDA rows, reused
 
     # -- paths ----------------------------------------------------------------------------------

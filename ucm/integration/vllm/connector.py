@@ -64,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 import ucm
+from ucm import threads as ucm_threads
 from ucm.config import Config
 from ucm.ids import Namespace
 from ucm.reference.hashing import murmur3_x64_128
@@ -440,6 +441,11 @@ class UCMConnector(KVConnectorBase_V1):
         uniform = all(self.layout.shard_bytes(k) == shard for k in range(len(unique)))
         self._shard = shard if uniform and shard % 8 == 0 else bb
         self._layer_index = {n: k for k, n in enumerate(unique)}
+        # this is the engine's compute thread: ucm's threads (started lazily, from here on) go to
+        # the CPUs it is not bound to, or run at a lower priority where it uses them all
+        cpus, nice = ucm_threads.place_beside_current_thread()
+        log.info("ucm connector: background threads on CPUs %s, nice +%d",
+                 sorted(cpus) if cpus else "unchanged", nice)
         self.store = _open_store(self.cfg, self.ns, bb, self._shard)
         self.store.prepare()  # allocate (and pin) host buffers now, not in the first request
         self._device = next(iter(kv_caches.values())).device
@@ -644,8 +650,7 @@ class UCMConnector(KVConnectorBase_V1):
                 self._req_jobs[r] = self._req_jobs.get(r, 0) + 1
             self._jobs_in_flight += 1
         if self._executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ucm-save")
+            self._executor = ucm_threads.pool(1, "ucm-save")
         self._executor.submit(self._run_save, ids, blocks, is_tail, reqs)
 
     def _run_save(self, ids, blocks, is_tail, reqs) -> None:
