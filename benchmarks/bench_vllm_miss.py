@@ -10,7 +10,8 @@ counted) and then two more distinct prompts generating 64 tokens each (decode to
 prompt's prefill and its background save included). Per ucm engine: its median TTFT and median
 decode rate against the mean of its two neighbouring plain engines; reported: each ratio, their
 median, and the spread between neighbouring plain engines (the machine's noise). bf16, block
-size 128, vLLM's default reserved CPU (one OpenMP thread on a 2-core machine).
+size 128, vLLM's default reserved CPU (one OpenMP thread on a 2-core machine) unless
+``--reserved-cpus`` says otherwise.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=4000)
+    p.add_argument("--reserved-cpus", type=int, default=1,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU (1: vLLM's default; 0: what `ucm demo` uses)")
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -49,7 +52,7 @@ def main():
               {"name": "decode0", "prompts": [4], "max_tokens": 64},
               {"name": "decode1", "prompts": [5], "max_tokens": 64}]
     common = {"model": model, "dtype": "bfloat16", "prompts": prompts, "block_size": 128,
-              "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, "phases": phases}
+              "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}, "phases": phases}
     t0 = time.time()
     runs = []
     for i in range(2 * args.pairs + 1):
@@ -82,7 +85,7 @@ def main():
                       "plain_spread_ttft": abs(b["ttft_s"] / a["ttft_s"] - 1),
                       "plain_spread_decode": abs(b["decode_tps"] / a["decode_tps"] - 1)})
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.uname().nodename} {os.cpu_count()} cores",
-           "tokens": n, "runs": runs, "pairs": pairs,
+           "tokens": n, "reserved_cpus": args.reserved_cpus, "runs": runs, "pairs": pairs,
            "median_ttft_overhead": statistics.median(x["ttft_overhead"] for x in pairs),
            "median_decode_overhead": statistics.median(x["decode_overhead"] for x in pairs),
            "first_tokens_agree": len({json.dumps(r["first_tokens"]) for r in runs}) == 1,

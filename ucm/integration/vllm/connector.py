@@ -418,7 +418,7 @@ class UCMConnector(KVConnectorBase_V1):
                           "gather_s": 0.0, "save_tail_blocks": 0, "save_waits": 0,
                           "save_wait_s": 0.0, "steps": 0, "forward_s": 0.0,
                           "resumed_requests": 0, "resumed_load_blocks": 0,
-                          "borrowed_load_blocks": 0}
+                          "borrowed_load_blocks": 0, "background_cpus": 0, "background_nice": 0}
         self._forward_t0: Optional[float] = None
         pc = self._vllm_config.parallel_config
         self._rank = int(getattr(pc, "rank", 0) or 0) % max(1, self.ns.tp_size)
@@ -444,6 +444,7 @@ class UCMConnector(KVConnectorBase_V1):
         # this is the engine's compute thread: ucm's threads (started lazily, from here on) go to
         # the CPUs it is not bound to, or run at a lower priority where it uses them all
         cpus, nice = ucm_threads.place_beside_current_thread()
+        self._counters["background_cpus"], self._counters["background_nice"] = len(cpus or ()), nice
         log.info("ucm connector: background threads on CPUs %s, nice +%d",
                  sorted(cpus) if cpus else "unchanged", nice)
         self.store = _open_store(self.cfg, self.ns, bb, self._shard)
