@@ -298,6 +298,24 @@ class SmolLM2:
 # ---------------------------------------------------------------------------------------------
 # teacher-forced continuation with sparse methods
 
+def method_variant(name: str, cfg: dict, **shape):
+    """A harness row's sparse method from ``NAME[:OPT+OPT...]``: ``kvhead`` = per-KV-head
+    selection (quest, oracle), ``gN`` = ``sparse_repr_group`` N; e.g. ``quest:kvhead+g2``.
+    ``cfg`` (ucm options) is not modified."""
+    import ucm.sparse
+
+    base, _, opts = name.partition(":")
+    cfg, extra = dict(cfg), {}
+    for opt in filter(None, opts.split("+")):
+        if opt == "kvhead":
+            extra["per_kv_head"] = True
+        elif opt[:1] == "g" and opt[1:].isdigit():
+            cfg["sparse_repr_group"] = int(opt[1:])
+        else:
+            raise ValueError(f"--methods: unknown option {opt!r} in {name!r} (expected kvhead or gN)")
+    return ucm.sparse.create(cfg, method=base, **extra, **shape)
+
+
 @dataclass
 class Continuation:
     """Result of :func:`run_continuation` (``R`` rows = methods, ``T`` continuation steps).

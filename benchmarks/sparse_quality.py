@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.sparse_model import SmolLM2, run_continuation  # noqa: E402
+from benchmarks.sparse_model import SmolLM2, method_variant, run_continuation  # noqa: E402
 
 METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
 RATIOS = (0.7, 0.5, 0.3, 0.2)
@@ -87,17 +87,13 @@ def self_check(model: SmolLM2, path: str, ids: list) -> dict:
 
 def evaluate(model, doc: list, length: int, tokens: int, ratios, methods, base_cfg: dict) -> list:
     """One document: per (ratio, method) the NLL, agreement, KL and mass arrays of its T steps."""
-    import ucm.sparse
-
     shape = dict(num_layers=model.num_layers, num_q_heads=model.num_q_heads,
                  num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, block_size=16)
     rows, keys = [None], [("dense", None)]
     for ratio in ratios:
         for name in methods:
             cfg = dict(base_cfg, sparse_method="esa", sparse_ratio=ratio)
-            base, _, opt = name.partition(":")      # "quest:kvhead": per-KV-head selection
-            extra = {"per_kv_head": True} if opt == "kvhead" else {}
-            rows.append(ucm.sparse.create(cfg, method=base, **extra, **shape))
+            rows.append(method_variant(name, cfg, **shape))
             keys.append((name, ratio))
     context, cont = doc[:length], doc[length:length + tokens]
     targets = torch.tensor(doc[length + 1:length + tokens + 1])
@@ -164,7 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="continuation tokens per document")
     p.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     p.add_argument("--methods", default=",".join(METHODS),
-                   help="comma-separated; NAME:kvhead = per-KV-head selection (quest)")
+                   help="comma-separated; options after ':' joined by '+': kvhead = per-KV-head "
+                   "selection (quest, oracle), gN = sparse_repr_group N (e.g. quest:kvhead+g2)")
     p.add_argument("--config", default="{}", help="JSON dict of extra ucm options for every method "
                    "(e.g. windows, sparse_dense_layers)")
     p.add_argument("--quick", action="store_true", help="one 2K document, 16 tokens (~1 minute)")

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import retrieval_tasks as rt  # noqa: E402
-from benchmarks.sparse_model import SmolLM2, run_continuation  # noqa: E402
+from benchmarks.sparse_model import SmolLM2, method_variant, run_continuation  # noqa: E402
 
 METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
 RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5)
@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lengths", default="2048,4096", help="prompt lengths in tokens")
     ap.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1]")
     ap.add_argument("--seeds", type=int, default=1, help="instances per task x length x depth")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated; NAME:kvhead+gN variants as in sparse_quality.py")
     ap.add_argument("--ratios", default=",".join(str(r) for r in RATIOS), help="sparse_ratio values")
     ap.add_argument("--config", default="{}", help="extra ucm options as JSON (windows, stride...)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the prefill")
@@ -88,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ValueError(f"--ratios: each must be in (0, 1], got {args.ratios}")
     args.methods = [m for m in args.methods.split(",") if m]
     for m in args.methods:
-        if m not in METHODS:
+        if m.partition(":")[0] not in METHODS:
             raise ValueError(f"--methods: unknown method {m!r}; expected some of {METHODS}")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
@@ -106,8 +107,6 @@ def load_tokenizer(path: str):
 
 def run_instance(model, tok, inst: rt.Instance, methods, ratios, base_cfg: dict) -> dict:
     """Dense row + one row per (method, ratio) on one instance -> per-row exact match, mass."""
-    import ucm.sparse
-
     prompt, answer = rt.encode(tok, inst)
     shape = dict(num_layers=model.num_layers, num_q_heads=model.num_q_heads,
                  num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, block_size=16)
@@ -115,7 +114,7 @@ def run_instance(model, tok, inst: rt.Instance, methods, ratios, base_cfg: dict)
     for ratio in ratios:
         for name in methods:
             cfg = dict(base_cfg, sparse_method="esa", sparse_ratio=ratio)
-            rows.append(ucm.sparse.create(cfg, method=name, **shape))
+            rows.append(method_variant(name, cfg, **shape))
             keys.append((name, ratio))
     # Prefill all but the last prompt token; feed it and the answer (teacher-forced) as decode
     # steps: step t predicts answer[t].

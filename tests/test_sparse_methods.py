@@ -343,6 +343,25 @@ def test_quest_per_kv_head_selects_each_heads_blocks():
     assert shared[0].dim() == 2
     with pytest.raises(ValueError, match="per_kv_head"):
         make("esa", per_kv_head=True)
+    # the same through the configuration option: identical selection; the keyword wins
+    cfg = {"min_blocks": 8, "init_window": 1, "local_window": 2, "sparse_ratio": 0.125,
+           "sparse_repr_group": 4, "sparse_per_kv_head": True}
+    by_cfg = ucm.sparse.create(cfg, method="quest", **SHAPE)
+    by_cfg.request_begin("a", 1), by_cfg.request_begin("b", 1)
+    t_cfg, l_cfg = by_cfg.attention_begin(0, ["a", "b"], q, k, table, lens)
+    assert torch.equal(t_cfg, t_sel) and torch.equal(l_cfg, l_sel)
+    assert not ucm.sparse.create(cfg, method="quest", per_kv_head=False, **SHAPE).per_kv_head
+    with pytest.raises(ValueError, match="sparse_per_kv_head"):
+        ucm.sparse.create(dict(cfg, sparse_method="esa"), **SHAPE)
+    # the per-KV-head oracle (harness ceiling) finds each head's planted blocks from exact mass
+    oracle = ucm.sparse.create(cfg, method="oracle", **SHAPE)
+    oracle.request_begin("a", 1), oracle.request_begin("b", 1)
+    t_or, l_or = oracle.attention_begin(0, ["a", "b"], q, k, table, lens)
+    for kv, blocks in hot.items():
+        logical = [own.index(p) for p in t_or[0, kv, :math.ceil(int(l_or[0, kv]) / BS)].tolist()]
+        assert set(blocks) <= set(logical), kv
+    mass = oracle.kv_head_block_mass(q, k, table, lens)
+    assert torch.allclose(mass.mean(1), ops.block_attention_mass(q, k, table, lens), atol=1e-5)
 
 
 def test_random_baseline_misses_planted_blocks():

@@ -352,6 +352,15 @@ def test_bad_sparse_config_fails_loudly(_clean_patches):
     with pytest.raises(ValueError, match="sparse_ratio"):
         integ.patch()
     _clean_patches.delenv("UCM_SPARSE_RATIO")
+    # per-KV-head tables: vLLM-CPU's kernel takes one table per request, so the option is refused
+    with pytest.raises(ValueError, match="sparse_per_kv_head"):
+        sparse_hook.configure(Config({"sparse_method": "quest", "sparse_per_kv_head": True}))
+    _clean_patches.setenv("UCM_SPARSE_METHOD", "quest")
+    _clean_patches.setenv("UCM_SPARSE_PER_KV_HEAD", "1")
+    with pytest.raises(ValueError, match="sparse_per_kv_head"):
+        integ.patch()
+    _clean_patches.delenv("UCM_SPARSE_PER_KV_HEAD")
+    _clean_patches.delenv("UCM_SPARSE_METHOD")
 
 
 # ---------------------------------------------------------------------------------------------

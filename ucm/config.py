@@ -210,6 +210,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("sparse_repr_group", "int", 4, "Tokens per sub-block summary of ESA/KVStar/Quest "
            "(a block scores as its best sub-block; a divisor of the block size); 0 or >= the "
            "block size = one summary per block.", min=0),
+    Option("sparse_per_kv_head", "bool", False, "Each KV head selects its own blocks (Quest): "
+           "needs an attention kernel that takes one block table per KV head (ucm.sparse.ops "
+           "does; the vLLM-CPU hook does not and refuses it)."),
     Option("sparse_hash_bits", "int", 128, "Bits of GSA's block hash codes (a multiple of 32).",
            min=32, check=_check_hash_bits),
     Option("kvstar_channels", "int", 32, "Channels of each query head KVStar scores with (those "

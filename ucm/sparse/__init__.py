@@ -37,7 +37,8 @@ def create(config: Union[Config, Mapping, None] = None, *, method: Optional[str]
 
     ``method`` overrides ``config.sparse_method`` (the harness uses it for the baselines, which
     the option does not offer). ``shape``: ``num_layers, num_q_heads, num_kv_heads, head_dim,
-    block_size, device`` plus ``per_kv_head`` (quest: one selection per KV head) and
+    block_size, device`` plus ``per_kv_head`` (quest: one selection per KV head; default: the
+    ``sparse_per_kv_head`` option) and
     method-specific arguments (``prefetch`` for gsa, ``seed`` for
     random). Returns None for ``"none"``."""
     cfg = as_config(config)

@@ -92,16 +92,19 @@ class SparseMethod:
 
     def __init__(self, config: Union[Config, Mapping, None] = None, *, num_layers: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 device: Union[str, torch.device] = "cpu", per_kv_head: bool = False):
+                 device: Union[str, torch.device] = "cpu", per_kv_head: Optional[bool] = None):
         cfg = as_config(config)
+        key = "per_kv_head"
+        if per_kv_head is None:   # not given: the configuration's sparse_per_kv_head
+            per_kv_head, key = bool(cfg["sparse_per_kv_head"]), "sparse_per_kv_head"
         if not isinstance(per_kv_head, bool):
             raise ValueError(f"per_kv_head: expected a bool, got {per_kv_head!r}")
         if per_kv_head and not self.supports_per_kv_head:
-            raise ValueError(f"per_kv_head: the {self.name!r} method selects one set of blocks per "
+            raise ValueError(f"{key}: the {self.name!r} method selects one set of blocks per "
                              f"request (supported: quest)")
         #: each KV head selects its own blocks: attention_begin returns ``[B, Hkv, K]`` tables
         #: and ``[B, Hkv]`` lengths (ucm.sparse.ops.paged_decode_attention takes them; the
-        #: vLLM hook does not, it never sets this)
+        #: vLLM-CPU hook does not and refuses sparse_per_kv_head)
         self.per_kv_head = per_kv_head
         self.num_layers = _positive_int(num_layers, "num_layers")
         self.num_q_heads = _positive_int(num_q_heads, "num_q_heads")

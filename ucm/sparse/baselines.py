@@ -15,12 +15,32 @@ from ucm.sparse.base import SparseMethod
 
 class Oracle(SparseMethod):
     name = "oracle"
+    supports_per_kv_head = True   # the ceiling for per-KV-head methods: each KV head's exact mass
 
     def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
+        valid = (torch.arange(block_table.shape[1], device=q.device)[None, :]
+                 < num_blocks.long()[:, None])
+        if self.per_kv_head:
+            mass = self.kv_head_block_mass(q, k_cache, block_table, seq_lens)
+            return self.pick_per_kv_head(torch.where(valid[:, None], mass, float("-inf")),
+                                         num_blocks, budget)
         mass = ops.block_attention_mass(q, k_cache, block_table, seq_lens)
-        mass = torch.where(torch.arange(mass.shape[1], device=mass.device)[None, :]
-                           < num_blocks.long()[:, None], mass, float("-inf"))
-        return self.pick(mass, num_blocks, budget)
+        return self.pick(torch.where(valid, mass, float("-inf")), num_blocks, budget)
+
+    def kv_head_block_mass(self, q, k_cache, block_table, seq_lens) -> torch.Tensor:
+        """float32 ``[B, Hkv, M]``: each block's exact softmax mass, averaged over the query
+        heads of each KV head (0 past a request's blocks)."""
+        B, Hq, D = q.shape
+        bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+        out = torch.zeros(B, Hkv, block_table.shape[1], dtype=torch.float32, device=q.device)
+        for b, n in enumerate(seq_lens.tolist()):
+            nb = -(-n // bs)
+            keys = k_cache[block_table[b, :nb].long()].reshape(nb * bs, Hkv, D)[:n].float()
+            keys = keys.repeat_interleave(Hq // Hkv, dim=1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), keys) / D ** 0.5, dim=-1)
+            p = torch.nn.functional.pad(p, (0, nb * bs - n)).reshape(Hq, nb, bs).sum(-1)
+            out[b, :, :nb] = p.reshape(Hkv, Hq // Hkv, nb).mean(1)
+        return out
 
 
 class Random(SparseMethod):

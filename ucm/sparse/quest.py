@@ -8,10 +8,10 @@ bounds over heads). The bounds are kept per ``sparse_repr_group`` sub-block (def
 a block scores as its best sub-block: a tighter bound (``benchmarks/RESULTS.md``, "Scoring
 improvements").
 
-``per_kv_head=True`` (constructor keyword, e.g. ``ucm.sparse.create(cfg, per_kv_head=True, ...)``):
-each KV head keeps its own top blocks by the shares of its query heads; ``attention_begin`` then
-returns per-KV-head tables ``[B, Hkv, K]`` / lengths ``[B, Hkv]`` (the vLLM hook does not take
-them and never sets it).
+``sparse_per_kv_head: true`` (or the constructor keyword ``per_kv_head=True``, which wins): each
+KV head keeps its own top blocks by the shares of its query heads; ``attention_begin`` then
+returns per-KV-head tables ``[B, Hkv, K]`` / lengths ``[B, Hkv]``, which
+``ucm.sparse.ops.paged_decode_attention`` takes (the vLLM-CPU hook cannot and refuses the option).
 """
 from __future__ import annotations
 

