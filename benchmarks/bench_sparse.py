@@ -21,8 +21,10 @@ run, with CUDA events (``triton.testing.do_bench``, median; "graph": replays of 
     (every step); one graph holds one scoring + selection and ``stride`` attentions, divided by
     ``stride``. Variants: "method" (what ``ucm.sparse`` computes: per-head scores, PyTorch head
     mass, select, table kernel, attention), "fast" (Triton head mass, table folded into the
-    selection), "sum" (scores summed over heads in the kernel, no head mass), each optionally
-    with the merge launch in channel chunks and with programmatic dependent launch ("_pdl").
+    selection), "sum" (scores summed over heads in the kernel, no head mass); suffixes: "_prev"
+    (the single-program selection and the whole-channel merge launch, the defaults before the
+    batch-1 pairwise selection and ``REDUCE_CHUNK`` 32), "_fused" (merge folded into the split
+    kernel), "_pairs" (pairwise selection at any batch).
     Also the byte floor of each: dense bytes / (selected K/V + table bytes / stride).
 
 The timed functions are the Triton implementations (``ucm.fast.triton.sparse``), as an attention
@@ -51,6 +53,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: ``--smoke``: tiny shapes on the CPU through the Triton interpreter, every figure a single call
 #: (checks that the script runs, before spending GPU time; the numbers mean nothing).
 SMOKE = "--smoke" in sys.argv
+#: ``--explore``: a short sweep of the new knobs (pairwise selection tile / warps, split count
+#: with and without the fused merge) in each shape.
+EXPLORE = "--explore" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -182,6 +187,24 @@ def check(report: dict, cases=None) -> bool:
                                          width=width, block_size=BS)
         r["select_table_identical"] = all(torch.equal(a, b) for a, b in
                                           zip(folded, (*sel_r, stab, slens)))
+        sel_p = knobs(lambda: tri.select_blocks(hm_ref, n_blocks, torch.full_like(n_blocks, budget),
+                                                init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+                                                width=width), **PAIRS)()
+        folded_p = knobs(lambda: tri.select_sparse_table(
+            hm_ref, n_blocks, torch.full_like(n_blocks, budget), table, lens,
+            init_window=INIT_WINDOW, local_window=LOCAL_WINDOW, width=width, block_size=BS),
+            **PAIRS)()
+        # ties: the same scores rounded to 3 significant bits (many equal values)
+        coarse = (hm_ref.view(torch.int32) & ~((1 << 21) - 1)).view(torch.float32)
+        tie_r = ops.select_blocks(coarse, n_blocks, budget, init_window=INIT_WINDOW,
+                                  local_window=LOCAL_WINDOW, backend="reference")
+        tie_p = knobs(lambda: tri.select_blocks(coarse, n_blocks, torch.full_like(n_blocks, budget),
+                                                init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+                                                width=width), **PAIRS)()
+        r["select_pairs_identical"] = (all(torch.equal(a, b) for a, b in zip(sel_p, sel_r))
+                                       and all(torch.equal(a, b) for a, b in zip(tie_p, tie_r)))
+        r["select_table_pairs_identical"] = all(torch.equal(a, b) for a, b in
+                                                zip(folded_p, (*sel_r, stab, slens)))
         sp_want = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
                                              backend="reference")
         for merge in (False, True):
@@ -195,7 +218,8 @@ def check(report: dict, cases=None) -> bool:
         passed = (all(e < 1e-2 for e in errs) and r["tables_max_ulps"] <= 1.0
                   and all(r[n] < 1e-5 for n in r if n.startswith("score_"))
                   and r["head_mass_rel_err"] < 1e-4 and r["selection_identical"]
-                  and r["select_table_identical"])
+                  and r["select_table_identical"] and r["select_pairs_identical"]
+                  and r["select_table_pairs_identical"])
         r["passed"] = passed
         ok &= passed
         results.append(r)
@@ -297,6 +321,26 @@ DEFAULTS = dict(block_n=tri.BLOCK_N, warps=tri.NUM_WARPS, stages=tri.NUM_STAGES,
                 per_sm=tri.PROGRAMS_PER_SM)
 
 
+def knobs(fn, **values):
+    """``fn`` run with module knobs of ucm.fast.triton.sparse set (restored after)."""
+    def run():
+        saved = {n: getattr(tri, n) for n in values}
+        for n, v in values.items():
+            setattr(tri, n, v)
+        try:
+            return fn()
+        finally:
+            for n, v in saved.items():
+                setattr(tri, n, v)
+    return run
+
+
+#: The pairwise-rank selection (two launches over the whole GPU) for every row length.
+PAIRS = dict(SELECT_PAIRS_MIN_BLOCKS=0, SELECT_PAIRS_MAX_ROWS=1 << 20)
+#: The configuration before the pairwise selection and the chunked merge became defaults.
+PREV = dict(SELECT_PAIRS_MIN_BLOCKS=None, REDUCE_CHUNK=None)
+
+
 PDL_ERROR = [None]
 
 
@@ -366,7 +410,9 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     dense_graph = bench(dense_fn(), graph=True)
     dense_graph_fused = bench(dense_fn(True), graph=True)
     dense_graph_pdl = with_pdl(lambda: bench(dense_fn(), graph=True))
-    dense_best = min(x for x in (dense_graph, dense_graph_fused, dense_graph_pdl) if x is not None)
+    dense_graph_whole = bench(knobs(dense_fn(), REDUCE_CHUNK=None), graph=True)
+    dense_best = min(x for x in (dense_graph, dense_graph_fused, dense_graph_pdl,
+                                 dense_graph_whole) if x is not None)
     # (b) SDPA on contiguous K/V
     kc = k[table.long()].reshape(batch, tokens, HKV, D).transpose(1, 2).contiguous()
     vc = v[table.long()].reshape(batch, tokens, HKV, D).transpose(1, 2).contiguous()
@@ -411,13 +457,6 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                                   local_window=LOCAL_WINDOW, width=width)
     head_mass_agreement = selection_agreement(sel_torch[0], sel_torch[1], sel, count)
 
-    def chunked(fn, chunk=32):
-        tri.REDUCE_CHUNK = chunk
-        try:
-            return fn()
-        finally:
-            tri.REDUCE_CHUNK = None
-
     parts = {
         "score_esa_g4_per_head": scorer("esa"),
         "score_esa_g4_sum": scorer("esa", "sum"),
@@ -431,10 +470,19 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         "select_with_table": lambda: tri.select_sparse_table(
             mass, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
             width=width, block_size=BS),
+        "select_single_program": knobs(lambda: tri.select_sparse_table(
+            mass, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+            width=width, block_size=BS), SELECT_PAIRS_MIN_BLOCKS=None),
+        "select_pairs": knobs(lambda: tri.select_blocks(
+            mass, nblk, budget, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW, width=width),
+            **PAIRS),
+        "select_with_table_pairs": knobs(lambda: tri.select_sparse_table(
+            mass, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+            width=width, block_size=BS), **PAIRS),
         "table": lambda: tri.sparse_block_table(table, lens, sel, count, BS),
         "attention_table": lambda: tri.decode(q, k, v, stab, slens, scale, fused_merge=False),
-        "attention_table_reduce_chunk32": lambda: chunked(lambda: tri.decode(
-            q, k, v, stab, slens, scale, fused_merge=False)),
+        "attention_table_whole_merge": knobs(lambda: tri.decode(
+            q, k, v, stab, slens, scale, fused_merge=False), REDUCE_CHUNK=None),
         "attention_table_fused_merge": lambda: tri.decode(q, k, v, stab, slens, scale,
                                                           fused_merge=True),
         "attention_folded": lambda: tri.decode(q, k, v, table, lens, scale, sel=sel, count=count,
@@ -466,17 +514,31 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     except Exception as exc:  # an extra figure: recorded, the run goes on
         res["per_kv_head_error"] = repr(exc)[:300]
         print(f"per-KV-head part failed: {res['per_kv_head_error']}", flush=True)
-    parts_graph = {name: bench(fn, graph=True) for name, fn in parts.items()}
-    for name in ("score_esa_g4_per_head", "head_mass_triton", "select_with_table",
-                 "attention_table", "attention_table_reduce_chunk32"):
-        parts_graph[name + "_pdl"] = with_pdl(lambda: bench(parts[name], graph=True))
+    parts_graph = {}
+    for name, fn in parts.items():
+        try:
+            parts_graph[name] = bench(fn, graph=True)
+        except Exception as exc:  # a part, not the run: recorded
+            parts_graph[name] = None
+            res.setdefault("errors", {})[name] = repr(exc)[:300]
+            print(f"{name} failed: {res['errors'][name]}", flush=True)
 
     def step_fn(method: str, stride: int, variant: str):
         """One graph: scoring + selection once, then ``stride`` attentions. "method": what
         ucm.sparse runs on CUDA (per-head scores, PyTorch head mass, select, table kernel,
         attention with the merge launch); "fast": the Triton head mass, the table folded into
-        the selection, the merge folded into the attention; "sum": scores summed over heads
-        inside the scoring kernel (no head mass), then as "fast"."""
+        the selection; "sum": scores summed over heads inside the scoring kernel (no head
+        mass), then as "fast". Suffixes, in this order: ``_pairs``, ``_fused``, ``_prev`` (see
+        the module docstring)."""
+        values = {}
+        for suffix, extra in (("_prev", PREV),):
+            if variant.endswith(suffix):
+                variant = variant[:-len(suffix)]
+                values.update(extra)
+        fused = variant.endswith("_fused")
+        variant = variant[:-len("_fused")] if fused else variant
+        pairs = variant.endswith("_pairs")
+        variant = variant[:-len("_pairs")] if pairs else variant
         score = scorer(method, "sum" if variant == "sum" else "none")
 
         def steps():
@@ -492,23 +554,23 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                     m, nblk, budget, table, lens, init_window=INIT_WINDOW,
                     local_window=LOCAL_WINDOW, width=width, block_size=BS)
             for _ in range(stride):
-                o = tri.decode(q, k, v, t, n, scale, fused_merge=False)
+                o = tri.decode(q, k, v, t, n, scale, fused_merge=fused)
             return o
-        if variant.endswith("_chunk32"):
-            variant = variant[:-len("_chunk32")]
-            return lambda: chunked(steps)
-        return steps
+        if pairs:
+            values.update(PAIRS)
+        return knobs(steps, **values) if values else steps
 
     configs = [("esa", 1), ("esa", STRIDE), ("quest", 1)]
     per_step = {}
     for method, stride in configs:
-        for variant in ("method", "fast", "sum", "fast_chunk32"):
+        for variant in ("method", "fast", "sum", "method_prev", "fast_prev", "sum_prev"):
             name = f"{method}_stride{stride}_{variant}"
-            per_step[name] = bench(step_fn(method, stride, variant), graph=True) / stride
-            if variant != "method":
-                ms = with_pdl(lambda: bench(step_fn(method, stride, variant), graph=True))
-                if ms is not None:
-                    per_step[name + "_pdl"] = ms / stride
+            try:
+                per_step[name] = bench(step_fn(method, stride, variant), graph=True) / stride
+            except Exception as exc:  # a variant, not the run: recorded
+                per_step[name] = None
+                res.setdefault("errors", {})[name] = repr(exc)[:300]
+                print(f"{name} failed: {res['errors'][name]}", flush=True)
 
     # the bytes each step must move at least: the selected K/V, plus the tables over the stride
     sel_kv = kv_bytes * budget_n / n_blocks
@@ -517,6 +579,20 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     floors = {f"{m}_stride{s}": kv_bytes / (sel_kv + table_bytes[m] / s) for m, s in configs}
 
     sweeps = {}
+    if EXPLORE:
+        for t, cols, warps in ((16, 256, 4), (32, 256, 4), (16, 512, 4), (32, 512, 8),
+                               (64, 256, 8), (32, 128, 4), (64, 128, 4)):
+            sweeps[f"select_with_table_pairs_tile{t}_cols{cols}_warps{warps}"] = bench(knobs(
+                parts["select_with_table_pairs"], SELECT_PAIRS_TILE=t, SELECT_PAIRS_COLS=cols,
+                SELECT_PAIRS_WARPS=warps), graph=True)
+        sweeps["attention_table_chunk32_pdl"] = with_pdl(lambda: bench(knobs(
+            parts["attention_table"], REDUCE_CHUNK=32), graph=True))
+        base_splits, _ = tri.plan(batch, HKV, stab.shape[1] * BS, q.device)
+        for splits in sorted({(4 * base_splits) // 5, base_splits, (6 * base_splits) // 5}):
+            for merge in (False,):
+                sweeps[f"attention_splits{splits}_fused{int(merge)}"] = bench(
+                    lambda: tri.decode(q, k, v, stab, slens, scale, num_splits=splits,
+                                       fused_merge=merge), graph=True)
     if tune:
         for rows, per_sm, warps in itertools.product((32, 64, 128), (1, 2, 4, 8), (4, 8)):
             tri.SCORE_ROWS, tri.SCORE_PROGRAMS_PER_SM, tri.SCORE_WARPS = rows, per_sm, warps
@@ -553,6 +629,7 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     res.update(
         pdl_error=PDL_ERROR[0],
         ms=dict(dense=dense, dense_graph=dense_graph, dense_graph_fused_merge=dense_graph_fused,
+                dense_graph_whole_merge=dense_graph_whole,
                 dense_graph_pdl=dense_graph_pdl, dense_best=dense_best,
                 sdpa=sdpa, copy=copy, sparse_public_ops_esa_stride1=public,
                 sparse_parts_graph=parts_graph, sparse_per_step_graph=per_step),
@@ -565,7 +642,8 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         ratios=dict(dense_over_sdpa=dense / sdpa,
                     bandwidth_over_copy=attn_bw / copy_bw,
                     dense_over_sparse_public_ops_esa_stride1=dense / public,
-                    **{f"dense_over_{name}": dense_best / ms for name, ms in per_step.items()}),
+                    **{f"dense_over_{name}": dense_best / ms for name, ms in per_step.items()
+                       if ms}),
     )
     use_config({})
     del k, v
@@ -578,6 +656,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the interpreter")
     ap.add_argument("--sweep", action="store_true", help="tune the decode launch first")
+    ap.add_argument("--explore", action="store_true",
+                    help="short sweep of the pairwise selection and the split count")
     ap.add_argument("--tune", action="store_true",
                     help="also sweep the scoring tile, the sparse attention launch and the selection warps")
     args = ap.parse_args()

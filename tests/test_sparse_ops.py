@@ -12,6 +12,7 @@ Triton interpreter, which must be active when triton is imported (its standard l
 jitted at import), so this module imports triton under ``TRITON_INTERPRET=1`` on such machines.
 """
 import importlib.util
+import itertools
 import math
 import os
 import re
@@ -385,9 +386,19 @@ def test_select_triton_identical(triton_ready, monkeypatch):
     runs += [("4-ary", (continuous, cont_n), per_row), ("topk", (scores, nblk), 5),
              ("topk", (wide, cont_n), per_row), ("radix", (scores, nblk), 5),
              ("radix", (wide, cont_n), 12), ("radix", (continuous, cont_n), per_row)]
+    runs += [("pairs", data, budget) for data in ((scores, nblk), (continuous, cont_n),
+                                                  (wide, cont_n))
+             for budget in (1, 5, 12, per_row if data[0].shape[0] == 3 else 7)]
     for path, (s, n), budget in runs:
         monkeypatch.setattr(tri, "SELECT_KERNEL_MAX_BLOCKS", 0 if path == "topk" else 1 << 20)
         monkeypatch.setattr(tri, "SELECT_RADIX", path == "radix")
+        # pairwise ranks: programs of 8 blocks reading the row in chunks of 16 (chunks before
+        # and after each program's own) and compaction in chunks of 16
+        monkeypatch.setattr(tri, "SELECT_PAIRS_MIN_BLOCKS", 0 if path == "pairs" else None)
+        monkeypatch.setattr(tri, "SELECT_PAIRS_MAX_ROWS", 1 << 20)
+        monkeypatch.setattr(tri, "SELECT_PAIRS_TILE", 8)
+        monkeypatch.setattr(tri, "SELECT_PAIRS_COLS", 16)
+        monkeypatch.setattr(tri, "SELECT_COMPACT_TILE", 16)
         kw = dict(init_window=1, local_window=2)
         want = ops.select_blocks(s, n, budget, backend="reference", **kw)
         got = ops.select_blocks(s, n, budget, backend="triton", **kw)
@@ -472,12 +483,13 @@ def test_decode_fused_merge_triton(triton_ready, small_splits):
         q, k, v, table, lens = paged_case(g, B=2, M=5, bs=4, D=64, dtype=dtype, lens=[19, 7])
         want = ops.paged_decode_attention(q.float(), k.float(), v.float(), table, lens,
                                           backend="reference")
-        small_splits.REDUCE_CHUNK = 16                       # the merge in 4 channel chunks
-        try:
-            chunked = small_splits.decode(q, k, v, table, lens, 0.125, fused_merge=False)
-        finally:
-            small_splits.REDUCE_CHUNK = None
-        assert rel(chunked, want) < TOL[dtype]
+        for chunk in (16, None):                             # 4 channel chunks, or all
+            saved, small_splits.REDUCE_CHUNK = small_splits.REDUCE_CHUNK, chunk
+            try:
+                chunked = small_splits.decode(q, k, v, table, lens, 0.125, fused_merge=False)
+            finally:
+                small_splits.REDUCE_CHUNK = saved
+            assert rel(chunked, want) < TOL[dtype], chunk
 
 
 def test_select_sparse_table_triton(triton_ready):
@@ -490,16 +502,23 @@ def test_select_sparse_table_triton(triton_ready):
     nblk = ((lens + bs - 1) // bs).int()
     scores = rand((4, 11), g)
     scores[0, 3] = float("nan")
-    for budget in (2, 5, 11):
-        want = ops.select_blocks(scores, nblk, budget, init_window=1, local_window=2,
-                                 backend="reference")
-        want_t = ops.sparse_block_table(table, lens, *want, bs, backend="reference")
-        bud = torch.full((4,), budget, dtype=torch.int32, device=DEV)
-        width = ops.select_width(11, budget, 1, 2)
-        got = tri.select_sparse_table(scores, nblk, bud, table, lens, init_window=1,
-                                      local_window=2, width=width, block_size=bs)
+    knobs = ("SELECT_PAIRS_MIN_BLOCKS", "SELECT_PAIRS_MAX_ROWS")
+    saved = [getattr(tri, n) for n in knobs]
+    for budget, pairs in itertools.product((2, 5, 11), (None, 0)):
+        tri.SELECT_PAIRS_MIN_BLOCKS, tri.SELECT_PAIRS_MAX_ROWS = pairs, 4  # pairwise or not
+        try:
+            want = ops.select_blocks(scores, nblk, budget, init_window=1, local_window=2,
+                                     backend="reference")
+            want_t = ops.sparse_block_table(table, lens, *want, bs, backend="reference")
+            bud = torch.full((4,), budget, dtype=torch.int32, device=DEV)
+            width = ops.select_width(11, budget, 1, 2)
+            got = tri.select_sparse_table(scores, nblk, bud, table, lens, init_window=1,
+                                          local_window=2, width=width, block_size=bs)
+        finally:
+            for n, v in zip(knobs, saved):
+                setattr(tri, n, v)
         for a, b in zip(got, want + want_t):
-            assert torch.equal(a, b), budget
+            assert torch.equal(a, b), (budget, pairs)
 
 
 def test_head_mass_triton(triton_ready):

@@ -29,6 +29,8 @@ import). Kernels call no ``@triton.jit`` helpers, so one process can run them bo
   search (or, with ``SELECT_RADIX``, a radix select) for the threshold score over an
   order-preserving integer image of the floats (three probes counted in one packed reduction
   per step), ties to the lower index through a prefix count, compaction through a second one.
+  One long row (batch 1, ``SELECT_PAIRS_*``) is selected by two launches over the whole GPU
+  instead: a pairwise rank of each candidate against the row, then a compaction.
   Rows longer than ``SELECT_KERNEL_MAX_BLOCKS`` use PyTorch glue instead: one ``torch.topk``
   over unique int64 keys (score image, then ``M-1-j``). All give exactly the reference's
   selection.
@@ -75,7 +77,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
                          HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
                          D: tl.constexpr, DPAD: tl.constexpr, BS: tl.constexpr,
                          TILE: tl.constexpr, IEEE: tl.constexpr, SELECTED: tl.constexpr,
-                         MERGE: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr = False):
+                         MERGE: tl.constexpr, SPAD: tl.constexpr, GP2: tl.constexpr = 1,
+                         PDL: tl.constexpr = False):
     """Partial attention of one GQA group over one slice of one request's tokens.
 
     Writes ``opart[b, h, s, :]`` (normalized partial output, float32) and ``lse[b, h, s]``
@@ -154,24 +157,27 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
     tl.store(opart_ptr + row[:, None] * D + d[None, :], o, mask=hmask[:, None] & dmask[None, :])
     if MERGE:
         # the group's last slice to finish merges all of them (no second launch): the atomic
-        # orders this program's partial stores before it and the others' before the merge reads
+        # orders this program's partial stores before it and the others' before the merge reads.
+        # All GROUP heads x num_splits slices are loaded at once (one round trip, not one per head)
         done = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
         if done == num_splits - 1:
-            sp = tl.arange(0, SPAD)
-            smask = sp < num_splits
-            for r in tl.static_range(GROUP):
-                h = g * GROUP + r
-                base = (b64 * (HKV * GROUP) + h) * num_splits
-                lse_s = tl.load(lse_ptr + base + sp, mask=smask, other=float("-inf"),
-                                cache_modifier=".cg")
-                mx = tl.max(lse_s, 0)
-                w = tl.where(smask & (lse_s > float("-inf")), tl.exp2(lse_s - mx), 0.0)
-                parts = tl.load(opart_ptr + (base + sp)[:, None] * D + d[None, :],
-                                mask=smask[:, None] & dmask[None, :], other=0.0,
-                                cache_modifier=".cg")
-                res = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-                tl.store(out_ptr + b64 * so_b + h * so_h + d * so_d,
-                         res.to(out_ptr.dtype.element_ty), mask=dmask)
+            mr = tl.arange(0, GP2 * SPAD)
+            hr = mr // SPAD
+            sr = mr % SPAD
+            mmask = (hr < GROUP) & (sr < num_splits)
+            mrow = (b64 * (HKV * GROUP) + g * GROUP + hr) * num_splits + sr
+            lse_s = tl.load(lse_ptr + mrow, mask=mmask, other=float("-inf"), cache_modifier=".cg")
+            parts = tl.load(opart_ptr + mrow[:, None] * D + d[None, :],
+                            mask=mmask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+            lse2 = tl.reshape(lse_s, [GP2, SPAD])
+            mx = tl.max(lse2, 1)
+            mx = tl.where(mx > float("-inf"), mx, 0.0)
+            w = tl.where(lse2 > float("-inf"), tl.exp2(lse2 - mx[:, None]), 0.0)   # [GP2, SPAD]
+            res = tl.sum(tl.reshape(parts, [GP2, SPAD, DPAD]) * w[:, :, None], 1)
+            res = res / tl.sum(w, 1)[:, None]
+            hh = tl.arange(0, GP2)
+            tl.store(out_ptr + b64 * so_b + (g * GROUP + hh)[:, None] * so_h + d[None, :] * so_d,
+                     res.to(out_ptr.dtype.element_ty), mask=(hh < GROUP)[:, None] & dmask[None, :])
             tl.atomic_xchg(counter_ptr + pid, 0)                  # ready for the next launch
 
 
@@ -200,8 +206,9 @@ def _decode_reduce_kernel(opart_ptr, lse_ptr, out_ptr, so_b, so_h, so_d, num_spl
              res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-#: Channels per program of the merge launch (None: all; fewer -> more programs for small batches).
-REDUCE_CHUNK = None
+#: Channels per program of the merge launch (None: all; fewer -> more programs for small batches;
+#: 32: -0.7 to -0.9 us at 1 x 128K in three H200 runs, neutral at 8 x 32K).
+REDUCE_CHUNK = 32
 
 #: Programmatic dependent launch (Hopper and later, CUDA tensors): every kernel of this module
 #: is launched with ``launch_pdl`` and starts with ``gdc_wait`` (the previous grid has finished
@@ -317,7 +324,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         num_splits, st_h, sl_b, sl_h, ss_h, sc_b, sc_h,
         HKV=Hkv, GROUP=group, GPAD=_p2(group, 16), D=D, DPAD=dpad, BS=bs, TILE=tile,
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
-        SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits),
+        SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits), GP2=_p2(group),
         num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch())
     if not merge:
         chunk = min(dpad, max(16, _p2(REDUCE_CHUNK))) if REDUCE_CHUNK else dpad
@@ -724,6 +731,110 @@ def _select_kernel(scores_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, widt
         tl.store(olens_ptr + b, (keep - 1) * BS + n_tok - ((n_tok + BS - 1) // BS - 1) * BS)
 
 
+def _rank_kernel(scores_ptr, nblk_ptr, budget_ptr, flag_ptr, M, ss_b, ss_m,
+                 INIT: tl.constexpr, LW: tl.constexpr, T: tl.constexpr, TJ: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """Chosen flags of blocks ``[c T, (c + 1) T)`` of request ``b`` (the batch-1 selection: every
+    program of the grid compares its blocks with all of the row's, so the whole GPU works on one
+    row). Forced blocks are chosen; a candidate is chosen when fewer than ``r`` candidates beat it
+    (higher int32 score image, or equal and a lower index), i.e. exactly the blocks the threshold
+    search of :func:`_select_kernel` takes. The row is read in ``[1, TJ]`` chunks (``TJ`` a
+    multiple of ``T``) compared with the program's ``[T, 1]`` blocks. ``LW = max(local_window,
+    1)`` (the last block is always forced). Per-pair counts accumulate in a ``[T, TJ]`` register
+    tile, summed once at the end (a sum per chunk cost a warp reduction per row and chunk)."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    i0 = tl.program_id(1) * T
+    n = tl.load(nblk_ptr + b)
+    head = tl.minimum(n, INIT)                                  # forced: [0, head) and [tail, n)
+    tail = tl.maximum(n - LW, 0)
+    n_forced = head + (n - tail) - tl.maximum(head - tail, 0)
+    keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
+    r = keep - n_forced
+    i = i0 + tl.arange(0, T)[:, None]                           # [T, 1]
+    vi = i < n
+    si = tl.load(scores_ptr + b * ss_b + i * ss_m, mask=vi, other=float("-inf"))
+    si = tl.where(si != si, float("-inf"), si)                 # NaN ranks like -inf
+    si = tl.where(si == 0.0, 0.0, si)                          # -0.0 ties with +0.0
+    bi = si.to(tl.int32, bitcast=True)
+    ui = tl.where(bi < 0, bi ^ 0x7FFFFFFF, bi)                 # >= image(-inf) > INT32_MIN
+    # j beats i  <=>  u_j > u_i, or u_j == u_i and j < i  <=>  u_j > u_i - (j < i); non-candidate
+    # j get INT32_MIN (beat nothing). Chunks wholly before / after this program's blocks need one
+    # compare per pair; the chunk holding them picks the threshold per pair.
+    lo_thr = ui - 1
+    cols = tl.arange(0, TJ)[None, :]                            # [1, TJ]
+    own = i0 // TJ * TJ                                         # the chunk holding [i0, i0 + T)
+    beats = tl.zeros([T, TJ], tl.int32)                         # summed once, at the end
+    for j0 in range(0, own, TJ):
+        j = j0 + cols
+        sj = tl.load(scores_ptr + b * ss_b + j * ss_m)          # j < own <= i0 < n: valid
+        sj = tl.where(sj != sj, float("-inf"), sj)
+        sj = tl.where(sj == 0.0, 0.0, sj)
+        bj = sj.to(tl.int32, bitcast=True)
+        cj = (j >= INIT) & (j < tail)
+        uj = tl.where(cj, tl.where(bj < 0, bj ^ 0x7FFFFFFF, bj), -2147483648)
+        beats += (uj > lo_thr).to(tl.int32)
+    for j0 in range(own, n, TJ):
+        j = j0 + cols
+        vj = j < n
+        sj = tl.load(scores_ptr + b * ss_b + j * ss_m, mask=vj, other=0.0)
+        sj = tl.where(sj != sj, float("-inf"), sj)
+        sj = tl.where(sj == 0.0, 0.0, sj)
+        bj = sj.to(tl.int32, bitcast=True)
+        cj = vj & (j >= INIT) & (j < tail)
+        uj = tl.where(cj, tl.where(bj < 0, bj ^ 0x7FFFFFFF, bj), -2147483648)
+        if j0 == own:
+            beats += (uj > tl.where(j < i, lo_thr, ui)).to(tl.int32)
+        else:
+            beats += (uj > ui).to(tl.int32)
+    rank = tl.sum(beats, 1)
+    ii = i0 + tl.arange(0, T)
+    vii = ii < n
+    chosen = (vii & ((ii < INIT) | (ii >= tail))) | (vii & (rank < r))
+    tl.store(flag_ptr + b * M + ii, chosen.to(tl.int8), mask=ii < M)
+
+
+def _compact_kernel(flag_ptr, nblk_ptr, budget_ptr, sel_ptr, count_ptr, M, width,
+                    table_ptr, lens_ptr, otable_ptr, olens_ptr, st_b, st_m,
+                    INIT: tl.constexpr, LW: tl.constexpr, T: tl.constexpr, MPAD: tl.constexpr,
+                    TABLE: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False):
+    """Blocks ``[c T, (c + 1) T)`` of request ``b``: their chosen flags (:func:`_rank_kernel`)
+    written as increasing positions of ``sel`` (the chosen blocks before the chunk counted from
+    the flags), pads ``-1`` at positions ``[keep, width)`` of the chunk's range; TABLE: the
+    chosen blocks' physical ids likewise (pads 0) and the sparse length."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * T
+    n = tl.load(nblk_ptr + b)
+    head = tl.minimum(n, INIT)
+    tail = tl.maximum(n - LW, 0)
+    n_forced = head + (n - tail) - tl.maximum(head - tail, 0)
+    keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
+    every = tl.arange(0, MPAD)
+    before = tl.sum(tl.load(flag_ptr + b * M + every, mask=every < c0, other=0).to(tl.int32), 0)
+    lanes = tl.arange(0, T)
+    j = c0 + lanes
+    f = tl.load(flag_ptr + b * M + j, mask=j < M, other=0).to(tl.int32)
+    chosen = f != 0
+    pos = before + tl.cumsum(f, 0) - 1
+    tl.store(sel_ptr + b * width + pos, j, mask=chosen)
+    pad = (j >= keep) & (j < width)
+    tl.store(sel_ptr + b * width + j, tl.full([T], -1, tl.int32), mask=pad)
+    if TABLE:
+        phys = tl.load(table_ptr + b * st_b + j * st_m, mask=chosen, other=0)
+        tl.store(otable_ptr + b * width + pos, phys, mask=chosen)
+        tl.store(otable_ptr + b * width + j, tl.zeros([T], tl.int32), mask=pad)
+    if tl.program_id(1) == 0:
+        tl.store(count_ptr + b, keep)
+        if TABLE:
+            n_tok = tl.load(lens_ptr + b)
+            tl.store(olens_ptr + b, (keep - 1) * BS + n_tok - ((n_tok + BS - 1) // BS - 1) * BS)
+
+
 #: Rows up to this many blocks are selected by the kernel (held in registers); longer rows use
 #: the top-k glue below (the kernel's packed counts hold up to 2**21 - 1). SELECT_RADIX: the
 #: kernel's threshold search (radix select, else the 4-ary search; on the H200 the 4-ary search
@@ -733,6 +844,19 @@ SELECT_KERNEL_MAX_BLOCKS = 16384
 SELECT_RADIX = False
 #: Warps of the selection program (None: 4 up to 2,048 blocks, else 8; tuned on the H200).
 SELECT_WARPS = None
+#: A batch of at most SELECT_PAIRS_MAX_ROWS rows of at least SELECT_PAIRS_MIN_BLOCKS blocks (None:
+#: never) is selected by the pairwise-rank kernels instead (:func:`_rank_kernel`: one program
+#: per ``SELECT_PAIRS_TILE`` blocks, each compared with the whole row in ``SELECT_PAIRS_COLS``
+#: chunks; then :func:`_compact_kernel`): two launches that spread one row over the GPU, against
+#: one program per row. Identical output. H200, 1 x 8,192 blocks: 22.8 us against 27.3 (with the
+#: table); its ``M**2`` comparisons per row make it slower from 2 rows on (8 rows x 8,192 blocks:
+#: 143 us against 27) and at 8 x 2,048 (15.8 against 11.2).
+SELECT_PAIRS_MIN_BLOCKS = 4096
+SELECT_PAIRS_MAX_ROWS = 1
+SELECT_PAIRS_TILE = 32
+SELECT_PAIRS_COLS = 256
+SELECT_PAIRS_WARPS = 4
+SELECT_COMPACT_TILE = 1024
 
 
 def _ordered_int(scores: torch.Tensor) -> torch.Tensor:
@@ -783,9 +907,25 @@ def _select(scores, num_blocks, budget, init_window, local_window, width, block_
     otable = torch.empty(B, width, dtype=torch.int32, device=dev) if table else count
     olens = torch.empty(B, dtype=torch.int32, device=dev) if table else count
     mpad = _p2(M, 16)
+    tb_args = (block_table if table else count, seq_lens if table else count, otable, olens,
+               *(block_table.stride() if table else (0, 0)))
+    if SELECT_PAIRS_MIN_BLOCKS is not None and M >= SELECT_PAIRS_MIN_BLOCKS \
+            and B <= SELECT_PAIRS_MAX_ROWS:
+        flags = torch.empty(B, M, dtype=torch.int8, device=dev)
+        t = SELECT_PAIRS_TILE
+        grid = (B, triton.cdiv(M, t))
+        _jit(_rank_kernel)[grid](scores, num_blocks, budget, flags, M, *scores.stride(),
+                                 INIT=init_window, LW=max(local_window, 1), T=t,
+                                 TJ=max(t, min(SELECT_PAIRS_COLS, mpad)),
+                                 num_warps=SELECT_PAIRS_WARPS, **_pdl_launch())
+        tc = min(SELECT_COMPACT_TILE, mpad)
+        _jit(_compact_kernel)[(B, triton.cdiv(M, tc))](
+            flags, num_blocks, budget, sel, count, M, width, *tb_args,
+            INIT=init_window, LW=max(local_window, 1), T=tc, MPAD=mpad, TABLE=table,
+            BS=block_size, num_warps=4, **_pdl_launch())
+        return (sel, count, otable, olens) if table else (sel, count)
     _jit(_select_kernel)[(B,)](scores, num_blocks, budget, sel, count, M, width, *scores.stride(),
-                               block_table if table else count, seq_lens if table else count,
-                               otable, olens, *(block_table.stride() if table else (0, 0)),
+                               *tb_args,
                                INIT=init_window, LOCAL=local_window, MPAD=mpad,
                                RADIX=SELECT_RADIX, TABLE=table, BS=block_size,
                                num_warps=SELECT_WARPS or (4 if mpad <= 2048 else 8),
