@@ -50,8 +50,32 @@ def test_pool_threads_go_to_the_cpus_the_compute_thread_does_not_use():
         assert out["placement"] == (frozenset(spare), 0)
         assert out["pool"] == (spare, base)
     else:      # one CPU: same CPU, lower priority
-        assert out["placement"] == (None, 10)
+        assert out["placement"] == (frozenset(allowed), 10)
         assert out["pool"][1] == min(19, base + 10)
+
+
+def test_pinned_threads_of_the_process_count_as_compute():
+    """vLLM-CPU with no reserved CPU: the main thread is pinned to one core and each other OpenMP
+    thread to another; those cores are not spare."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2 or threads.allowed_cpus() != set(allowed):
+        pytest.skip("needs two CPUs, all usable by this process")
+    release, pinned = threading.Event(), threading.Event()
+
+    def omp_worker():  # pinned to every CPU but the first, as long as the placement is chosen
+        os.sched_setaffinity(0, set(allowed[1:]))
+        pinned.set()
+        release.wait()
+    t = threading.Thread(target=omp_worker)
+    t.start()
+    pinned.wait()
+    try:
+        out = _from_bound_thread({allowed[0]})
+    finally:
+        release.set()
+        t.join()
+    assert out["placement"] == (frozenset(allowed), 10)
+    assert out["pool"] == (set(allowed), min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10))
 
 
 def test_compute_thread_on_every_cpu_lowers_background_priority_only():
@@ -60,7 +84,7 @@ def test_compute_thread_on_every_cpu_lowers_background_priority_only():
     if threads.allowed_cpus() - allowed:
         pytest.skip("this process may not use every CPU of its cgroup")
     out = _from_bound_thread(allowed)
-    assert out["placement"] == (None, 10)
+    assert out["placement"] == (frozenset(allowed), 10)
     assert out["pool"] == (allowed, min(19, base + 10))
     # the pool thread's priority is its own: the caller's is unchanged
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base

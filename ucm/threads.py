@@ -10,11 +10,12 @@ barrier for the thread it displaced.
 placement when they start:
 
 * ``place_beside_current_thread()`` (the vLLM connector calls it in ``register_kv_caches``, on
-  the engine's bound main thread) picks the CPUs the process may use that the calling thread is
-  *not* bound to, and background threads go there;
-* where there is no such CPU (the engine uses every core), background threads stay where they
-  are but at a lower priority (nice ``+10``), so that they take the cores' idle time rather than
-  compute time.
+  the engine's bound main thread) picks the CPUs the process may use that no compute thread is
+  bound to (the calling thread, and every thread of the process pinned to a subset of the CPUs:
+  vLLM-CPU pins each OpenMP thread to its own core), and background threads go there;
+* where there is no such CPU (the engine uses every core), background threads may run on any
+  CPU the process may use, at a lower priority (nice ``+10``), so that they take the cores' idle
+  time rather than compute time.
 
 ``UCM_BACKGROUND_CPUS`` overrides the choice: a list such as ``"3,5-7"`` or ``"none"`` (leave
 threads alone). Errors from the OS (a sandbox that forbids affinity or priority changes) are
@@ -68,9 +69,31 @@ def background() -> tuple[frozenset | None, int]:
         return _cpus, _nice
 
 
+def compute_cpus(allowed: set[int]) -> set[int]:
+    """CPUs the engine computes on: the calling thread's, plus those of every thread of this
+    process bound to fewer CPUs than the process may use (vLLM-CPU binds each OpenMP thread to
+    one core; the calling thread is only one of them)."""
+    busy = set(os.sched_getaffinity(0))
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        tasks = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                line = next((x for x in f if x.startswith("Cpus_allowed_list:")), "")
+            cpus = _parse_list(line.split(":", 1)[1].strip()) if line else set()
+        except (OSError, ValueError):
+            continue
+        if cpus and cpus < allowed:
+            busy |= cpus
+    return busy
+
+
 def place_beside_current_thread() -> tuple[frozenset | None, int]:
-    """Send background threads to the CPUs the calling (compute) thread is not bound to; with none
-    left, lower their priority instead. Returns the placement chosen."""
+    """Send background threads to the CPUs the engine's compute threads (the calling thread and
+    the process's pinned threads) do not use; with none left, lower their priority instead.
+    Returns the placement chosen."""
     env = os.environ.get(_ENV, "").strip().lower()
     if env == "none":
         set_background(None, 0)
@@ -78,11 +101,12 @@ def place_beside_current_thread() -> tuple[frozenset | None, int]:
         set_background(_parse_list(env), 0)
     else:
         try:
-            mine = os.sched_getaffinity(0)
+            allowed = allowed_cpus()
+            spare = allowed - compute_cpus(allowed)
         except (AttributeError, OSError):
             return background()
-        spare = allowed_cpus() - set(mine)
-        set_background(spare, 0) if spare else set_background(None, 10)
+        # no spare CPU: any CPU (not just the one the starting thread is pinned to), lower priority
+        set_background(spare, 0) if spare else set_background(allowed, 10)
     return background()
 
 
