@@ -2,23 +2,24 @@
 
 An engine's compute threads own some CPUs: vLLM-CPU binds its worker's main thread and its
 OpenMP team to cores of its choosing, and a thread inherits the binding of the thread that starts
-it. Without care, ucm's save/I/O threads (started from that main thread) land on the very cores
-the forward pass is using, and each time one of them runs, an OpenMP team waits at its next
+it. Without care, ucm's save/I/O threads (started from that main thread) land on the very core
+the main thread computes on, and each time one of them runs, the OpenMP team waits at its next
 barrier for the thread it displaced.
 
-``pool(n, name)`` is the one way ucm makes a thread pool. Its threads apply the current
-placement when they start:
+``pool(n, name)`` is the one way ucm makes a thread pool. Its threads take the current placement
+when they start (threads start lazily, so a pool made earlier still follows it):
 
 * ``place_beside_current_thread()`` (the vLLM connector calls it in ``register_kv_caches``, on
   the engine's bound main thread) picks the CPUs the process may use that no compute thread is
-  bound to (the calling thread, and every thread of the process pinned to a subset of the CPUs:
-  vLLM-CPU pins each OpenMP thread to its own core), and background threads go there;
-* where there is no such CPU (the engine uses every core), background threads may run on any
-  CPU the process may use, at a lower priority (nice ``+10``), so that they take the cores' idle
-  time rather than compute time.
+  bound to: the calling thread's, and those of every thread of the process pinned to a subset of
+  the CPUs (vLLM-CPU pins each OpenMP thread to its own core). Background threads go there.
+* Where no CPU is left (no CPU reserved: the engine computes on every core), background threads
+  may run on any CPU of the process rather than only on the starting thread's core. Their work
+  then takes compute time; a lower priority was measured and did not help (the saves took 5-10x
+  longer for the same slowdown, ``benchmarks/RESULTS.md``).
 
-``UCM_BACKGROUND_CPUS`` overrides the choice: a list such as ``"3,5-7"`` or ``"none"`` (leave
-threads alone). Errors from the OS (a sandbox that forbids affinity or priority changes) are
+``UCM_BACKGROUND_CPUS`` overrides the choice: a list such as ``"3,5-7"``, or ``"none"`` (leave
+threads where they start). Errors from the OS (a sandbox that forbids affinity changes) are
 ignored: placement is an optimisation, never a failure.
 """
 from __future__ import annotations
@@ -28,8 +29,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 _lock = threading.Lock()
-_cpus: frozenset | None = None   # where background threads go (None: leave the affinity alone)
-_nice = 0                        # added to their nice value when they start
+_cpus: frozenset | None = None   # where background threads go (None: where they start)
 _ENV = "UCM_BACKGROUND_CPUS"
 
 
@@ -56,17 +56,16 @@ def allowed_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def set_background(cpus, nice: int = 0) -> None:
-    """Set the placement for background threads started from now on (``cpus=None``: keep)."""
-    global _cpus, _nice
+def set_background(cpus) -> None:
+    """Set the CPUs of background threads started from now on (``None``: where they start)."""
+    global _cpus
     with _lock:
         _cpus = frozenset(cpus) if cpus else None
-        _nice = int(nice)
 
 
-def background() -> tuple[frozenset | None, int]:
+def background() -> frozenset | None:
     with _lock:
-        return _cpus, _nice
+        return _cpus
 
 
 def compute_cpus(allowed: set[int]) -> set[int]:
@@ -90,39 +89,34 @@ def compute_cpus(allowed: set[int]) -> set[int]:
     return busy
 
 
-def place_beside_current_thread() -> tuple[frozenset | None, int]:
+def place_beside_current_thread() -> frozenset | None:
     """Send background threads to the CPUs the engine's compute threads (the calling thread and
-    the process's pinned threads) do not use; with none left, lower their priority instead.
+    the process's pinned threads) do not use, or to every CPU of the process where none is left.
     Returns the placement chosen."""
     env = os.environ.get(_ENV, "").strip().lower()
     if env == "none":
-        set_background(None, 0)
+        set_background(None)
     elif env:
-        set_background(_parse_list(env), 0)
+        set_background(_parse_list(env))
     else:
         try:
             allowed = allowed_cpus()
             spare = allowed - compute_cpus(allowed)
         except (AttributeError, OSError):
             return background()
-        # no spare CPU: any CPU (not just the one the starting thread is pinned to), lower priority
-        set_background(spare, 0) if spare else set_background(allowed, 10)
+        set_background(spare or allowed)
     return background()
 
 
 def _apply() -> None:
-    cpus, nice = background()
+    cpus = background()
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)  # 0: the calling thread
-        if nice:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(
-                os.PRIO_PROCESS, threading.get_native_id()) + nice))
     except (AttributeError, OSError, ValueError):
         pass
 
 
 def pool(n: int, name: str) -> ThreadPoolExecutor:
-    """A thread pool whose threads take the background placement when they start (threads start
-    lazily, so a pool made before ``place_beside_current_thread`` still follows it)."""
+    """A thread pool whose threads take the background placement when they start."""
     return ThreadPoolExecutor(max(1, int(n)), thread_name_prefix=name, initializer=_apply)

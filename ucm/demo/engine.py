@@ -135,9 +135,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         spec = json.load(f)
-    # One engine on a small CPU machine: use every core (vLLM reserves one by default) and a
-    # fixed KV cache size (skips vLLM's memory-profiling pass).
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # A fixed KV cache size (skips vLLM's memory-profiling pass). vLLM's default of one reserved
+    # CPU stays: ucm's background saves run there (with none reserved they take compute time from
+    # the OpenMP threads: +8-10% decode time on 2 cores, benchmarks/RESULTS.md).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.update({k: str(v) for k, v in (spec.get("env") or {}).items()})
     result = run(spec)

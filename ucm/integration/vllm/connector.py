@@ -418,7 +418,7 @@ class UCMConnector(KVConnectorBase_V1):
                           "gather_s": 0.0, "save_tail_blocks": 0, "save_waits": 0,
                           "save_wait_s": 0.0, "steps": 0, "forward_s": 0.0,
                           "resumed_requests": 0, "resumed_load_blocks": 0,
-                          "borrowed_load_blocks": 0, "background_cpus": 0, "background_nice": 0}
+                          "borrowed_load_blocks": 0, "background_cpus": 0}
         self._forward_t0: Optional[float] = None
         pc = self._vllm_config.parallel_config
         self._rank = int(getattr(pc, "rank", 0) or 0) % max(1, self.ns.tp_size)
@@ -442,11 +442,10 @@ class UCMConnector(KVConnectorBase_V1):
         self._shard = shard if uniform and shard % 8 == 0 else bb
         self._layer_index = {n: k for k, n in enumerate(unique)}
         # this is the engine's compute thread: ucm's threads (started lazily, from here on) go to
-        # the CPUs it is not bound to, or run at a lower priority where it uses them all
-        cpus, nice = ucm_threads.place_beside_current_thread()
-        self._counters["background_cpus"], self._counters["background_nice"] = len(cpus or ()), nice
-        log.info("ucm connector: background threads on CPUs %s, nice +%d",
-                 sorted(cpus) if cpus else "unchanged", nice)
+        # the CPUs no compute thread is bound to
+        cpus = ucm_threads.place_beside_current_thread()
+        self._counters["background_cpus"] = len(cpus or ())
+        log.info("ucm connector: background threads on CPUs %s", sorted(cpus) if cpus else "unchanged")
         self.store = _open_store(self.cfg, self.ns, bb, self._shard)
         self.store.prepare()  # allocate (and pin) host buffers now, not in the first request
         self._device = next(iter(kv_caches.values())).device
