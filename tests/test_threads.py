@@ -88,6 +88,12 @@ def test_environment_overrides_the_choice(monkeypatch):
     monkeypatch.setenv("UCM_BACKGROUND_CPUS", "none")
     assert threads.place_beside_current_thread() is None
     assert _in_pool() == os.sched_getaffinity(0)
+    # a ucm variable, not a config option: the configuration accepts it; a bad list is a clear error
+    from ucm.config import Config
+    assert Config.load()["sparse_method"] == "none"
+    monkeypatch.setenv("UCM_BACKGROUND_CPUS", "two")
+    with pytest.raises(ValueError, match="UCM_BACKGROUND_CPUS"):
+        threads.place_beside_current_thread()
 
 
 def test_os_refusal_is_not_an_error():

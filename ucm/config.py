@@ -34,6 +34,7 @@ RESERVED_ENV = {
     "UCM_MODEL_CACHE": "folder of the converted SmolLM2 model (ucm.models)",
     "UCM_NATIVE_SIMD": "force the native checksum path: scalar or avx2 (tests)",
     "UCM_VLLM_PYTHON": "interpreter with vLLM for benchmarks/foundation.py",
+    "UCM_BACKGROUND_CPUS": "CPUs of ucm's background threads (ucm/threads.py): e.g. 3,5-7, or none",
 }
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,

@@ -97,7 +97,12 @@ def place_beside_current_thread() -> frozenset | None:
     if env == "none":
         set_background(None)
     elif env:
-        set_background(_parse_list(env))
+        try:
+            cpus = _parse_list(env)
+        except ValueError:
+            raise ValueError(f"{_ENV}: expected a CPU list such as '3,5-7', or 'none'; got "
+                             f"{os.environ[_ENV]!r}") from None
+        set_background(cpus)
     else:
         try:
             allowed = allowed_cpus()
