@@ -341,7 +341,7 @@ def test_quest_per_kv_head_selects_each_heads_blocks():
     assert out.shape == q.shape and torch.isfinite(out).all()
     shared = m.attention_begin(0, ["a", "b"], q, k, table, lens)
     assert shared[0].dim() == 2
-    with pytest.raises(ValueError, match="per_kv_head"):
+    with pytest.raises(ValueError, match=r"per_kv_head.*'esa'.*supported: quest, oracle"):
         make("esa", per_kv_head=True)
     # the same through the configuration option: identical selection; the keyword wins
     cfg = {"min_blocks": 8, "init_window": 1, "local_window": 2, "sparse_ratio": 0.125,
@@ -362,6 +362,14 @@ def test_quest_per_kv_head_selects_each_heads_blocks():
         assert set(blocks) <= set(logical), kv
     mass = oracle.kv_head_block_mass(q, k, table, lens)
     assert torch.allclose(mass.mean(1), ops.block_attention_mass(q, k, table, lens), atol=1e-5)
+    per_q = ops.block_attention_mass(q, k, table, lens, per_query_head=True)
+    assert per_q.shape == (q.shape[0], q.shape[1], table.shape[1])
+    # KV head h's mass is the mean over its own query heads (GQA groups are consecutive)
+    g = q.shape[1] // mass.shape[1]
+    assert torch.allclose(mass[:, 1], per_q[:, g:2 * g].mean(1), atol=1e-6)
+    assert torch.allclose(per_q.sum(2), torch.ones_like(per_q.sum(2)), atol=1e-4)  # each head's softmax sums to 1
+    with pytest.raises(ValueError, match="per_query_head"):
+        ops.block_attention_mass(q, k, table, lens, per_query_head=1)
 
 
 def test_random_baseline_misses_planted_blocks():

@@ -303,6 +303,21 @@ def test_layer_subsets(impl, device, layout_name, use_impl, gen):
         for r, b in ((0, 4), (2, 1)):
             assert torch.equal(part[r], oracle_row(cache, b, sel))
 
+    # column slices of full rows (one layer's bytes of each staged block, rows a block apart):
+    # the same bytes as a contiguous staging of that layer, both ways
+    for l in range(3):
+        a, n = lay.shard_offset(l), lay.shard_bytes(l)
+        wide = torch.full((3, lay.block_bytes), SENTINEL, dtype=torch.uint8, device=device)
+        ucm.gather_blocks(lay, idx, wide[:, a:a + n], [l], backend=backend)
+        assert torch.equal(wide[[0, 2], a:a + n], full[[0, 2], a:a + n])
+        assert bool((wide[:, :a] == SENTINEL).all()) and bool((wide[:, a + n:] == SENTINEL).all())
+        assert bool((wide[1] == SENTINEL).all())
+        dst = Cache(layout_name, torch.float16, device, L=3).fill(SENTINEL)
+        want = Cache(layout_name, torch.float16, device, L=3).fill(SENTINEL)
+        ucm.scatter_blocks(dst.layout, full[:, a:a + n], [6, -1, 2], layers=[l], backend=backend)
+        oracle_scatter(want, full[:, a:a + n].contiguous(), [6, -1, 2], layers=[l])
+        assert dst.equals(want.snapshot()), f"layer {l}"
+
     # scatter one layer: only that layer's views change
     target = Cache(layout_name, torch.float16, device, L=3).fill(SENTINEL)
     expected = Cache(layout_name, torch.float16, device, L=3).fill(SENTINEL)
@@ -466,6 +481,9 @@ BAD_OPS = [
     ("staging layers", lambda b: ucm.scatter_blocks(LAY, _stg(1), [1], layers=[1], backend=b), r"staging.*\[1, 128\]"),
     ("staging strided", lambda b: ucm.gather_blocks(LAY, [1], torch.zeros(1, 512, dtype=torch.uint8)[:, ::2], backend=b),
      "staging.*contiguous"),
+    ("staging rows overlap", lambda b: ucm.gather_blocks(
+        LAY, [1, 2], torch.zeros(600, dtype=torch.uint8).as_strided((2, 256), (100, 1)), backend=b),
+     r"staging.*do not overlap.*stride\(0\) >= 256"),
     ("staging device", lambda b: ucm.gather_blocks(LAY, [1], _stg(1, device="meta"), backend=b), "staging.*meta"),
     ("staging type", lambda b: ucm.gather_blocks(LAY, [1], np.zeros((1, 256), np.uint8), backend=b),
      "staging.*torch.Tensor"),

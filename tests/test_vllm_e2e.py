@@ -171,6 +171,9 @@ def test_cold_and_warm_outputs_identical_to_plain_vllm(runs):
     assert cold_stats["save_blocks"] > 0 and cold_stats["load_blocks"] > 0  # shared prefixes hit already
     assert warm_stats["load_blocks"] > cold_stats["load_blocks"]
     assert warm_stats["load_failed"] == 0
+    # warm loads were copied into the cache layer by layer during the forward (the engine had
+    # been seen waiting per layer in the cold steps): outputs above are still identical
+    assert warm_stats["overlapped_load_blocks"] - cold_stats["overlapped_load_blocks"] >= len(MAIN)
     # every prompt's partial last block was stored once (cold) and loaded back (warm): a
     # repeated prompt computes only its last token
     tails = sum(1 for n in NAMES[:8] if len(runs["prompts"][n]) % BS >= 2)
@@ -189,6 +192,7 @@ def test_restart_gets_hits_from_disk_and_recovers_from_corruption(runs):
         assert got[i] == ref[i], f"prompt {i} after restart (chunked prefill, all in flight)"
     stats = phase["connector_stats"]
     assert stats["load_blocks"] > 50  # a fresh process: these came from the posix tier
+    assert stats["overlapped_load_blocks"] > 50  # staged loads, copied during the forward
     assert stats["load_failed"] >= 1  # the corrupted block, recomputed by vLLM
     # the corrupted file itself was moved to quarantine ...
     quarantined = [open(q, "rb").read() for q in glob.glob(str(runs["store"] / ".ucm" / "quarantine" / "*"))]
@@ -206,6 +210,9 @@ def test_shared_prefix_loads_exactly_the_shared_full_blocks(runs):
     got, phase = _tokens(runs["restart"], "shared60")
     assert got[SHARED] == ref[SHARED]
     assert phase["connector_stats"]["load_blocks"] == 1440 // BS  # 11 blocks, no more
+    # the engine's first step: not yet seen calling wait_for_layer_load per layer, so this load
+    # ended before the forward (no overlap)
+    assert phase["connector_stats"]["overlapped_load_blocks"] == 0
 
 
 def test_prefill_decode_disaggregation_through_storage_layerwise(runs, model, prompts):

@@ -409,8 +409,12 @@ def _check_staging(staging, layout: KVLayout, n: int, row_bytes: int) -> None:
     if tuple(staging.shape) != (n, row_bytes):
         raise ValueError(f"{name}: expected shape [{n}, {row_bytes}] (len(block_indices), bytes "
                          f"of the selected layers), got {list(staging.shape)}")
-    if not staging.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor")
+    rows_contiguous = row_bytes <= 1 or staging.stride(1) == 1
+    rows_apart = n <= 1 or staging.stride(0) >= row_bytes
+    if not (rows_contiguous and rows_apart):
+        raise ValueError(f"{name}: expected contiguous rows (stride(1) == 1) that do not overlap "
+                         f"(stride(0) >= {row_bytes}), got strides {list(staging.stride())}: a "
+                         f"contiguous tensor, or a column slice of a wider one")
     if staging.device != layout.device:
         raise ValueError(f"{name}: on {staging.device}, the KV views on {layout.device} "
                          f"(staging must be on the KV cache's device)")
@@ -423,7 +427,9 @@ def gather_blocks(layout: KVLayout, block_indices, staging, layers=None, *,
     layout: a :class:`KVLayout`. block_indices: ``[n]`` int32/int64 tensor (CPU or the cache's
     device) or sequence of block numbers in ``[0, num_blocks)``; ``-1`` leaves that staging row
     untouched. Indices are range-checked on the host: CPU indices keep a CUDA call asynchronous,
-    CUDA indices cost one synchronizing copy. staging: contiguous ``uint8 [n, layout.row_bytes(layers)]`` on the cache's device;
+    CUDA indices cost one synchronizing copy. staging: ``uint8 [n, layout.row_bytes(layers)]`` on the cache's device,
+    contiguous or with rows spaced further apart (``stride(1) == 1``, ``stride(0) >= row_bytes``:
+    a column slice of a wider buffer, e.g. one layer's bytes of full staged rows);
     row ``i`` receives block ``block_indices[i]`` in the staged format (see the module doc).
     layers: ``None`` (all) or layer ids whose shards make up the row, in that order.
     """

@@ -18,10 +18,10 @@ def _segments(layout: KVLayout, block_indices, staging, layers):
     rows = np.flatnonzero(idx >= 0).astype(np.int64)
     blocks = idx[rows].astype(np.int64)
     tab = layout.table(layers)
-    row_bytes = staging.shape[1]
+    pitch = staging.stride(0)  # row_bytes, or more for a column slice of wider rows
     cache = (tab[None, :, COL_BASE] + tab[None, :, COL_OFFSET]
              + blocks[:, None] * tab[None, :, COL_BLOCK_STRIDE])
-    stage = staging.data_ptr() + rows[:, None] * row_bytes + tab[None, :, COL_STAGING]
+    stage = staging.data_ptr() + rows[:, None] * pitch + tab[None, :, COL_STAGING]
     lengths = np.broadcast_to(tab[None, :, COL_LENGTH], cache.shape)
     as_u64 = lambda a: np.ascontiguousarray(a, dtype=np.int64).reshape(-1).view(np.uint64)
     return as_u64(cache), as_u64(stage), as_u64(lengths)

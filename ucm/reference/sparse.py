@@ -229,18 +229,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def block_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                         seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
+                         seq_lens: torch.Tensor, *, scale: float, per_query_head: bool = False) -> torch.Tensor:
     """float32 ``[B, M]``: softmax mass of each logical block, averaged over query heads (0 past a
-    request's last block)."""
+    request's last block); ``per_query_head``: each query head's, ``[B, Hq, M]``."""
     B, Hq, D = q.shape
     M = block_table.shape[1]
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
-    mass = torch.zeros(B, M, dtype=torch.float32, device=q.device)
+    mass = torch.zeros(B, Hq, M, dtype=torch.float32, device=q.device)
     for b, n in enumerate(seq_lens.tolist()):
         keys = _gather_tokens(k_cache, block_table[b], n).repeat_interleave(Hq // Hkv, dim=1)
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), keys) * scale, dim=-1)
         nb = -(-n // bs)
         padded = torch.zeros(Hq, nb * bs, dtype=torch.float32, device=q.device)
         padded[:, :n] = p
-        mass[b, :nb] = padded.reshape(Hq, nb, bs).sum(-1).mean(0)
-    return mass
+        mass[b, :, :nb] = padded.reshape(Hq, nb, bs).sum(-1)
+    return mass if per_query_head else mass.mean(1)

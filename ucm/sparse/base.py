@@ -69,6 +69,12 @@ def _positive_int(value: Any, name: str) -> int:
     return value
 
 
+def _per_kv_head_methods() -> list:
+    from ucm.sparse import METHODS  # (the registry imports this module)
+
+    return [name for name, cls in METHODS.items() if cls.supports_per_kv_head]
+
+
 def as_config(config: Union[Config, Mapping, None]) -> Config:
     """A validated :class:`ucm.Config` from a Config, a dict of options, or None (defaults)."""
     if isinstance(config, Config):
@@ -101,7 +107,7 @@ class SparseMethod:
             raise ValueError(f"per_kv_head: expected a bool, got {per_kv_head!r}")
         if per_kv_head and not self.supports_per_kv_head:
             raise ValueError(f"{key}: the {self.name!r} method selects one set of blocks per "
-                             f"request (supported: quest)")
+                             f"request (supported: {', '.join(_per_kv_head_methods())})")
         #: each KV head selects its own blocks: attention_begin returns ``[B, Hkv, K]`` tables
         #: and ``[B, Hkv]`` lengths (ucm.sparse.ops.paged_decode_attention takes them; the
         #: vLLM-CPU hook does not and refuses sparse_per_kv_head)

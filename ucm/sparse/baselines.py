@@ -30,17 +30,10 @@ class Oracle(SparseMethod):
     def kv_head_block_mass(self, q, k_cache, block_table, seq_lens) -> torch.Tensor:
         """float32 ``[B, Hkv, M]``: each block's exact softmax mass, averaged over the query
         heads of each KV head (0 past a request's blocks)."""
-        B, Hq, D = q.shape
-        bs, Hkv = k_cache.shape[1], k_cache.shape[2]
-        out = torch.zeros(B, Hkv, block_table.shape[1], dtype=torch.float32, device=q.device)
-        for b, n in enumerate(seq_lens.tolist()):
-            nb = -(-n // bs)
-            keys = k_cache[block_table[b, :nb].long()].reshape(nb * bs, Hkv, D)[:n].float()
-            keys = keys.repeat_interleave(Hq // Hkv, dim=1)
-            p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), keys) / D ** 0.5, dim=-1)
-            p = torch.nn.functional.pad(p, (0, nb * bs - n)).reshape(Hq, nb, bs).sum(-1)
-            out[b, :, :nb] = p.reshape(Hkv, Hq // Hkv, nb).mean(1)
-        return out
+        mass = ops.block_attention_mass(q, k_cache, block_table, seq_lens, per_query_head=True)
+        B, Hq, M = mass.shape
+        Hkv = k_cache.shape[2]
+        return mass.reshape(B, Hkv, Hq // Hkv, M).mean(2)
 
 
 class Random(SparseMethod):

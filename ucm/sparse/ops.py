@@ -451,10 +451,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=
                          scale=_scale(scale, q.shape[2]), out=out, backend=backend)
 
 
-def block_attention_mass(q, k_cache, block_table, seq_lens, *, scale=None,
+def block_attention_mass(q, k_cache, block_table, seq_lens, *, scale=None, per_query_head: bool = False,
                          backend: Optional[str] = None) -> torch.Tensor:
     """Exact softmax mass of each logical block, averaged over query heads: float32 ``[B, M]``
-    (0 past a request's last block). Reference only: an oracle for selection quality."""
+    (0 past a request's last block); with ``per_query_head`` each query head's own, ``[B, Hq, M]``.
+    Reference only: an oracle for selection quality."""
     q, k, table, lens = _attention_inputs(q, k_cache, block_table, seq_lens)
-    return dispatch.call("block_attention_mass", q, k, table, lens,
-                         scale=_scale(scale, q.shape[2]), backend=backend)
+    if not isinstance(per_query_head, bool):
+        raise ValueError(f"per_query_head: expected a bool, got {per_query_head!r}")
+    return dispatch.call("block_attention_mass", q, k, table, lens, scale=_scale(scale, q.shape[2]),
+                         per_query_head=per_query_head, backend=backend)

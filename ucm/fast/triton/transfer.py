@@ -118,8 +118,8 @@ def _launch(layout: KVLayout, block_indices: torch.Tensor, staging: torch.Tensor
     if n == 0:
         return
     pieces, g = _piece_table(layout, layers)
-    row_bytes = staging.shape[1]
-    g = math.gcd(g, row_bytes, staging.data_ptr(), 16)
+    pitch = staging.stride(0) if n > 1 else staging.shape[1]  # bytes from one row to the next
+    g = math.gcd(g, pitch, staging.data_ptr(), 16)
     word = 8 if g % 8 == 0 else 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
     align = g // word  # 16-byte multiples when g == 16 (2 words of 8 bytes), else 1
     table = _device_table(layout, layers, word, staging.device)
@@ -131,7 +131,7 @@ def _launch(layout: KVLayout, block_indices: torch.Tensor, staging: torch.Tensor
         for row_start in range(0, n, _MAX_GRID_Y):
             rows = min(_MAX_GRID_Y, n - row_start)
             kernel[(len(pieces), rows)](table, idx, words, staging.data_ptr() // word,
-                                        row_bytes // word, row_start, TO_STAGING=to_staging,
+                                        pitch // word, row_start, TO_STAGING=to_staging,
                                         TILE=tile, ALIGN=align, num_warps=NUM_WARPS)
 
 

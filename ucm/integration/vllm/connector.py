@@ -418,8 +418,17 @@ class UCMConnector(KVConnectorBase_V1):
                           "gather_s": 0.0, "save_tail_blocks": 0, "save_waits": 0,
                           "save_wait_s": 0.0, "steps": 0, "forward_s": 0.0,
                           "resumed_requests": 0, "resumed_load_blocks": 0,
-                          "borrowed_load_blocks": 0, "background_cpus": 0}
+                          "borrowed_load_blocks": 0, "background_cpus": 0,
+                          "overlapped_load_blocks": 0, "scatter_wait_s": 0.0}
         self._forward_t0: Optional[float] = None
+        # overlapped loads: the step's copy into the paged cache runs layer by layer on a
+        # background thread while the forward computes; wait_for_layer_load waits per layer.
+        # Used only once vLLM was seen calling that hook for every layer within one step.
+        self._overlap = bool(self.cfg["connector.overlap_load"]) and not self.cfg["connector.layerwise"]
+        self._hooked: set = set()  # layers whose wait_for_layer_load ran in this step
+        self._hook_ok = False
+        self._ov: Optional[_Overlap] = None
+        self._load_executor = None
         pc = self._vllm_config.parallel_config
         self._rank = int(getattr(pc, "rank", 0) or 0) % max(1, self.ns.tp_size)
 
@@ -503,6 +512,7 @@ class UCMConnector(KVConnectorBase_V1):
             self._counters["resumed_requests"] += len(meta.resumed)
             self._counters["resumed_load_blocks"] += sum(len(t.blocks) for t in meta.loads
                                                          if t.req_id in meta.resumed)
+        self._finish_overlap()  # (normally done by the previous step's wait_for_save)
         if not meta.loads or self.store is None:
             return
         self._drain()  # a block to load may still be on its way into the store
@@ -523,7 +533,7 @@ class UCMConnector(KVConnectorBase_V1):
             ok = np.zeros(len(ids), dtype=bool)
         t1 = time.perf_counter()
         idx = torch.tensor([b if good else -1 for b, good in zip(blocks, ok)], dtype=torch.int64)
-        if ok.any():
+        if ok.any() and not self._scatter_overlapped(staging, idx, self._load_tails, None):
             ucm.scatter_blocks(self.layout, staging, idx.to(self._device))
         t2 = time.perf_counter()
         self._counters["load_store_s"] += t1 - t0
@@ -540,19 +550,96 @@ class UCMConnector(KVConnectorBase_V1):
             return False
         if lent is None:
             return False
-        with lent:
-            if not lent.all_found or len(np.unique(lent.rows)) < len(lent.rows):
-                return False  # (one pool row cannot feed two cache blocks in one scatter)
-            idx = torch.full((lent.pool.shape[0],), -1, dtype=torch.int64)
-            idx[torch.from_numpy(lent.rows)] = torch.tensor(blocks, dtype=torch.int64)
-            t1 = time.perf_counter()
-            ucm.scatter_blocks(self.layout, lent.pool, idx)
+        if not lent.all_found or len(np.unique(lent.rows)) < len(lent.rows):
+            lent.release()
+            return False  # (one pool row cannot feed two cache blocks in one scatter)
+        idx = torch.full((lent.pool.shape[0],), -1, dtype=torch.int64)
+        idx[torch.from_numpy(lent.rows)] = torch.tensor(blocks, dtype=torch.int64)
+        tails = np.zeros(lent.pool.shape[0], dtype=bool)
+        tails[lent.rows] = self._load_tails
+        t1 = time.perf_counter()
+        try:
+            if not self._scatter_overlapped(lent.pool, idx, tails, lent.release):
+                with lent:
+                    ucm.scatter_blocks(self.layout, lent.pool, idx)
+        except BaseException:
+            lent.release()
+            raise
         t2 = time.perf_counter()
         self._counters["load_store_s"] += t1 - t0
         self._counters["scatter_s"] += t2 - t1
         self._counters["borrowed_load_blocks"] += len(blocks)
         self._record_load(blocks, np.ones(len(blocks), dtype=bool), t2 - t0)
         return True
+
+    def _scatter_overlapped(self, src: torch.Tensor, idx: torch.Tensor, tails: np.ndarray,
+                            release) -> bool:
+        """Start copying ``src`` (full staged rows) into the cache blocks ``idx`` layer by layer
+        on the load thread; False (nothing done) when overlapping is off or not safe yet.
+        Partial tails are copied now: vLLM writes this step's new tokens into their blocks
+        before the attention's wait_for_layer_load, and a late copy would overwrite them.
+        ``release`` (or None) runs once the copy is done."""
+        if not (self._overlap and self._hook_ok and self._device.type == "cpu"
+                and len(self._layer_names) > 1):
+            return False
+        if tails.any():
+            now = torch.where(torch.from_numpy(tails), idx, -1)
+            ucm.scatter_blocks(self.layout, src, now)
+            idx = torch.where(torch.from_numpy(tails), -1, idx)
+        ov = _Overlap(src, idx, len(self._layer_names), release)
+        self._counters["overlapped_load_blocks"] += int((idx >= 0).sum())
+        if self._load_executor is None:
+            self._load_executor = ucm_threads.pool(1, "ucm-load")
+        self._ov = ov
+        ov.future = self._load_executor.submit(self._overlap_job, ov)
+        return True
+
+    def _scatter_layer(self, ov: "_Overlap", k: int) -> None:
+        a, n = self.layout.shard_offset(k), self.layout.shard_bytes(k)
+        ucm.scatter_blocks(self.layout, ov.src[:, a:a + n], ov.idx, layers=[k])
+
+    def _overlap_job(self, ov: "_Overlap") -> None:
+        t0 = time.perf_counter()
+        for k in range(len(ov.done)):
+            try:
+                self._scatter_layer(ov, k)
+            except Exception as exc:  # retried on the engine's thread (wait_for_layer_load)
+                ov.failed[k] = exc
+            ov.done[k].set()
+        ov.seconds = time.perf_counter() - t0
+
+    def _wait_layer(self, ov: "_Overlap", k: int) -> None:
+        """Layer ``k`` of an overlapped load is in the cache (copied here if the thread failed)."""
+        if k in ov.waited:
+            return
+        ov.done[k].wait()
+        if k in ov.failed:
+            log.warning("ucm: background copy of layer %d failed (%r); copying it again", k, ov.failed[k])
+            self._scatter_layer(ov, k)  # a second failure propagates: never compute on bad KV
+        ov.waited.add(k)
+
+    def _finish_overlap(self) -> None:
+        """End the overlapped load in flight: every layer in the cache, its source released."""
+        ov, self._ov = self._ov, None
+        if ov is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            ov.future.result()
+            missed = [k for k in range(len(ov.done)) if k not in ov.waited]
+            if missed and self._hook_ok:
+                # the forward ran without waiting for these layers: vLLM stopped calling the
+                # hook; never overlap again in this engine
+                log.error("ucm: layers %s were not waited for by the forward; overlapped loads off",
+                          missed[:8])
+                self._overlap = False
+            for k in range(len(ov.done)):
+                self._wait_layer(ov, k)
+        finally:
+            if ov.release is not None:
+                ov.release()
+        self._counters["scatter_s"] += ov.seconds
+        self._counters["scatter_wait_s"] += time.perf_counter() - t0
 
     def _record_load(self, blocks, ok, seconds) -> None:
         failed = [b for b, good in zip(blocks, ok) if not good]
@@ -581,6 +668,18 @@ class UCMConnector(KVConnectorBase_V1):
             self._layer_tasks[name] = (k, rows, self.store.load(ids, k * nb, rows))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        self._hooked.add(layer_name)
+        ov = self._ov
+        if ov is not None:
+            k = self._layer_index.get(layer_name)
+            t0 = time.perf_counter()
+            if k is None:  # a layer we do not know: wait for all of them
+                for j in range(len(ov.done)):
+                    self._wait_layer(ov, j)
+            else:
+                self._wait_layer(ov, k)
+            self._counters["scatter_wait_s"] += time.perf_counter() - t0
+            return
         entry = self._layer_tasks.pop(layer_name, None)
         if entry is None:
             return
@@ -617,6 +716,11 @@ class UCMConnector(KVConnectorBase_V1):
             self._counters["steps"] += 1
             self._counters["forward_s"] += time.perf_counter() - self._forward_t0
             self._forward_t0 = None
+        self._finish_overlap()
+        if self._hooked:
+            if not self._hook_ok and self._layer_names and self._hooked.issuperset(self._layer_names):
+                self._hook_ok = True  # vLLM waits per layer: later loads may overlap the forward
+            self._hooked = set()
         if not self.has_connector_metadata() or self.store is None:
             return
         meta = self._get_connector_metadata()
@@ -770,6 +874,11 @@ class UCMConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
+        if getattr(self, "_ov", None) is not None:
+            self._finish_overlap()
+        if getattr(self, "_load_executor", None) is not None:
+            self._load_executor.shutdown(wait=True)
+            self._load_executor = None
         if getattr(self, "_executor", None) is not None:
             self._drain()
             self._executor.shutdown(wait=True)
@@ -790,6 +899,18 @@ class _ReqState:
     load: Optional[tuple] = None  # (first block, end of full blocks, tail id or None)
     tail_done: bool = False  # the prompt's partial last block was saved, found or loaded
     saved: bool = False  # some save of this request was planned (its blocks wait for it)
+
+
+class _Overlap:
+    """A load being copied into the paged cache layer by layer on the load thread."""
+
+    def __init__(self, src, idx, n_layers: int, release):
+        self.src, self.idx, self.release = src, idx, release
+        self.done = [threading.Event() for _ in range(n_layers)]
+        self.failed: dict = {}  # layer -> exception of the background copy
+        self.waited: set = set()  # layers known to be in the cache
+        self.future = None
+        self.seconds = 0.0
 
 
 def _block_bytes_from_spec(kv_cache_config) -> tuple[Optional[int], Optional[int]]:
