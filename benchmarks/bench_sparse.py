@@ -22,9 +22,9 @@ run, with CUDA events (``triton.testing.do_bench``, median; "graph": replays of 
     ``stride``. Variants: "method" (what ``ucm.sparse`` computes: per-head scores, PyTorch head
     mass, select, table kernel, attention), "fast" (Triton head mass, table folded into the
     selection), "sum" (scores summed over heads in the kernel, no head mass); suffixes: "_prev"
-    (the single-program selection and the whole-channel merge launch, the defaults before the
-    batch-1 pairwise selection and ``REDUCE_CHUNK`` 32), "_fused" (merge folded into the split
-    kernel), "_pairs" (pairwise selection at any batch).
+    (the decode launch at the start of session 5: no table prefetch in the decode kernel, 2
+    programs per multiprocessor rounded up), "_fused" (merge folded into the split kernel),
+    "_pairs" (pairwise selection at any batch).
     Also the byte floor of each: dense bytes / (selected K/V + table bytes / stride).
 
 The timed functions are the Triton implementations (``ucm.fast.triton.sparse``), as an attention
@@ -53,8 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: ``--smoke``: tiny shapes on the CPU through the Triton interpreter, every figure a single call
 #: (checks that the script runs, before spending GPU time; the numbers mean nothing).
 SMOKE = "--smoke" in sys.argv
-#: ``--explore``: a short sweep of the new knobs (pairwise selection tile / warps, split count
-#: with and without the fused merge) in each shape.
+#: ``--explore``: a short sweep of the decode kernel's knobs (static loop, no table prefetch, the
+#: old split plan, PDL on the chunked merge, split counts) in each shape.
 EXPLORE = "--explore" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -337,8 +337,9 @@ def knobs(fn, **values):
 
 #: The pairwise-rank selection (two launches over the whole GPU) for every row length.
 PAIRS = dict(SELECT_PAIRS_MIN_BLOCKS=0, SELECT_PAIRS_MAX_ROWS=1 << 20)
-#: The configuration before the pairwise selection and the chunked merge became defaults.
-PREV = dict(SELECT_PAIRS_MIN_BLOCKS=None, REDUCE_CHUNK=None)
+#: The decode launch at the start of session 5 (no table prefetch, 2 programs per
+#: multiprocessor rounded up).
+PREV = dict(PREFETCH_TABLE=False, PROGRAMS_PER_SM=2, PLAN_FLOOR=False)
 
 
 PDL_ERROR = [None]
@@ -580,15 +581,16 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
 
     sweeps = {}
     if EXPLORE:
-        for t, cols, warps in ((16, 256, 4), (32, 256, 4), (16, 512, 4), (32, 512, 8),
-                               (64, 256, 8), (32, 128, 4), (64, 128, 4)):
-            sweeps[f"select_with_table_pairs_tile{t}_cols{cols}_warps{warps}"] = bench(knobs(
-                parts["select_with_table_pairs"], SELECT_PAIRS_TILE=t, SELECT_PAIRS_COLS=cols,
-                SELECT_PAIRS_WARPS=warps), graph=True)
+        for name, extra in (("static", dict(STATIC_LOOP=True)),
+                            ("no_prefetch", dict(PREFETCH_TABLE=False)),
+                            ("per_sm2_ceil", dict(PROGRAMS_PER_SM=2, PLAN_FLOOR=False))):
+            sweeps[f"attention_table_{name}"] = bench(knobs(parts["attention_table"], **extra),
+                                                      graph=True)
+            sweeps[f"dense_{name}"] = bench(knobs(dense_fn(), **extra), graph=True)
         sweeps["attention_table_chunk32_pdl"] = with_pdl(lambda: bench(knobs(
             parts["attention_table"], REDUCE_CHUNK=32), graph=True))
         base_splits, _ = tri.plan(batch, HKV, stab.shape[1] * BS, q.device)
-        for splits in sorted({(4 * base_splits) // 5, base_splits, (6 * base_splits) // 5}):
+        for splits in sorted({max(1, (4 * base_splits) // 5), base_splits, (6 * base_splits) // 5}):
             for merge in (False,):
                 sweeps[f"attention_splits{splits}_fused{int(merge)}"] = bench(
                     lambda: tri.decode(q, k, v, stab, slens, scale, num_splits=splits,

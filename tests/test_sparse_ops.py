@@ -457,6 +457,32 @@ def test_decode_selected_triton(triton_ready, small_splits):
         assert rel(got, want) < TOL[dtype], dtype
 
 
+@pytest.mark.parametrize("prefetch,static", [(False, False), (True, False), (False, True),
+                                             (True, True)])
+def test_decode_table_loads_triton(triton_ready, small_splits, prefetch, static):
+    """Table entries loaded one tile ahead and / or the loop over the slice's full tile count
+    (masked past the length): the same attention, dense (ragged lengths, a table wider than
+    the lengths, empty slices), on a sparse table and on a folded selection."""
+    g = gen(27)
+    bs = 4
+    q, k, v, table, lens = paged_case(g, B=3, M=9, bs=bs, dtype=torch.bfloat16, lens=[35, 3, 22])
+    nblk = ((lens + bs - 1) // bs).int()
+    sel, count = ops.select_blocks(rand((3, 9), g), nblk, 4, init_window=1, local_window=1)
+    stab, slens = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
+    kw = dict(prefetch=prefetch, static_loop=static)
+    for args, want_args in (((table, lens), (table, lens)), ((stab, slens), (stab, slens))):
+        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), *want_args,
+                                          backend="reference")
+        for block_n in (16, 32):          # 1 / 2 tiles per slice at 16-token slices
+            out = torch.full_like(q, float("nan"))
+            small_splits.decode(q, k, v, *args, 16 ** -0.5, out, block_n=block_n, **kw)
+            assert rel(out, want) < TOL[torch.bfloat16], (args is table, block_n)
+    want = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
+                                      backend="reference")
+    out = small_splits.decode(q, k, v, table, lens, 16 ** -0.5, sel=sel, count=count, **kw)
+    assert rel(out, want) < TOL[torch.bfloat16]
+
+
 def test_decode_fused_merge_triton(triton_ready, small_splits):
     """The slices merged by the split kernel's last program (atomic counter) == the separate merge
     launch, dense and on a selection, for repeated calls (the counters are left at zero)."""

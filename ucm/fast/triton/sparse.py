@@ -57,8 +57,15 @@ BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 2
 #: Programs aimed at per multiprocessor by the split heuristic, and the fewest tokens per split.
-PROGRAMS_PER_SM = 2
+#: 3 (rounded down, :data:`PLAN_FLOOR`): as many as fit in one wave (3 per multiprocessor at 168
+#: registers and 72 KB of shared memory per program, read before the table prefetch; H200:
+#: 8 x 32K 6 splits, 1 x 128K dense 49; 2 rounded up gave 5 / 33; 3 rounded up gives 7 at
+#: 8 x 32K, two waves, +25% there).
+PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = 256
+#: Round the split count down (at most PROGRAMS_PER_SM programs per multiprocessor: one wave
+#: when that many fit) instead of up.
+PLAN_FLOOR = True
 
 
 def _p2(n: int, least: int = 1) -> int:
@@ -78,7 +85,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
                          D: tl.constexpr, DPAD: tl.constexpr, BS: tl.constexpr,
                          TILE: tl.constexpr, IEEE: tl.constexpr, SELECTED: tl.constexpr,
                          MERGE: tl.constexpr, SPAD: tl.constexpr, GP2: tl.constexpr = 1,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, STATIC: tl.constexpr = False,
+                         PREFETCH: tl.constexpr = False, tab_tokens=0):
     """Partial attention of one GQA group over one slice of one request's tokens.
 
     Writes ``opart[b, h, s, :]`` (normalized partial output, float32) and ``lse[b, h, s]``
@@ -115,19 +123,55 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
     acc = tl.zeros([GPAD, DPAD], tl.float32)
     k_head = k_ptr + g.to(tl.int64) * sk_h
     v_head = v_ptr + g.to(tl.int64) * sv_h
+    k_col = d * sk_d
+    v_col = d * sv_d
     cols = tl.arange(0, TILE)
-    for t0 in range(start, end, TILE):
-        t = t0 + cols
-        tmask = t < end
+    if STATIC:  # trip count known at launch: the first table loads need not wait for the length
+        t_hi = start + split_tokens
+    else:
+        t_hi = end
+    if PREFETCH:  # the first tile's table entries, loaded alongside the length (not after it)
+        t = start + cols
+        imask = t < tab_tokens
         if SELECTED:
-            logical = tl.load(sel_ptr + b64 * ss_b + g * ss_h + t // BS, mask=tmask, other=0)
+            logical = tl.load(sel_ptr + b64 * ss_b + g * ss_h + t // BS, mask=imask, other=0)
+            logical = tl.where(logical >= 0, logical, 0)
         else:
             logical = t // BS
-        phys = tl.load(table_ptr + b64 * st_b + g * st_h + logical * st_m, mask=tmask,
-                       other=0).to(tl.int64)
+        phys_next = tl.load(table_ptr + b64 * st_b + g * st_h + logical * st_m, mask=imask,
+                            other=0)
+    else:
+        phys_next = tl.zeros([TILE], tl.int32)
+    for t0 in range(start, t_hi, TILE):
+        t = t0 + cols
+        tmask = t < end
+        if PREFETCH:  # this tile's entries came from the previous step; fetch the next tile's
+            phys = phys_next.to(tl.int64)
+            tn = t + TILE
+            nmask = tn < tab_tokens
+            if SELECTED:
+                nlogical = tl.load(sel_ptr + b64 * ss_b + g * ss_h + tn // BS, mask=nmask,
+                                   other=0)
+                nlogical = tl.where(nlogical >= 0, nlogical, 0)
+            else:
+                nlogical = tn // BS
+            phys_next = tl.load(table_ptr + b64 * st_b + g * st_h + nlogical * st_m,
+                                mask=nmask, other=0)
+        else:
+            if STATIC:
+                imask = t < tab_tokens                      # in the table, whatever the length
+            else:
+                imask = tmask
+            if SELECTED:
+                logical = tl.load(sel_ptr + b64 * ss_b + g * ss_h + t // BS, mask=imask, other=0)
+                logical = tl.where(tmask, logical, 0)
+            else:
+                logical = t // BS
+            phys = tl.load(table_ptr + b64 * st_b + g * st_h + logical * st_m, mask=imask,
+                           other=0).to(tl.int64)
         off = t % BS
         kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_head + phys[:, None] * sk_n + off[:, None] * sk_t + d[None, :] * sk_d,
+        k = tl.load(k_head + phys[:, None] * sk_n + off[:, None] * sk_t + k_col[None, :],
                     mask=kv_mask, other=0.0)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -138,7 +182,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + phys[:, None] * sv_n + off[:, None] * sv_t + d[None, :] * sv_d,
+        v = tl.load(v_head + phys[:, None] * sv_n + off[:, None] * sv_t + v_col[None, :],
                     mask=kv_mask, other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -254,12 +298,23 @@ def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
     slice a multiple of the token tile and at least ``MIN_SPLIT_TOKENS`` long."""
     tile = block_n or BLOCK_N
     units = batch * num_kv_heads
-    want = max(1, math.ceil(PROGRAMS_PER_SM * _sm_count(device) / units))
+    slots = PROGRAMS_PER_SM * _sm_count(device) / units
+    want = max(1, math.floor(slots) if PLAN_FLOOR else math.ceil(slots))
     most = max(1, max_tokens // max(MIN_SPLIT_TOKENS, tile))
     splits = min(want, most)
     split_tokens = math.ceil(math.ceil(max_tokens / splits) / tile) * tile
     return math.ceil(max_tokens / split_tokens), split_tokens
 
+
+#: Loop over the slice's full tile count (masked past the length) instead of up to the length,
+#: so the first table and K/V loads need not wait for the length's load. Off: as fast as
+#: PREFETCH_TABLE on full tables, but a short sequence in a wide table runs every masked tile
+#: (H200, 1K tokens in a 128K table: 78 us against 21).
+STATIC_LOOP = False
+#: Load each tile's table entries one step ahead (the first tile's before the loop, alongside the
+#: length), so no K/V load waits for a table load issued in the same step. H200: 1 x 128K at 20%
+#: 35.3 -> 33.9 us, dense 133.7 -> 130.6 us.
+PREFETCH_TABLE = True
 
 #: Merge the slices inside the split kernel (the last slice of each (request, KV head) to finish
 #: merges, counted by an atomic per group in a cached per-device buffer that the merging program
@@ -282,7 +337,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *,
            sel=None, count=None, block_n: Optional[int] = None,
            num_splits: Optional[int] = None, num_warps: Optional[int] = None,
-           num_stages: Optional[int] = None, fused_merge: Optional[bool] = None):
+           num_stages: Optional[int] = None, fused_merge: Optional[bool] = None,
+           static_loop: Optional[bool] = None, prefetch: Optional[bool] = None,
+           _reduce: bool = True):
     """:func:`paged_decode_attention` with explicit launch knobs (benchmarks, tuning); with
     ``sel, count`` from :func:`select_blocks`, over the selected blocks only
     (:func:`decode_selected`)."""
@@ -303,6 +360,9 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         sc_b, sc_h = count.stride(0), count.stride(1)
     else:
         sc_b, sc_h = 1, 0
+    merge = FUSED_MERGE if fused_merge is None else fused_merge
+    static = STATIC_LOOP if static_loop is None else static_loop
+    prefetch = PREFETCH_TABLE if prefetch is None else prefetch
     if num_splits is None:
         num_splits, split_tokens = plan(B, Hkv, max_tokens, q.device, tile)
     else:
@@ -314,7 +374,6 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     dpad = _p2(D, 16)
     warps = num_warps or NUM_WARPS
-    merge = FUSED_MERGE if fused_merge is None else fused_merge
     counters = _counters(q.device, B * Hkv) if merge else seq_lens
     _jit(_decode_split_kernel)[(B * Hkv, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, sel if selected else seq_lens,
@@ -325,8 +384,9 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         HKV=Hkv, GROUP=group, GPAD=_p2(group, 16), D=D, DPAD=dpad, BS=bs, TILE=tile,
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
         SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits), GP2=_p2(group),
+        STATIC=static, PREFETCH=prefetch, tab_tokens=max_tokens,
         num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch())
-    if not merge:
+    if not merge and _reduce:
         chunk = min(dpad, max(16, _p2(REDUCE_CHUNK))) if REDUCE_CHUNK else dpad
         _jit(_decode_reduce_kernel)[(B * Hq, triton.cdiv(D, chunk))](
             opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=chunk,
