@@ -7,9 +7,11 @@ so each ucm engine is compared with the plain engines run just before and after 
 Engines: plain, ucm, plain, ucm, ..., plain (``--pairs`` ucm engines). Each serves the same
 four distinct 4,000-token prompts one at a time (TTFT, the first one is a warm-up and not
 counted) and then two more distinct prompts generating 64 tokens each (decode tokens/s, the
-prompt's prefill and its background save included). Per ucm engine: its median TTFT and median
-decode rate against the mean of its two neighbouring plain engines; reported: each ratio, their
-median, and the spread between neighbouring plain engines (the machine's noise). bf16, block
+prompt's prefill and its background save included), and their decode rate proper: generated
+tokens after the first per second from the first to the last token (vLLM's own engine-core
+timestamps: the decode steps alone). Per ucm engine: its median TTFT and median rates against
+the mean of its two neighbouring plain engines; reported: each ratio, their median, and the
+spread between neighbouring plain engines (the machine's noise). bf16, block
 size 128, vLLM's default reserved CPU (one OpenMP thread on a 2-core machine) unless
 ``--reserved-cpus`` says otherwise.
 """
@@ -51,7 +53,7 @@ def main():
     phases = [{"name": "ttft", "prompts": [0, 1, 2, 3], "ttft": True},
               {"name": "decode0", "prompts": [4], "max_tokens": 64},
               {"name": "decode1", "prompts": [5], "max_tokens": 64}]
-    common = {"model": model, "dtype": "bfloat16", "prompts": prompts, "block_size": 128,
+    common = {"model": model, "dtype": "bfloat16", "prompts": prompts, "block_size": 128, "log_stats": True,
               "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}, "phases": phases}
     t0 = time.time()
     runs = []
@@ -70,11 +72,14 @@ def main():
         ttft = statistics.median(o["ttft"] for o in ph["ttft"]["outputs"][1:])
         tps = statistics.median(len(ph[f"decode{k}"]["outputs"][0]["tokens"]) / ph[f"decode{k}"]["seconds"]
                                 for k in range(2))
-        runs.append({"kind": kind, "ttft_s": ttft, "decode_tps": tps,
+        outs = [ph[f"decode{k}"]["outputs"][0] for k in range(2)]
+        tpot_tps = statistics.median((len(o["tokens"]) - 1) / o["decode_s"] for o in outs)
+        runs.append({"kind": kind, "ttft_s": ttft, "decode_tps": tps, "decode_only_tps": tpot_tps,
                      "ttfts": [o["ttft"] for o in ph["ttft"]["outputs"]],
                      "first_tokens": [o["tokens"][:1] for o in ph["ttft"]["outputs"]],
                      "connector_stats": ph["decode1"].get("connector_stats")})
-        print(f"{i} {kind}: TTFT {ttft:.3f} s, decode {tps:.2f} tok/s", flush=True)
+        print(f"{i} {kind}: TTFT {ttft:.3f} s, generation {tps:.2f} tok/s (decode steps {tpot_tps:.2f})",
+              flush=True)
     pairs = []
     for i in range(1, len(runs), 2):
         a, u, b = runs[i - 1], runs[i], runs[i + 1]
@@ -82,12 +87,16 @@ def main():
         base_tps = (a["decode_tps"] + b["decode_tps"]) / 2
         pairs.append({"ttft_overhead": u["ttft_s"] / base_ttft - 1,
                       "decode_overhead": 1 - u["decode_tps"] / base_tps,
+                      "decode_only_overhead": 1 - u["decode_only_tps"] /
+                      ((a["decode_only_tps"] + b["decode_only_tps"]) / 2),
+                      "plain_spread_decode_only": abs(b["decode_only_tps"] / a["decode_only_tps"] - 1),
                       "plain_spread_ttft": abs(b["ttft_s"] / a["ttft_s"] - 1),
                       "plain_spread_decode": abs(b["decode_tps"] / a["decode_tps"] - 1)})
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.uname().nodename} {os.cpu_count()} cores",
            "tokens": n, "reserved_cpus": args.reserved_cpus, "runs": runs, "pairs": pairs,
            "median_ttft_overhead": statistics.median(x["ttft_overhead"] for x in pairs),
            "median_decode_overhead": statistics.median(x["decode_overhead"] for x in pairs),
+           "median_decode_only_overhead": statistics.median(x["decode_only_overhead"] for x in pairs),
            "first_tokens_agree": len({json.dumps(r["first_tokens"]) for r in runs}) == 1,
            "wall_s": time.time() - t0}
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))

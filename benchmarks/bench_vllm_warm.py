@@ -14,7 +14,11 @@ time, one output token (TTFT):
 * ``ucm_no_overlap``: the same with ``connector.overlap_load`` off (the copy into the paged
   cache ends before the forward starts);
 * ``example``: ExampleConnector (safetensors files per request and layer; the page cache holds
-  them after the first request).
+  them after the first request);
+* ``vllm_prefix_cache``: no connector, vLLM's own prefix cache on: after the first request
+  (computed), every request finds the prompt's 31 full blocks in the engine's own KV cache (no
+  copy at all) and computes the last 32 tokens. The floor a connector can approach on this
+  machine: the same engine work without any load.
 
 The first request of each engine is reported apart (disk, cold process) and left out of the
 medians. Per round: each engine's median, the ratios ucm / example; reported: every round and
@@ -74,9 +78,12 @@ def main():
     t0 = time.time()
     _engine(ucm_spec("fill"), work, "ucm-fill")
     _engine(ex_spec, work, "example-fill")
+    floor_spec = {**common, "prefix_caching": True,
+                  "phases": [{"name": "warm", "prompts": [0] * n, "ttft": True}]}
     kinds = {"ucm": lambda r: ucm_spec(f"ucm{r}"),
              "ucm_no_overlap": lambda r: ucm_spec(f"ucm-no-overlap{r}", overlap_load=False),
-             "example": lambda r: ex_spec}
+             "example": lambda r: ex_spec,
+             "vllm_prefix_cache": lambda r: floor_spec}
     rounds, first_tokens = [], set()
     for r in range(args.rounds):
         row = {}
@@ -91,9 +98,11 @@ def main():
                 row[kind]["connector_stats"] = stats
         row["ucm_vs_example"] = row["ucm"]["median_s"] / row["example"]["median_s"]
         row["ucm_no_overlap_vs_example"] = row["ucm_no_overlap"]["median_s"] / row["example"]["median_s"]
+        row["ucm_vs_prefix_cache"] = row["ucm"]["median_s"] / row["vllm_prefix_cache"]["median_s"]
         rounds.append(row)
         print(f"round {r}: ucm {row['ucm']['median_s'] * 1e3:.1f} ms, no overlap "
               f"{row['ucm_no_overlap']['median_s'] * 1e3:.1f} ms, example {row['example']['median_s'] * 1e3:.1f} ms"
+              f", vLLM prefix cache {row['vllm_prefix_cache']['median_s'] * 1e3:.1f} ms"
               f" -> {row['ucm_vs_example']:.3f} / {row['ucm_no_overlap_vs_example']:.3f}", flush=True)
 
     def per_request(stats, count):
@@ -106,6 +115,7 @@ def main():
            "median_ucm_vs_example": statistics.median(x["ucm_vs_example"] for x in rounds),
            "median_ucm_no_overlap_vs_example": statistics.median(x["ucm_no_overlap_vs_example"] for x in rounds),
            "worst_ucm_vs_example": max(x["ucm_vs_example"] for x in rounds),
+           "median_ucm_vs_prefix_cache": statistics.median(x["ucm_vs_prefix_cache"] for x in rounds),
            # counters over a whole engine (its disk request included), per request
            "breakdown_per_request": {k: per_request(rounds[-1][k].get("connector_stats"), n)
                                      for k in ("ucm", "ucm_no_overlap")},

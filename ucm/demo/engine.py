@@ -7,9 +7,11 @@ real, separate process (a restart is a new process) and nothing leaks between ru
 
 The spec (JSON) holds: ``model``, ``dtype``, ``connector`` (null | "ucm" | "example"),
 ``extra_config`` (kv_connector_extra_config), ``kv_role``, ``max_num_batched_tokens``,
-``max_model_len``, ``gpu_memory_utilization``, ``num_gpu_blocks_override`` (a KV cache of
+``max_model_len``, ``prefix_caching`` (vLLM's own prefix cache, off by default),
+``gpu_memory_utilization``, ``num_gpu_blocks_override`` (a KV cache of
 exactly that many blocks), ``log_stats`` (report vLLM's counters, e.g. ``vllm:num_preemptions``,
-under ``"metrics"``), ``prompts`` (lists of token ids), ``phases`` (list of {"name", "prompts":
+under ``"metrics"``, and per generated output ``decode_s``: engine-core time from its first to
+its last token), ``prompts`` (lists of token ids), ``phases`` (list of {"name", "prompts":
 [indices], "max_tokens", "ttft": bool, "logprobs": bool, "prompt_logprobs": bool,
 "read_cache": bool}), ``env`` (extra environment for the engine). Each phase is one
 ``generate`` call with all its prompts in flight together; with ``ttft`` each prompt is instead
@@ -50,7 +52,8 @@ def run(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     kwargs = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"),
-                  max_model_len=spec.get("max_model_len", 8192), enable_prefix_caching=False,
+                  max_model_len=spec.get("max_model_len", 8192),
+                  enable_prefix_caching=bool(spec.get("prefix_caching", False)),
                   gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.25), seed=0,
                   enforce_eager=spec.get("enforce_eager", True))
     if spec.get("block_size"):
@@ -76,8 +79,13 @@ def run(spec: dict) -> dict:
             for i in phase["prompts"]:
                 t = time.perf_counter()
                 o = llm.generate([TokensPrompt(prompt_token_ids=prompts[i])], sp, use_tqdm=False)[0]
-                res["outputs"].append({"prompt": i, "ttft": time.perf_counter() - t,
-                                       "tokens": list(o.outputs[0].token_ids)})
+                item = {"prompt": i, "ttft": time.perf_counter() - t, "tokens": list(o.outputs[0].token_ids)}
+                m = getattr(o, "metrics", None)  # (with log_stats) engine-core timestamps
+                if m is not None and getattr(m, "first_token_ts", 0) > 0:
+                    # engine core: queued -> scheduled -> first token
+                    item["queued_s"] = m.scheduled_ts - m.queued_ts
+                    item["scheduled_to_token_s"] = m.first_token_ts - m.scheduled_ts
+                res["outputs"].append(item)
         else:
             plp = phase.get("prompt_logprobs")
             sp = SamplingParams(max_tokens=phase.get("max_tokens", 24), temperature=0.0,
@@ -92,6 +100,9 @@ def run(spec: dict) -> dict:
             for i, o in zip(phase["prompts"], outs):
                 item = {"prompt": i, "tokens": list(o.outputs[0].token_ids),
                         "num_cached_tokens": getattr(o, "num_cached_tokens", None)}
+                m = getattr(o, "metrics", None)  # (with log_stats) engine-core timestamps
+                if m is not None and getattr(m, "last_token_ts", 0) > getattr(m, "first_token_ts", 0) > 0:
+                    item["decode_s"] = m.last_token_ts - m.first_token_ts  # first to last token
                 if phase.get("logprobs") and o.outputs[0].logprobs:
                     item["logprobs"] = [lp[tok].logprob for tok, lp in
                                         zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
