@@ -42,7 +42,7 @@ def _worker(monkeypatch, hook_seen=True):
     c._layer_index = {n: k for k, n in enumerate(c._layer_names)}
     c.layout = _layout([caches[n] for n in c._layer_names])
     c._device = torch.device("cpu")
-    c._overlap, c._hook_ok, c._hooked = True, hook_seen, set()
+    c._overlap, c._hook_ok, c._hooked, c._spare_cpu = True, hook_seen, set(), True
     c._ov, c._load_executor, c._layer_tasks = None, None, {}
     c._counters = {"overlapped_load_blocks": 0, "scatter_s": 0.0, "scatter_wait_s": 0.0}
     real = conn.UCMConnector._scatter_layer
@@ -147,3 +147,15 @@ def test_no_overlap_before_the_engine_was_seen_waiting_per_layer(monkeypatch):
     c, _ = _worker(monkeypatch, hook_seen=False)
     assert not c._scatter_overlapped(_rows(1), torch.tensor([1]), np.zeros(1, dtype=bool), None)
     assert c._ov is None and c._load_executor is None
+
+
+def test_no_overlap_without_a_cpu_beside_the_compute(monkeypatch):
+    """With every CPU computing (no reserved CPU), the copy would take the forward's cores."""
+    c, _ = _worker(monkeypatch)
+    c._spare_cpu = False
+    assert not c._scatter_overlapped(_rows(1), torch.tensor([1]), np.zeros(1, dtype=bool), None)
+    from ucm import threads
+    busy = threads.compute_cpus(threads.allowed_cpus())
+    assert not threads.beside_compute(busy) and not threads.beside_compute(None)
+    spare = threads.allowed_cpus() - busy
+    assert threads.beside_compute(spare) == bool(spare)

@@ -259,7 +259,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("connector.overlap_load", "bool", True, "Copy loaded blocks into the paged cache "
            "layer by layer on a background thread while the forward runs; each layer's attention "
            "waits for its own layer only (vLLM's wait_for_layer_load). Used once the engine was "
-           "seen to call that hook for every layer. Off: the whole copy ends before the forward."),
+           "seen to call that hook for every layer, and only with a CPU the engine does not "
+           "compute on. Off: the whole copy ends before the forward."),
     Option("connector.load_failure", "str", "recompute", "What vLLM does with blocks that fail to "
            "load: 'recompute' them (ucm sets vLLM's kv_load_failure_policy) or leave vLLM's own "
            "setting ('engine'; vLLM's default fails the request).", choices=("recompute", "engine")),

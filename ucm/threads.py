@@ -113,6 +113,17 @@ def place_beside_current_thread() -> frozenset | None:
     return background()
 
 
+def beside_compute(cpus) -> bool:
+    """Whether the placement ``cpus`` shares no CPU with the engine's compute threads (so work
+    on it runs in parallel with the compute rather than in its place)."""
+    if not cpus:
+        return False
+    try:
+        return not (set(cpus) & compute_cpus(allowed_cpus()))
+    except (AttributeError, OSError):
+        return False
+
+
 def _apply() -> None:
     cpus = background()
     try:
