@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucm.demo.vllm_demo import _engine  # noqa: E402
+from ucm.demo.vllm_demo import _engine, doc_tokens  # noqa: E402
 
 
 def main():
@@ -39,14 +39,10 @@ def main():
     p.add_argument("--json")
     args = p.parse_args()
 
-    from pydoc_data.topics import topics
-    from transformers import AutoTokenizer
-
     from ucm.models import ensure_smollm2
 
     model = ensure_smollm2()
-    tok = AutoTokenizer.from_pretrained(model)
-    ids = tok("\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"]
+    ids = doc_tokens(model)
     n = args.tokens
     prompts = [ids[(k + 1) * 9000:(k + 1) * 9000 + n] for k in range(6)]
     work = tempfile.mkdtemp(prefix="ucm-bench-miss-")

@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucm.demo.vllm_demo import _engine  # noqa: E402
+from ucm.demo.vllm_demo import _engine, doc_tokens  # noqa: E402
 
 
 def main():
@@ -49,14 +49,10 @@ def main():
     p.add_argument("--json")
     args = p.parse_args()
 
-    from pydoc_data.topics import topics
-    from transformers import AutoTokenizer
-
     from ucm.models import ensure_smollm2
 
     model = ensure_smollm2()
-    tok = AutoTokenizer.from_pretrained(model)
-    ids = tok("\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"]
+    ids = doc_tokens(model)
     work = tempfile.mkdtemp(prefix="ucm-bench-warm-")
     store, exdir = os.path.join(work, "kv"), os.path.join(work, "example")
     os.makedirs(store)

@@ -28,13 +28,18 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _prompts(model: str, n_tokens: int) -> dict:
+def doc_tokens(model: str) -> list:
+    """Python's documentation (``pydoc_data.topics``, every topic in name order) as token ids
+    of ``model``'s tokenizer: the real text the demo and the vLLM benchmarks build prompts from."""
     from pydoc_data.topics import topics
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    text = "\n".join(topics[k] for k in sorted(topics))
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return tok("\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"]
+
+
+def _prompts(model: str, n_tokens: int) -> dict:
+    ids = doc_tokens(model)
     doc1 = ids[:n_tokens]
     doc2 = ids[20000:20000 + n_tokens]
     other = ids[40000:40000 + n_tokens]
