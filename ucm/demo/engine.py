@@ -79,13 +79,8 @@ def run(spec: dict) -> dict:
             for i in phase["prompts"]:
                 t = time.perf_counter()
                 o = llm.generate([TokensPrompt(prompt_token_ids=prompts[i])], sp, use_tqdm=False)[0]
-                item = {"prompt": i, "ttft": time.perf_counter() - t, "tokens": list(o.outputs[0].token_ids)}
-                m = getattr(o, "metrics", None)  # (with log_stats) engine-core timestamps
-                if m is not None and getattr(m, "first_token_ts", 0) > 0:
-                    # engine core: queued -> scheduled -> first token
-                    item["queued_s"] = m.scheduled_ts - m.queued_ts
-                    item["scheduled_to_token_s"] = m.first_token_ts - m.scheduled_ts
-                res["outputs"].append(item)
+                res["outputs"].append({"prompt": i, "ttft": time.perf_counter() - t,
+                                       "tokens": list(o.outputs[0].token_ids)})
         else:
             plp = phase.get("prompt_logprobs")
             sp = SamplingParams(max_tokens=phase.get("max_tokens", 24), temperature=0.0,

@@ -338,8 +338,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
            sel=None, count=None, block_n: Optional[int] = None,
            num_splits: Optional[int] = None, num_warps: Optional[int] = None,
            num_stages: Optional[int] = None, fused_merge: Optional[bool] = None,
-           static_loop: Optional[bool] = None, prefetch: Optional[bool] = None,
-           _reduce: bool = True):
+           static_loop: Optional[bool] = None, prefetch: Optional[bool] = None):
     """:func:`paged_decode_attention` with explicit launch knobs (benchmarks, tuning); with
     ``sel, count`` from :func:`select_blocks`, over the selected blocks only
     (:func:`decode_selected`)."""
@@ -386,7 +385,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits), GP2=_p2(group),
         STATIC=static, PREFETCH=prefetch, tab_tokens=max_tokens,
         num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch())
-    if not merge and _reduce:
+    if not merge:
         chunk = min(dpad, max(16, _p2(REDUCE_CHUNK))) if REDUCE_CHUNK else dpad
         _jit(_decode_reduce_kernel)[(B * Hq, triton.cdiv(D, chunk))](
             opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=chunk,

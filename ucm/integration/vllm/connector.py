@@ -637,7 +637,7 @@ class UCMConnector(KVConnectorBase_V1):
         try:
             ov.future.result()
             missed = [k for k in range(len(ov.done)) if k not in ov.waited]
-            if missed and self._hook_ok:
+            if missed:
                 # the forward ran without waiting for these layers: vLLM stopped calling the
                 # hook; never overlap again in this engine
                 log.error("ucm: layers %s were not waited for by the forward; overlapped loads off",
