@@ -26,12 +26,11 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucm.demo.vllm_demo import _engine, doc_tokens  # noqa: E402
+from ucm.demo.vllm_demo import _engine, doc_tokens, scratch_dir  # noqa: E402
 
 
 def main():
@@ -56,7 +55,7 @@ def main():
     # runs did not store, or ucm would load their prefill and the decode comparison would be unfair)
     miss_prompts = [ids[(k + 1) * 9000:(k + 1) * 9000 + n] for k in range(r + nd)]
     prompts = [warm_prompt] + miss_prompts
-    work = tempfile.mkdtemp(prefix="ucm-bench-vllm-")
+    work = scratch_dir("ucm-bench-vllm-")
     store, exdir = os.path.join(work, "kv"), os.path.join(work, "example")
     os.makedirs(store)
     os.makedirs(exdir)

@@ -22,12 +22,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucm.demo.vllm_demo import _engine, doc_tokens  # noqa: E402
+from ucm.demo.vllm_demo import _engine, doc_tokens, scratch_dir  # noqa: E402
 
 
 def main():
@@ -45,7 +44,7 @@ def main():
     ids = doc_tokens(model)
     n = args.tokens
     prompts = [ids[(k + 1) * 9000:(k + 1) * 9000 + n] for k in range(6)]
-    work = tempfile.mkdtemp(prefix="ucm-bench-miss-")
+    work = scratch_dir("ucm-bench-miss-")
     phases = [{"name": "ttft", "prompts": [0, 1, 2, 3], "ttft": True},
               {"name": "decode0", "prompts": [4], "max_tokens": 64},
               {"name": "decode1", "prompts": [5], "max_tokens": 64}]

@@ -31,12 +31,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucm.demo.vllm_demo import _engine, doc_tokens  # noqa: E402
+from ucm.demo.vllm_demo import _engine, doc_tokens, scratch_dir  # noqa: E402
 
 
 def main():
@@ -53,7 +52,7 @@ def main():
 
     model = ensure_smollm2()
     ids = doc_tokens(model)
-    work = tempfile.mkdtemp(prefix="ucm-bench-warm-")
+    work = scratch_dir("ucm-bench-warm-")
     store, exdir = os.path.join(work, "kv"), os.path.join(work, "example")
     os.makedirs(store)
     os.makedirs(exdir)

@@ -14,6 +14,7 @@ the same everywhere, and writes a chart (PNG). Every engine is a separate proces
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -26,6 +27,15 @@ import time
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
+
+
+def scratch_dir(prefix: str, parent: str | None = None, keep: bool = False) -> str:
+    """A new work folder that is removed when the process exits, errors and Ctrl-C included
+    (a run stores GBs of KV there; left behind, they fill the disk run after run)."""
+    work = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    if not keep:
+        atexit.register(shutil.rmtree, work, True)
+    return work
 
 
 def doc_tokens(model: str) -> list:
@@ -78,7 +88,7 @@ def run(tokens: int = 4000, cache_dir: str | None = None, dtype: str = "bfloat16
     plist = [prompts[n] for n in names]
     base = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ucm", "demo")
     os.makedirs(base, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="run-", dir=base)
+    work = scratch_dir("run-", base, keep)
     store = os.path.join(work, "kv")
     example_dir = os.path.join(work, "example")
     os.makedirs(store)
@@ -143,8 +153,6 @@ def run(tokens: int = 4000, cache_dir: str | None = None, dtype: str = "bfloat16
     if chart:
         _chart(summary, chart)
         _say(f"chart written to {os.path.abspath(chart)}")
-    if not keep:
-        shutil.rmtree(work, ignore_errors=True)
     return summary
 
 
