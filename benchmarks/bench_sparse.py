@@ -19,12 +19,13 @@ run, with CUDA events (``triton.testing.do_bench``, median; "graph": replays of 
     selection, selection with the table folded in, table, attention variants;
 (e) per decode step, the shipped configurations: ESA at ``retrieval_stride`` 1 and 8 and Quest
     (every step); one graph holds one scoring + selection and ``stride`` attentions, divided by
-    ``stride``. Variants: "method" (what ``ucm.sparse`` computes: per-head scores, PyTorch head
-    mass, select, table kernel, attention), "fast" (Triton head mass, table folded into the
-    selection), "sum" (scores summed over heads in the kernel, no head mass); suffixes: "_prev"
-    (the decode launch at the start of session 5: no table prefetch in the decode kernel, 2
-    programs per multiprocessor rounded up), "_fused" (merge folded into the split kernel),
-    "_pairs" (pairwise selection at any batch).
+    ``stride``. Variants: "method" (what ``ucm.sparse`` computes on CUDA: per-head scores, the
+    fused head mass + selection of ``select_head_mass``, table kernel, attention), "fast" (the
+    table folded into the selection), "sum" (scores summed over heads in the kernel, no head
+    mass); suffixes: "_s5" (session 5's chain: PyTorch head mass for "method", the two-launch
+    Triton head mass for "fast", pairwise / single-program selection, no histogram selection),
+    "_dpdl" (decode launches with programmatic dependent launch), "_fused" (merge folded into
+    the split kernel), "_pairs" (pairwise selection at any batch).
     Also the byte floor of each: dense bytes / (selected K/V + table bytes / stride).
 
 The timed functions are the Triton implementations (``ucm.fast.triton.sparse``), as an attention
@@ -205,6 +206,38 @@ def check(report: dict, cases=None) -> bool:
                                        and all(torch.equal(a, b) for a, b in zip(tie_p, tie_r)))
         r["select_table_pairs_identical"] = all(torch.equal(a, b) for a, b in
                                                 zip(folded_p, (*sel_r, stab, slens)))
+        # histogram selection: on the head mass (fused: selected exactly on the mass it wrote;
+        # default knobs, every batch, the search instead of the list) and on plain scores
+        bud_t = torch.full_like(n_blocks, budget)
+        hist_ok = True
+        for tag, extra in (("default", {}), ("hist", HIST),
+                           ("hist_search", dict(HIST, SELECT_HIST_LIST=0))):
+            got = knobs(lambda: tri.select_head_mass(
+                per_head, n_blocks, bud_t, scale=scale, init_window=INIT_WINDOW,
+                local_window=LOCAL_WINDOW, width=width, block_table=table, seq_lens=lens,
+                block_size=BS, return_mass=True), **extra)()
+            want = ops.select_blocks(got[-1], n_blocks, budget, init_window=INIT_WINDOW,
+                                     local_window=LOCAL_WINDOW, backend="reference")
+            want_t = ops.sparse_block_table(table, lens, *want, BS, backend="reference")
+            same = all(torch.equal(a, b) for a, b in zip(got[:4], (*want, *want_t)))
+            r[f"head_mass_select_{tag}_identical"] = same
+            r[f"head_mass_select_{tag}_mass_rel_err"] = close(got[-1], hm_ref)
+            hist_ok &= same and r[f"head_mass_select_{tag}_mass_rel_err"] < 1e-4
+        agree = selection_agreement(sel_r[0], sel_r[1], *tri.select_head_mass(
+            per_head, n_blocks, bud_t, scale=scale, init_window=INIT_WINDOW,
+            local_window=LOCAL_WINDOW, width=width))
+        r["head_mass_select_vs_torch_mass_agreement"] = agree["mean"]
+        for tag, extra in (("hist", HIST), ("hist_search", dict(HIST, SELECT_HIST_LIST=0))):
+            got = knobs(lambda: tri.select_sparse_table(
+                hm_ref, n_blocks, bud_t, table, lens, init_window=INIT_WINDOW,
+                local_window=LOCAL_WINDOW, width=width, block_size=BS), **extra)()
+            tie_h = knobs(lambda: tri.select_blocks(
+                coarse, n_blocks, bud_t, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+                width=width), **extra)()
+            same = (all(torch.equal(a, b) for a, b in zip(got, (*sel_r, stab, slens)))
+                    and all(torch.equal(a, b) for a, b in zip(tie_h, tie_r)))
+            r[f"select_{tag}_identical"] = same
+            hist_ok &= same
         sp_want = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
                                              backend="reference")
         for merge in (False, True):
@@ -219,7 +252,7 @@ def check(report: dict, cases=None) -> bool:
                   and all(r[n] < 1e-5 for n in r if n.startswith("score_"))
                   and r["head_mass_rel_err"] < 1e-4 and r["selection_identical"]
                   and r["select_table_identical"] and r["select_pairs_identical"]
-                  and r["select_table_pairs_identical"])
+                  and r["select_table_pairs_identical"] and hist_ok)
         r["passed"] = passed
         ok &= passed
         results.append(r)
@@ -337,9 +370,11 @@ def knobs(fn, **values):
 
 #: The pairwise-rank selection (two launches over the whole GPU) for every row length.
 PAIRS = dict(SELECT_PAIRS_MIN_BLOCKS=0, SELECT_PAIRS_MAX_ROWS=1 << 20)
-#: The decode launch at the start of session 5 (no table prefetch, 2 programs per
-#: multiprocessor rounded up).
-PREV = dict(PREFETCH_TABLE=False, PROGRAMS_PER_SM=2, PLAN_FLOOR=False)
+#: Session 5's selection chain (no histogram selection, no fused head mass).
+S5 = dict(SELECT_HIST_MIN_BLOCKS=None, MASS_HIST_MIN_BLOCKS=None)
+#: The histogram selection at every batch and row length (checks, explore).
+HIST = dict(SELECT_HIST_MIN_BLOCKS=0, SELECT_HIST_MAX_ROWS=1 << 20, MASS_HIST_MIN_BLOCKS=0,
+            MASS_HIST_MAX_ROWS=1 << 20)
 
 
 PDL_ERROR = [None]
@@ -412,7 +447,8 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     dense_graph_fused = bench(dense_fn(True), graph=True)
     dense_graph_pdl = with_pdl(lambda: bench(dense_fn(), graph=True))
     dense_graph_whole = bench(knobs(dense_fn(), REDUCE_CHUNK=None), graph=True)
-    dense_best = min(x for x in (dense_graph, dense_graph_fused, dense_graph_pdl,
+    dense_graph_dpdl = bench(knobs(dense_fn(), DECODE_PDL=True), graph=True)
+    dense_best = min(x for x in (dense_graph, dense_graph_fused, dense_graph_pdl, dense_graph_dpdl,
                                  dense_graph_whole) if x is not None)
     # (b) SDPA on contiguous K/V
     kc = k[table.long()].reshape(batch, tokens, HKV, D).transpose(1, 2).contiguous()
@@ -449,6 +485,8 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         return lambda: tri.score_blocks(q, table, nblk, kind=kind, reduce=reduce, **kw)
 
     per_head = scorer("esa")()
+    summed = scorer("esa", "sum")()
+    stats_buf = torch.empty(batch, HQ, 3, dtype=torch.float32, device=DEV)
     mass = tri.head_mass(per_head, scale)
     sel, count, stab, slens = tri.select_sparse_table(
         mass, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
@@ -466,6 +504,33 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         "score_esa_g1_sum": lambda: tri.score_blocks(q, table, nblk, kind="mean", mean=mean1),
         "head_mass_torch": lambda: torch.softmax(per_head * scale, -1).mean(1),
         "head_mass_triton": lambda: tri.head_mass(per_head, scale),
+        "lse_bounds": lambda: tri._jit(tri._lse_bounds_kernel)[(batch * HQ,)](
+            per_head, stats_buf, n_blocks, scale * tri.LOG2E,
+            CHUNK=min(tri._p2(tri.LSE_CHUNK), tri._p2(n_blocks, 16)), num_warps=tri.LSE_WARPS),
+        "select_head_mass": lambda: tri.select_head_mass(
+            per_head, nblk, budget, scale=scale, init_window=INIT_WINDOW,
+            local_window=LOCAL_WINDOW, width=width),
+        "select_head_mass_with_table": lambda: tri.select_head_mass(
+            per_head, nblk, budget, scale=scale, init_window=INIT_WINDOW,
+            local_window=LOCAL_WINDOW, width=width, block_table=table, seq_lens=lens,
+            block_size=BS),
+        "select_head_mass_with_table_search": knobs(lambda: tri.select_head_mass(
+            per_head, nblk, budget, scale=scale, init_window=INIT_WINDOW,
+            local_window=LOCAL_WINDOW, width=width, block_table=table, seq_lens=lens,
+            block_size=BS), SELECT_HIST_LIST=0),
+        "select_head_mass_with_table_s5": knobs(lambda: tri.select_head_mass(
+            per_head, nblk, budget, scale=scale, init_window=INIT_WINDOW,
+            local_window=LOCAL_WINDOW, width=width, block_table=table, seq_lens=lens,
+            block_size=BS), **S5),
+        "select_hist_with_table": knobs(lambda: tri.select_sparse_table(
+            mass, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+            width=width, block_size=BS), **HIST),
+        "select_hist_sum_with_table": knobs(lambda: tri.select_sparse_table(
+            summed, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+            width=width, block_size=BS), **HIST),
+        "select_sum_with_table_s5": knobs(lambda: tri.select_sparse_table(
+            summed, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+            width=width, block_size=BS), **S5),
         "select": lambda: tri.select_blocks(mass, nblk, budget, init_window=INIT_WINDOW,
                                             local_window=LOCAL_WINDOW, width=width),
         "select_with_table": lambda: tri.select_sparse_table(
@@ -482,6 +547,8 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
             width=width, block_size=BS), **PAIRS),
         "table": lambda: tri.sparse_block_table(table, lens, sel, count, BS),
         "attention_table": lambda: tri.decode(q, k, v, stab, slens, scale, fused_merge=False),
+        "attention_table_decode_pdl": knobs(lambda: tri.decode(
+            q, k, v, stab, slens, scale, fused_merge=False), DECODE_PDL=True),
         "attention_table_whole_merge": knobs(lambda: tri.decode(
             q, k, v, stab, slens, scale, fused_merge=False), REDUCE_CHUNK=None),
         "attention_table_fused_merge": lambda: tri.decode(q, k, v, stab, slens, scale,
@@ -529,10 +596,11 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         ucm.sparse runs on CUDA (per-head scores, PyTorch head mass, select, table kernel,
         attention with the merge launch); "fast": the Triton head mass, the table folded into
         the selection; "sum": scores summed over heads inside the scoring kernel (no head
-        mass), then as "fast". Suffixes, in this order: ``_pairs``, ``_fused``, ``_prev`` (see
-        the module docstring)."""
+        mass), then as "fast". Suffixes, in this order: ``_pairs``, ``_fused``, ``_dpdl``,
+        ``_s5`` (see the module docstring)."""
         values = {}
-        for suffix, extra in (("_prev", PREV),):
+        s5 = variant.endswith("_s5")
+        for suffix, extra in (("_s5", S5), ("_dpdl", dict(DECODE_PDL=True))):
             if variant.endswith(suffix):
                 variant = variant[:-len(suffix)]
                 values.update(extra)
@@ -544,11 +612,21 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
 
         def steps():
             s = score()
-            if variant == "method":
+            if variant == "method" and s5:
                 m = torch.softmax(s * scale, -1).mean(1)
                 chosen, cnt = tri.select_blocks(m, nblk, budget, init_window=INIT_WINDOW,
                                                 local_window=LOCAL_WINDOW, width=width)
                 t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
+            elif variant == "method":
+                chosen, cnt = tri.select_head_mass(s, nblk, budget, scale=scale,
+                                                   init_window=INIT_WINDOW,
+                                                   local_window=LOCAL_WINDOW, width=width)
+                t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
+            elif variant == "fast" and not s5:
+                chosen, cnt, t, n = tri.select_head_mass(
+                    s, nblk, budget, scale=scale, init_window=INIT_WINDOW,
+                    local_window=LOCAL_WINDOW, width=width, block_table=table, seq_lens=lens,
+                    block_size=BS)
             else:
                 m = s if variant == "sum" else tri.head_mass(s, scale)
                 chosen, cnt, t, n = tri.select_sparse_table(
@@ -564,7 +642,8 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     configs = [("esa", 1), ("esa", STRIDE), ("quest", 1)]
     per_step = {}
     for method, stride in configs:
-        for variant in ("method", "fast", "sum", "method_prev", "fast_prev", "sum_prev"):
+        for variant in ("method", "fast", "sum", "method_s5", "fast_s5", "sum_s5",
+                        "method_dpdl", "fast_dpdl", "sum_dpdl"):
             name = f"{method}_stride{stride}_{variant}"
             try:
                 per_step[name] = bench(step_fn(method, stride, variant), graph=True) / stride
@@ -581,6 +660,27 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
 
     sweeps = {}
     if EXPLORE:
+        hist_fn = parts["select_head_mass_with_table"]
+        for name, extra in (("bits10", dict(SELECT_HIST_BITS=10)),
+                            ("bits14", dict(SELECT_HIST_BITS=14)),
+                            ("chunk128", dict(SELECT_HIST_CHUNK=128)),
+                            ("chunk512", dict(SELECT_HIST_CHUNK=512)),
+                            ("chunk1024", dict(SELECT_HIST_CHUNK=1024)),
+                            ("tile32", dict(SELECT_HIST_TILE=32)),
+                            ("tile128", dict(SELECT_HIST_TILE=128)),
+                            ("warps4", dict(SELECT_HIST_WARPS=4)),
+                            ("warps16", dict(SELECT_HIST_WARPS=16)),
+                            ("list32", dict(SELECT_HIST_LIST=32)),
+                            ("list128", dict(SELECT_HIST_LIST=128)),
+                            ("lse_chunk8192", dict(LSE_CHUNK=8192)),
+                            ("lse_warps4", dict(LSE_WARPS=4)),
+                            ("pdl_all", dict(PDL=True))):
+            try:
+                sweeps[f"select_head_mass_with_table_{name}"] = bench(knobs(hist_fn, **extra),
+                                                                      graph=True)
+            except Exception as exc:  # a configuration, not the run
+                sweeps[f"select_head_mass_with_table_{name}"] = None
+                res.setdefault("errors", {})[f"sweep_{name}"] = repr(exc)[:300]
         for name, extra in (("static", dict(STATIC_LOOP=True)),
                             ("no_prefetch", dict(PREFETCH_TABLE=False)),
                             ("per_sm2_ceil", dict(PROGRAMS_PER_SM=2, PLAN_FLOOR=False))):
@@ -632,7 +732,8 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         pdl_error=PDL_ERROR[0],
         ms=dict(dense=dense, dense_graph=dense_graph, dense_graph_fused_merge=dense_graph_fused,
                 dense_graph_whole_merge=dense_graph_whole,
-                dense_graph_pdl=dense_graph_pdl, dense_best=dense_best,
+                dense_graph_pdl=dense_graph_pdl, dense_graph_decode_pdl=dense_graph_dpdl,
+                dense_best=dense_best,
                 sdpa=sdpa, copy=copy, sparse_public_ops_esa_stride1=public,
                 sparse_parts_graph=parts_graph, sparse_per_step_graph=per_step),
         sweeps_graph_ms=sweeps, stride=STRIDE, groups=GROUPS, table_dtype=str(TABLE_DTYPE),

@@ -405,6 +405,88 @@ def test_select_triton_identical(triton_ready, monkeypatch):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (path, budget)
 
 
+HIST_KNOBS = dict(SELECT_HIST_MIN_BLOCKS=0, SELECT_HIST_MAX_ROWS=1 << 20, MASS_HIST_MIN_BLOCKS=0,
+                  MASS_HIST_MAX_ROWS=1 << 20, SELECT_HIST_TILE=16, SELECT_HIST_CHUNK=16)
+
+
+def _hist_scratch_zeroed(tri):
+    """The histogram selection leaves its shared scratch (histograms, tickets, list counters)
+    zeroed for the next call."""
+    return all(bool((buf == 0).all()) for buf in tri._hist_bufs.values())
+
+
+@pytest.mark.parametrize("bins,listed", [(2, 16), (4, 0), (4, 1), (12, 64)],
+                         ids=["bins4-list", "bins16-search", "bins16-list1", "bins4096-list"])
+def test_select_hist_triton_identical(triton_ready, monkeypatch, bins, listed):
+    """The histogram selection (two launches: histogram, then every program resolving the row
+    inside the threshold's bin, by a pairwise-ranked list or a search) == the reference: ties,
+    NaN, +-0, +-inf, per-row budgets, short rows; chunks of 16 blocks; the table folded in."""
+    from ucm.fast.triton import sparse as tri
+
+    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed).items():
+        monkeypatch.setattr(tri, name, value)
+    scores, nblk = selection_cases(31)
+    g = gen(32)
+    M = scores.shape[1]
+    continuous = rand((4, M), g)
+    wide = (torch.randn(4, M, generator=g) * 10.0 ** torch.randint(-35, 35, (4, M), generator=g)).to(DEV)
+    per_row = torch.tensor([3, 1, 9, 6], dtype=torch.int32, device=DEV)
+    _, _, _, table, lens = paged_case(g, B=4, M=M, bs=4, lens=[92, 2, 33, 66])
+    for s, budget, windows in itertools.product((scores, continuous, wide), (1, 5, 12, 30, per_row),
+                                                ((1, 2), (0, 0), (3, 1))):
+        kw = dict(init_window=windows[0], local_window=windows[1])
+        want = ops.select_blocks(s, nblk, budget, backend="reference", **kw)
+        got = ops.select_blocks(s, nblk, budget, backend="triton", **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (budget, windows)
+        bud = budget if isinstance(budget, torch.Tensor) else torch.full_like(nblk, budget)
+        width = ops.select_width(M, int(bud.max()), *windows)
+        folded = tri.select_sparse_table(s, nblk, bud, table, lens, width=width, block_size=4, **kw)
+        want_t = ops.sparse_block_table(table, lens, *want, 4, backend="reference")
+        for a, b in zip(folded, want + want_t):
+            assert torch.equal(a, b), (budget, windows)
+    assert _hist_scratch_zeroed(tri)
+
+
+@pytest.mark.parametrize("bins,listed", [(4, 16), (4, 0), (12, 64)],
+                         ids=["bins16-list", "bins16-search", "bins4096-list"])
+def test_select_head_mass_triton(triton_ready, monkeypatch, bins, listed):
+    """The fused head mass + histogram selection: the mass it writes == softmax over blocks per
+    head, averaged (float32 rounding), and its selection == the reference's on that mass; with
+    integer-spaced per-head scores (many equal masses) == the reference op end to end."""
+    from ucm.fast.triton import sparse as tri
+
+    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed).items():
+        monkeypatch.setattr(tri, name, value)
+    g = gen(33)
+    B, H, M = 3, 6, 45
+    nblk = torch.tensor([45, 20, 1], dtype=torch.int32, device=DEV)
+    smooth = rand((B, H, M), g) * 20
+    coarse = torch.randint(0, 3, (B, H, M), generator=g).float().to(DEV)
+    for x in (smooth, coarse):
+        x[1, :, 20:] = float("-inf")
+        x[2, :, 1:] = float("-inf")
+    _, _, _, table, lens = paged_case(g, B=B, M=M, bs=4, lens=[180, 77, 3])
+    for x, budget, windows in itertools.product((smooth, coarse), (1, 7, 30),
+                                                ((1, 4), (0, 0))):
+        kw = dict(init_window=windows[0], local_window=windows[1])
+        bud = torch.full_like(nblk, budget)
+        width = ops.select_width(M, budget, *windows)
+        sel, count, t, n, mass = tri.select_head_mass(x, nblk, bud, scale=0.5, width=width,
+                                                      block_table=table, seq_lens=lens,
+                                                      block_size=4, return_mass=True, **kw)
+        want_mass = torch.softmax(x * 0.5, dim=-1).mean(1)
+        assert torch.allclose(mass, want_mass, rtol=1e-5, atol=1e-9)
+        want = ops.select_blocks(mass, nblk, budget, backend="reference", **kw)
+        want_t = ops.sparse_block_table(table, lens, *want, 4, backend="reference")
+        for a, b in zip((sel, count, t, n), want + want_t):
+            assert torch.equal(a, b), (budget, windows)
+        if x is coarse:  # equal masses stay equal: the public op == the reference op
+            got = ops.select_head_mass(x, nblk, budget, scale=0.5, backend="triton", **kw)
+            ref_op = ops.select_head_mass(x, nblk, budget, scale=0.5, backend="reference", **kw)
+            assert torch.equal(got[0], ref_op[0]) and torch.equal(got[1], ref_op[1])
+    assert _hist_scratch_zeroed(tri)
+
+
 def test_sparse_block_table_attends_to_selected_tokens():
     """Attention over the sparse table == attention over exactly the selected blocks' tokens."""
     g = gen(13)

@@ -174,6 +174,15 @@ def select_blocks(scores: torch.Tensor, num_blocks: torch.Tensor, budget: torch.
     return sel.contiguous(), count.to(torch.int32)
 
 
+def select_head_mass(per_head: torch.Tensor, num_blocks: torch.Tensor, budget: torch.Tensor, *,
+                     scale: float, init_window: int, local_window: int, width: int):
+    """:func:`select_blocks` on the head mass of per-head scores ``[B, H, M]``: a softmax over
+    the blocks per head of ``scale * per_head`` (``-inf`` weighs 0), averaged over heads."""
+    mass = torch.softmax(per_head.float() * scale, dim=-1).mean(1)
+    return select_blocks(mass, num_blocks, budget, init_window=init_window,
+                         local_window=local_window, width=width)
+
+
 def sparse_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
                        count: torch.Tensor, block_size: int):
     """``(table int32 [B, K], lens int32 [B])`` for the selected blocks; unused table entries are

@@ -309,6 +309,13 @@ class SparseMethod:
         return ops.select_blocks(scores.float().contiguous(), num_blocks, budget,
                                  init_window=self.init_window, local_window=self.local_window)
 
+    def pick_by_mass(self, per_head: torch.Tensor, num_blocks: torch.Tensor, budget: torch.Tensor):
+        """``pick(head_mass(per_head), ...)`` as one op (:func:`ucm.sparse.ops.select_head_mass`:
+        on CUDA the head mass and the selection run fused, over the whole GPU for long rows)."""
+        return ops.select_head_mass(per_head.float().contiguous(), num_blocks, budget,
+                                    scale=1.0 / math.sqrt(self.head_dim),
+                                    init_window=self.init_window, local_window=self.local_window)
+
     def score_per_head(self, q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor,
                        kind: str, tables: dict, channel_mask: Optional[torch.Tensor] = None):
         """Per-head block scores ``[b, Hq, M]`` (one :func:`ucm.sparse.ops.score_blocks` call,

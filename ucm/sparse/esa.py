@@ -3,7 +3,8 @@
 Each block is represented by the mean keys of its ``sparse_repr_group`` sub-blocks (default 4
 tokens; a block scores as its best sub-block). A request's selection in a layer is computed
 from the current query (``q_h . mean`` per query head, combined as shares of attention by
-:meth:`SparseMethod.head_mass`; top blocks within the budget) on its
+:meth:`SparseMethod.head_mass`; top blocks within the budget: one
+:func:`ucm.sparse.ops.select_head_mass` call) on its
 first sparse step and then every ``retrieval_stride`` steps; in between, the previous selection is
 reused, extended by the blocks that are new since (the windows and the last block are always
 current, so a step never misses the token being decoded or its neighbours).
@@ -33,7 +34,7 @@ class ESA(SparseMethod):
         if due:
             di = torch.tensor(due, device=q.device)
             per_head = self.score_per_head(q[di], block_table[di], num_blocks[di], "mean", tables)
-            sel, count = self.pick(self.head_mass(per_head), num_blocks[di], budget[di])
+            sel, count = self.pick_by_mass(per_head, num_blocks[di], budget[di])
             for j, i in enumerate(due):
                 rows[i] = sel[j, :int(count[j])].tolist()
             self.retrievals += len(due)

@@ -11,6 +11,7 @@ update_block_reprs          ucm.reference.sparse (PyTorch)        ucm.fast.trito
 hash_codes                  (same)                                (same)
 score_blocks                (same)                                (same)
 select_blocks               (same: two stable sorts)              (same: threshold search)
+select_head_mass            (same: softmax, mean, select_blocks)  (same: histogram selection)
 sparse_block_table          (same)                                (same: one gather kernel)
 paged_decode_attention      (same: per-request softmax)           (same: split-K flash decoding)
 block_attention_mass        (same; an oracle, reference only)     --
@@ -67,7 +68,7 @@ def on_triton_device(*args, **kwargs):
 
 
 _TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
-               "sparse_block_table", "paged_decode_attention")
+               "select_head_mass", "sparse_block_table", "paged_decode_attention")
 for _op in _TRITON_OPS + ("block_attention_mass",):
     dispatch.register(_op, "reference", f"ucm.reference.sparse:{_op}", priority=0)
 for _op in _TRITON_OPS:
@@ -351,6 +352,47 @@ def select_blocks(scores, num_blocks, budget: Union[int, torch.Tensor], *, init_
     width = select_width(M, max_budget, init_window, local_window)
     return dispatch.call("select_blocks", s, nblk, bud, init_window=init_window,
                          local_window=local_window, width=width, backend=backend)
+
+
+def select_head_mass(per_head, num_blocks, budget: Union[int, torch.Tensor], *, scale: float,
+                     init_window: int, local_window: int, backend: Optional[str] = None):
+    """:func:`select_blocks` on the head mass of per-head scores: ``softmax(scale * per_head,
+    -1).mean(1)``, each block's estimated share of attention averaged over heads
+    (:meth:`ucm.sparse.base.SparseMethod.head_mass`). Returns ``(sel, count)`` as
+    :func:`select_blocks` does.
+
+    per_head: float32 ``[B, H, M]`` (``-inf`` past each request's blocks, as
+    :func:`score_blocks` with ``reduce="none"`` writes them); scale: finite float > 0; the other
+    arguments as :func:`select_blocks` takes them. The Triton implementation computes the head mass
+    up to float32 rounding and selects exactly on what it computed.
+    """
+    x = _tensor(per_head, "per_head", (torch.float32,), 3)
+    B, H, M = x.shape
+    if B < 1 or H < 1 or M < 1:
+        raise ValueError(f"per_head: expected [batch >= 1, heads >= 1, M >= 1], got {list(x.shape)}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+            or scale <= 0:
+        raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+    dev = x.device
+    nblk = _vector(num_blocks, "num_blocks", B, dev)
+    init_window = _int(init_window, "init_window", 0)
+    local_window = _int(local_window, "local_window", 0)
+    checks = {f"num_blocks: entries must lie in [1, M={M}] (an empty request has no block to keep)":
+              ((nblk < 1) | (nblk > M)).any()}
+    if isinstance(budget, torch.Tensor):
+        bud = _vector(budget, "budget", B, dev)
+        stats = torch.stack([bud.min(), bud.max()]).tolist()
+        if stats[0] < 1:
+            raise ValueError(f"budget: entries must be >= 1, got min {stats[0]}")
+        max_budget = stats[1]
+    else:
+        max_budget = _int(budget, "budget", 1)
+        bud = torch.full((B,), min(max_budget, 2**31 - 1), dtype=torch.int32, device=dev)
+    _fail_if(checks)
+    width = select_width(M, max_budget, init_window, local_window)
+    return dispatch.call("select_head_mass", x, nblk, bud, scale=float(scale),
+                         init_window=init_window, local_window=local_window, width=width,
+                         backend=backend)
 
 
 def sparse_block_table(block_table, seq_lens, sel, count, block_size: int, *,

@@ -28,4 +28,4 @@ class Quest(SparseMethod):
         bound = self.score_per_head(q, block_table, num_blocks, "quest", tables)
         if self.per_kv_head:   # each KV head its own top blocks, by its query heads' shares
             return self.pick_per_kv_head(self.kv_head_mass(bound), num_blocks, budget)
-        return self.pick(self.head_mass(bound), num_blocks, budget)
+        return self.pick_by_mass(bound, num_blocks, budget)

@@ -261,9 +261,14 @@ REDUCE_CHUNK = 32
 PDL = False
 
 
-def _pdl_launch() -> dict:
-    """Launch keywords for :data:`PDL` (none under the interpreter)."""
-    return {"PDL": True, "launch_pdl": True} if PDL and not interpreting() else {}
+#: Programmatic dependent launch for the decode kernels only (split and merge launches; see
+#: :data:`PDL`): each launch overlaps the end of the one before it. Off by default.
+DECODE_PDL = False
+
+
+def _pdl_launch(on: bool = False) -> dict:
+    """Launch keywords for :data:`PDL` (or ``on``; none under the interpreter)."""
+    return {"PDL": True, "launch_pdl": True} if (PDL or on) and not interpreting() else {}
 
 
 _jitted: dict = {}
@@ -384,12 +389,12 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
         SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits), GP2=_p2(group),
         STATIC=static, PREFETCH=prefetch, tab_tokens=max_tokens,
-        num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch())
+        num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch(DECODE_PDL))
     if not merge:
         chunk = min(dpad, max(16, _p2(REDUCE_CHUNK))) if REDUCE_CHUNK else dpad
         _jit(_decode_reduce_kernel)[(B * Hq, triton.cdiv(D, chunk))](
             opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=chunk,
-            SPAD=_p2(num_splits), num_warps=4, **_pdl_launch())
+            SPAD=_p2(num_splits), num_warps=4, **_pdl_launch(DECODE_PDL))
     return out
 
 
@@ -918,6 +923,329 @@ SELECT_PAIRS_WARPS = 4
 SELECT_COMPACT_TILE = 1024
 
 
+# histogram selection (one long row, or a few): the threshold's bin from a global histogram,
+# then the row resolved inside that bin only
+
+
+def _lse_bounds_kernel(x_ptr, stat_ptr, M, scale_log2, CHUNK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """Row ``program_id(0)`` of ``x [rows, M]`` (``c = scale_log2``): ``stat[row] = (log2 sum_j
+    2 ** (c x_j), max_j c x_j, min_j c x_j over the entries above -inf)``."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNK)
+    m_i = tl.full([CHUNK], float("-inf"), tl.float32)
+    l_i = tl.zeros([CHUNK], tl.float32)
+    n_i = tl.full([CHUNK], float("inf"), tl.float32)
+    for j0 in range(0, M, CHUNK):
+        x = tl.load(x_ptr + row * M + j0 + c, mask=j0 + c < M, other=float("-inf")) * scale_log2
+        m_new = tl.maximum(m_i, x)
+        safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        l_i = l_i * tl.exp2(m_i - safe) + tl.exp2(x - safe)
+        m_i = m_new
+        n_i = tl.minimum(n_i, tl.where(x > float("-inf"), x, float("inf")))
+    m = tl.max(m_i, 0)
+    safe = tl.where(m_i > float("-inf"), m_i, m)
+    total = tl.sum(tl.where(m_i > float("-inf"), l_i * tl.exp2(safe - m), 0.0), 0)
+    tl.store(stat_ptr + row * 3, m + tl.log2(total))
+    tl.store(stat_ptr + row * 3 + 1, m)
+    tl.store(stat_ptr + row * 3 + 2, tl.min(n_i, 0))
+
+
+def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, M, sx_b, sx_m,
+                      scale_log2, HQ: tl.constexpr, HPAD: tl.constexpr, T: tl.constexpr,
+                      MASS: tl.constexpr, INIT: tl.constexpr, LW: tl.constexpr,
+                      NB: tl.constexpr, LOG_NB: tl.constexpr, PDL: tl.constexpr = False):
+    """Blocks ``[c T, (c + 1) T)`` of request ``b``: add each candidate (not forced, below
+    ``nblk[b]``) to its bin of the row's ``NB``-bin histogram (global atomics).
+
+    MASS: the row is the head mass of per-head scores ``x [B, HQ, M]``, ``mean_h 2 ** (c x_hj -
+    lse_h)`` (``stat`` from :func:`_lse_bounds_kernel`), written to ``mass [B, M]``; its bins
+    split ``[lo, hi]`` evenly on the order-preserving int32 image ``u``, where ``lo`` / ``hi``
+    are the head mass of each head's lowest / highest score (bounds of the row, up to rounding;
+    values outside land in the end bins). Else the row is ``x [B, M]`` (strides ``sx``) and the
+    bins are the top ``LOG_NB`` bits of ``u``. Bin of ``u``: ``clamp((u >> shift) - base, 0, NB
+    - 1)``, monotone in ``u``; ``(shift, base)`` go to ``prm [B, 2]`` for the selection."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * T + tl.arange(0, T)
+    inside = j < M
+    n = tl.load(nblk_ptr + b)
+    tail = tl.maximum(n - LW, 0)
+    if MASS:
+        h = tl.arange(0, HPAD)
+        hm = h < HQ
+        lse = tl.load(stat_ptr + (b * HQ + h) * 3, mask=hm, other=0.0)
+        x = tl.load(x_ptr + (b * HQ + h[:, None]) * M + j[None, :],
+                    mask=hm[:, None] & inside[None, :], other=float("-inf"))
+        p = tl.where(hm[:, None], tl.exp2(x * scale_log2 - lse[:, None]), 0.0)
+        s = tl.sum(p, 0) / HQ
+        tl.store(mass_ptr + b * M + j, s, mask=inside)
+        mx = tl.load(stat_ptr + (b * HQ + h) * 3 + 1, mask=hm, other=0.0)
+        mn = tl.load(stat_ptr + (b * HQ + h) * 3 + 2, mask=hm, other=0.0)
+        hi = tl.sum(tl.where(hm, tl.exp2(mx - lse), 0.0), 0) / HQ
+        lo = tl.sum(tl.where(hm, tl.exp2(mn - lse), 0.0), 0) / HQ
+        hi = tl.where(hi != hi, float("-inf"), hi)
+        hi = tl.where(hi == 0.0, 0.0, hi)
+        lo = tl.where(lo != lo, float("-inf"), lo)
+        lo = tl.where(lo == 0.0, 0.0, lo)
+        bh = hi.to(tl.int32, bitcast=True)
+        bl = lo.to(tl.int32, bitcast=True)
+        uh = tl.where(bh < 0, bh ^ 0x7FFFFFFF, bh).to(tl.int64)
+        ul = tl.where(bl < 0, bl ^ 0x7FFFFFFF, bl).to(tl.int64)
+        span = tl.maximum(uh - ul, 0)
+        shift = tl.zeros([], tl.int64)
+        for _ in tl.static_range(33):                      # smallest shift with span >> shift <= NB - 2
+            shift += ((span >> shift) > NB - 2).to(tl.int64)
+        base = ul >> shift
+    else:
+        s = tl.load(x_ptr + b * sx_b + j * sx_m, mask=inside, other=float("-inf"))
+        shift = tl.full([], 32 - LOG_NB, tl.int64)
+        base = tl.full([], -(NB // 2), tl.int64)
+    s = tl.where(s != s, float("-inf"), s)                 # NaN ranks like -inf
+    s = tl.where(s == 0.0, 0.0, s)                         # -0.0 ties with +0.0
+    bits = s.to(tl.int32, bitcast=True)
+    u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    ub = tl.minimum(tl.maximum((u >> shift) - base, 0), NB - 1).to(tl.int32)
+    cand = inside & (j < n) & (j >= INIT) & (j < tail)
+    tl.atomic_add(hist_ptr + b * NB + ub, tl.full([T], 1, tl.int32), mask=cand, sem="relaxed")
+    if tl.program_id(1) == 0:
+        tl.store(prm_ptr + b * 2, shift)
+        tl.store(prm_ptr + b * 2 + 1, base)
+
+
+def _hist_select_kernel(s_ptr, ss_b, ss_m, nblk_ptr, budget_ptr, hist_ptr, prm_ptr, ticket_ptr,
+                        lcnt_ptr, lu_ptr, lj_ptr, sel_ptr, count_ptr, M, width, lcap,
+                        table_ptr, lens_ptr, otable_ptr, olens_ptr, st_b, st_m,
+                        INIT: tl.constexpr, LW: tl.constexpr, NB: tl.constexpr,
+                        MPAD: tl.constexpr, TC: tl.constexpr, LCAP: tl.constexpr,
+                        TABLE: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False):
+    """Blocks ``[c TC, (c + 1) TC)`` of request ``b``, given the row's histogram
+    (:func:`_mass_hist_kernel`): the same selection as :func:`_select_kernel`, written like
+    :func:`_compact_kernel` writes it.
+
+    The threshold bin ``b1`` is the highest bin whose suffix count reaches ``r`` (the blocks still
+    to take): candidates in higher bins are taken, in lower bins not; ``need`` of the ``L``
+    candidates in ``b1`` are taken, the best by (score desc, index asc). When ``L <= lcap`` they
+    are listed (atomic slots in this program's scratch) and ranked pairwise (``[LCAP, LCAP]`` and
+    ``[TC, LCAP]``); else a 4-ary search over the bin's range of ``u`` finds the ``need``-th
+    score, equal ones taken by index. Every program resolves the whole row (it reads the row,
+    not its neighbours' results) and writes its own chunk. The last program of the row to finish
+    (an atomic ticket) zeroes the row's histogram and ticket for the next call."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    nprog = tl.num_programs(1)
+    c0 = c * TC
+    n = tl.load(nblk_ptr + b)
+    head = tl.minimum(n, INIT)
+    tail = tl.maximum(n - LW, 0)
+    n_forced = head + (n - tail) - tl.maximum(head - tail, 0)
+    keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
+    r = keep - n_forced
+    shift = tl.load(prm_ptr + b * 2)
+    base = tl.load(prm_ptr + b * 2 + 1)
+    bins = tl.arange(0, NB)
+    hc = tl.load(hist_ptr + b * NB + bins)
+    suffix = tl.sum(hc, 0) - tl.cumsum(hc, 0) + hc             # candidates in bins >= k
+    b1 = tl.max(tl.where(suffix >= r, bins, 0), 0)
+    above = tl.sum(tl.where(bins > b1, hc, 0), 0)
+    L = tl.sum(tl.where(bins == b1, hc, 0), 0)
+    need = r - above                                           # in [1, L] when r >= 1
+    # the whole row
+    jj = tl.arange(0, MPAD)
+    valid = jj < n
+    s = tl.load(s_ptr + b * ss_b + jj * ss_m, mask=valid, other=float("-inf"))
+    s = tl.where(s != s, float("-inf"), s)
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    cand = valid & (jj >= INIT) & (jj < tail)
+    ub = tl.minimum(tl.maximum((u.to(tl.int64) >> shift) - base, 0), NB - 1).to(tl.int32)
+    inb = cand & (ub == b1)
+    early = jj < c0
+    before = tl.sum((valid & ~cand & early).to(tl.int32), 0) \
+        + tl.sum((cand & (ub > b1) & early).to(tl.int32), 0)
+    # this program's chunk
+    i = c0 + tl.arange(0, TC)
+    vi = i < n
+    si = tl.load(s_ptr + b * ss_b + i * ss_m, mask=vi, other=float("-inf"))
+    si = tl.where(si != si, float("-inf"), si)
+    si = tl.where(si == 0.0, 0.0, si)
+    bi = si.to(tl.int32, bitcast=True)
+    ui = tl.where(bi < 0, bi ^ 0x7FFFFFFF, bi)
+    cand_i = vi & (i >= INIT) & (i < tail)
+    ub_i = tl.minimum(tl.maximum((ui.to(tl.int64) >> shift) - base, 0), NB - 1).to(tl.int32)
+    inb_i = cand_i & (ub_i == b1)
+    if L <= lcap:
+        # list the bin's candidates, rank them pairwise
+        slot_ptr = lcnt_ptr + b * nprog + c
+        lbase = (b * nprog + c) * LCAP
+        slot = tl.atomic_add(slot_ptr + tl.zeros([MPAD], tl.int64), tl.full([MPAD], 1, tl.int32),
+                             mask=inb, sem="relaxed")
+        tl.store(lu_ptr + lbase + slot, u, mask=inb)
+        tl.store(lj_ptr + lbase + slot, jj, mask=inb)
+        tl.debug_barrier()
+        k = tl.arange(0, LCAP)
+        kv = k < L
+        lu = tl.load(lu_ptr + lbase + k, mask=kv, other=-2147483648, cache_modifier=".cg")
+        lj = tl.load(lj_ptr + lbase + k, mask=kv, other=0, cache_modifier=".cg")
+        beats = kv[None, :] & ((lu[None, :] > lu[:, None])
+                               | ((lu[None, :] == lu[:, None]) & (lj[None, :] < lj[:, None])))
+        rank_k = tl.sum(beats.to(tl.int32), 1)
+        before_in = tl.sum((kv & (rank_k < need) & (lj < c0)).to(tl.int32), 0)
+        beats_i = kv[None, :] & ((lu[None, :] > ui[:, None])
+                                 | ((lu[None, :] == ui[:, None]) & (lj[None, :] < i[:, None])))
+        rank_i = tl.sum(beats_i.to(tl.int32), 1)
+        chosen_in = inb_i & (rank_i < need)
+        tl.debug_barrier()
+        tl.store(slot_ptr, 0)                                  # zero for the next call
+    else:
+        # 4-ary search over the bin's range for the largest t with #(bin's u >= t) >= need
+        lo = tl.where(b1 == 0, -2147483648, (b1 + base) << shift)
+        hi = tl.where(b1 == NB - 1, 2147483647, ((b1 + base + 1) << shift) - 1)
+        lo = tl.minimum(tl.maximum(lo, -2147483648), 2147483647)
+        hi = tl.minimum(tl.maximum(hi, lo), 2147483647)
+        hi = tl.where(need > 0, hi, lo)
+        field = (1 << 21) - 1
+        steps = tl.where((b1 == 0) | (b1 == NB - 1), 17, (shift + 3) // 2).to(tl.int32)
+        for _ in range(steps):
+            span = hi - lo
+            t1 = lo + (span + 3) // 4
+            t2 = lo + (2 * span + 3) // 4
+            t3 = lo + (3 * span + 3) // 4
+            packed = tl.sum(tl.where(inb, (u >= t1.to(tl.int32)).to(tl.int64)
+                                     + ((u >= t2.to(tl.int32)).to(tl.int64) << 21)
+                                     + ((u >= t3.to(tl.int32)).to(tl.int64) << 42), 0), 0)
+            ok1 = (packed & field) >= need
+            ok2 = ((packed >> 21) & field) >= need
+            ok3 = (packed >> 42) >= need
+            new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
+            hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
+            lo = new_lo
+        # need <= 0: no candidate of the bin (no image reaches INT32_MAX: NaN ranks as -inf)
+        t = tl.where(need > 0, lo, 2147483647).to(tl.int32)
+        above_in = inb & (u > t)
+        ties = inb & (u == t)
+        need_t = tl.maximum(need - tl.sum(above_in.to(tl.int32), 0), 0)
+        ties_before = tl.sum((ties & early).to(tl.int32), 0)
+        before_in = tl.sum((above_in & early).to(tl.int32), 0) + tl.minimum(ties_before, need_t)
+        ties_i = inb_i & (ui == t)
+        trank = ties_before + tl.cumsum(ties_i.to(tl.int32), 0)
+        chosen_in = inb_i & ((ui > t) | (ties_i & (trank <= need_t)))
+    chosen = (vi & ~cand_i) | (cand_i & (ub_i > b1)) | chosen_in
+    pos = before + before_in + tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(sel_ptr + b * width + pos, i, mask=chosen)
+    pad = (i >= keep) & (i < width)
+    tl.store(sel_ptr + b * width + i, tl.full([TC], -1, tl.int32), mask=pad)
+    if TABLE:
+        phys = tl.load(table_ptr + b * st_b + i * st_m, mask=chosen, other=0)
+        tl.store(otable_ptr + b * width + pos, phys, mask=chosen)
+        tl.store(otable_ptr + b * width + i, tl.zeros([TC], tl.int32), mask=pad)
+    if c == 0:
+        tl.store(count_ptr + b, keep)
+        if TABLE:
+            n_tok = tl.load(lens_ptr + b)
+            tl.store(olens_ptr + b, (keep - 1) * BS + n_tok - ((n_tok + BS - 1) // BS - 1) * BS)
+    tl.debug_barrier()                                         # every read of the histogram done
+    done = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel")
+    if done == nprog - 1:
+        tl.store(hist_ptr + b * NB + bins, tl.zeros([NB], tl.int32))
+        tl.atomic_xchg(ticket_ptr + b, 0)
+
+
+#: Histogram selection (:func:`_mass_hist_kernel` then :func:`_hist_select_kernel`) for batches
+#: of at most SELECT_HIST_MAX_ROWS rows of at least SELECT_HIST_MIN_BLOCKS blocks (None: never),
+#: and for the fused head mass (:func:`select_head_mass`). Bins (2 ** SELECT_HIST_BITS), blocks
+#: per histogram program, blocks per selection program, the most candidates in the threshold's
+#: bin that are ranked pairwise (more: a search over the bin), warps of the selection programs.
+SELECT_HIST_MIN_BLOCKS = 4096
+SELECT_HIST_MAX_ROWS = 1
+SELECT_HIST_BITS = 12
+SELECT_HIST_TILE = 64
+SELECT_HIST_CHUNK = 256
+SELECT_HIST_LIST = 64
+SELECT_HIST_WARPS = 8
+#: Head mass + selection in one pass for rows of at least this many blocks (None: never; else
+#: :func:`head_mass` then the selection).
+MASS_HIST_MIN_BLOCKS = 1024
+MASS_HIST_MAX_ROWS = 64
+
+_hist_bufs: dict = {}
+
+
+def _hist_scratch(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` entries for ``device``, reused across calls and kept
+    zeroed by the selection kernels that use it (histograms, tickets, list counters); made or
+    grown by a first eager call, outside any CUDA graph capture. Shared like the fused merge's
+    counters: one histogram selection at a time per device (streams selecting concurrently need
+    ``SELECT_HIST_MIN_BLOCKS = MASS_HIST_MIN_BLOCKS = None``)."""
+    key = (device.type, device.index)
+    buf = _hist_bufs.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _hist_bufs[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return buf
+
+
+def _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window, width,
+                 block_table=None, seq_lens=None, block_size=1):
+    """The histogram selection: ``x`` the scores ``[B, M]`` (``stats`` None) or per-head scores
+    ``[B, H, M]`` with their :func:`_lse_bounds_kernel` stats (the row is then their head mass).
+    Returns ``(sel, count[, table, lens], mass)`` (``mass`` None for plain scores)."""
+    mass_mode = stats is not None
+    if mass_mode:
+        B, H, M = x.shape
+    else:
+        (B, M), H = x.shape, 1
+    dev = x.device
+    nb = 1 << SELECT_HIST_BITS
+    mpad = _p2(M, 16)
+    tc = min(_p2(SELECT_HIST_CHUNK, 16), mpad)
+    nprog = triton.cdiv(M, tc)
+    scratch = _hist_scratch(dev, B * nb + B + B * nprog)
+    hist = scratch[:B * nb]
+    ticket = scratch[B * nb:B * nb + B]
+    lcnt = scratch[B * nb + B:B * nb + B + B * nprog]
+    prm = torch.empty(B, 2, dtype=torch.int64, device=dev)
+    mass = torch.empty(B, M, dtype=torch.float32, device=dev) if mass_mode else None
+    dummy = prm
+    lw = max(local_window, 1)
+    t = min(_p2(SELECT_HIST_TILE, 16), mpad)
+    sx = (0, 0) if mass_mode else x.stride()
+    _jit(_mass_hist_kernel)[(B, triton.cdiv(M, t))](
+        x, stats if mass_mode else dummy, mass if mass_mode else dummy, num_blocks, hist, prm, M,
+        *sx, scale * LOG2E, HQ=H, HPAD=_p2(H), T=t, MASS=mass_mode, INIT=init_window, LW=lw,
+        NB=nb, LOG_NB=SELECT_HIST_BITS, num_warps=4, **_pdl_launch())
+    sel = torch.empty(B, width, dtype=torch.int32, device=dev)
+    count = torch.empty(B, dtype=torch.int32, device=dev)
+    table = block_table is not None
+    otable = torch.empty(B, width, dtype=torch.int32, device=dev) if table else count
+    olens = torch.empty(B, dtype=torch.int32, device=dev) if table else count
+    lcap = _p2(max(SELECT_HIST_LIST, 1), 16)
+    lu = torch.empty(B * nprog * lcap, dtype=torch.int32, device=dev)
+    lj = torch.empty(B * nprog * lcap, dtype=torch.int32, device=dev)
+    src = mass if mass_mode else x
+    _jit(_hist_select_kernel)[(B, nprog)](
+        src, *src.stride(), num_blocks, budget, hist, prm, ticket, lcnt, lu, lj, sel, count, M,
+        width, SELECT_HIST_LIST, block_table if table else count, seq_lens if table else count,
+        otable, olens, *(block_table.stride() if table else (0, 0)),
+        INIT=init_window, LW=lw, NB=nb, MPAD=mpad, TC=tc, LCAP=lcap, TABLE=table, BS=block_size,
+        num_warps=SELECT_HIST_WARPS, **_pdl_launch())
+    out = (sel, count, otable, olens) if table else (sel, count)
+    return out + (mass,)
+
+
+def _use_hist(B: int, M: int) -> bool:
+    return (SELECT_HIST_MIN_BLOCKS is not None and M >= SELECT_HIST_MIN_BLOCKS
+            and B <= SELECT_HIST_MAX_ROWS and M <= SELECT_KERNEL_MAX_BLOCKS)
+
+
 def _ordered_int(scores: torch.Tensor) -> torch.Tensor:
     """int64 image of float32 scores with the same order (``-0.0`` maps with ``+0.0``, NaN with
     ``-inf``)."""
@@ -959,6 +1287,9 @@ def select_blocks(scores, num_blocks, budget, *, init_window: int, local_window:
 def _select(scores, num_blocks, budget, init_window, local_window, width, block_table=None,
             seq_lens=None, block_size=1):
     B, M = scores.shape
+    if _use_hist(B, M):
+        return _select_hist(scores, None, 1.0, num_blocks, budget, init_window, local_window,
+                            width, block_table, seq_lens, block_size)[:-1]
     dev = scores.device
     sel = torch.empty(B, width, dtype=torch.int32, device=dev)
     count = torch.empty(B, dtype=torch.int32, device=dev)
@@ -1095,3 +1426,41 @@ def head_mass(per_head: torch.Tensor, scale: float) -> torch.Tensor:
     _jit(_mass_kernel)[(B, triton.cdiv(M, tile))](x, lse, out, M, scale * LOG2E, HQ=H, TILE=tile,
                                                   num_warps=4, **_pdl_launch())
     return out
+
+
+#: :func:`_lse_bounds_kernel` launch: elements per step, warps.
+LSE_CHUNK = 4096
+LSE_WARPS = 8
+
+
+def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float,
+                     init_window: int, local_window: int, width: int, block_table=None,
+                     seq_lens=None, block_size: int = 1, return_mass: bool = False):
+    """Same contract as :func:`ucm.reference.sparse.select_head_mass`: :func:`select_blocks` on
+    :func:`head_mass` ``(per_head, scale)``, ``(sel, count)``; with
+    ``block_table, seq_lens`` the sparse table folded in, ``(sel, count, table, lens)`` (as
+    :func:`select_sparse_table`); ``return_mass``: the head mass appended. Rows of at least
+    ``MASS_HIST_MIN_BLOCKS`` blocks: three launches (log-sum-exp and bounds per head; head mass
+    and histogram; selection), the head mass written once and selected exactly as
+    :func:`select_blocks` selects it. Inputs as validated by
+    :func:`ucm.sparse.ops.select_head_mass`; asynchronous."""
+    B, H, M = per_head.shape
+    x = per_head.contiguous()
+    if MASS_HIST_MIN_BLOCKS is not None and MASS_HIST_MIN_BLOCKS <= M <= SELECT_KERNEL_MAX_BLOCKS \
+            and B <= MASS_HIST_MAX_ROWS:
+        stats = torch.empty(B, H, 3, dtype=torch.float32, device=x.device)
+        _jit(_lse_bounds_kernel)[(B * H,)](x, stats, M, scale * LOG2E,
+                                           CHUNK=min(_p2(LSE_CHUNK), _p2(M, 16)),
+                                           num_warps=LSE_WARPS, **_pdl_launch())
+        out = _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window, width,
+                           block_table, seq_lens, block_size)
+    else:
+        mass = head_mass(x, scale)
+        if block_table is not None:
+            out = select_sparse_table(mass, num_blocks, budget, block_table, seq_lens,
+                                      init_window=init_window, local_window=local_window,
+                                      width=width, block_size=block_size) + (mass,)
+        else:
+            out = select_blocks(mass, num_blocks, budget, init_window=init_window,
+                                local_window=local_window, width=width) + (mass,)
+    return out if return_mass else out[:-1]
