@@ -22,10 +22,11 @@ run, with CUDA events (``triton.testing.do_bench``, median; "graph": replays of 
     ``stride``. Variants: "method" (what ``ucm.sparse`` computes on CUDA: per-head scores, the
     fused head mass + selection of ``select_head_mass``, table kernel, attention), "fast" (the
     table folded into the selection), "sum" (scores summed over heads in the kernel, no head
-    mass); suffixes: "_s5" (session 5's chain: PyTorch head mass for "method", the two-launch
-    Triton head mass for "fast", pairwise / single-program selection, no histogram selection),
-    "_dpdl" (decode launches with programmatic dependent launch), "_fused" (merge folded into
-    the split kernel), "_pairs" (pairwise selection at any batch).
+    mass); suffixes: "_s5" (session 5's code path: PyTorch head mass for "method", the two-launch
+    Triton head mass for "fast", pairwise / single-program selection, no histogram selection,
+    decode launches without programmatic dependent launch), "_nodpdl" (this code without
+    programmatic dependent launch on the decode launches), "_fused" (merge folded into the
+    split kernel), "_pairs" (pairwise selection at any batch).
     Also the byte floor of each: dense bytes / (selected K/V + table bytes / stride).
 
 The timed functions are the Triton implementations (``ucm.fast.triton.sparse``), as an attention
@@ -370,8 +371,9 @@ def knobs(fn, **values):
 
 #: The pairwise-rank selection (two launches over the whole GPU) for every row length.
 PAIRS = dict(SELECT_PAIRS_MIN_BLOCKS=0, SELECT_PAIRS_MAX_ROWS=1 << 20)
-#: Session 5's selection chain (no histogram selection, no fused head mass).
-S5 = dict(SELECT_HIST_MIN_BLOCKS=None, MASS_HIST_MIN_BLOCKS=None)
+#: Session 5's code path (no histogram selection, no fused head mass, no decode PDL).
+S5 = dict(SELECT_HIST_MIN_BLOCKS=None, MASS_HIST_MIN_BLOCKS=None, DECODE_PDL=False)
+NO_DPDL = dict(DECODE_PDL=False)
 #: The histogram selection at every batch and row length (checks, explore).
 HIST = dict(SELECT_HIST_MIN_BLOCKS=0, SELECT_HIST_MAX_ROWS=1 << 20, MASS_HIST_MIN_BLOCKS=0,
             MASS_HIST_MAX_ROWS=1 << 20)
@@ -447,8 +449,9 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     dense_graph_fused = bench(dense_fn(True), graph=True)
     dense_graph_pdl = with_pdl(lambda: bench(dense_fn(), graph=True))
     dense_graph_whole = bench(knobs(dense_fn(), REDUCE_CHUNK=None), graph=True)
-    dense_graph_dpdl = bench(knobs(dense_fn(), DECODE_PDL=True), graph=True)
-    dense_best = min(x for x in (dense_graph, dense_graph_fused, dense_graph_pdl, dense_graph_dpdl,
+    dense_graph_no_dpdl = bench(knobs(dense_fn(), DECODE_PDL=False), graph=True)
+    dense_best = min(x for x in (dense_graph, dense_graph_fused, dense_graph_pdl,
+                                 dense_graph_no_dpdl,
                                  dense_graph_whole) if x is not None)
     # (b) SDPA on contiguous K/V
     kc = k[table.long()].reshape(batch, tokens, HKV, D).transpose(1, 2).contiguous()
@@ -518,6 +521,10 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
             per_head, nblk, budget, scale=scale, init_window=INIT_WINDOW,
             local_window=LOCAL_WINDOW, width=width, block_table=table, seq_lens=lens,
             block_size=BS), SELECT_HIST_LIST=0),
+        "select_head_mass_with_table_hist": knobs(lambda: tri.select_head_mass(
+            per_head, nblk, budget, scale=scale, init_window=INIT_WINDOW,
+            local_window=LOCAL_WINDOW, width=width, block_table=table, seq_lens=lens,
+            block_size=BS), **HIST),
         "select_head_mass_with_table_s5": knobs(lambda: tri.select_head_mass(
             per_head, nblk, budget, scale=scale, init_window=INIT_WINDOW,
             local_window=LOCAL_WINDOW, width=width, block_table=table, seq_lens=lens,
@@ -547,8 +554,8 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
             width=width, block_size=BS), **PAIRS),
         "table": lambda: tri.sparse_block_table(table, lens, sel, count, BS),
         "attention_table": lambda: tri.decode(q, k, v, stab, slens, scale, fused_merge=False),
-        "attention_table_decode_pdl": knobs(lambda: tri.decode(
-            q, k, v, stab, slens, scale, fused_merge=False), DECODE_PDL=True),
+        "attention_table_no_decode_pdl": knobs(lambda: tri.decode(
+            q, k, v, stab, slens, scale, fused_merge=False), DECODE_PDL=False),
         "attention_table_whole_merge": knobs(lambda: tri.decode(
             q, k, v, stab, slens, scale, fused_merge=False), REDUCE_CHUNK=None),
         "attention_table_fused_merge": lambda: tri.decode(q, k, v, stab, slens, scale,
@@ -596,11 +603,11 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         ucm.sparse runs on CUDA (per-head scores, PyTorch head mass, select, table kernel,
         attention with the merge launch); "fast": the Triton head mass, the table folded into
         the selection; "sum": scores summed over heads inside the scoring kernel (no head
-        mass), then as "fast". Suffixes, in this order: ``_pairs``, ``_fused``, ``_dpdl``,
+        mass), then as "fast". Suffixes, in this order: ``_pairs``, ``_fused``, ``_nodpdl``,
         ``_s5`` (see the module docstring)."""
         values = {}
         s5 = variant.endswith("_s5")
-        for suffix, extra in (("_s5", S5), ("_dpdl", dict(DECODE_PDL=True))):
+        for suffix, extra in (("_s5", S5), ("_nodpdl", NO_DPDL)):
             if variant.endswith(suffix):
                 variant = variant[:-len(suffix)]
                 values.update(extra)
@@ -643,7 +650,7 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     per_step = {}
     for method, stride in configs:
         for variant in ("method", "fast", "sum", "method_s5", "fast_s5", "sum_s5",
-                        "method_dpdl", "fast_dpdl", "sum_dpdl"):
+                        "method_nodpdl", "fast_nodpdl", "sum_nodpdl"):
             name = f"{method}_stride{stride}_{variant}"
             try:
                 per_step[name] = bench(step_fn(method, stride, variant), graph=True) / stride
@@ -732,7 +739,7 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         pdl_error=PDL_ERROR[0],
         ms=dict(dense=dense, dense_graph=dense_graph, dense_graph_fused_merge=dense_graph_fused,
                 dense_graph_whole_merge=dense_graph_whole,
-                dense_graph_pdl=dense_graph_pdl, dense_graph_decode_pdl=dense_graph_dpdl,
+                dense_graph_pdl=dense_graph_pdl, dense_graph_no_decode_pdl=dense_graph_no_dpdl,
                 dense_best=dense_best,
                 sdpa=sdpa, copy=copy, sparse_public_ops_esa_stride1=public,
                 sparse_parts_graph=parts_graph, sparse_per_step_graph=per_step),
@@ -808,7 +815,8 @@ def main() -> int:
         print(f"{r['batch']}x{r['tokens']}: dense {dense_best * 1e3:.1f} us (graph; split+merge "
               f"{r['ms']['dense_graph'] * 1e3:.1f}, fused merge "
               f"{r['ms']['dense_graph_fused_merge'] * 1e3:.1f}, pdl "
-              f"{pdl * 1e3 if pdl else float('nan'):.1f}); SDPA {r['ms']['sdpa'] * 1e3:.1f} us "
+              f"{pdl * 1e3 if pdl else float('nan'):.1f}, no decode pdl "
+              f"{r['ms']['dense_graph_no_decode_pdl'] * 1e3:.1f}); SDPA {r['ms']['sdpa'] * 1e3:.1f} us "
               f"({r['sdpa_backend']}); BW/copy {r['ratios']['bandwidth_over_copy']:.3f}")
         for name, ms in r["ms"]["sparse_per_step_graph"].items():
             floor = r["byte_floor_ratios"]["_".join(name.split("_")[:2])]

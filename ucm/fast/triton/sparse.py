@@ -261,9 +261,24 @@ REDUCE_CHUNK = 32
 PDL = False
 
 
-#: Programmatic dependent launch for the decode kernels only (split and merge launches; see
-#: :data:`PDL`): each launch overlaps the end of the one before it. Off by default.
-DECODE_PDL = False
+#: Programmatic dependent launch for the decode kernels only (the split and merge launches; see
+#: :data:`PDL`): each launch overlaps the end of the one before it. None: on for CUDA devices of
+#: compute capability 9.0 and later (H200, session 6: 1 x 128K attention on the sparse table
+#: 33.5 -> 32.4 us, ESA stride-8 steps -1.1 us at 1 x 128K and -0.6 us at 8 x 32K; the dense
+#: kernel 127.3 -> 126.0 us, as with PDL on every kernel).
+DECODE_PDL = None
+_pdl_ok: dict = {}
+
+
+def _decode_pdl(device: torch.device) -> bool:
+    if DECODE_PDL is not None:
+        return bool(DECODE_PDL)
+    if device.type != "cuda":
+        return False
+    ok = _pdl_ok.get(device.index)
+    if ok is None:
+        ok = _pdl_ok[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
+    return ok
 
 
 def _pdl_launch(on: bool = False) -> dict:
@@ -379,6 +394,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
     dpad = _p2(D, 16)
     warps = num_warps or NUM_WARPS
     counters = _counters(q.device, B * Hkv) if merge else seq_lens
+    pdl = _decode_pdl(q.device)
     _jit(_decode_split_kernel)[(B * Hkv, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, sel if selected else seq_lens,
         count if selected else seq_lens, opart, lse, out, counters,
@@ -389,12 +405,12 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
         SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits), GP2=_p2(group),
         STATIC=static, PREFETCH=prefetch, tab_tokens=max_tokens,
-        num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch(DECODE_PDL))
+        num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch(pdl))
     if not merge:
         chunk = min(dpad, max(16, _p2(REDUCE_CHUNK))) if REDUCE_CHUNK else dpad
         _jit(_decode_reduce_kernel)[(B * Hq, triton.cdiv(D, chunk))](
             opart, lse, out, *out.stride(), num_splits, HQ=Hq, D=D, DPAD=chunk,
-            SPAD=_p2(num_splits), num_warps=4, **_pdl_launch(DECODE_PDL))
+            SPAD=_p2(num_splits), num_warps=4, **_pdl_launch(pdl))
     return out
 
 
@@ -1165,17 +1181,24 @@ def _hist_select_kernel(s_ptr, ss_b, ss_m, nblk_ptr, budget_ptr, hist_ptr, prm_p
 #: and for the fused head mass (:func:`select_head_mass`). Bins (2 ** SELECT_HIST_BITS), blocks
 #: per histogram program, blocks per selection program, the most candidates in the threshold's
 #: bin that are ranked pairwise (more: a search over the bin), warps of the selection programs.
-SELECT_HIST_MIN_BLOCKS = 4096
+#: H200 (session 6): on plain score rows it loses (1 x 8,192 summed scores with the table 23.4
+#: us against 22.7 pairwise; 8 x 2,048 13.6 against 11.1): off. Every selection program
+#: resolves the whole row on its own (254 registers, ~11K instructions at 8 warps): ~20 us per
+#: 8,192-block row, the cost to remove next (per-chunk work and a third launch).
+SELECT_HIST_MIN_BLOCKS = None
 SELECT_HIST_MAX_ROWS = 1
 SELECT_HIST_BITS = 12
 SELECT_HIST_TILE = 64
 SELECT_HIST_CHUNK = 256
 SELECT_HIST_LIST = 64
 SELECT_HIST_WARPS = 8
-#: Head mass + selection in one pass for rows of at least this many blocks (None: never; else
-#: :func:`head_mass` then the selection).
-MASS_HIST_MIN_BLOCKS = 1024
-MASS_HIST_MAX_ROWS = 64
+#: Head mass + selection in one pass (:func:`_lse_bounds_kernel`, :func:`_mass_hist_kernel`,
+#: :func:`_hist_select_kernel`) for batches of at most MASS_HIST_MAX_ROWS rows of at least
+#: MASS_HIST_MIN_BLOCKS blocks (None: never; else :func:`head_mass` then the selection). H200,
+#: with the table: 1 x 8,192 blocks 24.7 us against 30.8 (head mass 7.9 + pairwise selection);
+#: 8 x 2,048 16.5 against 16.2, hence one row.
+MASS_HIST_MIN_BLOCKS = 4096
+MASS_HIST_MAX_ROWS = 1
 
 _hist_bufs: dict = {}
 
