@@ -34,6 +34,11 @@ import). Kernels call no ``@triton.jit`` helpers, so one process can run them bo
   Rows longer than ``SELECT_KERNEL_MAX_BLOCKS`` use PyTorch glue instead: one ``torch.topk``
   over unique int64 keys (score image, then ``M-1-j``). All give exactly the reference's
   selection.
+- :func:`select_head_mass`: the selection on the head mass of per-head scores. One long row
+  (``MASS_HIST_*``) takes three launches: log-sum-exp and bounds per head; the head mass and a
+  global histogram of it; then every program finds the threshold's bin and resolves it (a
+  pairwise-ranked list of the bin's candidates, or a search) and writes its chunk. Other shapes
+  use :func:`head_mass` then :func:`select_blocks`. Exact selection on the mass it computes.
 - :func:`sparse_block_table`: one gather kernel (table entries and lengths);
   :func:`decode_selected` folds it into the decode kernel (reads ``sel`` and the block table).
 - mean / kmin / kmax tables may be bfloat16: written rounded from float32; scored with bfloat16
