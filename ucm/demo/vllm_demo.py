@@ -18,10 +18,12 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 
@@ -30,11 +32,15 @@ def _say(msg: str) -> None:
 
 
 def scratch_dir(prefix: str, parent: str | None = None, keep: bool = False) -> str:
-    """A new work folder that is removed when the process exits, errors and Ctrl-C included
-    (a run stores GBs of KV there; left behind, they fill the disk run after run)."""
+    """A new work folder that is removed when the process exits, errors, Ctrl-C
+    and SIGTERM (a run stores GBs of KV there; left behind, they fill the disk run after run)."""
     work = tempfile.mkdtemp(prefix=prefix, dir=parent)
     if not keep:
         atexit.register(shutil.rmtree, work, True)
+        # a plain SIGTERM (``timeout``, ``kill``) skips atexit: make it a normal exit instead
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     return work
 
 
