@@ -317,6 +317,27 @@ def select_width(M: int, max_budget: int, init_window: int, local_window: int) -
     return min(M, max(max_budget, init_window + max(local_window, 1)))
 
 
+def _selection_args(dev, B: int, M: int, num_blocks, budget, init_window, local_window):
+    """Validated arguments of a selection over ``[B, M]`` blocks: ``(num_blocks int32 [B], budget
+    int32 [B], init_window, local_window, width)`` (a tensor budget costs one read of its range)."""
+    nblk = _vector(num_blocks, "num_blocks", B, dev)
+    init_window = _int(init_window, "init_window", 0)
+    local_window = _int(local_window, "local_window", 0)
+    checks = {f"num_blocks: entries must lie in [1, M={M}] (an empty request has no block to keep)":
+              ((nblk < 1) | (nblk > M)).any()}
+    if isinstance(budget, torch.Tensor):
+        bud = _vector(budget, "budget", B, dev)
+        stats = torch.stack([bud.min(), bud.max()]).tolist()
+        if stats[0] < 1:
+            raise ValueError(f"budget: entries must be >= 1, got min {stats[0]}")
+        max_budget = stats[1]
+    else:
+        max_budget = _int(budget, "budget", 1)
+        bud = torch.full((B,), min(max_budget, 2**31 - 1), dtype=torch.int32, device=dev)
+    _fail_if(checks)
+    return nblk, bud, init_window, local_window, select_width(M, max_budget, init_window, local_window)
+
+
 def select_blocks(scores, num_blocks, budget: Union[int, torch.Tensor], *, init_window: int,
                   local_window: int, backend: Optional[str] = None):
     """Pick each request's blocks: ``(sel int32 [B, K], count int32 [B])``.
@@ -333,23 +354,8 @@ def select_blocks(scores, num_blocks, budget: Union[int, torch.Tensor], *, init_
     B, M = s.shape
     if B < 1 or M < 1:
         raise ValueError(f"scores: expected [batch >= 1, M >= 1], got {list(s.shape)}")
-    dev = s.device
-    nblk = _vector(num_blocks, "num_blocks", B, dev)
-    init_window = _int(init_window, "init_window", 0)
-    local_window = _int(local_window, "local_window", 0)
-    checks = {f"num_blocks: entries must lie in [1, M={M}] (an empty request has no block to keep)":
-              ((nblk < 1) | (nblk > M)).any()}
-    if isinstance(budget, torch.Tensor):
-        bud = _vector(budget, "budget", B, dev)
-        stats = torch.stack([bud.min(), bud.max()]).tolist()
-        if stats[0] < 1:
-            raise ValueError(f"budget: entries must be >= 1, got min {stats[0]}")
-        max_budget = stats[1]
-    else:
-        max_budget = _int(budget, "budget", 1)
-        bud = torch.full((B,), min(max_budget, 2**31 - 1), dtype=torch.int32, device=dev)
-    _fail_if(checks)
-    width = select_width(M, max_budget, init_window, local_window)
+    nblk, bud, init_window, local_window, width = _selection_args(s.device, B, M, num_blocks, budget,
+                                                                  init_window, local_window)
     return dispatch.call("select_blocks", s, nblk, bud, init_window=init_window,
                          local_window=local_window, width=width, backend=backend)
 
@@ -373,23 +379,8 @@ def select_head_mass(per_head, num_blocks, budget: Union[int, torch.Tensor], *, 
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
             or scale <= 0:
         raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
-    dev = x.device
-    nblk = _vector(num_blocks, "num_blocks", B, dev)
-    init_window = _int(init_window, "init_window", 0)
-    local_window = _int(local_window, "local_window", 0)
-    checks = {f"num_blocks: entries must lie in [1, M={M}] (an empty request has no block to keep)":
-              ((nblk < 1) | (nblk > M)).any()}
-    if isinstance(budget, torch.Tensor):
-        bud = _vector(budget, "budget", B, dev)
-        stats = torch.stack([bud.min(), bud.max()]).tolist()
-        if stats[0] < 1:
-            raise ValueError(f"budget: entries must be >= 1, got min {stats[0]}")
-        max_budget = stats[1]
-    else:
-        max_budget = _int(budget, "budget", 1)
-        bud = torch.full((B,), min(max_budget, 2**31 - 1), dtype=torch.int32, device=dev)
-    _fail_if(checks)
-    width = select_width(M, max_budget, init_window, local_window)
+    nblk, bud, init_window, local_window, width = _selection_args(x.device, B, M, num_blocks, budget,
+                                                                  init_window, local_window)
     return dispatch.call("select_head_mass", x, nblk, bud, scale=float(scale),
                          init_window=init_window, local_window=local_window, width=width,
                          backend=backend)
