@@ -418,9 +418,10 @@ def _hist_scratch_zeroed(tri):
 @pytest.mark.parametrize("bins,listed", [(2, 16), (4, 0), (4, 1), (12, 64)],
                          ids=["bins4-list", "bins16-search", "bins16-list1", "bins4096-list"])
 def test_select_hist_triton_identical(triton_ready, monkeypatch, bins, listed):
-    """The histogram selection (two launches: histogram, then every program resolving the row
-    inside the threshold's bin, by a pairwise-ranked list or a search) == the reference: ties,
-    NaN, +-0, +-inf, per-row budgets, short rows; chunks of 16 blocks; the table folded in."""
+    """The histogram selection (one launch: histogram atomics, then the row's last program
+    resolves the threshold's bin, by a pairwise-ranked list or a search, and writes the row) ==
+    the reference: ties, NaN, +-0, +-inf, per-row budgets, short rows; programs and passes of 16
+    blocks; the table folded in."""
     from ucm.fast.triton import sparse as tri
 
     for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed).items():

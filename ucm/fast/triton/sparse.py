@@ -275,15 +275,20 @@ DECODE_PDL = None
 _pdl_ok: dict = {}
 
 
-def _decode_pdl(device: torch.device) -> bool:
-    if DECODE_PDL is not None:
-        return bool(DECODE_PDL)
+def _hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or later (programmatic dependent launch)."""
     if device.type != "cuda":
         return False
     ok = _pdl_ok.get(device.index)
     if ok is None:
         ok = _pdl_ok[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
     return ok
+
+
+def _decode_pdl(device: torch.device) -> bool:
+    if DECODE_PDL is not None:
+        return bool(DECODE_PDL)
+    return _hopper(device)
 
 
 def _pdl_launch(on: bool = False) -> dict:
@@ -723,7 +728,7 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
         HKV=Hkv, GROUP=Hq // Hkv, GPAD=_p2(Hq // Hkv, 16), D=D, DPAD=_p2(D, 16), G=G, SPAD=spad,
         KIND=1 if kind == "quest" else 0, HAS_MASK=channel_mask is not None, PER_HEAD=per_head,
         TILE_M=tile, IEEE=ieee, num_warps=SCORE_WARPS, num_stages=SCORE_STAGES,
-        **_pdl_launch())
+        **_pdl_launch(SCORE_PDL))
     return out
 
 
@@ -975,12 +980,19 @@ def _lse_bounds_kernel(x_ptr, stat_ptr, M, scale_log2, CHUNK: tl.constexpr,
     tl.store(stat_ptr + row * 3 + 2, tl.min(n_i, 0))
 
 
-def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, M, sx_b, sx_m,
-                      scale_log2, HQ: tl.constexpr, HPAD: tl.constexpr, T: tl.constexpr,
-                      MASS: tl.constexpr, INIT: tl.constexpr, LW: tl.constexpr,
-                      NB: tl.constexpr, LOG_NB: tl.constexpr, PDL: tl.constexpr = False):
-    """Blocks ``[c T, (c + 1) T)`` of request ``b``: add each candidate (not forced, below
-    ``nblk[b]``) to its bin of the row's ``NB``-bin histogram (global atomics).
+def _hist_pick_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, budget_ptr, hist_ptr, ticket_ptr,
+                      lu_ptr, lj_ptr, sel_ptr, count_ptr, M, width, sx_b, sx_m, scale_log2,
+                      table_ptr, lens_ptr, otable_ptr, olens_ptr, st_b, st_m, lcap,
+                      HQ: tl.constexpr, HPAD: tl.constexpr, T: tl.constexpr, MASS: tl.constexpr,
+                      INIT: tl.constexpr, LW: tl.constexpr, NB: tl.constexpr,
+                      LOG_NB: tl.constexpr, CH: tl.constexpr, LCAP: tl.constexpr,
+                      TABLE: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False):
+    """The histogram selection of row ``b`` in one launch. Every program takes blocks
+    ``[c T, (c + 1) T)``: adds each candidate (not forced, below ``nblk[b]``) to its bin of the
+    row's ``NB``-bin histogram (global atomics), then takes a ticket; the row's last program
+    (every other program's histogram adds and row values are then visible to it) selects the whole
+    row and writes ``sel`` (as :func:`_select_kernel` does), zeroing the histogram and the ticket
+    for the next call.
 
     MASS: the row is the head mass of per-head scores ``x [B, HQ, M]``, ``mean_h 2 ** (c x_hj -
     lse_h)`` (``stat`` from :func:`_lse_bounds_kernel`), written to ``mass [B, M]``; its bins
@@ -988,7 +1000,16 @@ def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, M,
     are the head mass of each head's lowest / highest score (bounds of the row, up to rounding;
     values outside land in the end bins). Else the row is ``x [B, M]`` (strides ``sx``) and the
     bins are the top ``LOG_NB`` bits of ``u``. Bin of ``u``: ``clamp((u >> shift) - base, 0, NB
-    - 1)``, monotone in ``u``; ``(shift, base)`` go to ``prm [B, 2]`` for the selection."""
+    - 1)``, monotone in ``u``.
+
+    The last program: the threshold bin ``b1`` is the highest bin whose suffix count reaches
+    ``r`` (the blocks still to take); ``need`` of the bin's ``L`` candidates are taken. One pass
+    over the row (``CH`` blocks a step) lists the bin's candidates in index order (``lu, lj``,
+    scratch); the ``need``-th best of them by (score desc, index asc) is the key ``(u*, j*)``,
+    found by pairwise ranks (``L <= LCAP``) or a 4-ary search over the bin's range of ``u`` then
+    the ties in list order. The chosen blocks are exactly the forced ones and the candidates with
+    ``u > u*`` or ``u == u*, j <= j*``: a second pass writes them (and TABLE: their physical ids,
+    the sparse length) like :func:`_compact_kernel`, then the pads."""
     if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -1023,10 +1044,14 @@ def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, M,
         for _ in tl.static_range(33):                      # smallest shift with span >> shift <= NB - 2
             shift += ((span >> shift) > NB - 2).to(tl.int64)
         base = ul >> shift
+        row_ptr = mass_ptr + b * M                         # the row the last program selects
+        r_stride = 1
     else:
         s = tl.load(x_ptr + b * sx_b + j * sx_m, mask=inside, other=float("-inf"))
         shift = tl.full([], 32 - LOG_NB, tl.int64)
         base = tl.full([], -(NB // 2), tl.int64)
+        row_ptr = x_ptr + b * sx_b
+        r_stride = sx_m
     s = tl.where(s != s, float("-inf"), s)                 # NaN ranks like -inf
     s = tl.where(s == 0.0, 0.0, s)                         # -0.0 ties with +0.0
     bits = s.to(tl.int32, bitcast=True)
@@ -1034,185 +1059,171 @@ def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, M,
     ub = tl.minimum(tl.maximum((u >> shift) - base, 0), NB - 1).to(tl.int32)
     cand = inside & (j < n) & (j >= INIT) & (j < tail)
     tl.atomic_add(hist_ptr + b * NB + ub, tl.full([T], 1, tl.int32), mask=cand, sem="relaxed")
-    if tl.program_id(1) == 0:
-        tl.store(prm_ptr + b * 2, shift)
-        tl.store(prm_ptr + b * 2 + 1, base)
-
-
-def _hist_select_kernel(s_ptr, ss_b, ss_m, nblk_ptr, budget_ptr, hist_ptr, prm_ptr, ticket_ptr,
-                        lcnt_ptr, lu_ptr, lj_ptr, sel_ptr, count_ptr, M, width, lcap,
-                        table_ptr, lens_ptr, otable_ptr, olens_ptr, st_b, st_m,
-                        INIT: tl.constexpr, LW: tl.constexpr, NB: tl.constexpr,
-                        MPAD: tl.constexpr, TC: tl.constexpr, LCAP: tl.constexpr,
-                        TABLE: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False):
-    """Blocks ``[c TC, (c + 1) TC)`` of request ``b``, given the row's histogram
-    (:func:`_mass_hist_kernel`): the same selection as :func:`_select_kernel`, written like
-    :func:`_compact_kernel` writes it.
-
-    The threshold bin ``b1`` is the highest bin whose suffix count reaches ``r`` (the blocks still
-    to take): candidates in higher bins are taken, in lower bins not; ``need`` of the ``L``
-    candidates in ``b1`` are taken, the best by (score desc, index asc). When ``L <= lcap`` they
-    are listed (atomic slots in this program's scratch) and ranked pairwise (``[LCAP, LCAP]`` and
-    ``[TC, LCAP]``); else a 4-ary search over the bin's range of ``u`` finds the ``need``-th
-    score, equal ones taken by index. Every program resolves the whole row (it reads the row,
-    not its neighbours' results) and writes its own chunk. The last program of the row to finish
-    (an atomic ticket) zeroes the row's histogram and ticket for the next call."""
-    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    nprog = tl.num_programs(1)
-    c0 = c * TC
-    n = tl.load(nblk_ptr + b)
-    head = tl.minimum(n, INIT)
-    tail = tl.maximum(n - LW, 0)
-    n_forced = head + (n - tail) - tl.maximum(head - tail, 0)
-    keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
-    r = keep - n_forced
-    shift = tl.load(prm_ptr + b * 2)
-    base = tl.load(prm_ptr + b * 2 + 1)
-    bins = tl.arange(0, NB)
-    hc = tl.load(hist_ptr + b * NB + bins)
-    suffix = tl.sum(hc, 0) - tl.cumsum(hc, 0) + hc             # candidates in bins >= k
-    b1 = tl.max(tl.where(suffix >= r, bins, 0), 0)
-    above = tl.sum(tl.where(bins > b1, hc, 0), 0)
-    L = tl.sum(tl.where(bins == b1, hc, 0), 0)
-    need = r - above                                           # in [1, L] when r >= 1
-    # the whole row
-    jj = tl.arange(0, MPAD)
-    valid = jj < n
-    s = tl.load(s_ptr + b * ss_b + jj * ss_m, mask=valid, other=float("-inf"))
-    s = tl.where(s != s, float("-inf"), s)
-    s = tl.where(s == 0.0, 0.0, s)
-    bits = s.to(tl.int32, bitcast=True)
-    u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    cand = valid & (jj >= INIT) & (jj < tail)
-    ub = tl.minimum(tl.maximum((u.to(tl.int64) >> shift) - base, 0), NB - 1).to(tl.int32)
-    inb = cand & (ub == b1)
-    early = jj < c0
-    before = tl.sum((valid & ~cand & early).to(tl.int32), 0) \
-        + tl.sum((cand & (ub > b1) & early).to(tl.int32), 0)
-    # this program's chunk
-    i = c0 + tl.arange(0, TC)
-    vi = i < n
-    si = tl.load(s_ptr + b * ss_b + i * ss_m, mask=vi, other=float("-inf"))
-    si = tl.where(si != si, float("-inf"), si)
-    si = tl.where(si == 0.0, 0.0, si)
-    bi = si.to(tl.int32, bitcast=True)
-    ui = tl.where(bi < 0, bi ^ 0x7FFFFFFF, bi)
-    cand_i = vi & (i >= INIT) & (i < tail)
-    ub_i = tl.minimum(tl.maximum((ui.to(tl.int64) >> shift) - base, 0), NB - 1).to(tl.int32)
-    inb_i = cand_i & (ub_i == b1)
-    if L <= lcap:
-        # list the bin's candidates, rank them pairwise
-        slot_ptr = lcnt_ptr + b * nprog + c
-        lbase = (b * nprog + c) * LCAP
-        slot = tl.atomic_add(slot_ptr + tl.zeros([MPAD], tl.int64), tl.full([MPAD], 1, tl.int32),
-                             mask=inb, sem="relaxed")
-        tl.store(lu_ptr + lbase + slot, u, mask=inb)
-        tl.store(lj_ptr + lbase + slot, jj, mask=inb)
-        tl.debug_barrier()
-        k = tl.arange(0, LCAP)
-        kv = k < L
-        lu = tl.load(lu_ptr + lbase + k, mask=kv, other=-2147483648, cache_modifier=".cg")
-        lj = tl.load(lj_ptr + lbase + k, mask=kv, other=0, cache_modifier=".cg")
-        beats = kv[None, :] & ((lu[None, :] > lu[:, None])
-                               | ((lu[None, :] == lu[:, None]) & (lj[None, :] < lj[:, None])))
-        rank_k = tl.sum(beats.to(tl.int32), 1)
-        before_in = tl.sum((kv & (rank_k < need) & (lj < c0)).to(tl.int32), 0)
-        beats_i = kv[None, :] & ((lu[None, :] > ui[:, None])
-                                 | ((lu[None, :] == ui[:, None]) & (lj[None, :] < i[:, None])))
-        rank_i = tl.sum(beats_i.to(tl.int32), 1)
-        chosen_in = inb_i & (rank_i < need)
-        tl.debug_barrier()
-        tl.store(slot_ptr, 0)                                  # zero for the next call
-    else:
-        # 4-ary search over the bin's range for the largest t with #(bin's u >= t) >= need
-        lo = tl.where(b1 == 0, -2147483648, (b1 + base) << shift)
-        hi = tl.where(b1 == NB - 1, 2147483647, ((b1 + base + 1) << shift) - 1)
-        lo = tl.minimum(tl.maximum(lo, -2147483648), 2147483647)
-        hi = tl.minimum(tl.maximum(hi, lo), 2147483647)
-        hi = tl.where(need > 0, hi, lo)
-        field = (1 << 21) - 1
-        steps = tl.where((b1 == 0) | (b1 == NB - 1), 17, (shift + 3) // 2).to(tl.int32)
-        for _ in range(steps):
-            span = hi - lo
-            t1 = lo + (span + 3) // 4
-            t2 = lo + (2 * span + 3) // 4
-            t3 = lo + (3 * span + 3) // 4
-            packed = tl.sum(tl.where(inb, (u >= t1.to(tl.int32)).to(tl.int64)
-                                     + ((u >= t2.to(tl.int32)).to(tl.int64) << 21)
-                                     + ((u >= t3.to(tl.int32)).to(tl.int64) << 42), 0), 0)
-            ok1 = (packed & field) >= need
-            ok2 = ((packed >> 21) & field) >= need
-            ok3 = (packed >> 42) >= need
-            new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
-            hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
-            lo = new_lo
-        # need <= 0: no candidate of the bin (no image reaches INT32_MAX: NaN ranks as -inf)
-        t = tl.where(need > 0, lo, 2147483647).to(tl.int32)
-        above_in = inb & (u > t)
-        ties = inb & (u == t)
-        need_t = tl.maximum(need - tl.sum(above_in.to(tl.int32), 0), 0)
-        ties_before = tl.sum((ties & early).to(tl.int32), 0)
-        before_in = tl.sum((above_in & early).to(tl.int32), 0) + tl.minimum(ties_before, need_t)
-        ties_i = inb_i & (ui == t)
-        trank = ties_before + tl.cumsum(ties_i.to(tl.int32), 0)
-        chosen_in = inb_i & ((ui > t) | (ties_i & (trank <= need_t)))
-    chosen = (vi & ~cand_i) | (cand_i & (ub_i > b1)) | chosen_in
-    pos = before + before_in + tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(sel_ptr + b * width + pos, i, mask=chosen)
-    pad = (i >= keep) & (i < width)
-    tl.store(sel_ptr + b * width + i, tl.full([TC], -1, tl.int32), mask=pad)
-    if TABLE:
-        phys = tl.load(table_ptr + b * st_b + i * st_m, mask=chosen, other=0)
-        tl.store(otable_ptr + b * width + pos, phys, mask=chosen)
-        tl.store(otable_ptr + b * width + i, tl.zeros([TC], tl.int32), mask=pad)
-    if c == 0:
+    tl.debug_barrier()                                     # this program's adds and stores issued
+    done = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        # the row's last program: the threshold bin from the complete histogram
+        head = tl.minimum(n, INIT)
+        n_forced = head + (n - tail) - tl.maximum(head - tail, 0)
+        keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
+        r = keep - n_forced                                # candidates to take
+        bins = tl.arange(0, NB)
+        hc = tl.load(hist_ptr + b * NB + bins, cache_modifier=".cg")
+        suffix = tl.sum(hc, 0) - tl.cumsum(hc, 0) + hc     # candidates in bins >= k
+        b1 = tl.max(tl.where(suffix >= r, bins, 0), 0)
+        above = tl.sum(tl.where(bins > b1, hc, 0), 0)
+        L = tl.sum(tl.where(bins == b1, hc, 0), 0)
+        need = r - above                                   # in [1, L] when r >= 1
+        tl.store(hist_ptr + b * NB + bins, tl.zeros([NB], tl.int32))   # zero for the next call
+        tl.atomic_xchg(ticket_ptr + b, 0)
+        cc = tl.arange(0, CH)
+        lbase = b * M
+        ustar = tl.full([], 2147483647, tl.int32)          # r <= 0: no candidate is taken
+        jstar = tl.full([], -1, tl.int32)
+        if need > 0:
+            # pass 1: the bin's candidates, listed in index order
+            nl = tl.zeros([], tl.int32)
+            for c0 in range(0, n, CH):
+                jj = c0 + cc
+                sj = tl.load(row_ptr + jj * r_stride, mask=jj < n, other=float("-inf"),
+                             cache_modifier=".cg")
+                sj = tl.where(sj != sj, float("-inf"), sj)
+                sj = tl.where(sj == 0.0, 0.0, sj)
+                bj = sj.to(tl.int32, bitcast=True)
+                uj = tl.where(bj < 0, bj ^ 0x7FFFFFFF, bj)
+                ubj = tl.minimum(tl.maximum((uj.to(tl.int64) >> shift) - base, 0), NB - 1)
+                inb = (jj < n) & (jj >= INIT) & (jj < tail) & (ubj == b1)
+                pos = nl + tl.cumsum(inb.to(tl.int32), 0) - 1
+                tl.store(lu_ptr + lbase + pos, uj, mask=inb)
+                tl.store(lj_ptr + lbase + pos, jj, mask=inb)
+                nl += tl.sum(inb.to(tl.int32), 0)
+            tl.debug_barrier()                             # the list is visible to every thread
+            if L <= lcap:
+                # pairwise ranks: the candidate with need - 1 better ones
+                k = tl.arange(0, LCAP)
+                kv = k < L
+                lu = tl.load(lu_ptr + lbase + k, mask=kv, other=-2147483648, cache_modifier=".cg")
+                lj = tl.load(lj_ptr + lbase + k, mask=kv, other=0, cache_modifier=".cg")
+                beats = kv[None, :] & ((lu[None, :] > lu[:, None])
+                                       | ((lu[None, :] == lu[:, None]) & (lj[None, :] < lj[:, None])))
+                rank = tl.sum(beats.to(tl.int32), 1)
+                hit = kv & (rank == need - 1)
+                ustar = tl.max(tl.where(hit, lu, -2147483648), 0)
+                jstar = tl.max(tl.where(hit, lj, -1), 0)
+            else:
+                # 4-ary search over the bin's range for the largest t with #(list u >= t) >= need
+                lo = tl.where(b1 == 0, -2147483648, (b1 + base) << shift)
+                hi = tl.where(b1 == NB - 1, 2147483647, ((b1 + base + 1) << shift) - 1)
+                lo = tl.minimum(tl.maximum(lo, -2147483648), 2147483647)
+                hi = tl.minimum(tl.maximum(hi, lo), 2147483647)
+                field = (1 << 21) - 1
+                steps = tl.where((b1 == 0) | (b1 == NB - 1), 17, (shift + 3) // 2).to(tl.int32)
+                for _ in range(steps):
+                    span = hi - lo
+                    t1 = lo + (span + 3) // 4
+                    t2 = lo + (2 * span + 3) // 4
+                    t3 = lo + (3 * span + 3) // 4
+                    packed = tl.zeros([], tl.int64)
+                    for k0 in range(0, L, CH):
+                        kk = k0 + cc
+                        lu = tl.load(lu_ptr + lbase + kk, mask=kk < L, other=-2147483648,
+                                     cache_modifier=".cg")
+                        packed += tl.sum((lu >= t1.to(tl.int32)).to(tl.int64)
+                                         + ((lu >= t2.to(tl.int32)).to(tl.int64) << 21)
+                                         + ((lu >= t3.to(tl.int32)).to(tl.int64) << 42), 0)
+                    ok1 = (packed & field) >= need
+                    ok2 = ((packed >> 21) & field) >= need
+                    ok3 = (packed >> 42) >= need
+                    new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
+                    hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
+                    lo = new_lo
+                ustar = lo.to(tl.int32)
+                # ties at u*: the (need - #(u > u*))-th of them in list (index) order
+                n_above = tl.zeros([], tl.int32)
+                for k0 in range(0, L, CH):
+                    kk = k0 + cc
+                    lu = tl.load(lu_ptr + lbase + kk, mask=kk < L, other=-2147483648,
+                                 cache_modifier=".cg")
+                    n_above += tl.sum((lu > ustar).to(tl.int32), 0)
+                need_t = need - n_above                    # >= 1
+                seen = tl.zeros([], tl.int32)
+                for k0 in range(0, L, CH):
+                    kk = k0 + cc
+                    km = kk < L
+                    lu = tl.load(lu_ptr + lbase + kk, mask=km, other=-2147483648,
+                                 cache_modifier=".cg")
+                    lj = tl.load(lj_ptr + lbase + kk, mask=km, other=0, cache_modifier=".cg")
+                    tie = km & (lu == ustar)
+                    at = seen + tl.cumsum(tie.to(tl.int32), 0)
+                    jstar = tl.maximum(jstar, tl.max(tl.where(tie & (at == need_t), lj, -1), 0))
+                    seen += tl.sum(tie.to(tl.int32), 0)
+        # pass 2: the chosen blocks in increasing order, then the pads
+        run = tl.zeros([], tl.int32)
+        for c0 in range(0, M, CH):
+            jj = c0 + cc
+            valid = jj < n
+            sj = tl.load(row_ptr + jj * r_stride, mask=valid, other=float("-inf"),
+                         cache_modifier=".cg")
+            sj = tl.where(sj != sj, float("-inf"), sj)
+            sj = tl.where(sj == 0.0, 0.0, sj)
+            bj = sj.to(tl.int32, bitcast=True)
+            uj = tl.where(bj < 0, bj ^ 0x7FFFFFFF, bj)
+            cj = valid & (jj >= INIT) & (jj < tail)
+            chosen = (valid & ~cj) | (cj & ((uj > ustar) | ((uj == ustar) & (jj <= jstar))))
+            pos = run + tl.cumsum(chosen.to(tl.int32), 0) - 1
+            tl.store(sel_ptr + b * width + pos, jj, mask=chosen)
+            pad = (jj >= keep) & (jj < width)
+            tl.store(sel_ptr + b * width + jj, tl.full([CH], -1, tl.int32), mask=pad)
+            if TABLE:
+                phys = tl.load(table_ptr + b * st_b + jj * st_m, mask=chosen, other=0)
+                tl.store(otable_ptr + b * width + pos, phys, mask=chosen)
+                tl.store(otable_ptr + b * width + jj, tl.zeros([CH], tl.int32), mask=pad)
+            run += tl.sum(chosen.to(tl.int32), 0)
         tl.store(count_ptr + b, keep)
         if TABLE:
             n_tok = tl.load(lens_ptr + b)
             tl.store(olens_ptr + b, (keep - 1) * BS + n_tok - ((n_tok + BS - 1) // BS - 1) * BS)
-    tl.debug_barrier()                                         # every read of the histogram done
-    done = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel")
-    if done == nprog - 1:
-        tl.store(hist_ptr + b * NB + bins, tl.zeros([NB], tl.int32))
-        tl.atomic_xchg(ticket_ptr + b, 0)
 
 
-#: Histogram selection (:func:`_mass_hist_kernel` then :func:`_hist_select_kernel`) for batches
-#: of at most SELECT_HIST_MAX_ROWS rows of at least SELECT_HIST_MIN_BLOCKS blocks (None: never),
-#: and for the fused head mass (:func:`select_head_mass`). Bins (2 ** SELECT_HIST_BITS), blocks
-#: per histogram program, blocks per selection program, the most candidates in the threshold's
-#: bin that are ranked pairwise (more: a search over the bin), warps of the selection programs.
-#: H200 (session 6): on plain score rows it loses (1 x 8,192 summed scores with the table 23.4
-#: us against 22.7 pairwise; 8 x 2,048 13.6 against 11.1): off. Every selection program
-#: resolves the whole row on its own (254 registers, ~11K instructions at 8 warps): ~20 us per
-#: 8,192-block row, the cost to remove next (per-chunk work and a third launch).
+#: Histogram selection (:func:`_hist_pick_kernel`, one launch) for batches of at most
+#: SELECT_HIST_MAX_ROWS rows of at least SELECT_HIST_MIN_BLOCKS blocks (None: never), and for the
+#: fused head mass (:func:`select_head_mass`). Bins (2 ** SELECT_HIST_BITS), blocks per program,
+#: blocks per step of the last program's passes over the row, the most candidates in the
+#: threshold's bin that are ranked pairwise (more: a search over the bin), warps.
+#: Plain score rows: off (session 6, with the former every-program-resolves-the-row kernel, it
+#: lost to the pairwise selection; their top-12-bit bins are crowded: a search over thousands).
 SELECT_HIST_MIN_BLOCKS = None
 SELECT_HIST_MAX_ROWS = 1
 SELECT_HIST_BITS = 12
 SELECT_HIST_TILE = 64
-SELECT_HIST_CHUNK = 256
+SELECT_HIST_CHUNK = 1024
 SELECT_HIST_LIST = 64
 SELECT_HIST_WARPS = 8
-#: Head mass + selection in one pass (:func:`_lse_bounds_kernel`, :func:`_mass_hist_kernel`,
-#: :func:`_hist_select_kernel`) for batches of at most MASS_HIST_MAX_ROWS rows of at least
-#: MASS_HIST_MIN_BLOCKS blocks (None: never; else :func:`head_mass` then the selection). H200,
-#: with the table: 1 x 8,192 blocks 24.7 us against 30.8 (head mass 7.9 + pairwise selection);
-#: 8 x 2,048 16.5 against 16.2, hence one row.
+#: Head mass + selection in one pass (:func:`_lse_bounds_kernel`, then :func:`_hist_pick_kernel`)
+#: for batches of at most MASS_HIST_MAX_ROWS rows of at least MASS_HIST_MIN_BLOCKS blocks (None:
+#: never; else :func:`head_mass` then the selection).
 MASS_HIST_MIN_BLOCKS = 4096
 MASS_HIST_MAX_ROWS = 1
+#: Programmatic dependent launch for the selection launches (:func:`select_head_mass`'s two,
+#: the histogram selection, :func:`sparse_block_table`) and, with SCORE_PDL, the scoring launch
+#: (see :data:`PDL`). None: as :data:`DECODE_PDL` (on for compute capability >= 9.0).
+SELECT_PDL = None
+SCORE_PDL = False
 
 _hist_bufs: dict = {}
 
 
+def _select_pdl(device: torch.device) -> bool:
+    if SELECT_PDL is not None:
+        return bool(SELECT_PDL)
+    return _hopper(device)
+
+
 def _hist_scratch(device: torch.device, n: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least ``n`` entries for ``device``, reused across calls and kept
-    zeroed by the selection kernels that use it (histograms, tickets, list counters); made or
-    grown by a first eager call, outside any CUDA graph capture. Shared like the fused merge's
-    counters: one histogram selection at a time per device (streams selecting concurrently need
+    zeroed by the selection kernel that uses it (histograms, tickets); made or grown by a first
+    eager call, outside any CUDA graph capture. Shared like the fused merge's counters: one
+    histogram selection at a time per device (streams selecting concurrently need
     ``SELECT_HIST_MIN_BLOCKS = MASS_HIST_MIN_BLOCKS = None``)."""
     key = (device.type, device.index)
     buf = _hist_bufs.get(key)
@@ -1234,37 +1245,29 @@ def _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window,
     dev = x.device
     nb = 1 << SELECT_HIST_BITS
     mpad = _p2(M, 16)
-    tc = min(_p2(SELECT_HIST_CHUNK, 16), mpad)
-    nprog = triton.cdiv(M, tc)
-    scratch = _hist_scratch(dev, B * nb + B + B * nprog)
+    scratch = _hist_scratch(dev, B * nb + B)
     hist = scratch[:B * nb]
     ticket = scratch[B * nb:B * nb + B]
-    lcnt = scratch[B * nb + B:B * nb + B + B * nprog]
-    prm = torch.empty(B, 2, dtype=torch.int64, device=dev)
     mass = torch.empty(B, M, dtype=torch.float32, device=dev) if mass_mode else None
-    dummy = prm
-    lw = max(local_window, 1)
-    t = min(_p2(SELECT_HIST_TILE, 16), mpad)
-    sx = (0, 0) if mass_mode else x.stride()
-    _jit(_mass_hist_kernel)[(B, triton.cdiv(M, t))](
-        x, stats if mass_mode else dummy, mass if mass_mode else dummy, num_blocks, hist, prm, M,
-        *sx, scale * LOG2E, HQ=H, HPAD=_p2(H), T=t, MASS=mass_mode, INIT=init_window, LW=lw,
-        NB=nb, LOG_NB=SELECT_HIST_BITS, num_warps=4, **_pdl_launch())
     sel = torch.empty(B, width, dtype=torch.int32, device=dev)
     count = torch.empty(B, dtype=torch.int32, device=dev)
     table = block_table is not None
     otable = torch.empty(B, width, dtype=torch.int32, device=dev) if table else count
     olens = torch.empty(B, dtype=torch.int32, device=dev) if table else count
-    lcap = _p2(max(SELECT_HIST_LIST, 1), 16)
-    lu = torch.empty(B * nprog * lcap, dtype=torch.int32, device=dev)
-    lj = torch.empty(B * nprog * lcap, dtype=torch.int32, device=dev)
-    src = mass if mass_mode else x
-    _jit(_hist_select_kernel)[(B, nprog)](
-        src, *src.stride(), num_blocks, budget, hist, prm, ticket, lcnt, lu, lj, sel, count, M,
-        width, SELECT_HIST_LIST, block_table if table else count, seq_lens if table else count,
-        otable, olens, *(block_table.stride() if table else (0, 0)),
-        INIT=init_window, LW=lw, NB=nb, MPAD=mpad, TC=tc, LCAP=lcap, TABLE=table, BS=block_size,
-        num_warps=SELECT_HIST_WARPS, **_pdl_launch())
+    lu = torch.empty(B * M, dtype=torch.int32, device=dev)          # the threshold bin's list
+    lj = torch.empty(B * M, dtype=torch.int32, device=dev)
+    dummy = count
+    t = min(_p2(SELECT_HIST_TILE, 16), mpad)
+    sx = (0, 0) if mass_mode else x.stride()
+    _jit(_hist_pick_kernel)[(B, triton.cdiv(M, t))](
+        x, stats if mass_mode else dummy, mass if mass_mode else dummy, num_blocks, budget, hist,
+        ticket, lu, lj, sel, count, M, width, *sx, scale * LOG2E,
+        block_table if table else count, seq_lens if table else count, otable, olens,
+        *(block_table.stride() if table else (0, 0)), SELECT_HIST_LIST,
+        HQ=H, HPAD=_p2(H), T=t, MASS=mass_mode, INIT=init_window, LW=max(local_window, 1),
+        NB=nb, LOG_NB=SELECT_HIST_BITS, CH=min(_p2(SELECT_HIST_CHUNK, 16), mpad),
+        LCAP=_p2(max(SELECT_HIST_LIST, 1), 16), TABLE=table, BS=block_size,
+        num_warps=SELECT_HIST_WARPS, **_pdl_launch(_select_pdl(dev)))
     out = (sel, count, otable, olens) if table else (sel, count)
     return out + (mass,)
 
@@ -1391,7 +1394,8 @@ def sparse_block_table(block_table, seq_lens, sel, count, block_size: int):
     tile = min(1024, _p2(K, 16))
     _jit(_table_kernel)[(B, triton.cdiv(K, tile))](block_table, seq_lens, sel, count, table, lens,
                                                    K, *block_table.stride(), BS=block_size,
-                                                   TILE=tile, **_pdl_launch())
+                                                   TILE=tile,
+                                                   **_pdl_launch(_select_pdl(sel.device)))
     return table, lens
 
 
@@ -1468,8 +1472,9 @@ def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float
     :func:`head_mass` ``(per_head, scale)``, ``(sel, count)``; with
     ``block_table, seq_lens`` the sparse table folded in, ``(sel, count, table, lens)`` (as
     :func:`select_sparse_table`); ``return_mass``: the head mass appended. Rows of at least
-    ``MASS_HIST_MIN_BLOCKS`` blocks: three launches (log-sum-exp and bounds per head; head mass
-    and histogram; selection), the head mass written once and selected exactly as
+    ``MASS_HIST_MIN_BLOCKS`` blocks: two launches (log-sum-exp and bounds per head; head mass,
+    histogram and, by the row's last program, the selection), the head mass written once and
+    selected exactly as
     :func:`select_blocks` selects it. Inputs as validated by
     :func:`ucm.sparse.ops.select_head_mass`; asynchronous."""
     B, H, M = per_head.shape
@@ -1479,7 +1484,8 @@ def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float
         stats = torch.empty(B, H, 3, dtype=torch.float32, device=x.device)
         _jit(_lse_bounds_kernel)[(B * H,)](x, stats, M, scale * LOG2E,
                                            CHUNK=min(_p2(LSE_CHUNK), _p2(M, 16)),
-                                           num_warps=LSE_WARPS, **_pdl_launch())
+                                           num_warps=LSE_WARPS,
+                                           **_pdl_launch(_select_pdl(x.device)))
         out = _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window, width,
                            block_table, seq_lens, block_size)
     else:
