@@ -171,6 +171,10 @@ def check(report: dict, cases=None) -> bool:
                 ref_s = ops.score_blocks(q, table, n_blocks, kind=kind, reduce=reduce,
                                          backend="reference", **kw)
                 r[f"score_{kind}_{reduce}_rel_err"] = close(got, ref_s)
+                piped = knobs(lambda: ops.score_blocks(q, table, n_blocks, kind=kind, reduce=reduce,
+                                                       backend="triton", **kw),
+                              SCORE_LOOP_STAGES=3)()
+                r[f"score_{kind}_{reduce}_pipelined_rel_err"] = close(piped, ref_s)
                 scores[(kind, reduce)] = ref_s
         per_head = scores[("mean", "none")]
         hm_ref = torch.softmax(per_head * scale, -1).mean(1)
@@ -372,7 +376,8 @@ def knobs(fn, **values):
 #: The pairwise-rank selection (two launches over the whole GPU) for every row length.
 PAIRS = dict(SELECT_PAIRS_MIN_BLOCKS=0, SELECT_PAIRS_MAX_ROWS=1 << 20)
 #: Session 5's code path (no histogram selection, no fused head mass, no decode PDL).
-S5 = dict(SELECT_HIST_MIN_BLOCKS=None, MASS_HIST_MIN_BLOCKS=None, DECODE_PDL=False)
+S5 = dict(SELECT_HIST_MIN_BLOCKS=None, MASS_HIST_MIN_BLOCKS=None, DECODE_PDL=False,
+          SELECT_PDL=False, SCORE_PDL=False, SCORE_LOOP_STAGES=0)
 NO_DPDL = dict(DECODE_PDL=False)
 #: The histogram selection at every batch and row length (checks, explore).
 HIST = dict(SELECT_HIST_MIN_BLOCKS=0, SELECT_HIST_MAX_ROWS=1 << 20, MASS_HIST_MIN_BLOCKS=0,
@@ -667,20 +672,49 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
 
     sweeps = {}
     if EXPLORE:
+        for name, extra in (("score_pipe2", dict(SCORE_LOOP_STAGES=2)),
+                            ("score_pipe3", dict(SCORE_LOOP_STAGES=3)),
+                            ("score_pdl", dict(SCORE_PDL=True)),
+                            ("score_pipe3_pdl", dict(SCORE_LOOP_STAGES=3, SCORE_PDL=True)),
+                            ("no_select_pdl", dict(SELECT_PDL=False)),
+                            ("hist_every_batch", dict(MASS_HIST_MAX_ROWS=1 << 20)),
+                            ("fused_merge", {})):
+            variant = "method_fused" if name == "fused_merge" else "method"
+            for method, stride in ((("esa", STRIDE),) if batch > 1 else
+                                   (("esa", STRIDE), ("esa", 1))):
+                try:
+                    sweeps[f"step_{method}_stride{stride}_method_{name}"] = bench(
+                        knobs(step_fn(method, stride, variant), **extra), graph=True) / stride
+                except Exception as exc:  # a configuration, not the run
+                    sweeps[f"step_{method}_stride{stride}_method_{name}"] = None
+                    res.setdefault("errors", {})[f"step_{name}"] = repr(exc)[:300]
+        for name, extra in (("pipe2", dict(SCORE_LOOP_STAGES=2)),
+                            ("pipe3", dict(SCORE_LOOP_STAGES=3)),
+                            ("pipe4", dict(SCORE_LOOP_STAGES=4)),
+                            ("pipe3_persm2", dict(SCORE_LOOP_STAGES=3, SCORE_PROGRAMS_PER_SM=2)),
+                            ("pipe3_persm8", dict(SCORE_LOOP_STAGES=3, SCORE_PROGRAMS_PER_SM=8)),
+                            ("pipe3_rows128", dict(SCORE_LOOP_STAGES=3, SCORE_ROWS=128)),
+                            ("pipe3_warps8", dict(SCORE_LOOP_STAGES=3, SCORE_WARPS=8)),
+                            ("persm2", dict(SCORE_PROGRAMS_PER_SM=2)),
+                            ("persm8", dict(SCORE_PROGRAMS_PER_SM=8))):
+            sweeps[f"score_esa_g4_per_head_{name}"] = bench(knobs(parts["score_esa_g4_per_head"],
+                                                                  **extra), graph=True)
         hist_fn = parts["select_head_mass_with_table"]
         for name, extra in (("bits10", dict(SELECT_HIST_BITS=10)),
                             ("bits14", dict(SELECT_HIST_BITS=14)),
-                            ("chunk128", dict(SELECT_HIST_CHUNK=128)),
                             ("chunk512", dict(SELECT_HIST_CHUNK=512)),
-                            ("chunk1024", dict(SELECT_HIST_CHUNK=1024)),
+                            ("chunk2048", dict(SELECT_HIST_CHUNK=2048)),
+                            ("chunk4096", dict(SELECT_HIST_CHUNK=4096)),
                             ("tile32", dict(SELECT_HIST_TILE=32)),
                             ("tile128", dict(SELECT_HIST_TILE=128)),
+                            ("tile256", dict(SELECT_HIST_TILE=256)),
                             ("warps4", dict(SELECT_HIST_WARPS=4)),
                             ("warps16", dict(SELECT_HIST_WARPS=16)),
                             ("list32", dict(SELECT_HIST_LIST=32)),
                             ("list128", dict(SELECT_HIST_LIST=128)),
                             ("lse_chunk8192", dict(LSE_CHUNK=8192)),
                             ("lse_warps4", dict(LSE_WARPS=4)),
+                            ("no_select_pdl", dict(SELECT_PDL=False)),
                             ("pdl_all", dict(PDL=True))):
             try:
                 sweeps[f"select_head_mass_with_table_{name}"] = bench(knobs(hist_fn, **extra),
@@ -761,6 +795,24 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     return res
 
 
+def kernel_resources() -> dict:
+    """Registers, spills and shared memory of every compiled kernel of the module (from Triton's
+    per-device caches; empty where this Triton keeps them elsewhere)."""
+    out = {}
+    for (name, interp), fn in tri._jitted.items():
+        try:
+            for entry in getattr(fn, "device_caches", {}).values():
+                cache = entry[0] if isinstance(entry, tuple) else entry
+                for k in cache.values():
+                    meta = getattr(k, "metadata", None)
+                    out.setdefault(name, []).append(dict(
+                        regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
+                        shared=getattr(meta, "shared", None), warps=getattr(meta, "num_warps", None)))
+        except Exception as exc:  # a diagnostic, not the run
+            out[name] = repr(exc)[:200]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results here")
@@ -804,6 +856,10 @@ def main() -> int:
         report["timings"].append(r)
         print(f"timed {batch}x{tokens}", flush=True)
     report["seconds"] = time.time() - t0
+    report["kernel_resources"] = kernel_resources()
+    for name in ("_hist_pick_kernel", "_lse_bounds_kernel", "_score_dot_kernel",
+                 "_score_dot_pipe_kernel", "_decode_split_kernel"):
+        print(f"resources {name}: {report['kernel_resources'].get(name)}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

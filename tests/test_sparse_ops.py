@@ -861,10 +861,13 @@ def test_sub_block_scores_one_group_views():
 
 
 @pytest.mark.parametrize("G,bs", [(1, 4), (2, 8), (3, 12), (4, 16)])
-@pytest.mark.parametrize("rows", [None, 16], ids=["rows_default", "rows_16"])
+@pytest.mark.parametrize("rows", [None, 16, "pipelined"], ids=["rows_default", "rows_16", "pipelined"])
 def test_sub_block_scores_triton_match_reference(triton_ready, monkeypatch, G, bs, rows):
     from ucm.fast.triton import sparse as tri
 
+    if rows == "pipelined":  # the KV heads in a software-pipelined loop (_score_dot_pipe_kernel)
+        monkeypatch.setattr(tri, "SCORE_LOOP_STAGES", 3)
+        rows = 16
     if rows:  # many small tiles: several programs per request
         monkeypatch.setattr(tri, "SCORE_ROWS", rows)
         monkeypatch.setattr(tri, "SCORE_TILE_ELEMS", 64)

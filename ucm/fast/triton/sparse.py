@@ -206,27 +206,27 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
     tl.store(opart_ptr + row[:, None] * D + d[None, :], o, mask=hmask[:, None] & dmask[None, :])
     if MERGE:
         # the group's last slice to finish merges all of them (no second launch): the atomic
-        # orders this program's partial stores before it and the others' before the merge reads.
-        # All GROUP heads x num_splits slices are loaded at once (one round trip, not one per head)
+        # orders this program's partial stores before it and the others' before the merge reads
+        tl.debug_barrier()                                   # every thread's partial stores issued
         done = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
         if done == num_splits - 1:
-            mr = tl.arange(0, GP2 * SPAD)
-            hr = mr // SPAD
-            sr = mr % SPAD
-            mmask = (hr < GROUP) & (sr < num_splits)
-            mrow = (b64 * (HKV * GROUP) + g * GROUP + hr) * num_splits + sr
-            lse_s = tl.load(lse_ptr + mrow, mask=mmask, other=float("-inf"), cache_modifier=".cg")
-            parts = tl.load(opart_ptr + mrow[:, None] * D + d[None, :],
-                            mask=mmask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-            lse2 = tl.reshape(lse_s, [GP2, SPAD])
-            mx = tl.max(lse2, 1)
-            mx = tl.where(mx > float("-inf"), mx, 0.0)
-            w = tl.where(lse2 > float("-inf"), tl.exp2(lse2 - mx[:, None]), 0.0)   # [GP2, SPAD]
-            res = tl.sum(tl.reshape(parts, [GP2, SPAD, DPAD]) * w[:, :, None], 1)
-            res = res / tl.sum(w, 1)[:, None]
-            hh = tl.arange(0, GP2)
-            tl.store(out_ptr + b64 * so_b + (g * GROUP + hh)[:, None] * so_h + d[None, :] * so_d,
-                     res.to(out_ptr.dtype.element_ty), mask=(hh < GROUP)[:, None] & dmask[None, :])
+            # one query head at a time: [SPAD, DPAD] partials in registers (all GROUP heads at
+            # once, as before session 7, held [GP2 * SPAD, DPAD]: 256 floats a thread at 64 slices)
+            sr = tl.arange(0, SPAD)
+            smask = sr < num_splits
+            for hh in tl.static_range(GROUP):
+                mrow = (b64 * (HKV * GROUP) + g * GROUP + hh) * num_splits + sr
+                lse_s = tl.load(lse_ptr + mrow, mask=smask, other=float("-inf"),
+                                cache_modifier=".cg")
+                mx = tl.max(lse_s, 0)
+                mx = tl.where(mx > float("-inf"), mx, 0.0)
+                w = tl.where(lse_s > float("-inf"), tl.exp2(lse_s - mx), 0.0)
+                parts = tl.load(opart_ptr + mrow[:, None] * D + d[None, :],
+                                mask=smask[:, None] & dmask[None, :], other=0.0,
+                                cache_modifier=".cg")
+                res = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+                tl.store(out_ptr + b64 * so_b + (g * GROUP + hh) * so_h + d * so_d,
+                         res.to(out_ptr.dtype.element_ty), mask=dmask)
             tl.atomic_xchg(counter_ptr + pid, 0)                  # ready for the next launch
 
 
@@ -628,6 +628,80 @@ def _score_dot_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_pt
         tl.store(out_ptr + b * M + j, tl.where(valid, total, float("-inf")), mask=inside)
 
 
+def _score_dot_pipe_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_ptr,
+                      sq_b, sq_h, sq_d, st_b, st_m, M,
+                      HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
+                      D: tl.constexpr, DPAD: tl.constexpr, G: tl.constexpr, SPAD: tl.constexpr,
+                      KIND: tl.constexpr, HAS_MASK: tl.constexpr, PER_HEAD: tl.constexpr,
+                      TILE_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+                           LOOP_STAGES: tl.constexpr = 3):
+    """:func:`_score_dot_kernel` with the KV heads in a software-pipelined loop
+    (``LOOP_STAGES`` stages: the next heads' summary rows are loaded while this head's product
+    runs) instead of an unrolled one. Per-head stores and the sum as there."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    j0 = tl.program_id(1) * TILE_M
+    nb = tl.load(nblk_ptr + b)
+    r = tl.arange(0, TILE_M * SPAD)
+    jr = j0 + r // SPAD
+    sr = r % SPAD
+    rvalid = (jr < nb) & (sr < G)
+    phys = tl.load(table_ptr + b * st_b + jr * st_m, mask=rvalid, other=0).to(tl.int64)
+    j = j0 + tl.arange(0, TILE_M)
+    valid = j < nb
+    inside = j < M
+    rows = tl.arange(0, GPAD)
+    hmask = rows < GROUP
+    d = tl.arange(0, DPAD)
+    dmask = d < D
+    qmask = hmask[:, None] & dmask[None, :]
+    amask = rvalid[:, None] & dmask[None, :]
+    total = tl.zeros([TILE_M], tl.float32)
+    for g in tl.range(0, HKV, num_stages=LOOP_STAGES):
+        heads = g * GROUP + rows
+        qg = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :] * sq_d, mask=qmask,
+                     other=0.0)
+        if IEEE:
+            qg = qg.to(tl.float32)
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + (b * (HKV * GROUP) + heads[:, None]) * D + d[None, :],
+                           mask=qmask, other=0)
+            qg = tl.where(keep != 0, qg, tl.zeros_like(qg))
+        off = ((phys * G + sr) * HKV + g)[:, None] * D + d[None, :]
+        rep_a = tl.load(a_ptr + off, mask=amask, other=0.0)
+        if IEEE:
+            rep_a = rep_a.to(tl.float32)
+        if KIND == 1:
+            rep_b = tl.load(b_ptr + off, mask=amask, other=0.0)
+            if IEEE:
+                rep_b = rep_b.to(tl.float32)
+            zero = tl.zeros_like(qg)
+            q_pos = tl.where(qg > 0, qg, zero)                     # same dtype as qg
+            q_neg = tl.where(qg < 0, qg, zero)
+            if IEEE:
+                s = tl.dot(q_pos, tl.trans(rep_a), input_precision="ieee")
+                s += tl.dot(q_neg, tl.trans(rep_b), input_precision="ieee")
+            else:
+                s = tl.dot(q_pos, tl.trans(rep_a))
+                s += tl.dot(q_neg, tl.trans(rep_b))
+        else:
+            if IEEE:
+                s = tl.dot(qg, tl.trans(rep_a), input_precision="ieee")
+            else:
+                s = tl.dot(qg, tl.trans(rep_a))                    # [GPAD, TILE_M * SPAD]
+        s = tl.where(rvalid[None, :], s, float("-inf"))
+        best = tl.max(tl.reshape(s, [GPAD, TILE_M, SPAD]), 2)      # [GPAD, TILE_M]
+        if PER_HEAD:
+            tl.store(out_ptr + (b * (HKV * GROUP) + heads[:, None]) * M + j[None, :],
+                     tl.where(valid[None, :], best, float("-inf")),
+                     mask=hmask[:, None] & inside[None, :])
+        total += tl.sum(tl.where(hmask[:, None], best, 0.0), 0)
+    if not PER_HEAD:
+        tl.store(out_ptr + b * M + j, tl.where(valid, total, float("-inf")), mask=inside)
+
+
 def _hamming_kernel(table_ptr, nblk_ptr, codes_ptr, qcode_ptr, out_ptr, st_b, st_m, M,
                     HKV: tl.constexpr, HPAD: tl.constexpr, G: tl.constexpr, WORDS: tl.constexpr,
                     WPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILE_M: tl.constexpr):
@@ -676,6 +750,9 @@ SCORE_ROWS = 64
 SCORE_PROGRAMS_PER_SM = 4
 SCORE_WARPS = 4
 SCORE_STAGES = 2
+#: Stages of a software-pipelined loop over the KV heads in the mean / Quest scoring kernel
+#: (:func:`_score_dot_pipe_kernel`); 0: the unrolled loop (:func:`_score_dot_kernel`).
+SCORE_LOOP_STAGES = 0
 #: Hamming scoring: code words one program holds (sets its block tile).
 SCORE_TILE_ELEMS = 8192
 
@@ -722,13 +799,15 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
     spad = _p2(G)
     tile = score_tile(B, M, spad, dev)
     ieee = interpreting() or not (q.dtype == torch.bfloat16 and rep_a.dtype == torch.bfloat16)
-    _jit(_score_dot_kernel)[(B, triton.cdiv(M, tile))](
+    kern = _score_dot_pipe_kernel if SCORE_LOOP_STAGES else _score_dot_kernel
+    pipe = dict(LOOP_STAGES=SCORE_LOOP_STAGES) if SCORE_LOOP_STAGES else {}
+    _jit(kern)[(B, triton.cdiv(M, tile))](
         q, block_table, num_blocks, rep_a, rep_b, cmask, out, *q.stride(),
         *block_table.stride(), M,
         HKV=Hkv, GROUP=Hq // Hkv, GPAD=_p2(Hq // Hkv, 16), D=D, DPAD=_p2(D, 16), G=G, SPAD=spad,
         KIND=1 if kind == "quest" else 0, HAS_MASK=channel_mask is not None, PER_HEAD=per_head,
         TILE_M=tile, IEEE=ieee, num_warps=SCORE_WARPS, num_stages=SCORE_STAGES,
-        **_pdl_launch(SCORE_PDL))
+        **pipe, **_pdl_launch(SCORE_PDL))
     return out
 
 
