@@ -1191,50 +1191,50 @@ def _hist_pick_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, budget_ptr, hist_ptr,
                 jstar = tl.max(tl.where(hit, lj, -1), 0)
             else:
                 # 4-ary search over the bin's range for the largest t with #(list u >= t) >= need
-                lo = tl.where(b1 == 0, -2147483648, (b1 + base) << shift)
-                hi = tl.where(b1 == NB - 1, 2147483647, ((b1 + base + 1) << shift) - 1)
-                lo = tl.minimum(tl.maximum(lo, -2147483648), 2147483647)
-                hi = tl.minimum(tl.maximum(hi, lo), 2147483647)
+                t_lo = tl.where(b1 == 0, -2147483648, (b1 + base) << shift)
+                t_hi = tl.where(b1 == NB - 1, 2147483647, ((b1 + base + 1) << shift) - 1)
+                t_lo = tl.minimum(tl.maximum(t_lo, -2147483648), 2147483647)
+                t_hi = tl.minimum(tl.maximum(t_hi, t_lo), 2147483647)
                 field = (1 << 21) - 1
                 steps = tl.where((b1 == 0) | (b1 == NB - 1), 17, (shift + 3) // 2).to(tl.int32)
-                for _ in range(steps):
-                    span = hi - lo
-                    t1 = lo + (span + 3) // 4
-                    t2 = lo + (2 * span + 3) // 4
-                    t3 = lo + (3 * span + 3) // 4
+                for _step in range(steps):
+                    t_span = t_hi - t_lo
+                    t1 = t_lo + (t_span + 3) // 4
+                    t2 = t_lo + (2 * t_span + 3) // 4
+                    t3 = t_lo + (3 * t_span + 3) // 4
                     packed = tl.zeros([], tl.int64)
                     for k0 in range(0, L, CH):
                         kk = k0 + cc
-                        lu = tl.load(lu_ptr + lbase + kk, mask=kk < L, other=-2147483648,
+                        lu_c = tl.load(lu_ptr + lbase + kk, mask=kk < L, other=-2147483648,
                                      cache_modifier=".cg")
-                        packed += tl.sum((lu >= t1.to(tl.int32)).to(tl.int64)
-                                         + ((lu >= t2.to(tl.int32)).to(tl.int64) << 21)
-                                         + ((lu >= t3.to(tl.int32)).to(tl.int64) << 42), 0)
+                        packed += tl.sum((lu_c >= t1.to(tl.int32)).to(tl.int64)
+                                         + ((lu_c >= t2.to(tl.int32)).to(tl.int64) << 21)
+                                         + ((lu_c >= t3.to(tl.int32)).to(tl.int64) << 42), 0)
                     ok1 = (packed & field) >= need
                     ok2 = ((packed >> 21) & field) >= need
                     ok3 = (packed >> 42) >= need
-                    new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, lo)))
-                    hi = tl.where(ok3, hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
-                    lo = new_lo
-                ustar = lo.to(tl.int32)
+                    new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, t_lo)))
+                    t_hi = tl.where(ok3, t_hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
+                    t_lo = new_lo
+                ustar = t_lo.to(tl.int32)
                 # ties at u*: the (need - #(u > u*))-th of them in list (index) order
                 n_above = tl.zeros([], tl.int32)
                 for k0 in range(0, L, CH):
                     kk = k0 + cc
-                    lu = tl.load(lu_ptr + lbase + kk, mask=kk < L, other=-2147483648,
+                    lu_c = tl.load(lu_ptr + lbase + kk, mask=kk < L, other=-2147483648,
                                  cache_modifier=".cg")
-                    n_above += tl.sum((lu > ustar).to(tl.int32), 0)
+                    n_above += tl.sum((lu_c > ustar).to(tl.int32), 0)
                 need_t = need - n_above                    # >= 1
                 seen = tl.zeros([], tl.int32)
                 for k0 in range(0, L, CH):
                     kk = k0 + cc
                     km = kk < L
-                    lu = tl.load(lu_ptr + lbase + kk, mask=km, other=-2147483648,
+                    lu_c = tl.load(lu_ptr + lbase + kk, mask=km, other=-2147483648,
                                  cache_modifier=".cg")
-                    lj = tl.load(lj_ptr + lbase + kk, mask=km, other=0, cache_modifier=".cg")
-                    tie = km & (lu == ustar)
+                    lj_c = tl.load(lj_ptr + lbase + kk, mask=km, other=0, cache_modifier=".cg")
+                    tie = km & (lu_c == ustar)
                     at = seen + tl.cumsum(tie.to(tl.int32), 0)
-                    jstar = tl.maximum(jstar, tl.max(tl.where(tie & (at == need_t), lj, -1), 0))
+                    jstar = tl.maximum(jstar, tl.max(tl.where(tie & (at == need_t), lj_c, -1), 0))
                     seen += tl.sum(tie.to(tl.int32), 0)
         # pass 2: the chosen blocks in increasing order, then the pads
         run = tl.zeros([], tl.int32)
