@@ -171,10 +171,10 @@ def check(report: dict, cases=None) -> bool:
                 ref_s = ops.score_blocks(q, table, n_blocks, kind=kind, reduce=reduce,
                                          backend="reference", **kw)
                 r[f"score_{kind}_{reduce}_rel_err"] = close(got, ref_s)
-                piped = knobs(lambda: ops.score_blocks(q, table, n_blocks, kind=kind, reduce=reduce,
-                                                       backend="triton", **kw),
-                              SCORE_LOOP_STAGES=3)()
-                r[f"score_{kind}_{reduce}_pipelined_rel_err"] = close(piped, ref_s)
+                unrolled = knobs(lambda: ops.score_blocks(q, table, n_blocks, kind=kind,
+                                                          reduce=reduce, backend="triton", **kw),
+                                 SCORE_LOOP_STAGES=0, SCORE_PROGRAMS_PER_SM=4)()
+                r[f"score_{kind}_{reduce}_unrolled_rel_err"] = close(unrolled, ref_s)
                 scores[(kind, reduce)] = ref_s
         per_head = scores[("mean", "none")]
         hm_ref = torch.softmax(per_head * scale, -1).mean(1)
@@ -377,7 +377,7 @@ def knobs(fn, **values):
 PAIRS = dict(SELECT_PAIRS_MIN_BLOCKS=0, SELECT_PAIRS_MAX_ROWS=1 << 20)
 #: Session 5's code path (no histogram selection, no fused head mass, no decode PDL).
 S5 = dict(SELECT_HIST_MIN_BLOCKS=None, MASS_HIST_MIN_BLOCKS=None, DECODE_PDL=False,
-          SELECT_PDL=False, SCORE_PDL=False, SCORE_LOOP_STAGES=0)
+          SELECT_PDL=False, SCORE_PDL=False, SCORE_LOOP_STAGES=0, SCORE_PROGRAMS_PER_SM=4)
 NO_DPDL = dict(DECODE_PDL=False)
 #: The histogram selection at every batch and row length (checks, explore).
 HIST = dict(SELECT_HIST_MIN_BLOCKS=0, SELECT_HIST_MAX_ROWS=1 << 20, MASS_HIST_MIN_BLOCKS=0,
@@ -672,47 +672,39 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
 
     sweeps = {}
     if EXPLORE:
-        for name, extra in (("score_pipe2", dict(SCORE_LOOP_STAGES=2)),
-                            ("score_pipe3", dict(SCORE_LOOP_STAGES=3)),
-                            ("score_pdl", dict(SCORE_PDL=True)),
-                            ("score_pipe3_pdl", dict(SCORE_LOOP_STAGES=3, SCORE_PDL=True)),
+        for name, extra in (("score_unrolled", dict(SCORE_LOOP_STAGES=0, SCORE_PROGRAMS_PER_SM=4)),
+                            ("score_pipe2", dict(SCORE_LOOP_STAGES=2)),
                             ("no_select_pdl", dict(SELECT_PDL=False)),
                             ("hist_every_batch", dict(MASS_HIST_MAX_ROWS=1 << 20)),
-                            ("fused_merge", {})):
-            variant = "method_fused" if name == "fused_merge" else "method"
+                            ("mass_then_select", dict(MASS_HIST_MIN_BLOCKS=None))):
             for method, stride in ((("esa", STRIDE),) if batch > 1 else
                                    (("esa", STRIDE), ("esa", 1))):
                 try:
                     sweeps[f"step_{method}_stride{stride}_method_{name}"] = bench(
-                        knobs(step_fn(method, stride, variant), **extra), graph=True) / stride
+                        knobs(step_fn(method, stride, "method"), **extra), graph=True) / stride
                 except Exception as exc:  # a configuration, not the run
                     sweeps[f"step_{method}_stride{stride}_method_{name}"] = None
                     res.setdefault("errors", {})[f"step_{name}"] = repr(exc)[:300]
-        for name, extra in (("pipe2", dict(SCORE_LOOP_STAGES=2)),
-                            ("pipe3", dict(SCORE_LOOP_STAGES=3)),
-                            ("pipe4", dict(SCORE_LOOP_STAGES=4)),
-                            ("pipe3_persm2", dict(SCORE_LOOP_STAGES=3, SCORE_PROGRAMS_PER_SM=2)),
-                            ("pipe3_persm8", dict(SCORE_LOOP_STAGES=3, SCORE_PROGRAMS_PER_SM=8)),
-                            ("pipe3_rows128", dict(SCORE_LOOP_STAGES=3, SCORE_ROWS=128)),
-                            ("pipe3_warps8", dict(SCORE_LOOP_STAGES=3, SCORE_WARPS=8)),
-                            ("persm2", dict(SCORE_PROGRAMS_PER_SM=2)),
-                            ("persm8", dict(SCORE_PROGRAMS_PER_SM=8))):
+        for name, extra in (("unrolled", dict(SCORE_LOOP_STAGES=0, SCORE_PROGRAMS_PER_SM=4)),
+                            ("unrolled_persm2", dict(SCORE_LOOP_STAGES=0)),
+                            ("pipe2", dict(SCORE_LOOP_STAGES=2)),
+                            ("pipe3_persm4", dict(SCORE_PROGRAMS_PER_SM=4)),
+                            ("pipe3_persm1", dict(SCORE_PROGRAMS_PER_SM=1)),
+                            ("pipe3_rows32", dict(SCORE_ROWS=32))):
             sweeps[f"score_esa_g4_per_head_{name}"] = bench(knobs(parts["score_esa_g4_per_head"],
                                                                   **extra), graph=True)
         hist_fn = parts["select_head_mass_with_table"]
         for name, extra in (("bits10", dict(SELECT_HIST_BITS=10)),
                             ("bits14", dict(SELECT_HIST_BITS=14)),
-                            ("chunk512", dict(SELECT_HIST_CHUNK=512)),
-                            ("chunk2048", dict(SELECT_HIST_CHUNK=2048)),
-                            ("chunk4096", dict(SELECT_HIST_CHUNK=4096)),
+                            ("span128", dict(SELECT_HIST_SPAN=128)),
+                            ("span512", dict(SELECT_HIST_SPAN=512)),
+                            ("span1024", dict(SELECT_HIST_SPAN=1024)),
                             ("tile32", dict(SELECT_HIST_TILE=32)),
                             ("tile128", dict(SELECT_HIST_TILE=128)),
-                            ("tile256", dict(SELECT_HIST_TILE=256)),
-                            ("warps4", dict(SELECT_HIST_WARPS=4)),
-                            ("warps16", dict(SELECT_HIST_WARPS=16)),
+                            ("warps8", dict(SELECT_HIST_WARPS=8)),
                             ("list32", dict(SELECT_HIST_LIST=32)),
                             ("list128", dict(SELECT_HIST_LIST=128)),
-                            ("lse_chunk8192", dict(LSE_CHUNK=8192)),
+                            ("search", dict(SELECT_HIST_LIST=0)),
                             ("lse_warps4", dict(LSE_WARPS=4)),
                             ("no_select_pdl", dict(SELECT_PDL=False)),
                             ("pdl_all", dict(PDL=True))):

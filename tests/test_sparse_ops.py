@@ -406,7 +406,8 @@ def test_select_triton_identical(triton_ready, monkeypatch):
 
 
 HIST_KNOBS = dict(SELECT_HIST_MIN_BLOCKS=0, SELECT_HIST_MAX_ROWS=1 << 20, MASS_HIST_MIN_BLOCKS=0,
-                  MASS_HIST_MAX_ROWS=1 << 20, SELECT_HIST_TILE=16, SELECT_HIST_CHUNK=16)
+                  MASS_HIST_MAX_ROWS=1 << 20, SELECT_HIST_TILE=16, SELECT_HIST_SPAN=16,
+                  SELECT_HIST_CHUNK=16)
 
 
 def _hist_scratch_zeroed(tri):
@@ -418,10 +419,10 @@ def _hist_scratch_zeroed(tri):
 @pytest.mark.parametrize("bins,listed", [(2, 16), (4, 0), (4, 1), (12, 64)],
                          ids=["bins4-list", "bins16-search", "bins16-list1", "bins4096-list"])
 def test_select_hist_triton_identical(triton_ready, monkeypatch, bins, listed):
-    """The histogram selection (one launch: histogram atomics, then the row's last program
-    resolves the threshold's bin, by a pairwise-ranked list or a search, and writes the row) ==
-    the reference: ties, NaN, +-0, +-inf, per-row budgets, short rows; programs and passes of 16
-    blocks; the table folded in."""
+    """The histogram selection (three launches: histogram atomics; the threshold bin's
+    candidates listed; every program resolving the list, by pairwise ranks or searches, and
+    writing its chunk) == the reference: ties, NaN, +-0, +-inf, per-row budgets, short rows;
+    programs and search steps of 16 blocks; the table folded in."""
     from ucm.fast.triton import sparse as tri
 
     for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed).items():
@@ -861,12 +862,12 @@ def test_sub_block_scores_one_group_views():
 
 
 @pytest.mark.parametrize("G,bs", [(1, 4), (2, 8), (3, 12), (4, 16)])
-@pytest.mark.parametrize("rows", [None, 16, "pipelined"], ids=["rows_default", "rows_16", "pipelined"])
+@pytest.mark.parametrize("rows", [None, 16, "unrolled"], ids=["rows_default", "rows_16", "unrolled"])
 def test_sub_block_scores_triton_match_reference(triton_ready, monkeypatch, G, bs, rows):
     from ucm.fast.triton import sparse as tri
 
-    if rows == "pipelined":  # the KV heads in a software-pipelined loop (_score_dot_pipe_kernel)
-        monkeypatch.setattr(tri, "SCORE_LOOP_STAGES", 3)
+    if rows == "unrolled":  # the KV heads in an unrolled loop (_score_dot_kernel), not pipelined
+        monkeypatch.setattr(tri, "SCORE_LOOP_STAGES", 0)
         rows = 16
     if rows:  # many small tiles: several programs per request
         monkeypatch.setattr(tri, "SCORE_ROWS", rows)

@@ -747,12 +747,15 @@ def _hamming_kernel(table_ptr, nblk_ptr, codes_ptr, qcode_ptr, out_ptr, st_b, st
 #: the block tile), the fewest programs aimed at per multiprocessor (the tile shrinks, down to
 #: 16 rows, until ``batch * tiles`` reaches it: batch 1 fills the GPU), warps, pipeline stages.
 SCORE_ROWS = 64
-SCORE_PROGRAMS_PER_SM = 4
+SCORE_PROGRAMS_PER_SM = 2
 SCORE_WARPS = 4
 SCORE_STAGES = 2
 #: Stages of a software-pipelined loop over the KV heads in the mean / Quest scoring kernel
-#: (:func:`_score_dot_pipe_kernel`); 0: the unrolled loop (:func:`_score_dot_kernel`).
-SCORE_LOOP_STAGES = 0
+#: (:func:`_score_dot_pipe_kernel`); 0: the unrolled loop (:func:`_score_dot_kernel`). H200,
+#: session 7, ESA per-head scores, G = 4 bf16 tables: 8 x 32K 41.7 -> 36.5 us (3 stages),
+#: 1 x 128K 20.8 -> 20.1 (3 stages, 2 programs per multiprocessor: 16-block tiles); 4 stages or
+#: 8 warps lose.
+SCORE_LOOP_STAGES = 3
 #: Hamming scoring: code words one program holds (sets its block tile).
 SCORE_TILE_ELEMS = 8192
 
@@ -1059,19 +1062,13 @@ def _lse_bounds_kernel(x_ptr, stat_ptr, M, scale_log2, CHUNK: tl.constexpr,
     tl.store(stat_ptr + row * 3 + 2, tl.min(n_i, 0))
 
 
-def _hist_pick_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, budget_ptr, hist_ptr, ticket_ptr,
-                      lu_ptr, lj_ptr, sel_ptr, count_ptr, M, width, sx_b, sx_m, scale_log2,
-                      table_ptr, lens_ptr, otable_ptr, olens_ptr, st_b, st_m, lcap,
-                      HQ: tl.constexpr, HPAD: tl.constexpr, T: tl.constexpr, MASS: tl.constexpr,
-                      INIT: tl.constexpr, LW: tl.constexpr, NB: tl.constexpr,
-                      LOG_NB: tl.constexpr, CH: tl.constexpr, LCAP: tl.constexpr,
-                      TABLE: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False):
-    """The histogram selection of row ``b`` in one launch. Every program takes blocks
-    ``[c T, (c + 1) T)``: adds each candidate (not forced, below ``nblk[b]``) to its bin of the
-    row's ``NB``-bin histogram (global atomics), then takes a ticket; the row's last program
-    (every other program's histogram adds and row values are then visible to it) selects the whole
-    row and writes ``sel`` (as :func:`_select_kernel` does), zeroing the histogram and the ticket
-    for the next call.
+def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, lcnt_ptr, M,
+                      sx_b, sx_m,
+                      scale_log2, HQ: tl.constexpr, HPAD: tl.constexpr, T: tl.constexpr,
+                      MASS: tl.constexpr, INIT: tl.constexpr, LW: tl.constexpr,
+                      NB: tl.constexpr, LOG_NB: tl.constexpr, PDL: tl.constexpr = False):
+    """Blocks ``[c T, (c + 1) T)`` of request ``b``: add each candidate (not forced, below
+    ``nblk[b]``) to its bin of the row's ``NB``-bin histogram (global atomics).
 
     MASS: the row is the head mass of per-head scores ``x [B, HQ, M]``, ``mean_h 2 ** (c x_hj -
     lse_h)`` (``stat`` from :func:`_lse_bounds_kernel`), written to ``mass [B, M]``; its bins
@@ -1079,16 +1076,8 @@ def _hist_pick_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, budget_ptr, hist_ptr,
     are the head mass of each head's lowest / highest score (bounds of the row, up to rounding;
     values outside land in the end bins). Else the row is ``x [B, M]`` (strides ``sx``) and the
     bins are the top ``LOG_NB`` bits of ``u``. Bin of ``u``: ``clamp((u >> shift) - base, 0, NB
-    - 1)``, monotone in ``u``.
-
-    The last program: the threshold bin ``b1`` is the highest bin whose suffix count reaches
-    ``r`` (the blocks still to take); ``need`` of the bin's ``L`` candidates are taken. One pass
-    over the row (``CH`` blocks a step) lists the bin's candidates in index order (``lu, lj``,
-    scratch); the ``need``-th best of them by (score desc, index asc) is the key ``(u*, j*)``,
-    found by pairwise ranks (``L <= LCAP``) or a 4-ary search over the bin's range of ``u`` then
-    the ties in list order. The chosen blocks are exactly the forced ones and the candidates with
-    ``u > u*`` or ``u == u*, j <= j*``: a second pass writes them (and TABLE: their physical ids,
-    the sparse length) like :func:`_compact_kernel`, then the pads."""
+    - 1)``, monotone in ``u``; ``(shift, base)`` go to ``prm [B, 3]`` for the selection, and
+    ``lcnt[b]`` (the threshold bin's list length) is reset."""
     if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -1123,14 +1112,10 @@ def _hist_pick_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, budget_ptr, hist_ptr,
         for _ in tl.static_range(33):                      # smallest shift with span >> shift <= NB - 2
             shift += ((span >> shift) > NB - 2).to(tl.int64)
         base = ul >> shift
-        row_ptr = mass_ptr + b * M                         # the row the last program selects
-        r_stride = 1
     else:
         s = tl.load(x_ptr + b * sx_b + j * sx_m, mask=inside, other=float("-inf"))
         shift = tl.full([], 32 - LOG_NB, tl.int64)
         base = tl.full([], -(NB // 2), tl.int64)
-        row_ptr = x_ptr + b * sx_b
-        r_stride = sx_m
     s = tl.where(s != s, float("-inf"), s)                 # NaN ranks like -inf
     s = tl.where(s == 0.0, 0.0, s)                         # -0.0 ties with +0.0
     bits = s.to(tl.int32, bitcast=True)
@@ -1138,147 +1123,217 @@ def _hist_pick_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, budget_ptr, hist_ptr,
     ub = tl.minimum(tl.maximum((u >> shift) - base, 0), NB - 1).to(tl.int32)
     cand = inside & (j < n) & (j >= INIT) & (j < tail)
     tl.atomic_add(hist_ptr + b * NB + ub, tl.full([T], 1, tl.int32), mask=cand, sem="relaxed")
-    tl.debug_barrier()                                     # this program's adds and stores issued
-    done = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel")
-    if done == tl.num_programs(1) - 1:
-        # the row's last program: the threshold bin from the complete histogram
-        head = tl.minimum(n, INIT)
-        n_forced = head + (n - tail) - tl.maximum(head - tail, 0)
-        keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
-        r = keep - n_forced                                # candidates to take
-        bins = tl.arange(0, NB)
-        hc = tl.load(hist_ptr + b * NB + bins, cache_modifier=".cg")
-        suffix = tl.sum(hc, 0) - tl.cumsum(hc, 0) + hc     # candidates in bins >= k
-        b1 = tl.max(tl.where(suffix >= r, bins, 0), 0)
-        above = tl.sum(tl.where(bins > b1, hc, 0), 0)
-        L = tl.sum(tl.where(bins == b1, hc, 0), 0)
-        need = r - above                                   # in [1, L] when r >= 1
-        tl.store(hist_ptr + b * NB + bins, tl.zeros([NB], tl.int32))   # zero for the next call
-        tl.atomic_xchg(ticket_ptr + b, 0)
-        cc = tl.arange(0, CH)
-        lbase = b * M
-        ustar = tl.full([], 2147483647, tl.int32)          # r <= 0: no candidate is taken
-        jstar = tl.full([], -1, tl.int32)
-        if need > 0:
-            # pass 1: the bin's candidates, listed in index order
-            nl = tl.zeros([], tl.int32)
-            for c0 in range(0, n, CH):
-                jj = c0 + cc
-                sj = tl.load(row_ptr + jj * r_stride, mask=jj < n, other=float("-inf"),
-                             cache_modifier=".cg")
-                sj = tl.where(sj != sj, float("-inf"), sj)
-                sj = tl.where(sj == 0.0, 0.0, sj)
-                bj = sj.to(tl.int32, bitcast=True)
-                uj = tl.where(bj < 0, bj ^ 0x7FFFFFFF, bj)
-                ubj = tl.minimum(tl.maximum((uj.to(tl.int64) >> shift) - base, 0), NB - 1)
-                inb = (jj < n) & (jj >= INIT) & (jj < tail) & (ubj == b1)
-                pos = nl + tl.cumsum(inb.to(tl.int32), 0) - 1
-                tl.store(lu_ptr + lbase + pos, uj, mask=inb)
-                tl.store(lj_ptr + lbase + pos, jj, mask=inb)
-                nl += tl.sum(inb.to(tl.int32), 0)
-            tl.debug_barrier()                             # the list is visible to every thread
-            if L <= lcap:
-                # pairwise ranks: the candidate with need - 1 better ones
-                k = tl.arange(0, LCAP)
-                kv = k < L
-                lu = tl.load(lu_ptr + lbase + k, mask=kv, other=-2147483648, cache_modifier=".cg")
-                lj = tl.load(lj_ptr + lbase + k, mask=kv, other=0, cache_modifier=".cg")
-                beats = kv[None, :] & ((lu[None, :] > lu[:, None])
-                                       | ((lu[None, :] == lu[:, None]) & (lj[None, :] < lj[:, None])))
-                rank = tl.sum(beats.to(tl.int32), 1)
-                hit = kv & (rank == need - 1)
-                ustar = tl.max(tl.where(hit, lu, -2147483648), 0)
-                jstar = tl.max(tl.where(hit, lj, -1), 0)
-            else:
-                # 4-ary search over the bin's range for the largest t with #(list u >= t) >= need
-                t_lo = tl.where(b1 == 0, -2147483648, (b1 + base) << shift)
-                t_hi = tl.where(b1 == NB - 1, 2147483647, ((b1 + base + 1) << shift) - 1)
-                t_lo = tl.minimum(tl.maximum(t_lo, -2147483648), 2147483647)
-                t_hi = tl.minimum(tl.maximum(t_hi, t_lo), 2147483647)
-                field = (1 << 21) - 1
-                steps = tl.where((b1 == 0) | (b1 == NB - 1), 17, (shift + 3) // 2).to(tl.int32)
-                for _step in range(steps):
-                    t_span = t_hi - t_lo
-                    t1 = t_lo + (t_span + 3) // 4
-                    t2 = t_lo + (2 * t_span + 3) // 4
-                    t3 = t_lo + (3 * t_span + 3) // 4
-                    packed = tl.zeros([], tl.int64)
-                    for k0 in range(0, L, CH):
-                        kk = k0 + cc
-                        lu_c = tl.load(lu_ptr + lbase + kk, mask=kk < L, other=-2147483648,
-                                     cache_modifier=".cg")
-                        packed += tl.sum((lu_c >= t1.to(tl.int32)).to(tl.int64)
-                                         + ((lu_c >= t2.to(tl.int32)).to(tl.int64) << 21)
-                                         + ((lu_c >= t3.to(tl.int32)).to(tl.int64) << 42), 0)
-                    ok1 = (packed & field) >= need
-                    ok2 = ((packed >> 21) & field) >= need
-                    ok3 = (packed >> 42) >= need
-                    new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, t_lo)))
-                    t_hi = tl.where(ok3, t_hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
-                    t_lo = new_lo
-                ustar = t_lo.to(tl.int32)
-                # ties at u*: the (need - #(u > u*))-th of them in list (index) order
-                n_above = tl.zeros([], tl.int32)
+    if tl.program_id(1) == 0:
+        tl.store(prm_ptr + b * 3, shift)
+        tl.store(prm_ptr + b * 3 + 1, base)
+        tl.store(lcnt_ptr + b, 0)                          # the list kernel's slot counter
+
+
+def _hist_list_kernel(s_ptr, ss_b, ss_m, nblk_ptr, budget_ptr, hist_ptr, prm_ptr, lcnt_ptr,
+                      lu_ptr, lj_ptr, ccnt_ptr, M,
+                      INIT: tl.constexpr, LW: tl.constexpr, NB: tl.constexpr,
+                      TC: tl.constexpr, PDL: tl.constexpr = False):
+    """Blocks ``[c TC, (c + 1) TC)`` of row ``b``, given the row's histogram
+    (:func:`_mass_hist_kernel`): the threshold bin ``b1`` is the highest bin whose suffix count
+    reaches ``r`` (the candidates still to take; every program finds it from the histogram).
+    Candidates in higher bins are taken, in lower bins not; ``need`` of the ``L`` candidates in
+    ``b1`` are. The chunk's candidates in ``b1`` are appended to the row's list (``lu, lj``: score
+    image and index, a slot per atomic on ``lcnt[b]``); ``ccnt[b, c]`` gets the chunk's blocks
+    taken for sure (forced, or a candidate above ``b1``); ``prm[b, 2]`` gets ``need``."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    n = tl.load(nblk_ptr + b)
+    head = tl.minimum(n, INIT)
+    tail = tl.maximum(n - LW, 0)
+    n_forced = head + (n - tail) - tl.maximum(head - tail, 0)
+    keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
+    r = keep - n_forced
+    shift = tl.load(prm_ptr + b * 3)
+    base = tl.load(prm_ptr + b * 3 + 1)
+    bins = tl.arange(0, NB)
+    hc = tl.load(hist_ptr + b * NB + bins)
+    suffix = tl.sum(hc, 0) - tl.cumsum(hc, 0) + hc             # candidates in bins >= k
+    b1 = tl.max(tl.where(suffix >= r, bins, 0), 0)             # r <= 0: NB - 1, need <= 0
+    above = tl.sum(tl.where(bins > b1, hc, 0), 0)
+    need = r - above                                           # in [1, L] when r >= 1
+    i = c * TC + tl.arange(0, TC)
+    vi = i < n
+    si = tl.load(s_ptr + b * ss_b + i * ss_m, mask=vi, other=float("-inf"))
+    si = tl.where(si != si, float("-inf"), si)                 # NaN ranks like -inf
+    si = tl.where(si == 0.0, 0.0, si)                          # -0.0 ties with +0.0
+    bi = si.to(tl.int32, bitcast=True)
+    ui = tl.where(bi < 0, bi ^ 0x7FFFFFFF, bi)
+    cand = vi & (i >= INIT) & (i < tail)
+    ub = tl.minimum(tl.maximum((ui.to(tl.int64) >> shift) - base, 0), NB - 1).to(tl.int32)
+    inb = cand & (ub == b1) & (tl.zeros([TC], tl.int32) + need > 0)
+    slot = tl.atomic_add(lcnt_ptr + b + tl.zeros([TC], tl.int64), tl.full([TC], 1, tl.int32),
+                         mask=inb, sem="relaxed")
+    tl.store(lu_ptr + b * M + slot, ui, mask=inb)
+    tl.store(lj_ptr + b * M + slot, i, mask=inb)
+    sure = (vi & ~cand) | (cand & (ub > b1))
+    tl.store(ccnt_ptr + b * tl.num_programs(1) + c, tl.sum(sure.to(tl.int32), 0))
+    if c == 0:
+        tl.store(prm_ptr + b * 3 + 2, need.to(tl.int64))
+
+
+def _hist_emit_kernel(s_ptr, ss_b, ss_m, nblk_ptr, budget_ptr, hist_ptr, prm_ptr, lcnt_ptr,
+                      lu_ptr, lj_ptr, ccnt_ptr, sel_ptr, count_ptr, M, width, lcap,
+                      table_ptr, lens_ptr, otable_ptr, olens_ptr, st_b, st_m,
+                      INIT: tl.constexpr, LW: tl.constexpr, NB: tl.constexpr,
+                      TC: tl.constexpr, PPAD: tl.constexpr, LCAP: tl.constexpr,
+                      CH: tl.constexpr, TABLE: tl.constexpr, BS: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """Blocks ``[c TC, (c + 1) TC)`` of row ``b``, given :func:`_hist_list_kernel`'s list of the
+    threshold bin's candidates: the ``need``-th best of them by (score desc, index asc) is the
+    key ``(u*, j*)`` (pairwise ranks when ``L <= lcap``; else a 4-ary search for ``u*`` over the
+    list, then one for the ``(need - #(u > u*))``-th smallest index among the ties). The chosen
+    blocks are exactly the forced ones and the candidates with ``u > u*`` or ``u == u*, j <=
+    j*``: written like :func:`_compact_kernel` writes them, at positions after the chosen blocks
+    of the earlier chunks (their sure counts plus the list's chosen entries before the chunk).
+    Program 0 zeroes the row's histogram for the next call (the list kernel has read it)."""
+    if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    c0 = c * TC
+    n = tl.load(nblk_ptr + b)
+    head = tl.minimum(n, INIT)
+    tail = tl.maximum(n - LW, 0)
+    n_forced = head + (n - tail) - tl.maximum(head - tail, 0)
+    keep = tl.minimum(n, tl.maximum(tl.load(budget_ptr + b), n_forced))
+    need = tl.load(prm_ptr + b * 3 + 2).to(tl.int32)
+    L = tl.load(lcnt_ptr + b)
+    pc = tl.arange(0, PPAD)
+    before = tl.sum(tl.load(ccnt_ptr + b * tl.num_programs(1) + pc, mask=pc < c, other=0), 0)
+    i = c0 + tl.arange(0, TC)
+    vi = i < n
+    si = tl.load(s_ptr + b * ss_b + i * ss_m, mask=vi, other=float("-inf"))
+    si = tl.where(si != si, float("-inf"), si)
+    si = tl.where(si == 0.0, 0.0, si)
+    bi = si.to(tl.int32, bitcast=True)
+    ui = tl.where(bi < 0, bi ^ 0x7FFFFFFF, bi)
+    cand = vi & (i >= INIT) & (i < tail)
+    if c == 0:
+        tl.store(hist_ptr + b * NB + tl.arange(0, NB), tl.zeros([NB], tl.int32))
+    ustar = tl.full([], 2147483647, tl.int32)                  # need <= 0: no candidate taken
+    jstar = tl.full([], -1, tl.int32)
+    if need > 0:
+        if L <= lcap:
+            k = tl.arange(0, LCAP)
+            kv = k < L
+            lu = tl.load(lu_ptr + b * M + k, mask=kv, other=-2147483648)
+            lj = tl.load(lj_ptr + b * M + k, mask=kv, other=0)
+            beats = kv[None, :] & ((lu[None, :] > lu[:, None])
+                                   | ((lu[None, :] == lu[:, None]) & (lj[None, :] < lj[:, None])))
+            rank = tl.sum(beats.to(tl.int32), 1)
+            hit = kv & (rank == need - 1)
+            ustar = tl.max(tl.where(hit, lu, -2147483648), 0)
+            jstar = tl.max(tl.where(hit, lj, -1), 0)
+            taken = kv & (rank < need)
+            before += tl.sum((taken & (lj < c0)).to(tl.int32), 0)
+        else:
+            cc = tl.arange(0, CH)
+            field = (1 << 21) - 1
+            # u*: the largest t with #(list u >= t) >= need (the list holds one bin: L >= need)
+            t_lo = tl.full([], -2147483648, tl.int64)
+            t_hi = tl.full([], 2147483647, tl.int64)
+            for _step in range(17):                            # (2**32 - 1) / 4**16 < 1
+                t_span = t_hi - t_lo
+                t1 = t_lo + (t_span + 3) // 4
+                t2 = t_lo + (2 * t_span + 3) // 4
+                t3 = t_lo + (3 * t_span + 3) // 4
+                packed = tl.zeros([], tl.int64)
                 for k0 in range(0, L, CH):
                     kk = k0 + cc
-                    lu_c = tl.load(lu_ptr + lbase + kk, mask=kk < L, other=-2147483648,
-                                 cache_modifier=".cg")
-                    n_above += tl.sum((lu_c > ustar).to(tl.int32), 0)
-                need_t = need - n_above                    # >= 1
-                seen = tl.zeros([], tl.int32)
+                    lu_c = tl.load(lu_ptr + b * M + kk, mask=kk < L, other=-2147483648)
+                    packed += tl.sum((lu_c >= t1.to(tl.int32)).to(tl.int64)
+                                     + ((lu_c >= t2.to(tl.int32)).to(tl.int64) << 21)
+                                     + ((lu_c >= t3.to(tl.int32)).to(tl.int64) << 42), 0)
+                ok1 = (packed & field) >= need
+                ok2 = ((packed >> 21) & field) >= need
+                ok3 = (packed >> 42) >= need
+                new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, t_lo)))
+                t_hi = tl.where(ok3, t_hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
+                t_lo = new_lo
+            ustar = t_lo.to(tl.int32)
+            n_above = tl.zeros([], tl.int32)
+            for k0 in range(0, L, CH):
+                kk = k0 + cc
+                lu_c = tl.load(lu_ptr + b * M + kk, mask=kk < L, other=-2147483648)
+                n_above += tl.sum((lu_c > ustar).to(tl.int32), 0)
+            need_t = need - n_above                            # >= 1 ties at u* to take
+            # j*: the largest t with #(ties with j < t) < need_t (the need_t-th smallest index)
+            j_lo = tl.zeros([], tl.int64)
+            j_hi = tl.full([], 2147483647, tl.int64)
+            for _step in range(17):
+                t_span = j_hi - j_lo
+                t1 = j_lo + (t_span + 3) // 4
+                t2 = j_lo + (2 * t_span + 3) // 4
+                t3 = j_lo + (3 * t_span + 3) // 4
+                packed = tl.zeros([], tl.int64)
                 for k0 in range(0, L, CH):
                     kk = k0 + cc
                     km = kk < L
-                    lu_c = tl.load(lu_ptr + lbase + kk, mask=km, other=-2147483648,
-                                 cache_modifier=".cg")
-                    lj_c = tl.load(lj_ptr + lbase + kk, mask=km, other=0, cache_modifier=".cg")
+                    lu_c = tl.load(lu_ptr + b * M + kk, mask=km, other=-2147483648)
+                    lj_c = tl.load(lj_ptr + b * M + kk, mask=km, other=0)
                     tie = km & (lu_c == ustar)
-                    at = seen + tl.cumsum(tie.to(tl.int32), 0)
-                    jstar = tl.maximum(jstar, tl.max(tl.where(tie & (at == need_t), lj_c, -1), 0))
-                    seen += tl.sum(tie.to(tl.int32), 0)
-        # pass 2: the chosen blocks in increasing order, then the pads
-        run = tl.zeros([], tl.int32)
-        for c0 in range(0, M, CH):
-            jj = c0 + cc
-            valid = jj < n
-            sj = tl.load(row_ptr + jj * r_stride, mask=valid, other=float("-inf"),
-                         cache_modifier=".cg")
-            sj = tl.where(sj != sj, float("-inf"), sj)
-            sj = tl.where(sj == 0.0, 0.0, sj)
-            bj = sj.to(tl.int32, bitcast=True)
-            uj = tl.where(bj < 0, bj ^ 0x7FFFFFFF, bj)
-            cj = valid & (jj >= INIT) & (jj < tail)
-            chosen = (valid & ~cj) | (cj & ((uj > ustar) | ((uj == ustar) & (jj <= jstar))))
-            pos = run + tl.cumsum(chosen.to(tl.int32), 0) - 1
-            tl.store(sel_ptr + b * width + pos, jj, mask=chosen)
-            pad = (jj >= keep) & (jj < width)
-            tl.store(sel_ptr + b * width + jj, tl.full([CH], -1, tl.int32), mask=pad)
-            if TABLE:
-                phys = tl.load(table_ptr + b * st_b + jj * st_m, mask=chosen, other=0)
-                tl.store(otable_ptr + b * width + pos, phys, mask=chosen)
-                tl.store(otable_ptr + b * width + jj, tl.zeros([CH], tl.int32), mask=pad)
-            run += tl.sum(chosen.to(tl.int32), 0)
+                    packed += tl.sum((tie & (lj_c < t1.to(tl.int32))).to(tl.int64)
+                                     + ((tie & (lj_c < t2.to(tl.int32))).to(tl.int64) << 21)
+                                     + ((tie & (lj_c < t3.to(tl.int32))).to(tl.int64) << 42), 0)
+                ok1 = (packed & field) < need_t
+                ok2 = ((packed >> 21) & field) < need_t
+                ok3 = (packed >> 42) < need_t
+                new_lo = tl.where(ok3, t3, tl.where(ok2, t2, tl.where(ok1, t1, j_lo)))
+                j_hi = tl.where(ok3, j_hi, tl.where(ok2, t3 - 1, tl.where(ok1, t2 - 1, t1 - 1)))
+                j_lo = new_lo
+            jstar = j_lo.to(tl.int32)
+            for k0 in range(0, L, CH):
+                kk = k0 + cc
+                km = kk < L
+                lu_c = tl.load(lu_ptr + b * M + kk, mask=km, other=-2147483648)
+                lj_c = tl.load(lj_ptr + b * M + kk, mask=km, other=0)
+                taken_c = km & ((lu_c > ustar) | ((lu_c == ustar) & (lj_c <= jstar)))
+                before += tl.sum((taken_c & (lj_c < c0)).to(tl.int32), 0)
+    chosen = (vi & ~cand) | (cand & ((ui > ustar) | ((ui == ustar) & (i <= jstar))))
+    pos = before + tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(sel_ptr + b * width + pos, i, mask=chosen)
+    pad = (i >= keep) & (i < width)
+    tl.store(sel_ptr + b * width + i, tl.full([TC], -1, tl.int32), mask=pad)
+    if TABLE:
+        phys = tl.load(table_ptr + b * st_b + i * st_m, mask=chosen, other=0)
+        tl.store(otable_ptr + b * width + pos, phys, mask=chosen)
+        tl.store(otable_ptr + b * width + i, tl.zeros([TC], tl.int32), mask=pad)
+    if c == 0:
         tl.store(count_ptr + b, keep)
         if TABLE:
             n_tok = tl.load(lens_ptr + b)
             tl.store(olens_ptr + b, (keep - 1) * BS + n_tok - ((n_tok + BS - 1) // BS - 1) * BS)
 
 
-#: Histogram selection (:func:`_hist_pick_kernel`, one launch) for batches of at most
+#: Histogram selection (:func:`_mass_hist_kernel`, :func:`_hist_list_kernel`,
+#: :func:`_hist_emit_kernel`: three launches of chunk-local programs) for batches of at most
 #: SELECT_HIST_MAX_ROWS rows of at least SELECT_HIST_MIN_BLOCKS blocks (None: never), and for the
-#: fused head mass (:func:`select_head_mass`). Bins (2 ** SELECT_HIST_BITS), blocks per program,
-#: blocks per step of the last program's passes over the row, the most candidates in the
-#: threshold's bin that are ranked pairwise (more: a search over the bin), warps.
-#: Plain score rows: off (session 6, with the former every-program-resolves-the-row kernel, it
-#: lost to the pairwise selection; their top-12-bit bins are crowded: a search over thousands).
+#: fused head mass (:func:`select_head_mass`). Bins (2 ** SELECT_HIST_BITS), blocks per histogram
+#: program, blocks per list / emit program, the most candidates in the threshold's bin that are
+#: ranked pairwise (more: searches over the list, SELECT_HIST_CHUNK entries a step), warps.
+#: Plain score rows: off (their top-12-bit bins are crowded: thousands in the threshold's bin).
+#: H200, session 7: one launch whose last program (atomic ticket) resolved and wrote the whole row
+#: took 37.4 us for the head mass of 1 x 8,192 blocks with the table (session 6's
+#: every-program-resolves-the-row kernel: 24.3): a single program's passes over the row are
+#: latency-bound (~1-2 us per step of 1,024 blocks).
 SELECT_HIST_MIN_BLOCKS = None
 SELECT_HIST_MAX_ROWS = 1
 SELECT_HIST_BITS = 12
 SELECT_HIST_TILE = 64
+SELECT_HIST_SPAN = 256
 SELECT_HIST_CHUNK = 1024
 SELECT_HIST_LIST = 64
-SELECT_HIST_WARPS = 8
-#: Head mass + selection in one pass (:func:`_lse_bounds_kernel`, then :func:`_hist_pick_kernel`)
+SELECT_HIST_WARPS = 4
+#: Head mass + selection in one pass (:func:`_lse_bounds_kernel`, then the histogram selection)
 #: for batches of at most MASS_HIST_MAX_ROWS rows of at least MASS_HIST_MIN_BLOCKS blocks (None:
 #: never; else :func:`head_mass` then the selection).
 MASS_HIST_MIN_BLOCKS = 4096
@@ -1324,9 +1379,9 @@ def _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window,
     dev = x.device
     nb = 1 << SELECT_HIST_BITS
     mpad = _p2(M, 16)
-    scratch = _hist_scratch(dev, B * nb + B)
-    hist = scratch[:B * nb]
-    ticket = scratch[B * nb:B * nb + B]
+    hist = _hist_scratch(dev, B * nb)[:B * nb]
+    prm = torch.empty(B, 3, dtype=torch.int64, device=dev)        # shift, base, need
+    lcnt = torch.empty(B, dtype=torch.int32, device=dev)           # reset by the histogram kernel
     mass = torch.empty(B, M, dtype=torch.float32, device=dev) if mass_mode else None
     sel = torch.empty(B, width, dtype=torch.int32, device=dev)
     count = torch.empty(B, dtype=torch.int32, device=dev)
@@ -1336,17 +1391,28 @@ def _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window,
     lu = torch.empty(B * M, dtype=torch.int32, device=dev)          # the threshold bin's list
     lj = torch.empty(B * M, dtype=torch.int32, device=dev)
     dummy = count
+    lw = max(local_window, 1)
+    pdl = _pdl_launch(_select_pdl(dev))
     t = min(_p2(SELECT_HIST_TILE, 16), mpad)
     sx = (0, 0) if mass_mode else x.stride()
-    _jit(_hist_pick_kernel)[(B, triton.cdiv(M, t))](
-        x, stats if mass_mode else dummy, mass if mass_mode else dummy, num_blocks, budget, hist,
-        ticket, lu, lj, sel, count, M, width, *sx, scale * LOG2E,
-        block_table if table else count, seq_lens if table else count, otable, olens,
-        *(block_table.stride() if table else (0, 0)), SELECT_HIST_LIST,
-        HQ=H, HPAD=_p2(H), T=t, MASS=mass_mode, INIT=init_window, LW=max(local_window, 1),
-        NB=nb, LOG_NB=SELECT_HIST_BITS, CH=min(_p2(SELECT_HIST_CHUNK, 16), mpad),
-        LCAP=_p2(max(SELECT_HIST_LIST, 1), 16), TABLE=table, BS=block_size,
-        num_warps=SELECT_HIST_WARPS, **_pdl_launch(_select_pdl(dev)))
+    _jit(_mass_hist_kernel)[(B, triton.cdiv(M, t))](
+        x, stats if mass_mode else dummy, mass if mass_mode else dummy, num_blocks, hist, prm,
+        lcnt, M, *sx, scale * LOG2E, HQ=H, HPAD=_p2(H), T=t, MASS=mass_mode, INIT=init_window,
+        LW=lw, NB=nb, LOG_NB=SELECT_HIST_BITS, num_warps=4, **pdl)
+    src = mass if mass_mode else x
+    tc = min(_p2(SELECT_HIST_SPAN, 16), mpad)
+    nprog = triton.cdiv(M, tc)
+    ccnt = torch.empty(B, nprog, dtype=torch.int32, device=dev)
+    _jit(_hist_list_kernel)[(B, nprog)](
+        src, *src.stride(), num_blocks, budget, hist, prm, lcnt, lu, lj, ccnt, M,
+        INIT=init_window, LW=lw, NB=nb, TC=tc, num_warps=SELECT_HIST_WARPS, **pdl)
+    _jit(_hist_emit_kernel)[(B, nprog)](
+        src, *src.stride(), num_blocks, budget, hist, prm, lcnt, lu, lj, ccnt, sel, count, M,
+        width, SELECT_HIST_LIST, block_table if table else count, seq_lens if table else count,
+        otable, olens, *(block_table.stride() if table else (0, 0)),
+        INIT=init_window, LW=lw, NB=nb, TC=tc, PPAD=_p2(nprog), LCAP=_p2(max(SELECT_HIST_LIST, 1), 16),
+        CH=min(_p2(SELECT_HIST_CHUNK, 16), mpad), TABLE=table, BS=block_size,
+        num_warps=SELECT_HIST_WARPS, **pdl)
     out = (sel, count, otable, olens) if table else (sel, count)
     return out + (mass,)
 
@@ -1551,9 +1617,9 @@ def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float
     :func:`head_mass` ``(per_head, scale)``, ``(sel, count)``; with
     ``block_table, seq_lens`` the sparse table folded in, ``(sel, count, table, lens)`` (as
     :func:`select_sparse_table`); ``return_mass``: the head mass appended. Rows of at least
-    ``MASS_HIST_MIN_BLOCKS`` blocks: two launches (log-sum-exp and bounds per head; head mass,
-    histogram and, by the row's last program, the selection), the head mass written once and
-    selected exactly as
+    ``MASS_HIST_MIN_BLOCKS`` blocks: four launches (log-sum-exp and bounds per head; head mass
+    and histogram; the threshold bin's list; the selection written), the head mass written once
+    and selected exactly as
     :func:`select_blocks` selects it. Inputs as validated by
     :func:`ucm.sparse.ops.select_head_mass`; asynchronous."""
     B, H, M = per_head.shape
