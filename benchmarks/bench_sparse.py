@@ -374,7 +374,7 @@ def knobs(fn, **values):
 
 
 #: The pairwise-rank selection (two launches over the whole GPU) for every row length.
-PAIRS = dict(SELECT_PAIRS_MIN_BLOCKS=0, SELECT_PAIRS_MAX_ROWS=1 << 20)
+PAIRS = dict(SELECT_PAIRS_MIN_BLOCKS=0, SELECT_PAIRS_MAX_ROWS=1 << 20, SELECT_HIST_MIN_BLOCKS=None)
 #: Session 5's code path (no histogram selection, no fused head mass, no decode PDL).
 S5 = dict(SELECT_HIST_MIN_BLOCKS=None, MASS_HIST_MIN_BLOCKS=None, DECODE_PDL=False,
           SELECT_PDL=False, SCORE_PDL=False, SCORE_LOOP_STAGES=0, SCORE_PROGRAMS_PER_SM=4)
@@ -537,6 +537,9 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         "select_hist_with_table": knobs(lambda: tri.select_sparse_table(
             mass, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
             width=width, block_size=BS), **HIST),
+        "select_hist_sum_with_table_top_bits": knobs(lambda: tri.select_sparse_table(
+            summed, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+            width=width, block_size=BS), SELECT_HIST_BOUNDED=False, **HIST),
         "select_hist_sum_with_table": knobs(lambda: tri.select_sparse_table(
             summed, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
             width=width, block_size=BS), **HIST),
@@ -550,7 +553,7 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
             width=width, block_size=BS),
         "select_single_program": knobs(lambda: tri.select_sparse_table(
             mass, nblk, budget, table, lens, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
-            width=width, block_size=BS), SELECT_PAIRS_MIN_BLOCKS=None),
+            width=width, block_size=BS), SELECT_PAIRS_MIN_BLOCKS=None, SELECT_HIST_MIN_BLOCKS=None),
         "select_pairs": knobs(lambda: tri.select_blocks(
             mass, nblk, budget, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW, width=width),
             **PAIRS),
@@ -672,62 +675,40 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
 
     sweeps = {}
     if EXPLORE:
-        for name, extra in (("score_unrolled", dict(SCORE_LOOP_STAGES=0, SCORE_PROGRAMS_PER_SM=4)),
-                            ("score_pipe2", dict(SCORE_LOOP_STAGES=2)),
-                            ("no_select_pdl", dict(SELECT_PDL=False)),
-                            ("hist_every_batch", dict(MASS_HIST_MAX_ROWS=1 << 20)),
-                            ("mass_then_select", dict(MASS_HIST_MIN_BLOCKS=None))):
+        for name, variant, extra in (
+                ("score_unrolled", "method", dict(SCORE_LOOP_STAGES=0, SCORE_PROGRAMS_PER_SM=4)),
+                ("select_pdl", "method", dict(SELECT_PDL=True)),
+                ("select_pdl", "fast", dict(SELECT_PDL=True)),
+                ("bits12", "method", dict(SELECT_HIST_BITS=12)),
+                ("mass_then_select", "method", dict(MASS_HIST_MIN_BLOCKS=None)),
+                ("pairs", "sum", dict(SELECT_HIST_MIN_BLOCKS=None)),
+                ("select_pdl", "sum", dict(SELECT_PDL=True))):
             for method, stride in ((("esa", STRIDE),) if batch > 1 else
                                    (("esa", STRIDE), ("esa", 1))):
                 try:
-                    sweeps[f"step_{method}_stride{stride}_method_{name}"] = bench(
-                        knobs(step_fn(method, stride, "method"), **extra), graph=True) / stride
+                    sweeps[f"step_{method}_stride{stride}_{variant}_{name}"] = bench(
+                        knobs(step_fn(method, stride, variant), **extra), graph=True) / stride
                 except Exception as exc:  # a configuration, not the run
-                    sweeps[f"step_{method}_stride{stride}_method_{name}"] = None
+                    sweeps[f"step_{method}_stride{stride}_{variant}_{name}"] = None
                     res.setdefault("errors", {})[f"step_{name}"] = repr(exc)[:300]
         for name, extra in (("unrolled", dict(SCORE_LOOP_STAGES=0, SCORE_PROGRAMS_PER_SM=4)),
-                            ("unrolled_persm2", dict(SCORE_LOOP_STAGES=0)),
-                            ("pipe2", dict(SCORE_LOOP_STAGES=2)),
-                            ("pipe3_persm4", dict(SCORE_PROGRAMS_PER_SM=4)),
-                            ("pipe3_persm1", dict(SCORE_PROGRAMS_PER_SM=1)),
-                            ("pipe3_rows32", dict(SCORE_ROWS=32))):
+                            ("pipe3_persm4", dict(SCORE_PROGRAMS_PER_SM=4))):
             sweeps[f"score_esa_g4_per_head_{name}"] = bench(knobs(parts["score_esa_g4_per_head"],
                                                                   **extra), graph=True)
         hist_fn = parts["select_head_mass_with_table"]
-        for name, extra in (("bits10", dict(SELECT_HIST_BITS=10)),
-                            ("bits14", dict(SELECT_HIST_BITS=14)),
+        for name, extra in (("bits12", dict(SELECT_HIST_BITS=12)),
+                            ("bits12_list64", dict(SELECT_HIST_BITS=12, SELECT_HIST_LIST=64)),
+                            ("list64", dict(SELECT_HIST_LIST=64)),
                             ("span128", dict(SELECT_HIST_SPAN=128)),
-                            ("span512", dict(SELECT_HIST_SPAN=512)),
-                            ("span1024", dict(SELECT_HIST_SPAN=1024)),
-                            ("tile32", dict(SELECT_HIST_TILE=32)),
-                            ("tile128", dict(SELECT_HIST_TILE=128)),
                             ("warps8", dict(SELECT_HIST_WARPS=8)),
-                            ("list32", dict(SELECT_HIST_LIST=32)),
-                            ("list128", dict(SELECT_HIST_LIST=128)),
                             ("search", dict(SELECT_HIST_LIST=0)),
-                            ("lse_warps4", dict(LSE_WARPS=4)),
-                            ("no_select_pdl", dict(SELECT_PDL=False)),
-                            ("pdl_all", dict(PDL=True))):
+                            ("select_pdl", dict(SELECT_PDL=True))):
             try:
                 sweeps[f"select_head_mass_with_table_{name}"] = bench(knobs(hist_fn, **extra),
                                                                       graph=True)
             except Exception as exc:  # a configuration, not the run
                 sweeps[f"select_head_mass_with_table_{name}"] = None
                 res.setdefault("errors", {})[f"sweep_{name}"] = repr(exc)[:300]
-        for name, extra in (("static", dict(STATIC_LOOP=True)),
-                            ("no_prefetch", dict(PREFETCH_TABLE=False)),
-                            ("per_sm2_ceil", dict(PROGRAMS_PER_SM=2, PLAN_FLOOR=False))):
-            sweeps[f"attention_table_{name}"] = bench(knobs(parts["attention_table"], **extra),
-                                                      graph=True)
-            sweeps[f"dense_{name}"] = bench(knobs(dense_fn(), **extra), graph=True)
-        sweeps["attention_table_chunk32_pdl"] = with_pdl(lambda: bench(knobs(
-            parts["attention_table"], REDUCE_CHUNK=32), graph=True))
-        base_splits, _ = tri.plan(batch, HKV, stab.shape[1] * BS, q.device)
-        for splits in sorted({max(1, (4 * base_splits) // 5), base_splits, (6 * base_splits) // 5}):
-            for merge in (False,):
-                sweeps[f"attention_splits{splits}_fused{int(merge)}"] = bench(
-                    lambda: tri.decode(q, k, v, stab, slens, scale, num_splits=splits,
-                                       fused_merge=merge), graph=True)
     if tune:
         for rows, per_sm, warps in itertools.product((32, 64, 128), (1, 2, 4, 8), (4, 8)):
             tri.SCORE_ROWS, tri.SCORE_PROGRAMS_PER_SM, tri.SCORE_WARPS = rows, per_sm, warps

@@ -416,16 +416,19 @@ def _hist_scratch_zeroed(tri):
     return all(bool((buf == 0).all()) for buf in tri._hist_bufs.values())
 
 
-@pytest.mark.parametrize("bins,listed", [(2, 16), (4, 0), (4, 1), (12, 64)],
-                         ids=["bins4-list", "bins16-search", "bins16-list1", "bins4096-list"])
-def test_select_hist_triton_identical(triton_ready, monkeypatch, bins, listed):
+@pytest.mark.parametrize("bins,listed,bounded", [(2, 16, True), (4, 0, True), (4, 1, True),
+                                                 (12, 64, True), (4, 16, False), (4, 0, False)],
+                         ids=["bins4-list", "bins16-search", "bins16-list1", "bins4096-list",
+                              "bins16-top-bits-list", "bins16-top-bits-search"])
+def test_select_hist_triton_identical(triton_ready, monkeypatch, bins, listed, bounded):
     """The histogram selection (three launches: histogram atomics; the threshold bin's
     candidates listed; every program resolving the list, by pairwise ranks or searches, and
     writing its chunk) == the reference: ties, NaN, +-0, +-inf, per-row budgets, short rows;
     programs and search steps of 16 blocks; the table folded in."""
     from ucm.fast.triton import sparse as tri
 
-    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed).items():
+    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed,
+                            SELECT_HIST_BOUNDED=bounded).items():
         monkeypatch.setattr(tri, name, value)
     scores, nblk = selection_cases(31)
     g = gen(32)

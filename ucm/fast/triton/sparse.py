@@ -1066,7 +1066,8 @@ def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, lc
                       sx_b, sx_m,
                       scale_log2, HQ: tl.constexpr, HPAD: tl.constexpr, T: tl.constexpr,
                       MASS: tl.constexpr, INIT: tl.constexpr, LW: tl.constexpr,
-                      NB: tl.constexpr, LOG_NB: tl.constexpr, PDL: tl.constexpr = False):
+                      NB: tl.constexpr, LOG_NB: tl.constexpr, PDL: tl.constexpr = False,
+                      BOUNDED: tl.constexpr = False):
     """Blocks ``[c T, (c + 1) T)`` of request ``b``: add each candidate (not forced, below
     ``nblk[b]``) to its bin of the row's ``NB``-bin histogram (global atomics).
 
@@ -1075,7 +1076,8 @@ def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, lc
     split ``[lo, hi]`` evenly on the order-preserving int32 image ``u``, where ``lo`` / ``hi``
     are the head mass of each head's lowest / highest score (bounds of the row, up to rounding;
     values outside land in the end bins). Else the row is ``x [B, M]`` (strides ``sx``) and the
-    bins are the top ``LOG_NB`` bits of ``u``. Bin of ``u``: ``clamp((u >> shift) - base, 0, NB
+    bins are the top ``LOG_NB`` bits of ``u``, or with BOUNDED split the row's ``[min, max]``
+    (``stat[b]`` from :func:`_lse_bounds_kernel` at scale 1) likewise. Bin of ``u``: ``clamp((u >> shift) - base, 0, NB
     - 1)``, monotone in ``u``; ``(shift, base)`` go to ``prm [B, 3]`` for the selection, and
     ``lcnt[b]`` (the threshold bin's list length) is reset."""
     if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
@@ -1114,8 +1116,25 @@ def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, lc
         base = ul >> shift
     else:
         s = tl.load(x_ptr + b * sx_b + j * sx_m, mask=inside, other=float("-inf"))
-        shift = tl.full([], 32 - LOG_NB, tl.int64)
-        base = tl.full([], -(NB // 2), tl.int64)
+        if BOUNDED:  # bins between the row's extremes (stat[b] = (-, max, min above -inf))
+            hi = tl.load(stat_ptr + b * 3 + 1)
+            lo = tl.load(stat_ptr + b * 3 + 2)
+            hi = tl.where(hi != hi, float("-inf"), hi)
+            hi = tl.where(hi == 0.0, 0.0, hi)
+            lo = tl.where(lo != lo, float("-inf"), lo)
+            lo = tl.where(lo == 0.0, 0.0, lo)
+            bh = hi.to(tl.int32, bitcast=True)
+            bl = lo.to(tl.int32, bitcast=True)
+            uh = tl.where(bh < 0, bh ^ 0x7FFFFFFF, bh).to(tl.int64)
+            ul = tl.where(bl < 0, bl ^ 0x7FFFFFFF, bl).to(tl.int64)
+            span = tl.maximum(uh - ul, 0)
+            shift = tl.zeros([], tl.int64)
+            for _ in tl.static_range(33):                  # smallest shift with span >> shift <= NB - 2
+                shift += ((span >> shift) > NB - 2).to(tl.int64)
+            base = ul >> shift
+        else:
+            shift = tl.full([], 32 - LOG_NB, tl.int64)
+            base = tl.full([], -(NB // 2), tl.int64)
     s = tl.where(s != s, float("-inf"), s)                 # NaN ranks like -inf
     s = tl.where(s == 0.0, 0.0, s)                         # -0.0 ties with +0.0
     bits = s.to(tl.int32, bitcast=True)
@@ -1325,14 +1344,17 @@ def _hist_emit_kernel(s_ptr, ss_b, ss_m, nblk_ptr, budget_ptr, hist_ptr, prm_ptr
 #: took 37.4 us for the head mass of 1 x 8,192 blocks with the table (session 6's
 #: every-program-resolves-the-row kernel: 24.3): a single program's passes over the row are
 #: latency-bound (~1-2 us per step of 1,024 blocks).
-SELECT_HIST_MIN_BLOCKS = None
+SELECT_HIST_MIN_BLOCKS = 4096
 SELECT_HIST_MAX_ROWS = 1
-SELECT_HIST_BITS = 12
+SELECT_HIST_BITS = 14
 SELECT_HIST_TILE = 64
 SELECT_HIST_SPAN = 256
 SELECT_HIST_CHUNK = 1024
-SELECT_HIST_LIST = 64
+SELECT_HIST_LIST = 128
 SELECT_HIST_WARPS = 4
+#: Plain score rows: bins between the row's extremes (one more launch, :func:`_lse_bounds_kernel`
+#: at scale 1) instead of the top SELECT_HIST_BITS bits of the score image.
+SELECT_HIST_BOUNDED = True
 #: Head mass + selection in one pass (:func:`_lse_bounds_kernel`, then the histogram selection)
 #: for batches of at most MASS_HIST_MAX_ROWS rows of at least MASS_HIST_MIN_BLOCKS blocks (None:
 #: never; else :func:`head_mass` then the selection).
@@ -1341,7 +1363,7 @@ MASS_HIST_MAX_ROWS = 1
 #: Programmatic dependent launch for the selection launches (:func:`select_head_mass`'s two,
 #: the histogram selection, :func:`sparse_block_table`) and, with SCORE_PDL, the scoring launch
 #: (see :data:`PDL`). None: as :data:`DECODE_PDL` (on for compute capability >= 9.0).
-SELECT_PDL = None
+SELECT_PDL = False
 SCORE_PDL = False
 
 _hist_bufs: dict = {}
@@ -1362,7 +1384,7 @@ def _hist_scratch(device: torch.device, n: int) -> torch.Tensor:
     key = (device.type, device.index)
     buf = _hist_bufs.get(key)
     if buf is None or buf.numel() < n:
-        buf = _hist_bufs[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        buf = _hist_bufs[key] = torch.zeros(max(n, 1 << 18), dtype=torch.int32, device=device)
     return buf
 
 
@@ -1395,10 +1417,16 @@ def _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window,
     pdl = _pdl_launch(_select_pdl(dev))
     t = min(_p2(SELECT_HIST_TILE, 16), mpad)
     sx = (0, 0) if mass_mode else x.stride()
+    bounded = not mass_mode and SELECT_HIST_BOUNDED
+    if bounded:  # the row's max and min (scale 1)
+        stats = torch.empty(B, 1, 3, dtype=torch.float32, device=dev)
+        _jit(_lse_bounds_kernel)[(B,)](x.contiguous(), stats, M, 1.0,
+                                       CHUNK=min(_p2(LSE_CHUNK), mpad), num_warps=LSE_WARPS, **pdl)
     _jit(_mass_hist_kernel)[(B, triton.cdiv(M, t))](
-        x, stats if mass_mode else dummy, mass if mass_mode else dummy, num_blocks, hist, prm,
-        lcnt, M, *sx, scale * LOG2E, HQ=H, HPAD=_p2(H), T=t, MASS=mass_mode, INIT=init_window,
-        LW=lw, NB=nb, LOG_NB=SELECT_HIST_BITS, num_warps=4, **pdl)
+        x, stats if stats is not None else dummy, mass if mass_mode else dummy, num_blocks, hist,
+        prm, lcnt, M, *sx, scale * LOG2E, HQ=H, HPAD=_p2(H), T=t, MASS=mass_mode,
+        INIT=init_window, LW=lw, NB=nb, LOG_NB=SELECT_HIST_BITS, BOUNDED=bounded, num_warps=4,
+        **pdl)
     src = mass if mass_mode else x
     tc = min(_p2(SELECT_HIST_SPAN, 16), mpad)
     nprog = triton.cdiv(M, tc)
