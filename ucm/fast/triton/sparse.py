@@ -29,16 +29,22 @@ import). Kernels call no ``@triton.jit`` helpers, so one process can run them bo
   search (or, with ``SELECT_RADIX``, a radix select) for the threshold score over an
   order-preserving integer image of the floats (three probes counted in one packed reduction
   per step), ties to the lower index through a prefix count, compaction through a second one.
-  One long row (batch 1, ``SELECT_PAIRS_*``) is selected by two launches over the whole GPU
-  instead: a pairwise rank of each candidate against the row, then a compaction.
+  One long row (batch 1, ``SELECT_HIST_*``) takes the histogram selection instead (three
+  launches of chunk-local programs, below); with it off (``SELECT_PAIRS_*``), two launches over
+  the whole GPU: a pairwise rank of each candidate against the row, then a compaction.
   Rows longer than ``SELECT_KERNEL_MAX_BLOCKS`` use PyTorch glue instead: one ``torch.topk``
   over unique int64 keys (score image, then ``M-1-j``). All give exactly the reference's
   selection.
+- Histogram selection (one long row): a global histogram of the score image (bins between the
+  row's bounds; atomics); every program finds the threshold's bin from it and lists its chunk's
+  candidates in that bin (atomic slots) with a count of its sure blocks; every program then
+  ranks the list into the key ``(u*, j*)`` of the last block taken (pairwise, or searches when
+  the list is long) and writes its chunk. Programs only touch their chunk, the histogram and
+  the list: a single program's pass over the whole row is latency-bound on the H200.
 - :func:`select_head_mass`: the selection on the head mass of per-head scores. One long row
-  (``MASS_HIST_*``) takes three launches: log-sum-exp and bounds per head; the head mass and a
-  global histogram of it; then every program finds the threshold's bin and resolves it (a
-  pairwise-ranked list of the bin's candidates, or a search) and writes its chunk. Other shapes
-  use :func:`head_mass` then :func:`select_blocks`. Exact selection on the mass it computes.
+  (``MASS_HIST_*``): log-sum-exp and bounds per head, then the histogram selection with the
+  head mass computed (and written) by the histogram launch. Other shapes use
+  :func:`head_mass` then :func:`select_blocks`. Exact selection on the mass it computes.
 - :func:`sparse_block_table`: one gather kernel (table entries and lengths);
   :func:`decode_selected` folds it into the decode kernel (reads ``sel`` and the block table).
 - mean / kmin / kmax tables may be bfloat16: written rounded from float32; scored with bfloat16
@@ -1339,11 +1345,12 @@ def _hist_emit_kernel(s_ptr, ss_b, ss_m, nblk_ptr, budget_ptr, hist_ptr, prm_ptr
 #: fused head mass (:func:`select_head_mass`). Bins (2 ** SELECT_HIST_BITS), blocks per histogram
 #: program, blocks per list / emit program, the most candidates in the threshold's bin that are
 #: ranked pairwise (more: searches over the list, SELECT_HIST_CHUNK entries a step), warps.
-#: Plain score rows: off (their top-12-bit bins are crowded: thousands in the threshold's bin).
-#: H200, session 7: one launch whose last program (atomic ticket) resolved and wrote the whole row
-#: took 37.4 us for the head mass of 1 x 8,192 blocks with the table (session 6's
-#: every-program-resolves-the-row kernel: 24.3): a single program's passes over the row are
-#: latency-bound (~1-2 us per step of 1,024 blocks).
+#: H200, session 7 (final run, 1 x 8,192 blocks, with the table): summed scores 16.4 us against
+#: 22.7 for the pairwise selection (top-12-bit bins instead of bounded ones: 28.6, the threshold's
+#: bin crowded); head mass 18.1 (bits 12: 16.1; session 6: 24.3). Run 2: 4,096 bins with lists of
+#: 64 overflowed into the searches (27.7 us; lists of 128: 13.8; 16,384 bins: 14.0). A first
+#: version in one launch, whose last program (atomic ticket) resolved and wrote the whole row,
+#: took 37.4: a single program's passes over the row are latency-bound (~2 us per 1,024 blocks).
 SELECT_HIST_MIN_BLOCKS = 4096
 SELECT_HIST_MAX_ROWS = 1
 SELECT_HIST_BITS = 14
