@@ -24,7 +24,7 @@ run, with CUDA events (``triton.testing.do_bench``, median; "graph": replays of 
     table folded into the selection), "sum" (scores summed over heads in the kernel, no head
     mass); suffixes: "_s5" (session 5's code path: PyTorch head mass for "method", the two-launch
     Triton head mass for "fast", pairwise / single-program selection, no histogram selection,
-    decode launches without programmatic dependent launch), "_nodpdl" (this code without
+    the unrolled scoring loop, no programmatic dependent launch), "_nodpdl" (this code without
     programmatic dependent launch on the decode launches), "_fused" (merge folded into the
     split kernel), "_pairs" (pairwise selection at any batch).
     Also the byte floor of each: dense bytes / (selected K/V + table bytes / stride).
@@ -33,7 +33,7 @@ The timed functions are the Triton implementations (``ucm.fast.triton.sparse``),
 backend would call them with validated inputs; the public, validating ops (one device sync per
 call) are timed once for the ESA stride-1 path.
 
-    python benchmarks/bench_sparse.py --json benchmarks/results/sparse_h200.json [--tune] [--sweep]
+    python benchmarks/bench_sparse.py --json benchmarks/results/sparse_h200.json [--tune] [--sweep] [--explore]
     python benchmarks/bench_sparse.py --smoke      # CPU, interpreter, tiny shapes: does it run
 
 ``--tune`` also sweeps the scoring tile, the sparse attention's launch and the selection warps;
@@ -55,8 +55,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: ``--smoke``: tiny shapes on the CPU through the Triton interpreter, every figure a single call
 #: (checks that the script runs, before spending GPU time; the numbers mean nothing).
 SMOKE = "--smoke" in sys.argv
-#: ``--explore``: a short sweep of the decode kernel's knobs (static loop, no table prefetch, the
-#: old split plan, PDL on the chunked merge, split counts) in each shape.
+#: ``--explore``: step variants (unrolled scoring, selection PDL, 4,096 bins, the head mass then
+#: the selection, pairwise selection of summed scores) and sweeps of the scoring and histogram
+#: selection knobs, in each shape.
 EXPLORE = "--explore" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
