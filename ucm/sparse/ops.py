@@ -10,7 +10,8 @@ op                          reference (priority 0)                fast
 update_block_reprs          ucm.reference.sparse (PyTorch)        ucm.fast.triton.sparse (20)
 hash_codes                  (same)                                (same)
 score_blocks                (same)                                (same)
-select_blocks               (same: two stable sorts)              (same: threshold search)
+select_blocks               (same: two stable sorts)              (same: threshold search;
+                                                                  histogram for one long row)
 select_head_mass            (same: softmax, mean, select_blocks)  (same: histogram selection)
 sparse_block_table          (same)                                (same: one gather kernel)
 paged_decode_attention      (same: per-request softmax)           (same: split-K flash decoding)
