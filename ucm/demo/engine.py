@@ -46,11 +46,8 @@ def _kv_config(spec: dict):
     raise ValueError(f"connector: expected null, 'ucm' or 'example', got {kind!r}")
 
 
-def run(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    t0 = time.perf_counter()
+def llm_kwargs(spec: dict) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for an engine spec (module docstring)."""
     kwargs = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"),
                   max_model_len=spec.get("max_model_len", 8192),
                   enable_prefix_caching=bool(spec.get("prefix_caching", False)),
@@ -68,6 +65,15 @@ def run(spec: dict) -> dict:
     kv = _kv_config(spec)
     if kv is not None:
         kwargs["kv_transfer_config"] = kv
+    return kwargs
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    kwargs = llm_kwargs(spec)
     llm = LLM(**kwargs)
     out = {"load_seconds": time.perf_counter() - t0, "phases": []}
     prompts = spec["prompts"]
