@@ -56,8 +56,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: (checks that the script runs, before spending GPU time; the numbers mean nothing).
 SMOKE = "--smoke" in sys.argv
 #: ``--explore``: step variants (unrolled scoring, selection PDL, 4,096 bins, the head mass then
-#: the selection, pairwise selection of summed scores) and sweeps of the scoring and histogram
-#: selection knobs, in each shape.
+#: the selection, pairwise selection of summed scores, the log-sum-exp statistics written by the
+#: scoring launch, the attention's programs per multiprocessor, stages and token tile) and sweeps
+#: of the scoring and histogram selection knobs, in each shape.
 EXPLORE = "--explore" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -504,6 +505,20 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     sel_torch = tri.select_blocks(mass_torch, nblk, budget, init_window=INIT_WINDOW,
                                   local_window=LOCAL_WINDOW, width=width)
     head_mass_agreement = selection_agreement(sel_torch[0], sel_torch[1], sel, count)
+    fold_sel = knobs(lambda: tri.score_select_head_mass(
+        q, table, nblk, budget, kind="mean", scale=scale, init_window=INIT_WINDOW,
+        local_window=LOCAL_WINDOW, width=width, return_mass=True, **kinds["esa"][1]),
+        SCORE_HEAD_STATS=True)()
+    plain_sel = tri.select_head_mass(per_head, nblk, budget, scale=scale, init_window=INIT_WINDOW,
+                                     local_window=LOCAL_WINDOW, width=width, return_mass=True)
+    res["score_stats_fold"] = dict(
+        mass_rel_err_vs_plain=rel_err(fold_sel[2], plain_sel[2]),
+        selection_agreement_vs_plain=selection_agreement(plain_sel[0], plain_sel[1], fold_sel[0],
+                                                         fold_sel[1]),
+        selection_equals_reference_on_its_mass=bool(all(torch.equal(a, b) for a, b in zip(
+            fold_sel[:2], ops.select_blocks(fold_sel[2], nblk, budget, init_window=INIT_WINDOW,
+                                            local_window=LOCAL_WINDOW, backend="reference")))))
+    print(f"score-stats fold ({batch} x {tokens}): {res['score_stats_fold']}", flush=True)
 
     parts = {
         "score_esa_g4_per_head": scorer("esa"),
@@ -511,6 +526,14 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         "score_quest_g4_per_head": scorer("quest"),
         "score_quest_g4_sum": scorer("quest", "sum"),
         "score_esa_g1_sum": lambda: tri.score_blocks(q, table, nblk, kind="mean", mean=mean1),
+        "score_esa_g4_per_head_stats": lambda: tri.score_blocks(
+            q, table, nblk, kind="mean", reduce="none", head_stats_scale=scale, **kinds["esa"][1]),
+        "score_select_head_mass": lambda: tri.score_select_head_mass(
+            q, table, nblk, budget, kind="mean", scale=scale, init_window=INIT_WINDOW,
+            local_window=LOCAL_WINDOW, width=width, **kinds["esa"][1]),
+        "score_select_head_mass_stats": knobs(lambda: tri.score_select_head_mass(
+            q, table, nblk, budget, kind="mean", scale=scale, init_window=INIT_WINDOW,
+            local_window=LOCAL_WINDOW, width=width, **kinds["esa"][1]), SCORE_HEAD_STATS=True),
         "head_mass_torch": lambda: torch.softmax(per_head * scale, -1).mean(1),
         "head_mass_triton": lambda: tri.head_mass(per_head, scale),
         "lse_bounds": lambda: tri._jit(tri._lse_bounds_kernel)[(batch * HQ,)](
@@ -609,11 +632,13 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
 
     def step_fn(method: str, stride: int, variant: str):
         """One graph: scoring + selection once, then ``stride`` attentions. "method": what
-        ucm.sparse runs on CUDA (per-head scores, PyTorch head mass, select, table kernel,
-        attention with the merge launch); "fast": the Triton head mass, the table folded into
-        the selection; "sum": scores summed over heads inside the scoring kernel (no head
-        mass), then as "fast". Suffixes, in this order: ``_pairs``, ``_fused``, ``_nodpdl``,
-        ``_s5`` (see the module docstring)."""
+        ucm.sparse runs on CUDA (``score_select_head_mass``: per-head scores, the fused head
+        mass + selection; with ``SCORE_HEAD_STATS`` the scoring launch also writes the
+        log-sum-exp statistics; table kernel, attention with the merge launch); "fast": scores,
+        then ``select_head_mass`` with the table folded into the selection; "sum": scores summed
+        over heads inside the scoring kernel (no head mass), then as "fast". Suffixes, in this
+        order: ``_pairs``, ``_nofold`` (scores, then ``select_head_mass``: the two calls),
+        ``_fused``, ``_nodpdl``, ``_s5`` (see the module docstring)."""
         values = {}
         s5 = variant.endswith("_s5")
         for suffix, extra in (("_s5", S5), ("_nodpdl", NO_DPDL)):
@@ -622,11 +647,22 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                 values.update(extra)
         fused = variant.endswith("_fused")
         variant = variant[:-len("_fused")] if fused else variant
+        nofold = variant.endswith("_nofold")
+        variant = variant[:-len("_nofold")] if nofold else variant
         pairs = variant.endswith("_pairs")
         variant = variant[:-len("_pairs")] if pairs else variant
         score = scorer(method, "sum" if variant == "sum" else "none")
 
         def steps():
+            if variant == "method" and not s5 and not nofold:
+                kind, kw = kinds[method]
+                chosen, cnt = tri.score_select_head_mass(
+                    q, table, nblk, budget, kind=kind, scale=scale, init_window=INIT_WINDOW,
+                    local_window=LOCAL_WINDOW, width=width, **kw)
+                t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
+                for _ in range(stride):
+                    o = tri.decode(q, k, v, t, n, scale, fused_merge=fused)
+                return o
             s = score()
             if variant == "method" and s5:
                 m = torch.softmax(s * scale, -1).mean(1)
@@ -683,7 +719,13 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                 ("bits12", "method", dict(SELECT_HIST_BITS=12)),
                 ("mass_then_select", "method", dict(MASS_HIST_MIN_BLOCKS=None)),
                 ("pairs", "sum", dict(SELECT_HIST_MIN_BLOCKS=None)),
-                ("select_pdl", "sum", dict(SELECT_PDL=True))):
+                ("select_pdl", "sum", dict(SELECT_PDL=True)),
+                ("score_stats", "method", dict(SCORE_HEAD_STATS=True)),
+                ("score_stats_group16", "method", dict(SCORE_HEAD_STATS=True,
+                                                       SCORE_STATS_GROUP=16)),
+                ("per_sm2", "method", dict(PROGRAMS_PER_SM=2)),
+                ("stages3", "method", dict(NUM_STAGES=3)),
+                ("block_n64", "method", dict(BLOCK_N=64))):
             for method, stride in ((("esa", STRIDE),) if batch > 1 else
                                    (("esa", STRIDE), ("esa", 1))):
                 try:

@@ -277,10 +277,10 @@ def test_sub_block_summaries_are_exact_and_bound_tighter():
 
 @pytest.mark.parametrize("method", ["esa", "kvstar", "quest"])
 def test_sub_blocks_one_op_call_per_layer(monkeypatch, method):
-    """The methods score every sub-block in one score_blocks call (the maximum over sub-blocks is
-    the op's), update them in one update_block_reprs call, and keep bfloat16 tables for a
-    bfloat16 cache (float32 otherwise)."""
-    calls = {"score_blocks": 0, "update_block_reprs": 0}
+    """The methods score every sub-block in one score_blocks (or score_select_head_mass: ESA,
+    Quest) call (the maximum over sub-blocks is the op's), update them in one update_block_reprs
+    call, and keep bfloat16 tables for a bfloat16 cache (float32 otherwise)."""
+    calls = {"score_blocks": 0, "score_select_head_mass": 0, "update_block_reprs": 0}
     for name in calls:
         real = getattr(ops, name)
 
@@ -294,7 +294,9 @@ def test_sub_blocks_one_op_call_per_layer(monkeypatch, method):
     m = make(method, sparse_repr_group=4, retrieval_stride=1, kvstar_votes=1)
     m.request_begin("a", 1), m.request_begin("b", 1)
     m.attention_begin(1, ["a", "b"], q, k, table, lens)
-    assert calls == {"score_blocks": 1, "update_block_reprs": 1}
+    assert calls["score_blocks"] + calls["score_select_head_mass"] == 1
+    assert calls["update_block_reprs"] == 1
+    assert calls["score_select_head_mass"] == (method in ("esa", "quest"))
     t = m._tables[1]
     assert t["mean" if method != "quest" else "kmin"].shape == (k.shape[0], 2, HKV, D)
     assert t["mean" if method != "quest" else "kmin"].dtype == torch.float32

@@ -896,6 +896,89 @@ def test_sub_block_scores_triton_match_reference(triton_ready, monkeypatch, G, b
                     (kind, reduce, tdtype, qdtype, float((got[fin] - want[fin]).abs().max()))
 
 
+@pytest.mark.parametrize("group", [1, 2, 32], ids=["groups_of_1", "groups_of_2", "one_group"])
+def test_score_head_stats_triton(triton_ready, monkeypatch, group):
+    """The scoring launch's per-head log-sum-exp and bounds (partials per tile, combined by the
+    last tile of each group and the last group, atomic tickets) == the log-sum-exp, max and min
+    of the scaled finite scores it wrote, per row and head; the tickets are left zeroed; mean
+    (with and without a channel mask) and Quest; short rows (tiles past num_blocks)."""
+    from ucm.fast.triton import sparse as tri
+
+    monkeypatch.setattr(tri, "SCORE_ROWS", 16)                    # 4-block tiles: many programs
+    monkeypatch.setattr(tri, "SCORE_STATS_GROUP", group)
+    q, k, table, nblk, t, proj, mask = sub_scoring_case(91, 4, 16, M=23)
+    scale = 0.7
+    for kind, kw in (("mean", dict(mean=t["mean"])),
+                     ("mean", dict(mean=t["mean"], channel_mask=mask)),
+                     ("quest", dict(kmin=t["kmin"], kmax=t["kmax"]))):
+        got, stats = tri.score_blocks(q, table, nblk, kind=kind, reduce="none",
+                                      head_stats_scale=scale, **kw)
+        assert torch.equal(got, tri.score_blocks(q, table, nblk, kind=kind, reduce="none", **kw))
+        cx = got.double() * scale * math.log2(math.e)
+        fin = torch.isfinite(cx)
+        want_lse = torch.logsumexp(cx * math.log(2), -1) / math.log(2)
+        want_max = torch.where(fin, cx, -math.inf).amax(-1)
+        want_min = torch.where(fin, cx, math.inf).amin(-1)
+        assert torch.allclose(stats[..., 0].double(), want_lse, rtol=1e-6, atol=1e-5), kind
+        assert torch.allclose(stats[..., 1].double(), want_max, rtol=1e-6, atol=1e-6), kind
+        assert torch.allclose(stats[..., 2].double(), want_min, rtol=1e-6, atol=1e-6), kind
+    assert all(bool((buf == 0).all()) for buf in tri._stat_bufs.values())
+
+
+def test_score_select_head_mass_triton(triton_ready, monkeypatch):
+    """score_select_head_mass: the fused path (the scoring launch's log-sum-exp statistics, no
+    log-sum-exp launch) writes the head mass of the scores (float32 rounding) and selects
+    exactly the reference selection on that mass; the public op (Triton, fused or not) == the
+    reference op end to end on integer-spaced scores; the reference op == score_blocks then
+    select_head_mass."""
+    from ucm.fast.triton import sparse as tri
+
+    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=4, SELECT_HIST_LIST=16,
+                            SCORE_ROWS=16, SCORE_STATS_GROUP=2).items():
+        monkeypatch.setattr(tri, name, value)
+    real = tri._lse_bounds_kernel
+    q, k, table, nblk, t, proj, mask = sub_scoring_case(92, 4, 16, M=23)
+    B, M = table.shape
+    g = gen(93)
+    tbl = torch.randint(0, 3, t["mean"].shape, generator=g).to(t["mean"].dtype).to(DEV)
+    qi = torch.randint(-1, 2, q.shape, generator=g).to(q.dtype).to(DEV)
+    for budget, windows in itertools.product((1, 5, 11), ((1, 2), (0, 0))):
+        kw = dict(init_window=windows[0], local_window=windows[1])
+        width = ops.select_width(M, budget, *windows)
+        bud = torch.full_like(nblk, budget)
+        for kind, reprs in (("mean", dict(mean=t["mean"], channel_mask=mask)),
+                            ("quest", dict(kmin=t["kmin"], kmax=t["kmax"]))):
+            monkeypatch.setattr(tri, "SCORE_HEAD_STATS", True)
+            monkeypatch.setattr(tri, "_lse_bounds_kernel", None)   # the fused path: no launch
+            sel, count, mass = tri.score_select_head_mass(q, table, nblk, bud, kind=kind,
+                                                          scale=0.5, width=width,
+                                                          return_mass=True, **reprs, **kw)
+            monkeypatch.setattr(tri, "_lse_bounds_kernel", real)
+            per_head = ops.score_blocks(q, table, nblk, kind=kind, reduce="none",
+                                        backend="reference", **reprs)
+            want_mass = torch.softmax(per_head * 0.5, dim=-1).mean(1)
+            assert torch.allclose(mass, want_mass, rtol=1e-5, atol=1e-9), (kind, budget)
+            want = ops.select_blocks(mass, nblk, budget, backend="reference", **kw)
+            assert torch.equal(sel, want[0]) and torch.equal(count, want[1]), (kind, budget)
+            ref_op = ops.score_select_head_mass(q, table, nblk, budget, kind=kind, scale=0.5,
+                                                backend="reference", **reprs, **kw)
+            two = ops.select_head_mass(per_head, nblk, budget, scale=0.5, backend="reference",
+                                       **kw)
+            assert torch.equal(ref_op[0], two[0]) and torch.equal(ref_op[1], two[1])
+        for fused in (True, False):  # equal masses stay equal: Triton op == reference op
+            monkeypatch.setattr(tri, "SCORE_HEAD_STATS", fused)
+            got = ops.score_select_head_mass(qi, table, nblk, budget, kind="mean", mean=tbl,
+                                             scale=0.5, backend="triton", **kw)
+            ref_op = ops.score_select_head_mass(qi, table, nblk, budget, kind="mean", mean=tbl,
+                                                scale=0.5, backend="reference", **kw)
+            assert torch.equal(got[0], ref_op[0]) and torch.equal(got[1], ref_op[1]), fused
+    assert _hist_scratch_zeroed(tri)
+    assert all(bool((buf == 0).all()) for buf in tri._stat_bufs.values())
+    with pytest.raises(ValueError, match="kind: expected 'mean' or 'quest'"):
+        ops.score_select_head_mass(q, table, nblk, 3, kind="hamming", scale=0.5, init_window=0,
+                                   local_window=0)
+
+
 def test_sub_block_bad_tables():
     g = gen(80)
     q, k, _, table, _ = paged_case(g, B=2, Hq=4, Hkv=2, D=16, bs=8, M=3)

@@ -183,6 +183,19 @@ def select_head_mass(per_head: torch.Tensor, num_blocks: torch.Tensor, budget: t
                          local_window=local_window, width=width)
 
 
+def score_select_head_mass(q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor,
+                           budget: torch.Tensor, *, kind: str, mean: Optional[torch.Tensor] = None,
+                           kmin: Optional[torch.Tensor] = None, kmax: Optional[torch.Tensor] = None,
+                           channel_mask: Optional[torch.Tensor] = None, scale: float,
+                           init_window: int, local_window: int, width: int):
+    """:func:`select_head_mass` on the per-head :func:`score_blocks` (``kind`` "mean" or
+    "quest")."""
+    per_head = score_blocks(q, block_table, num_blocks, kind=kind, mean=mean, kmin=kmin, kmax=kmax,
+                            channel_mask=channel_mask, reduce="none")
+    return select_head_mass(per_head, num_blocks, budget, scale=scale, init_window=init_window,
+                            local_window=local_window, width=width)
+
+
 def sparse_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
                        count: torch.Tensor, block_size: int):
     """``(table int32 [B, K], lens int32 [B])`` for the selected blocks; unused table entries are

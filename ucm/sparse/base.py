@@ -316,6 +316,20 @@ class SparseMethod:
                                     scale=1.0 / math.sqrt(self.head_dim),
                                     init_window=self.init_window, local_window=self.local_window)
 
+    def score_pick_by_mass(self, q: torch.Tensor, block_table: torch.Tensor,
+                           num_blocks: torch.Tensor, budget: torch.Tensor, kind: str,
+                           tables: dict, channel_mask: Optional[torch.Tensor] = None):
+        """``pick_by_mass(score_per_head(...), ...)`` as one op
+        (:func:`ucm.sparse.ops.score_select_head_mass`: on CUDA the scoring launch also writes the
+        per-head log-sum-exp that the head mass needs)."""
+        reprs = ({"mean": tables["mean"]} if kind == "mean"
+                 else {"kmin": tables["kmin"], "kmax": tables["kmax"]})
+        return ops.score_select_head_mass(q, block_table, num_blocks, budget, kind=kind,
+                                          channel_mask=channel_mask,
+                                          scale=1.0 / math.sqrt(self.head_dim),
+                                          init_window=self.init_window,
+                                          local_window=self.local_window, **reprs)
+
     def score_per_head(self, q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor,
                        kind: str, tables: dict, channel_mask: Optional[torch.Tensor] = None):
         """Per-head block scores ``[b, Hq, M]`` (one :func:`ucm.sparse.ops.score_blocks` call,

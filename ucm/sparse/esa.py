@@ -4,7 +4,7 @@ Each block is represented by the mean keys of its ``sparse_repr_group`` sub-bloc
 tokens; a block scores as its best sub-block). A request's selection in a layer is computed
 from the current query (``q_h . mean`` per query head, combined as shares of attention by
 :meth:`SparseMethod.head_mass`; top blocks within the budget: one
-:func:`ucm.sparse.ops.select_head_mass` call) on its
+:func:`ucm.sparse.ops.score_select_head_mass` call: scoring and selection) on its
 first sparse step and then every ``retrieval_stride`` steps; in between, the previous selection is
 reused, extended by the blocks that are new since (the windows and the last block are always
 current, so a step never misses the token being decoded or its neighbours).
@@ -33,8 +33,8 @@ class ESA(SparseMethod):
         rows: list = [None] * len(states)
         if due:
             di = torch.tensor(due, device=q.device)
-            per_head = self.score_per_head(q[di], block_table[di], num_blocks[di], "mean", tables)
-            sel, count = self.pick_by_mass(per_head, num_blocks[di], budget[di])
+            sel, count = self.score_pick_by_mass(q[di], block_table[di], num_blocks[di],
+                                                 budget[di], "mean", tables)
             for j, i in enumerate(due):
                 rows[i] = sel[j, :int(count[j])].tolist()
             self.retrievals += len(due)

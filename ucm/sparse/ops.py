@@ -13,6 +13,8 @@ score_blocks                (same)                                (same)
 select_blocks               (same: two stable sorts)              (same: threshold search;
                                                                   histogram for one long row)
 select_head_mass            (same: softmax, mean, select_blocks)  (same: histogram selection)
+score_select_head_mass      (same: score_blocks, select_head_mass) (same: the scoring launch
+                                                                  writes the log-sum-exp stats)
 sparse_block_table          (same)                                (same: one gather kernel)
 paged_decode_attention      (same: per-request softmax)           (same: split-K flash decoding)
 block_attention_mass        (same; an oracle, reference only)     --
@@ -69,7 +71,8 @@ def on_triton_device(*args, **kwargs):
 
 
 _TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
-               "select_head_mass", "sparse_block_table", "paged_decode_attention")
+               "select_head_mass", "score_select_head_mass", "sparse_block_table",
+               "paged_decode_attention")
 for _op in _TRITON_OPS + ("block_attention_mass",):
     dispatch.register(_op, "reference", f"ucm.reference.sparse:{_op}", priority=0)
 for _op in _TRITON_OPS:
@@ -255,23 +258,10 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
                   proj=proj, backend=backend)
 
 
-def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
-                 codes=None, proj=None, channel_mask=None, reduce: str = "sum",
-                 backend: Optional[str] = None) -> torch.Tensor:
-    """float32 scores of each request's logical blocks from their representations.
-
-    q: ``[B, Hq, D]`` float; block_table: int32 ``[B, M]``; num_blocks: int32 ``[B]``, each in
-    ``[1, M]``. kind: ``"mean"`` (needs mean; optional bool channel_mask ``[B, Hq, D]``),
-    ``"quest"`` (kmin, kmax) or ``"hamming"`` (codes, proj). reduce: ``"sum"`` -> ``[B, M]``;
-    ``"none"`` -> ``[B, Hq, M]`` (``[B, Hkv, M]`` for hamming). Positions past ``num_blocks`` are
-    ``-inf``. Tables ``[num_blocks, Hkv, X]`` or, with ``G`` sub-block summaries per block,
-    ``[num_blocks, G, Hkv, X]`` (as :func:`update_block_reprs` writes them): a block's per-head
-    score is then the maximum over its sub-blocks (before the sum over heads).
-    """
+def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj, channel_mask):
+    """Validated ``(q, block_table, num_blocks)`` of a scoring call (see :func:`score_blocks`)."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
-    if reduce not in REDUCES:
-        raise ValueError(f"reduce: expected one of {list(REDUCES)}, got {reduce!r}")
     q = _query(q, "q", None)
     B, Hq, D = q.shape
     dev = q.device
@@ -308,6 +298,28 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
         f"block_table: an entry below num_blocks lies outside [0, {n_phys}) (the representation "
         f"tables' rows)": _ids_used_out_of_range(table, nblk.clamp(0, M), n_phys),
     })
+    return q, table, nblk
+
+
+def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
+                 codes=None, proj=None, channel_mask=None, reduce: str = "sum",
+                 backend: Optional[str] = None) -> torch.Tensor:
+    """float32 scores of each request's logical blocks from their representations.
+
+    q: ``[B, Hq, D]`` float; block_table: int32 ``[B, M]``; num_blocks: int32 ``[B]``, each in
+    ``[1, M]``. kind: ``"mean"`` (needs mean; optional bool channel_mask ``[B, Hq, D]``),
+    ``"quest"`` (kmin, kmax) or ``"hamming"`` (codes, proj). reduce: ``"sum"`` -> ``[B, M]``;
+    ``"none"`` -> ``[B, Hq, M]`` (``[B, Hkv, M]`` for hamming). Positions past ``num_blocks`` are
+    ``-inf``. Tables ``[num_blocks, Hkv, X]`` or, with ``G`` sub-block summaries per block,
+    ``[num_blocks, G, Hkv, X]`` (as :func:`update_block_reprs` writes them): a block's per-head
+    score is then the maximum over its sub-blocks (before the sum over heads).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+    if reduce not in REDUCES:
+        raise ValueError(f"reduce: expected one of {list(REDUCES)}, got {reduce!r}")
+    q, table, nblk = _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj,
+                                 channel_mask)
     return dispatch.call("score_blocks", q, table, nblk, kind=kind, mean=mean, kmin=kmin, kmax=kmax,
                          codes=codes, proj=proj, channel_mask=channel_mask, reduce=reduce,
                          backend=backend)
@@ -383,6 +395,31 @@ def select_head_mass(per_head, num_blocks, budget: Union[int, torch.Tensor], *, 
     nblk, bud, init_window, local_window, width = _selection_args(x.device, B, M, num_blocks, budget,
                                                                   init_window, local_window)
     return dispatch.call("select_head_mass", x, nblk, bud, scale=float(scale),
+                         init_window=init_window, local_window=local_window, width=width,
+                         backend=backend)
+
+
+def score_select_head_mass(q, block_table, num_blocks, budget: Union[int, torch.Tensor], *,
+                           kind: str, mean=None, kmin=None, kmax=None, channel_mask=None,
+                           scale: float, init_window: int, local_window: int,
+                           backend: Optional[str] = None):
+    """:func:`select_head_mass` on the per-head scores of :func:`score_blocks` (``reduce="none"``)
+    as one op: ``(sel, count)``. kind: ``"mean"`` or ``"quest"``; the other arguments as those
+    two ops take them. The Triton implementation's scoring launch also writes the per-head
+    log-sum-exp the head mass needs (one launch fewer than the two ops) and selects exactly on
+    the head mass it computes (float32 rounding)."""
+    if kind not in ("mean", "quest"):
+        raise ValueError(f"kind: expected 'mean' or 'quest', got {kind!r}")
+    q, table, nblk = _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, None, None,
+                                 channel_mask)
+    B, M = table.shape
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+            or scale <= 0:
+        raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+    nblk, bud, init_window, local_window, width = _selection_args(q.device, B, M, nblk, budget,
+                                                                  init_window, local_window)
+    return dispatch.call("score_select_head_mass", q, table, nblk, bud, kind=kind, mean=mean,
+                         kmin=kmin, kmax=kmax, channel_mask=channel_mask, scale=float(scale),
                          init_window=init_window, local_window=local_window, width=width,
                          backend=backend)
 

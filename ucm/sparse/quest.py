@@ -25,7 +25,7 @@ class Quest(SparseMethod):
     supports_per_kv_head = True
 
     def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
-        bound = self.score_per_head(q, block_table, num_blocks, "quest", tables)
         if self.per_kv_head:   # each KV head its own top blocks, by its query heads' shares
+            bound = self.score_per_head(q, block_table, num_blocks, "quest", tables)
             return self.pick_per_kv_head(self.kv_head_mass(bound), num_blocks, budget)
-        return self.pick_by_mass(bound, num_blocks, budget)
+        return self.score_pick_by_mass(q, block_table, num_blocks, budget, "quest", tables)

@@ -45,6 +45,9 @@ import). Kernels call no ``@triton.jit`` helpers, so one process can run them bo
   (``MASS_HIST_*``): log-sum-exp and bounds per head, then the histogram selection with the
   head mass computed (and written) by the histogram launch. Other shapes use
   :func:`head_mass` then :func:`select_blocks`. Exact selection on the mass it computes.
+- :func:`score_select_head_mass`: per-head scores then :func:`select_head_mass` (the methods'
+  call); with :data:`SCORE_HEAD_STATS` (off: slower on the H200) the scoring launch also writes
+  the per-head log-sum-exp statistics and the selection skips its log-sum-exp launch.
 - :func:`sparse_block_table`: one gather kernel (table entries and lengths);
   :func:`decode_selected` folds it into the decode kernel (reads ``sel`` and the block table).
 - mean / kmin / kmax tables may be bfloat16: written rounded from float32; scored with bfloat16
@@ -640,10 +643,23 @@ def _score_dot_pipe_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, o
                       D: tl.constexpr, DPAD: tl.constexpr, G: tl.constexpr, SPAD: tl.constexpr,
                       KIND: tl.constexpr, HAS_MASK: tl.constexpr, PER_HEAD: tl.constexpr,
                       TILE_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-                           LOOP_STAGES: tl.constexpr = 3):
+                           LOOP_STAGES: tl.constexpr = 3, part_ptr=None, grp_ptr=None,
+                           stat_ptr=None, cnt_ptr=None, stat_scale=1.0,
+                           STATS: tl.constexpr = False, HQ: tl.constexpr = 1,
+                           HPAD: tl.constexpr = 1, GSZ: tl.constexpr = 1,
+                           NGPAD: tl.constexpr = 1):
     """:func:`_score_dot_kernel` with the KV heads in a software-pipelined loop
     (``LOOP_STAGES`` stages: the next heads' summary rows are loaded while this head's product
-    runs) instead of an unrolled one. Per-head stores and the sum as there."""
+    runs) instead of an unrolled one. Per-head stores and the sum as there.
+
+    STATS (per-head scores): also each head's log-sum-exp and bounds over the row, as
+    :func:`_lse_bounds_kernel` writes them (``stat [B, HQ, 3]``: ``log2 sum_j 2 ** (c x_j)``,
+    ``max c x``, ``min c x`` over the finite entries; ``c = stat_scale``), without a launch of
+    its own: every program writes its tile's partial (max, sum of ``2 ** (c x - max)``, min) per
+    head to ``part [B, HQ, tiles, 3]``; the last program of each group of ``GSZ`` tiles to
+    finish (atomic ticket ``cnt[b * groups + group]``) combines the group's partials into
+    ``grp [B, HQ, groups, 3]``, and the last group to finish (ticket ``cnt[B * groups + b]``)
+    combines those into ``stat``. Each ticket is reset by the program that drew the last one."""
     if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -703,9 +719,66 @@ def _score_dot_pipe_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, o
             tl.store(out_ptr + (b * (HKV * GROUP) + heads[:, None]) * M + j[None, :],
                      tl.where(valid[None, :], best, float("-inf")),
                      mask=hmask[:, None] & inside[None, :])
+            if STATS:  # this tile's partial log-sum-exp and bounds of each of the group's heads
+                cx = tl.where(valid[None, :], best * stat_scale, float("-inf"))
+                pm = tl.max(cx, 1)
+                psafe = tl.where(pm > float("-inf"), pm, 0.0)
+                pl = tl.sum(tl.exp2(cx - psafe[:, None]), 1)
+                pn = tl.min(tl.where(cx > float("-inf"), cx, float("inf")), 1)
+                prow = ((b * HQ + heads) * tl.num_programs(1) + tl.program_id(1)) * 3
+                tl.store(part_ptr + prow, pm, mask=hmask)
+                tl.store(part_ptr + prow + 1, pl, mask=hmask)
+                tl.store(part_ptr + prow + 2, pn, mask=hmask)
         total += tl.sum(tl.where(hmask[:, None], best, 0.0), 0)
     if not PER_HEAD:
         tl.store(out_ptr + b * M + j, tl.where(valid, total, float("-inf")), mask=inside)
+    if STATS:
+        # the group's last tile to finish combines the group's partials, the row's last group
+        # combines the groups' (the atomics order the partial stores before the combining reads)
+        nt = tl.num_programs(1)
+        tile = tl.program_id(1)
+        ng = (nt + GSZ - 1) // GSZ
+        gi = tile // GSZ
+        in_group = tl.minimum(nt - gi * GSZ, GSZ)
+        tl.debug_barrier()                                     # every thread's partials stored
+        done = tl.atomic_add(cnt_ptr + b * ng + gi, 1, sem="acq_rel")
+        if done == in_group - 1:
+            hh = tl.arange(0, HPAD)
+            hm = hh < HQ
+            tt = gi * GSZ + tl.arange(0, GSZ)
+            cm = hm[:, None] & (tt < nt)[None, :]
+            src = ((b * HQ + hh[:, None]) * nt + tt[None, :]) * 3
+            am = tl.load(part_ptr + src, mask=cm, other=float("-inf"), cache_modifier=".cg")
+            al = tl.load(part_ptr + src + 1, mask=cm, other=0.0, cache_modifier=".cg")
+            an = tl.load(part_ptr + src + 2, mask=cm, other=float("inf"), cache_modifier=".cg")
+            gm = tl.max(am, 1)
+            gsafe = tl.where(gm > float("-inf"), gm, 0.0)
+            gl = tl.sum(tl.where(am > float("-inf"), al * tl.exp2(am - gsafe[:, None]), 0.0), 1)
+            gn = tl.min(an, 1)
+            dst = ((b * HQ + hh) * ng + gi) * 3
+            tl.store(grp_ptr + dst, gm, mask=hm)
+            tl.store(grp_ptr + dst + 1, gl, mask=hm)
+            tl.store(grp_ptr + dst + 2, gn, mask=hm)
+            tl.atomic_xchg(cnt_ptr + b * ng + gi, 0)           # ready for the next launch
+            tl.debug_barrier()                                 # every thread's group stats stored
+            last = tl.atomic_add(cnt_ptr + tl.num_programs(0) * ng + b, 1, sem="acq_rel")
+            if last == ng - 1:
+                gg = tl.arange(0, NGPAD)
+                rm = hm[:, None] & (gg < ng)[None, :]
+                src2 = ((b * HQ + hh[:, None]) * ng + gg[None, :]) * 3
+                bm = tl.load(grp_ptr + src2, mask=rm, other=float("-inf"), cache_modifier=".cg")
+                bl = tl.load(grp_ptr + src2 + 1, mask=rm, other=0.0, cache_modifier=".cg")
+                bn = tl.load(grp_ptr + src2 + 2, mask=rm, other=float("inf"),
+                             cache_modifier=".cg")
+                rmax = tl.max(bm, 1)
+                rsafe = tl.where(rmax > float("-inf"), rmax, 0.0)
+                rsum = tl.sum(tl.where(bm > float("-inf"), bl * tl.exp2(bm - rsafe[:, None]),
+                                       0.0), 1)
+                srow = (b * HQ + hh) * 3
+                tl.store(stat_ptr + srow, rsafe + tl.log2(rsum), mask=hm)
+                tl.store(stat_ptr + srow + 1, rmax, mask=hm)
+                tl.store(stat_ptr + srow + 2, tl.min(bn, 1), mask=hm)
+                tl.atomic_xchg(cnt_ptr + tl.num_programs(0) * ng + b, 0)
 
 
 def _hamming_kernel(table_ptr, nblk_ptr, codes_ptr, qcode_ptr, out_ptr, st_b, st_m, M,
@@ -775,9 +848,43 @@ def score_tile(B: int, M: int, spad: int, device: torch.device, rows: Optional[i
     return tile
 
 
+#: Score kernel tiles per first-level group of :func:`score_blocks`' log-sum-exp statistics
+#: (``head_stats_scale``): the last tile of each group combines the group's partials, the last
+#: group the row's.
+SCORE_STATS_GROUP = 32
+#: :func:`score_select_head_mass`: the scoring launch also writes each head's log-sum-exp and
+#: bounds (``head_stats_scale``), and the histogram selection then skips its own log-sum-exp
+#: launch (:func:`_lse_bounds_kernel`). Only with the pipelined scoring loop
+#: (``SCORE_LOOP_STAGES > 0``), mean or Quest scores, on the fused head-mass path. Off: correct
+#: (H200, session 8: the same selection, mass within 8.4e-8), but the scoring launch with the
+#: statistics took 38.8 us against 20.5 at 1 x 128K (61.7 against 37.1 at 8 x 32K), so the
+#: ESA stride-8 step went 38.3 -> 39.9 us instead of the ~0.4 us gain the saved 3.4-us launch
+#: promised (not measured further: probably each short program's ticket, an acq_rel atomic
+#: after its stores, and the per-tile reductions in the pipelined loop).
+SCORE_HEAD_STATS = False
+_stat_bufs: dict = {}
+
+
+def _stat_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` tickets for the scoring statistics (kept zeroed by
+    the programs that draw the last tickets); made or grown by a first eager call, outside any
+    CUDA graph capture. Shared: one scoring launch with statistics at a time per device."""
+    key = (device.type, device.index)
+    buf = _stat_bufs.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _stat_bufs[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
-                 codes=None, proj=None, channel_mask=None, reduce: str = "sum"):
-    """Same contract as :func:`ucm.reference.sparse.score_blocks`; asynchronous."""
+                 codes=None, proj=None, channel_mask=None, reduce: str = "sum",
+                 head_stats_scale: Optional[float] = None):
+    """Same contract as :func:`ucm.reference.sparse.score_blocks`; asynchronous.
+
+    ``head_stats_scale`` (``reduce="none"``, mean or Quest, the pipelined loop): also returns the
+    per-head statistics ``[B, Hq, 3]`` that :func:`select_head_mass` takes as ``head_stats``
+    (each head's log2-sum-exp, max and min of ``head_stats_scale * log2(e) * scores``), computed
+    by the scoring launch: ``(scores, stats)``."""
     B, Hq, D = q.shape
     M = block_table.shape[1]
     dev = q.device
@@ -810,14 +917,28 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
     ieee = interpreting() or not (q.dtype == torch.bfloat16 and rep_a.dtype == torch.bfloat16)
     kern = _score_dot_pipe_kernel if SCORE_LOOP_STAGES else _score_dot_kernel
     pipe = dict(LOOP_STAGES=SCORE_LOOP_STAGES) if SCORE_LOOP_STAGES else {}
-    _jit(kern)[(B, triton.cdiv(M, tile))](
+    nt = triton.cdiv(M, tile)
+    stats = None
+    if head_stats_scale is not None:
+        if not (per_head and SCORE_LOOP_STAGES):
+            raise ValueError("head_stats_scale: needs reduce='none' and the pipelined loop "
+                             "(SCORE_LOOP_STAGES > 0)")
+        gsz = _p2(min(SCORE_STATS_GROUP, nt))
+        ng = triton.cdiv(nt, gsz)
+        part = torch.empty(B, Hq, nt, 3, dtype=torch.float32, device=dev)
+        grp = torch.empty(B, Hq, ng, 3, dtype=torch.float32, device=dev)
+        stats = torch.empty(B, Hq, 3, dtype=torch.float32, device=dev)
+        pipe.update(part_ptr=part, grp_ptr=grp, stat_ptr=stats,
+                    cnt_ptr=_stat_counters(dev, B * ng + B), stat_scale=head_stats_scale * LOG2E,
+                    STATS=True, HQ=Hq, HPAD=_p2(Hq), GSZ=gsz, NGPAD=_p2(ng))
+    _jit(kern)[(B, nt)](
         q, block_table, num_blocks, rep_a, rep_b, cmask, out, *q.stride(),
         *block_table.stride(), M,
         HKV=Hkv, GROUP=Hq // Hkv, GPAD=_p2(Hq // Hkv, 16), D=D, DPAD=_p2(D, 16), G=G, SPAD=spad,
         KIND=1 if kind == "quest" else 0, HAS_MASK=channel_mask is not None, PER_HEAD=per_head,
         TILE_M=tile, IEEE=ieee, num_warps=SCORE_WARPS, num_stages=SCORE_STAGES,
         **pipe, **_pdl_launch(SCORE_PDL))
-    return out
+    return out if stats is None else (out, stats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1647,7 +1768,8 @@ LSE_WARPS = 8
 
 def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float,
                      init_window: int, local_window: int, width: int, block_table=None,
-                     seq_lens=None, block_size: int = 1, return_mass: bool = False):
+                     seq_lens=None, block_size: int = 1, return_mass: bool = False,
+                     head_stats: Optional[torch.Tensor] = None):
     """Same contract as :func:`ucm.reference.sparse.select_head_mass`: :func:`select_blocks` on
     :func:`head_mass` ``(per_head, scale)``, ``(sel, count)``; with
     ``block_table, seq_lens`` the sparse table folded in, ``(sel, count, table, lens)`` (as
@@ -1659,13 +1781,14 @@ def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float
     :func:`ucm.sparse.ops.select_head_mass`; asynchronous."""
     B, H, M = per_head.shape
     x = per_head.contiguous()
-    if MASS_HIST_MIN_BLOCKS is not None and MASS_HIST_MIN_BLOCKS <= M <= SELECT_KERNEL_MAX_BLOCKS \
-            and B <= MASS_HIST_MAX_ROWS:
-        stats = torch.empty(B, H, 3, dtype=torch.float32, device=x.device)
-        _jit(_lse_bounds_kernel)[(B * H,)](x, stats, M, scale * LOG2E,
-                                           CHUNK=min(_p2(LSE_CHUNK), _p2(M, 16)),
-                                           num_warps=LSE_WARPS,
-                                           **_pdl_launch(_select_pdl(x.device)))
+    if _mass_hist_path(B, M):
+        stats = head_stats
+        if stats is None:  # else the scoring launch wrote them (score_blocks' head_stats_scale)
+            stats = torch.empty(B, H, 3, dtype=torch.float32, device=x.device)
+            _jit(_lse_bounds_kernel)[(B * H,)](x, stats, M, scale * LOG2E,
+                                               CHUNK=min(_p2(LSE_CHUNK), _p2(M, 16)),
+                                               num_warps=LSE_WARPS,
+                                               **_pdl_launch(_select_pdl(x.device)))
         out = _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window, width,
                            block_table, seq_lens, block_size)
     else:
@@ -1678,3 +1801,35 @@ def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float
             out = select_blocks(mass, num_blocks, budget, init_window=init_window,
                                 local_window=local_window, width=width) + (mass,)
     return out if return_mass else out[:-1]
+
+
+def _mass_hist_path(B: int, M: int) -> bool:
+    """:func:`select_head_mass` takes the fused histogram path (log-sum-exp stats, then the
+    histogram selection) for ``[B, H, M]``."""
+    return (MASS_HIST_MIN_BLOCKS is not None and MASS_HIST_MIN_BLOCKS <= M <= SELECT_KERNEL_MAX_BLOCKS
+            and B <= MASS_HIST_MAX_ROWS)
+
+
+def score_select_head_mass(q, block_table, num_blocks, budget, *, kind: str, mean=None,
+                           kmin=None, kmax=None, channel_mask=None, scale: float,
+                           init_window: int, local_window: int, width: int,
+                           return_mass: bool = False):
+    """Same contract as :func:`ucm.reference.sparse.score_select_head_mass`: per-head
+    :func:`score_blocks` then :func:`select_head_mass`, ``(sel, count)``. On the fused head-mass
+    path (:data:`SCORE_HEAD_STATS`) the scoring launch also writes the log-sum-exp statistics
+    the selection needs, so the selection's own log-sum-exp launch is skipped. ``return_mass``:
+    the head mass appended (tests). Inputs as validated by
+    :func:`ucm.sparse.ops.score_select_head_mass`; asynchronous."""
+    B, M = block_table.shape
+    fold = (SCORE_HEAD_STATS and bool(SCORE_LOOP_STAGES) and kind in ("mean", "quest")
+            and _mass_hist_path(B, M))
+    reprs = dict(mean=mean, kmin=kmin, kmax=kmax, channel_mask=channel_mask)
+    if fold:
+        per_head, stats = score_blocks(q, block_table, num_blocks, kind=kind, reduce="none",
+                                       head_stats_scale=scale, **reprs)
+    else:
+        per_head, stats = score_blocks(q, block_table, num_blocks, kind=kind, reduce="none",
+                                       **reprs), None
+    return select_head_mass(per_head, num_blocks, budget, scale=scale, init_window=init_window,
+                            local_window=local_window, width=width, return_mass=return_mass,
+                            head_stats=stats)
