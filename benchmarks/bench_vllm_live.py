@@ -13,7 +13,9 @@ from request to request, with a 1.5 s pause before each (vLLM's idle engine core
 default on 2 cores). First tokens must agree across engines for every prompt.
 
 ``miss``: engines plain, ucm (empty ``memory|posix`` store) and, unless ``--no-control``, a
-second plain engine (the A/A control: how far two identical engines differ). Distinct
+second plain engine (the A/A control: how far two identical engines differ); with ``--null``
+also an engine whose connector does nothing (``benchmarks/null_connector.py``: vLLM's own
+per-step and per-layer cost of having a connector). Distinct
 4,000-token prompts, new to every engine, so ucm looks each up, misses, computes it and saves
 it in the background: the miss path in full. ``--ttft-prompts`` with one output token (TTFT),
 then ``--decode-prompts`` generating 64 tokens: decode rate from vLLM's engine-core timestamps
@@ -38,7 +40,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
 
 from ucm.demo.vllm_demo import doc_tokens, scratch_dir  # noqa: E402
 
@@ -118,6 +121,8 @@ def _miss(args, model, ids, work) -> dict:
         out = {"plain": {}, "ucm": _ucm_engine(root)}
         if not args.no_control:
             out["control"] = {}
+        if args.null:
+            out["null"] = {"connector": "null"}
         return out
 
     return _pairs(args, model, ids, work, engines, prompts, requests, fill=False, base="plain")
@@ -153,7 +158,9 @@ def _pairs(args, model, ids, work, make_engines, prompts, requests, *, fill: boo
         spec = {"common": {"model": model, "dtype": "bfloat16", "block_size": 128, "log_stats": True},
                 "engines": engines, "order": order, "prompts": prompts, "requests": requests,
                 "fill": [{"engine": e, "prompt": 0} for e in order] if fill else [], "warmup": ids[-600:-88],
-                "env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)},
+                "env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus),
+                        # engine processes import ucm / benchmarks.null_connector from this tree
+                        "PYTHONPATH": os.pathsep.join(x for x in (_ROOT, os.environ.get("PYTHONPATH")) if x)},
                 "out": os.path.join(work, f"pair{i}-result.json")}
         path = os.path.join(work, f"pair{i}.json")
         with open(path, "w") as f:
@@ -191,6 +198,8 @@ def main():
     p.add_argument("--repeats", type=int, default=8, help="warm: measured rounds per pair")
     p.add_argument("--tokens", type=int, default=4000)
     p.add_argument("--no-control", action="store_true", help="miss: no second plain engine (A/A control)")
+    p.add_argument("--null", action="store_true",
+                   help="miss: one more engine with a connector that does nothing (vLLM's own cost of a connector)")
     p.add_argument("--reserved-cpus", type=int, default=1)
     p.add_argument("--json")
     p.add_argument("--child", help=argparse.SUPPRESS)
