@@ -61,7 +61,14 @@ def _child(path: str) -> None:
     for name in spec["order"]:
         espec = dict(spec["common"], **spec["engines"][name])
         print(f"[live] starting {name}", file=sys.stderr, flush=True)
-        engines[name] = LLM(**llm_kwargs(espec))
+        kwargs = llm_kwargs({k: v for k, v in espec.items() if k != "null_connector"})
+        if espec.get("null_connector"):
+            from vllm.config import KVTransferConfig
+
+            kwargs["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="NullConnector", kv_connector_module_path="benchmarks.null_connector",
+                kv_role="kv_both")
+        engines[name] = LLM(**kwargs)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     many = SamplingParams(max_tokens=64, temperature=0.0)
     names = list(spec["order"])
@@ -122,7 +129,7 @@ def _miss(args, model, ids, work) -> dict:
         if not args.no_control:
             out["control"] = {}
         if args.null:
-            out["null"] = {"connector": "null"}
+            out["null"] = {"null_connector": True}
         return out
 
     return _pairs(args, model, ids, work, engines, prompts, requests, fill=False, base="plain")

@@ -43,10 +43,7 @@ def _kv_config(spec: dict):
     if kind == "example":
         return KVTransferConfig(kv_connector="ExampleConnector", kv_role=spec.get("kv_role", "kv_both"),
                                 kv_connector_extra_config=spec.get("extra_config") or {})
-    if kind == "null":  # (benchmarks only: vLLM's connector machinery with nothing behind it)
-        return KVTransferConfig(kv_connector="NullConnector", kv_connector_module_path="benchmarks.null_connector",
-                                kv_role="kv_both")
-    raise ValueError(f"connector: expected null, 'ucm', 'example' or 'null', got {kind!r}")
+    raise ValueError(f"connector: expected null, 'ucm' or 'example', got {kind!r}")
 
 
 def llm_kwargs(spec: dict) -> dict:

@@ -259,9 +259,8 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
 
 
 def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj, channel_mask):
-    """Validated ``(q, block_table, num_blocks)`` of a scoring call (see :func:`score_blocks`)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+    """Validated ``(q, block_table, num_blocks)`` of a scoring call (see :func:`score_blocks`;
+    the caller has checked ``kind``)."""
     q = _query(q, "q", None)
     B, Hq, D = q.shape
     dev = q.device
@@ -373,6 +372,14 @@ def select_blocks(scores, num_blocks, budget: Union[int, torch.Tensor], *, init_
                          local_window=local_window, width=width, backend=backend)
 
 
+def _scale_arg(scale) -> float:
+    """``scale`` as a float, or a ``ValueError`` when it is not a finite number > 0."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+            or scale <= 0:
+        raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+    return float(scale)
+
+
 def select_head_mass(per_head, num_blocks, budget: Union[int, torch.Tensor], *, scale: float,
                      init_window: int, local_window: int, backend: Optional[str] = None):
     """:func:`select_blocks` on the head mass of per-head scores: ``softmax(scale * per_head,
@@ -389,12 +396,10 @@ def select_head_mass(per_head, num_blocks, budget: Union[int, torch.Tensor], *, 
     B, H, M = x.shape
     if B < 1 or H < 1 or M < 1:
         raise ValueError(f"per_head: expected [batch >= 1, heads >= 1, M >= 1], got {list(x.shape)}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
-            or scale <= 0:
-        raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+    scale = _scale_arg(scale)
     nblk, bud, init_window, local_window, width = _selection_args(x.device, B, M, num_blocks, budget,
                                                                   init_window, local_window)
-    return dispatch.call("select_head_mass", x, nblk, bud, scale=float(scale),
+    return dispatch.call("select_head_mass", x, nblk, bud, scale=scale,
                          init_window=init_window, local_window=local_window, width=width,
                          backend=backend)
 
@@ -413,13 +418,11 @@ def score_select_head_mass(q, block_table, num_blocks, budget: Union[int, torch.
     q, table, nblk = _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, None, None,
                                  channel_mask)
     B, M = table.shape
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
-            or scale <= 0:
-        raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+    scale = _scale_arg(scale)
     nblk, bud, init_window, local_window, width = _selection_args(q.device, B, M, nblk, budget,
                                                                   init_window, local_window)
     return dispatch.call("score_select_head_mass", q, table, nblk, bud, kind=kind, mean=mean,
-                         kmin=kmin, kmax=kmax, channel_mask=channel_mask, scale=float(scale),
+                         kmin=kmin, kmax=kmax, channel_mask=channel_mask, scale=scale,
                          init_window=init_window, local_window=local_window, width=width,
                          backend=backend)
 
