@@ -131,16 +131,38 @@ def _prompt_logprobs(tokens: list, plps, num_cached: int) -> dict:
     return {"prompt_logprobs": vals, "prompt_logprobs_from": start}
 
 
-def _last_stats(path: str):
-    """The worker connector's latest cumulative counters (it appends one JSON line per step)."""
+def _last_stats(path: str, quiet_s: float = 0.3, limit_s: float = 10.0):
+    """The worker connector's latest cumulative counters. The worker appends one JSON line per
+    engine step, and vLLM may still be stepping when ``generate`` returns (finishing background
+    saves), so a read can meet a line being written: only complete lines count, and the file is
+    read once it has been quiet for ``quiet_s`` (at most ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    size = -1
+    while True:
+        try:
+            now = os.path.getsize(path)
+        except OSError:
+            now = -1
+        if now == size or time.monotonic() > deadline:
+            return _last_complete_line(path)
+        size = now
+        time.sleep(quiet_s)
+
+
+def _last_complete_line(path: str):
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().decode(errors="replace").strip().splitlines()
-        return json.loads(lines[-1]) if lines else None
-    except (OSError, ValueError):
+            f.seek(max(0, f.tell() - 65536))
+            data = f.read()
+    except OSError:
         return None
+    for line in reversed(data.split(b"\n")[:-1]):  # the piece after the last newline is unfinished
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue  # (the first line of the window may be cut)
+    return None
 
 
 def main(argv=None) -> int:
