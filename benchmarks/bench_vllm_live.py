@@ -4,7 +4,7 @@ request by request, so every arm sees the same machine state (this VM drifts by 
 minutes: engines run one after the other cannot resolve a 2% difference).
 
     python benchmarks/bench_vllm_live.py miss [--pairs 3] [--no-control] [--json out.json]
-    python benchmarks/bench_vllm_live.py warm [--pairs 3] [--repeats 8] [--json out.json]
+    python benchmarks/bench_vllm_live.py warm [--pairs 3] [--repeats 8] [--spin-arm] [--json out.json]
 
 Each pair is one child process that starts the engines, gives each a 512-token warm-up request
 (not counted), then serves the measured requests to every engine in turn, the order rotating
@@ -28,7 +28,9 @@ cache, no copy at all, the last 32 tokens computed). Each first serves the 4,000
 once (stored: ucm's memory tier and disk, ExampleConnector's files, vLLM's prefix cache), then
 ``--repeats`` rounds of one request each with one output token (TTFT). Reported: per round
 ucm / ExampleConnector (the issue's figure: target <= 0.5) and ucm / floor, medians over all
-rounds of all pairs.
+rounds of all pairs. ``--spin-arm`` adds ucm with ``connector.engine_poll_us=0``: vLLM's own
+engine-core wait, spinning on the CPU where ucm's overlapped copy runs
+(``ucm/integration/vllm/engine_wait.py``).
 """
 from __future__ import annotations
 
@@ -142,16 +144,22 @@ def _warm(args, model, ids, work) -> dict:
     def engines(root):
         exdir = os.path.join(root, "example")
         os.makedirs(exdir)
-        return {"ucm": _ucm_engine(root),
-                "example": {"connector": "example", "extra_config": {"shared_storage_path": exdir}},
-                "floor": {"prefix_caching": True}}
+        out = {"ucm": _ucm_engine(root),
+               "example": {"connector": "example", "extra_config": {"shared_storage_path": exdir}},
+               "floor": {"prefix_caching": True}}
+        if args.spin_arm:  # ucm with vLLM's own spinning engine-core wait (engine_wait.py)
+            out["ucm_spin"] = _ucm_engine(root, engine_poll_us=0)
+        return out
 
     return _pairs(args, model, ids, work, engines, prompts, requests, fill=True, base="example")
 
 
-def _ucm_engine(root: str) -> dict:
+def _ucm_engine(root: str, **connector) -> dict:
+    # (2 GiB of memory tier holds the 92 MB prompts; two ucm engines of 8 GiB each would not fit
+    # beside the others in this VM's 23 GB)
     return {"connector": "ucm", "extra_config": {"store": {"pipeline": "memory|posix", "posix": {"roots": [root]}},
-                                                 "buffer_number": 256, "cache_capacity": "8GiB"}}
+                                                 "buffer_number": 256, "cache_capacity": "2GiB",
+                                                 "connector": connector}}
 
 
 def _pairs(args, model, ids, work, make_engines, prompts, requests, *, fill: bool, base: str) -> dict:
@@ -207,6 +215,8 @@ def main():
     p.add_argument("--no-control", action="store_true", help="miss: no second plain engine (A/A control)")
     p.add_argument("--null", action="store_true",
                    help="miss: one more engine with a connector that does nothing (vLLM's own cost of a connector)")
+    p.add_argument("--spin-arm", action="store_true",
+                   help="warm: add ucm with connector.engine_poll_us=0 (vLLM's spinning engine-core wait)")
     p.add_argument("--reserved-cpus", type=int, default=1)
     p.add_argument("--json")
     p.add_argument("--child", help=argparse.SUPPRESS)

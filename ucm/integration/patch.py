@@ -4,6 +4,9 @@
   ``"kv_connector": "UCMConnector"`` works without ``kv_connector_module_path``;
 * installs the sparse-attention hooks when the configuration enables a sparse method (the
   sparse-attention work registers its hook here through :func:`register_patch`);
+* on CPU engines, lets the engine core sleep instead of spin while its worker computes
+  (``engine_wait``, applied by the connector in its scheduler process; see
+  :mod:`ucm.integration.vllm.engine_wait`);
 * warns when the installed vLLM is outside the tested range.
 
 It is idempotent, reversible (:func:`unpatch`) and inspectable (:func:`verify_patches`).
@@ -109,7 +112,7 @@ register_patch("connector_registration", _register_connector, _unregister_connec
 
 # -- patches registered by other modules (they import vLLM) -------------------------------------
 
-_HOOK_MODULES = ("ucm.integration.vllm.sparse_hook",)
+_HOOK_MODULES = ("ucm.integration.vllm.sparse_hook", "ucm.integration.vllm.engine_wait")
 
 
 def _register_hooks() -> None:

@@ -168,6 +168,7 @@ class UCMConnector(KVConnectorBase_V1):
             # Storage faults are cache misses: vLLM must recompute failed blocks, not fail the
             # request (its default). The scheduler reads this right after creating us.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self._quiet_engine_wait()
         self._reqs: dict[str, _ReqState] = {}
         self._matched: dict[str, tuple] = {}  # req -> (local tokens, hit blocks, tail id or None)
         self._lookup_store = None
@@ -186,6 +187,21 @@ class UCMConnector(KVConnectorBase_V1):
             self._lookup().lookup_prefix(probe)
         except Exception as exc:  # (every lookup then fails the same way: misses, logged)
             log.warning("ucm: the store is not ready for lookups (%r)", exc)
+
+    def _quiet_engine_wait(self) -> None:
+        """CPU engines: vLLM's engine core (this process) sleeps between checks for the
+        worker's step result instead of spinning on the CPU ucm's background threads use."""
+        poll_us = float(self.cfg["connector.engine_poll_us"])
+        device = str(getattr(getattr(self._vllm_config, "device_config", None), "device_type", "") or "")
+        if poll_us <= 0 or device != "cpu":
+            return
+        try:
+            from ucm.integration.vllm import engine_wait
+
+            if engine_wait.enable(poll_us):
+                log.info("ucm: engine core polls its worker every %g us (pid %d)", poll_us, os.getpid())
+        except Exception as exc:  # an optimisation only: never fail the engine for it
+            log.warning("ucm: engine wait patch not applied (%r)", exc)
 
     def _lookup(self):
         """The store as seen from the scheduler: the one an in-process worker uses (so lookups
