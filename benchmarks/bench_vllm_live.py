@@ -3,7 +3,7 @@
 request by request, so every arm sees the same machine state (this VM drifts by 10-20% over
 minutes: engines run one after the other cannot resolve a 2% difference).
 
-    python benchmarks/bench_vllm_live.py miss [--pairs 3] [--no-control] [--json out.json]
+    python benchmarks/bench_vllm_live.py miss [--pairs 3] [--no-control] [--null] [--spin-arm] [--json out.json]
     python benchmarks/bench_vllm_live.py warm [--pairs 3] [--repeats 8] [--spin-arm] [--json out.json]
 
 Each pair is one child process that starts the engines, gives each a 512-token warm-up request
@@ -15,7 +15,9 @@ default on 2 cores). First tokens must agree across engines for every prompt.
 ``miss``: engines plain, ucm (empty ``memory|posix`` store) and, unless ``--no-control``, a
 second plain engine (the A/A control: how far two identical engines differ); with ``--null``
 also an engine whose connector does nothing (``benchmarks/null_connector.py``: vLLM's own
-per-step and per-layer cost of having a connector). Distinct
+per-step and per-layer cost of having a connector), with ``--spin-arm`` also ucm with vLLM's
+own spinning engine-core wait (``connector.engine_poll_us=0``: the connector's cost without the
+engine-wait patch, which may speed the engine up). Distinct
 4,000-token prompts, new to every engine, so ucm looks each up, misses, computes it and saves
 it in the background: the miss path in full. ``--ttft-prompts`` with one output token (TTFT),
 then ``--decode-prompts`` generating 64 tokens: decode rate from vLLM's engine-core timestamps
@@ -132,6 +134,8 @@ def _miss(args, model, ids, work) -> dict:
             out["control"] = {}
         if args.null:
             out["null"] = {"null_connector": True}
+        if args.spin_arm:
+            out["ucm_spin"] = _ucm_engine(root, engine_poll_us=0)
         return out
 
     return _pairs(args, model, ids, work, engines, prompts, requests, fill=False, base="plain")
@@ -216,7 +220,7 @@ def main():
     p.add_argument("--null", action="store_true",
                    help="miss: one more engine with a connector that does nothing (vLLM's own cost of a connector)")
     p.add_argument("--spin-arm", action="store_true",
-                   help="warm: add ucm with connector.engine_poll_us=0 (vLLM's spinning engine-core wait)")
+                   help="add ucm with connector.engine_poll_us=0 (vLLM's spinning engine-core wait)")
     p.add_argument("--reserved-cpus", type=int, default=1)
     p.add_argument("--json")
     p.add_argument("--child", help=argparse.SUPPRESS)
