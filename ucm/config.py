@@ -266,7 +266,8 @@ OPTIONS: tuple[Option, ...] = (
            "step, vLLM's engine core checks for its result every this many microseconds, "
            "sleeping in between, instead of spinning with sched_yield on the CPU where ucm's "
            "overlapped copy runs (same-engine A/B, warm 4,000-token prompt: 0.87-0.90x TTFT). "
-           "0: vLLM's spin. GPU engines are never changed.", min=0.0),
+           "Costs about one poll period per step (~0.1 ms; 0.2% of a 50 ms step, more for "
+           "short steps). 0: vLLM's spin. GPU engines are never changed.", min=0.0),
     Option("connector.load_failure", "str", "recompute", "What vLLM does with blocks that fail to "
            "load: 'recompute' them (ucm sets vLLM's kv_load_failure_policy) or leave vLLM's own "
            "setting ('engine'; vLLM's default fails the request).", choices=("recompute", "engine")),
