@@ -135,7 +135,7 @@ def _miss(args, model, ids, work) -> dict:
         if args.null:
             out["null"] = {"null_connector": True}
         if args.spin_arm:
-            out["ucm_spin"] = _ucm_engine(root, engine_poll_us=0)
+            out["ucm_spin"] = _ucm_engine(_own_dir(root, "spin"), engine_poll_us=0)
         return out
 
     return _pairs(args, model, ids, work, engines, prompts, requests, fill=False, base="plain")
@@ -152,10 +152,18 @@ def _warm(args, model, ids, work) -> dict:
                "example": {"connector": "example", "extra_config": {"shared_storage_path": exdir}},
                "floor": {"prefix_caching": True}}
         if args.spin_arm:  # ucm with vLLM's own spinning engine-core wait (engine_wait.py)
-            out["ucm_spin"] = _ucm_engine(root, engine_poll_us=0)
+            out["ucm_spin"] = _ucm_engine(_own_dir(root, "spin"), engine_poll_us=0)
         return out
 
     return _pairs(args, model, ids, work, engines, prompts, requests, fill=True, base="example")
+
+
+def _own_dir(root: str, name: str) -> str:
+    """A store of its own for a second ucm engine (a shared disk tier would turn its misses into
+    hits on what the other one saved)."""
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    return path
 
 
 def _ucm_engine(root: str, **connector) -> dict:
