@@ -60,3 +60,14 @@ def run_python(code, env=None, cwd=None, timeout=120):
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=full_env, cwd=cwd, timeout=timeout)
+
+
+def require_vllm_module():
+    """Call at the top of a test module that needs vLLM: a failure in CI
+    (``UCM_REQUIRE_SERVICES=1``), a skip of the whole module elsewhere."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
+            pytest.fail(f"vLLM is required here (UCM_REQUIRE_SERVICES=1): {exc!r}", pytrace=False)
+        pytest.skip(f"vLLM not installed: {exc!r}", allow_module_level=True)

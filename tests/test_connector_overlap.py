@@ -8,7 +8,6 @@ Real parts: the connector's worker methods, real CPU caches in vLLM-CPU's layout
 native/reference copies, a real background thread. The engine-level check (token-identical
 outputs with overlapped loads, counters) is in ``test_vllm_e2e.py``.
 """
-import os
 import threading
 import time
 
@@ -16,14 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import require_vllm_module
+
 pytestmark = [pytest.mark.vllm]
 
-try:
-    import vllm  # noqa: F401
-except Exception as exc:  # pragma: no cover - depends on the machine
-    if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
-        pytest.fail(f"vLLM is required here (UCM_REQUIRE_SERVICES=1): {exc!r}", pytrace=False)
-    pytest.skip(f"vLLM not installed: {exc!r}", allow_module_level=True)
+require_vllm_module()
 
 import ucm  # noqa: E402
 from ucm.integration.vllm import connector as conn  # noqa: E402

@@ -1,23 +1,18 @@
 """The engine-wait patch (ucm/integration/vllm/engine_wait.py) on vLLM's real shared-memory
 message queue: the reader sleeps instead of spinning while it waits, still gets every message in
 order and promptly, and the patch is applied only where the connector asks for it (CPU engines)."""
-import os
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
-vllm_missing = None
-try:
-    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition
-except Exception as exc:  # pragma: no cover
-    vllm_missing = repr(exc)
+from conftest import require_vllm_module
 
-if vllm_missing:
-    if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
-        pytest.fail(f"vLLM is required here: {vllm_missing}", pytrace=False)
-    pytest.skip(f"vLLM not installed: {vllm_missing}", allow_module_level=True)
+pytestmark = [pytest.mark.vllm]
+require_vllm_module()
+
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition  # noqa: E402
 
 import ucm.integration as integ  # noqa: E402
 from ucm.integration.vllm import connector as conn  # noqa: E402

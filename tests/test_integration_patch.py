@@ -1,21 +1,11 @@
 """ucm.integration.patch(): registration with vLLM's connector factory, idempotence, unpatch,
 verify_patches, UCM_DISABLE_PATCHES, the vLLM plugin entry point."""
-import os
 
 import pytest
 
-from conftest import run_python
+from conftest import require_vllm_module, run_python
 
-vllm_missing = None
-try:
-    import vllm  # noqa: F401
-except Exception as exc:  # pragma: no cover
-    vllm_missing = repr(exc)
-
-if vllm_missing:
-    if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
-        pytest.fail(f"vLLM is required here: {vllm_missing}", pytrace=False)
-    pytest.skip(f"vLLM not installed: {vllm_missing}", allow_module_level=True)
+require_vllm_module()
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 

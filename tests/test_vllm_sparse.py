@@ -19,16 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, require_vllm_module
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-try:
-    import vllm  # noqa: F401
-except Exception as exc:  # pragma: no cover - depends on the machine
-    if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
-        pytest.fail(f"vLLM is required here (UCM_REQUIRE_SERVICES=1): {exc!r}", pytrace=False)
-    pytest.skip(f"vLLM not installed: {exc!r}", allow_module_level=True)
+require_vllm_module()
 
 from vllm import _custom_ops as vops  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackendImpl,  # noqa: E402

@@ -133,12 +133,23 @@ def patch() -> dict:
         return verify_patches()
     _register_hooks()
     _check_version()
-    with _lock:
-        for p in _patches.values():
-            if p.wanted() and not p.check():
-                p.apply()
-                _applied.add(p.name)
+    for name in list(_patches):
+        apply_patch(name)
     return verify_patches()
+
+
+def apply_patch(name: str) -> bool:
+    """Apply one registered patch if it is wanted and patching is not disabled (for patches whose
+    wish is known only later, e.g. from a connector's configuration). True when it is in place."""
+    p = _patches[name]
+    if disabled():
+        return bool(p.check())
+    with _lock:
+        if p.wanted() and not p.check():
+            p.apply()
+            if p.check():
+                _applied.add(p.name)
+        return bool(p.check())
 
 
 def unpatch() -> dict:

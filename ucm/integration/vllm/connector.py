@@ -193,7 +193,7 @@ class UCMConnector(KVConnectorBase_V1):
         worker's step result instead of spinning on the CPU ucm's background threads use."""
         poll_us = float(self.cfg["connector.engine_poll_us"])
         device = str(getattr(getattr(self._vllm_config, "device_config", None), "device_type", "") or "")
-        if poll_us <= 0 or device != "cpu":
+        if device != "cpu":
             return
         try:
             from ucm.integration.vllm import engine_wait

@@ -81,15 +81,9 @@ def _wanted() -> bool:
 def enable(poll_us: float) -> bool:
     """Apply the patch in this process with a poll period of ``poll_us`` microseconds (0 or less:
     leave vLLM's spin). True when the patch is in place afterwards."""
-    patch_mod = importlib.import_module("ucm.integration.patch")  # (the package exports patch())
     _state["poll_s"] = max(0.0, float(poll_us)) * 1e-6
-    if _state["poll_s"] <= 0 or patch_mod.disabled():
-        return _check()
-    with patch_mod._lock:
-        _apply()
-        if _check():
-            patch_mod._applied.add(PATCH_NAME)
-    return _check()
+    patch_mod = importlib.import_module("ucm.integration.patch")  # (the package exports patch())
+    return patch_mod.apply_patch(PATCH_NAME)
 
 
 def _register() -> None:
