@@ -570,6 +570,35 @@ def test_decode_table_loads_triton(triton_ready, small_splits, prefetch, static)
     assert rel(out, want) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("grain,v_early", [("block", False), ("block", True), ("tile", True)])
+def test_decode_split_grain_v_early_triton(triton_ready, small_splits, monkeypatch, grain,
+                                           v_early):
+    """Slices of whole KV blocks (a slice's last tile partial, slices starting inside a tile)
+    and V loaded with K: the same attention as the reference, dense (ragged lengths) and on a
+    sparse table, for several slice counts."""
+    monkeypatch.setattr(small_splits, "SPLIT_GRAIN", grain)
+    g = gen(29)
+    bs = 4
+    q, k, v, table, lens = paged_case(g, B=3, M=12, bs=bs, dtype=torch.bfloat16,
+                                      lens=[47, 5, 30])
+    nblk = ((lens + bs - 1) // bs).int()
+    sel, count = ops.select_blocks(rand((3, 12), g), nblk, 5, init_window=1, local_window=1)
+    stab, slens = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
+    for args in ((table, lens), (stab, slens)):
+        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), *args,
+                                          backend="reference")
+        for splits in (None, 2, 3, 5):
+            out = torch.full_like(q, float("nan"))
+            small_splits.decode(q, k, v, *args, 16 ** -0.5, out, block_n=16,
+                                num_splits=splits, v_early=v_early)
+            assert rel(out, want) < TOL[torch.bfloat16], (args[0] is table, splits)
+    if grain == "block":
+        # about 3 slices of 47 tokens: 16 tokens (4 blocks, one tile); about 5: 12 tokens (3
+        # blocks, less than a tile), 4 slices
+        assert small_splits._split_len(47, 3, 16, 4) == (3, 16)
+        assert small_splits._split_len(47, 5, 16, 4) == (4, 12)
+
+
 def test_decode_fused_merge_triton(triton_ready, small_splits):
     """The slices merged by the split kernel's last program (atomic counter) == the separate merge
     launch, dense and on a selection, for repeated calls (the counters are left at zero)."""

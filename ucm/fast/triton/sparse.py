@@ -80,6 +80,14 @@ MIN_SPLIT_TOKENS = 256
 #: Round the split count down (at most PROGRAMS_PER_SM programs per multiprocessor: one wave
 #: when that many fit) instead of up.
 PLAN_FLOOR = True
+#: Slices are whole token tiles ("tile") or whole KV blocks ("block": the slices' lengths differ
+#: by less than a block, the last tile of a slice may be partial). H200, 1 x 128K at 20%
+#: (``benchmarks/sparse_attn_launch.py``): "block" 33.1-35.3 us against 32.5 ("tile"), the
+#: attention already at the speed of a plain read of its 107 MB (32.0 us).
+SPLIT_GRAIN = "tile"
+#: Issue each tile's V load together with its K load (before the logits) instead of after them
+#: (H200: within 0.1 us either way; off).
+V_EARLY = False
 
 
 def _p2(n: int, least: int = 1) -> int:
@@ -100,7 +108,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
                          TILE: tl.constexpr, IEEE: tl.constexpr, SELECTED: tl.constexpr,
                          MERGE: tl.constexpr, SPAD: tl.constexpr, GP2: tl.constexpr = 1,
                          PDL: tl.constexpr = False, STATIC: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False, tab_tokens=0):
+                         PREFETCH: tl.constexpr = False, V_EARLY: tl.constexpr = False,
+                         tab_tokens=0):
     """Partial attention of one GQA group over one slice of one request's tokens.
 
     Writes ``opart[b, h, s, :]`` (normalized partial output, float32) and ``lse[b, h, s]``
@@ -187,6 +196,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_head + phys[:, None] * sk_n + off[:, None] * sk_t + k_col[None, :],
                     mask=kv_mask, other=0.0)
+        if V_EARLY:  # V's load issued with K's, before the logits need K
+            v = tl.load(v_head + phys[:, None] * sv_n + off[:, None] * sv_t + v_col[None, :],
+                        mask=kv_mask, other=0.0)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -196,8 +208,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + phys[:, None] * sv_n + off[:, None] * sv_t + v_col[None, :],
-                    mask=kv_mask, other=0.0)
+        if not V_EARLY:
+            v = tl.load(v_head + phys[:, None] * sv_n + off[:, None] * sv_t + v_col[None, :],
+                        mask=kv_mask, other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -330,8 +343,16 @@ def _sm_count(device: torch.device) -> int:
     return n
 
 
+def _split_len(max_tokens: int, splits: int, tile: int, block_size: int) -> tuple[int, int]:
+    """``(num_splits, split_tokens)`` for about ``splits`` slices, each a multiple of the grain
+    (:data:`SPLIT_GRAIN`)."""
+    grain = block_size if SPLIT_GRAIN == "block" else tile
+    split_tokens = math.ceil(math.ceil(max_tokens / splits) / grain) * grain
+    return math.ceil(max_tokens / split_tokens), split_tokens
+
+
 def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
-         block_n: Optional[int] = None) -> tuple[int, int]:
+         block_n: Optional[int] = None, block_size: int = 16) -> tuple[int, int]:
     """``(num_splits, split_tokens)`` for a decode launch: enough programs
     (``batch * num_kv_heads * num_splits``) for ``PROGRAMS_PER_SM`` per multiprocessor, each
     slice a multiple of the token tile and at least ``MIN_SPLIT_TOKENS`` long."""
@@ -340,9 +361,7 @@ def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
     slots = PROGRAMS_PER_SM * _sm_count(device) / units
     want = max(1, math.floor(slots) if PLAN_FLOOR else math.ceil(slots))
     most = max(1, max_tokens // max(MIN_SPLIT_TOKENS, tile))
-    splits = min(want, most)
-    split_tokens = math.ceil(math.ceil(max_tokens / splits) / tile) * tile
-    return math.ceil(max_tokens / split_tokens), split_tokens
+    return _split_len(max_tokens, min(want, most), tile, block_size)
 
 
 #: Loop over the slice's full tile count (masked past the length) instead of up to the length,
@@ -377,7 +396,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
            sel=None, count=None, block_n: Optional[int] = None,
            num_splits: Optional[int] = None, num_warps: Optional[int] = None,
            num_stages: Optional[int] = None, fused_merge: Optional[bool] = None,
-           static_loop: Optional[bool] = None, prefetch: Optional[bool] = None):
+           static_loop: Optional[bool] = None, prefetch: Optional[bool] = None,
+           v_early: Optional[bool] = None):
     """:func:`paged_decode_attention` with explicit launch knobs (benchmarks, tuning); with
     ``sel, count`` from :func:`select_blocks`, over the selected blocks only
     (:func:`decode_selected`)."""
@@ -402,10 +422,9 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
     static = STATIC_LOOP if static_loop is None else static_loop
     prefetch = PREFETCH_TABLE if prefetch is None else prefetch
     if num_splits is None:
-        num_splits, split_tokens = plan(B, Hkv, max_tokens, q.device, tile)
+        num_splits, split_tokens = plan(B, Hkv, max_tokens, q.device, tile, bs)
     else:
-        split_tokens = math.ceil(math.ceil(max_tokens / num_splits) / tile) * tile
-        num_splits = math.ceil(max_tokens / split_tokens)
+        num_splits, split_tokens = _split_len(max_tokens, num_splits, tile, bs)
     opart = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     if out is None:
@@ -423,7 +442,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         HKV=Hkv, GROUP=group, GPAD=_p2(group, 16), D=D, DPAD=dpad, BS=bs, TILE=tile,
         IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16),
         SELECTED=selected, MERGE=merge, SPAD=_p2(num_splits), GP2=_p2(group),
-        STATIC=static, PREFETCH=prefetch, tab_tokens=max_tokens,
+        STATIC=static, PREFETCH=prefetch,
+        V_EARLY=V_EARLY if v_early is None else v_early, tab_tokens=max_tokens,
         num_warps=warps, num_stages=num_stages or NUM_STAGES, **_pdl_launch(pdl))
     if not merge:
         chunk = min(dpad, max(16, _p2(REDUCE_CHUNK))) if REDUCE_CHUNK else dpad

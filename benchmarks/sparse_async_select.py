@@ -1,0 +1,136 @@
+"""How much of the re-selection could hide behind the attention (H200 diagnostic, one run).
+
+At 1 x 128K the attention on a 20% table already reads its bytes as fast as a plain read of as
+many contiguous bytes (``sparse_attn_launch.py``), so an ESA stride-8 step can only get faster by
+making the re-selection (scoring, head mass, selection, table) cheaper or by running it beside
+the attention. This script times, as CUDA graph replays (median, microseconds per decode step):
+
+- ``serial``: what ESA does now: scoring + selection + table, then ``stride`` attentions on it;
+- ``overlap_first``: the selection on a second stream beside the first attention (which uses the
+  previous selection; the new table is used from the next step on), then ``stride - 1`` more;
+- ``overlap_all``: the selection beside all ``stride`` attentions (the most it could hide);
+- the dense attention, and a contiguous read (``sum``) of several sizes: the read ceiling as a
+  function of bytes, which bounds the sparse attention.
+
+An ESA that applies each new selection one step later is a change of the method (and of its
+reference), not made here: these figures say whether it is worth it.
+
+    PYTHONPATH=. python3 benchmarks/sparse_async_select.py [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
+
+from ucm.fast.triton import sparse as tri  # noqa: E402
+from ucm.sparse import ops  # noqa: E402
+
+HQ, HKV, D, BS, G = 32, 8, 128, 16, 4
+RATIO, STRIDE, INIT, LOCAL = 0.2, 8, 1, 4
+
+
+def bench(fn) -> float:
+    """Median microseconds of a CUDA graph replay."""
+    return 1e3 * float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(5)
+    report = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
+              "torch": torch.__version__, "shapes": {}, "read_ceiling_us": {}}
+    for mb in (16, 32, 64, 107, 215, 537):
+        x = torch.empty(mb * 1000 * 1000 // 2, dtype=torch.bfloat16, device=dev).normal_()
+        report["read_ceiling_us"][mb] = us = bench(lambda: x.sum())
+        print(f"contiguous read {mb} MB: {us:.1f} us ({mb / us:.2f} TB/s)", flush=True)
+        del x
+    scale = D ** -0.5
+    side = torch.cuda.Stream()
+    for batch, tokens in ((1, 131072), (8, 32768)):
+        m = tokens // BS
+        n_phys = batch * m + 64
+        k = torch.randn(n_phys, BS, HKV, D, generator=gen, device=dev).to(torch.bfloat16)
+        v = torch.randn(n_phys, BS, HKV, D, generator=gen, device=dev).to(torch.bfloat16)
+        q = torch.randn(batch, HQ, D, generator=gen, device=dev).to(torch.bfloat16)
+        table = torch.randperm(n_phys, generator=gen, device=dev)[:batch * m].to(
+            torch.int32).reshape(batch, m)
+        lens = torch.full((batch,), tokens, dtype=torch.int32, device=dev)
+        nblk = torch.full((batch,), m, dtype=torch.int32, device=dev)
+        ids = torch.arange(n_phys, dtype=torch.int32, device=dev)
+        mean = torch.empty(n_phys, G, HKV, D, dtype=torch.bfloat16, device=dev)
+        tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=mean)
+        budget_n = math.ceil(RATIO * m)
+        budget = torch.full((batch,), budget_n, dtype=torch.int32, device=dev)
+        width = ops.select_width(m, budget_n, INIT, LOCAL)
+
+        def reselect():
+            sel, count = tri.score_select_head_mass(q, table, nblk, budget, kind="mean",
+                                                    scale=scale, init_window=INIT,
+                                                    local_window=LOCAL, width=width, mean=mean)
+            return tri.sparse_block_table(table, lens, sel, count, BS)
+
+        t_prev, n_prev = reselect()            # "the previous step's" selection
+        t_new, n_new = reselect()
+        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), t_new, n_new,
+                                          backend="reference")
+        got = tri.decode(q, k, v, t_new, n_new, scale)
+        err = float((got.float() - want).norm() / want.norm())
+        print(f"{batch}x{tokens}: attention on the selection, rel err {err:.2e}", flush=True)
+        if not err < 1e-2:
+            return 1
+
+        def attend(t, n, times):
+            o = None
+            for _ in range(times):
+                o = tri.decode(q, k, v, t, n, scale)
+            return o
+
+        def serial():
+            t, n = reselect()
+            return attend(t, n, STRIDE)
+
+        def overlapped(beside: int):
+            def run():
+                main = torch.cuda.current_stream()
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    t, n = reselect()
+                attend(t_prev, n_prev, beside)
+                main.wait_stream(side)
+                return attend(t, n, STRIDE - beside)
+            return run
+
+        dense = bench(lambda: tri.decode(q, k, v, table, lens, scale))
+        row = {"dense_us": dense,
+               "attention_us": bench(lambda: attend(t_prev, n_prev, 1)),
+               "reselect_us": bench(reselect),
+               "serial_step_us": bench(serial) / STRIDE,
+               "overlap_first_step_us": bench(overlapped(1)) / STRIDE,
+               "overlap_all_step_us": bench(overlapped(STRIDE)) / STRIDE}
+        row.update({f"dense_over_{k_[:-3]}": dense / v_ for k_, v_ in list(row.items())
+                    if k_.endswith("step_us")})
+        report["shapes"][f"{batch}x{tokens}"] = row
+        print(f"{batch}x{tokens}: " + ", ".join(f"{k_} {v_:.2f}" for k_, v_ in row.items()),
+              flush=True)
+        del k, v, mean
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
