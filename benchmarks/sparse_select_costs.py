@@ -124,6 +124,32 @@ def main() -> int:
     parts["table"] = bench(lambda: tri.sparse_block_table(table, lens, sel, count, BS))
     for name, us in parts.items():
         print(f"{name}: {us:.1f} us", flush=True)
+    # each kernel's own run time (CUPTI; no launch gaps): where the selection's time goes
+    from torch.profiler import ProfilerActivity, profile
+
+    def reselect():
+        s_ = tri.score_blocks(q, table, nblk, kind="mean", reduce="none", mean=mean4)
+        sel_, count_ = tri.select_head_mass(s_, nblk, budget, **kw)
+        return tri.sparse_block_table(table, lens, sel_, count_, BS)
+    mean4 = torch.empty(n_phys, 4, HKV, D, dtype=torch.bfloat16, device=dev)
+    tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=mean4)
+    for _ in range(5):
+        reselect()
+    torch.cuda.synchronize()
+    reps = 50
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            reselect()
+        torch.cuda.synchronize()
+    kernels = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            kernels.setdefault(ev.name, []).append(ev.device_time if hasattr(ev, "device_time")
+                                                   else ev.cuda_time)
+    report["kernel_us"] = {n: dict(calls=len(v), mean=sum(v) / len(v)) for n, v in kernels.items()}
+    for n, v in sorted(report["kernel_us"].items(), key=lambda kv: -kv[1]["mean"]):
+        print(f"kernel {n[:60]}: {v['mean']:.2f} us x {v['calls'] / reps:.0f} per re-selection",
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
