@@ -9,13 +9,15 @@ the attention. This script times, as CUDA graph replays (median, microseconds pe
 - ``overlap_first``: the selection on a second stream beside the first attention (which uses the
   previous selection; the new table is used from the next step on), then ``stride - 1`` more;
 - ``overlap_all``: the selection beside all ``stride`` attentions (the most it could hide);
+- with ``--groups 4,2``, the serial step on G = 2 bf16 tables too (half the scoring bytes: what
+  8-bit G = 4 means would read, in a step whose attention evicts the table from L2);
 - the dense attention, and a contiguous read (``sum``) of several sizes: the read ceiling as a
   function of bytes, which bounds the sparse attention.
 
 An ESA that applies each new selection one step later is a change of the method (and of its
 reference), not made here: these figures say whether it is worth it.
 
-    PYTHONPATH=. python3 benchmarks/sparse_async_select.py [--json PATH]
+    PYTHONPATH=. python3 benchmarks/sparse_async_select.py [--json PATH] [--groups 4,2]
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ def bench(fn) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
+    ap.add_argument("--groups", default="4", help="sub-block summaries per block to time, e.g. "
+                    "4,2 (G = 2 in bf16 reads the bytes of 8-bit G = 4 tables)")
     args = ap.parse_args()
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(5)
@@ -69,8 +73,11 @@ def main() -> int:
         lens = torch.full((batch,), tokens, dtype=torch.int32, device=dev)
         nblk = torch.full((batch,), m, dtype=torch.int32, device=dev)
         ids = torch.arange(n_phys, dtype=torch.int32, device=dev)
-        mean = torch.empty(n_phys, G, HKV, D, dtype=torch.bfloat16, device=dev)
-        tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=mean)
+        means = {}
+        for g in (int(x) for x in args.groups.split(",")):
+            means[g] = torch.empty(n_phys, g, HKV, D, dtype=torch.bfloat16, device=dev)
+            tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=means[g])
+        mean = means[G]
         budget_n = math.ceil(RATIO * m)
         budget = torch.full((batch,), budget_n, dtype=torch.int32, device=dev)
         width = ops.select_width(m, budget_n, INIT, LOCAL)
@@ -121,10 +128,21 @@ def main() -> int:
                "overlap_all_step_us": bench(overlapped(STRIDE)) / STRIDE}
         row.update({f"dense_over_{k_[:-3]}": dense / v_ for k_, v_ in list(row.items())
                     if k_.endswith("step_us")})
+        for g, mg in means.items():   # the serial step on other tables (same selection code)
+            if g == G:
+                continue
+
+            def serial_g(mg=mg):
+                sel, count = tri.score_select_head_mass(
+                    q, table, nblk, budget, kind="mean", scale=scale, init_window=INIT,
+                    local_window=LOCAL, width=width, mean=mg)
+                return attend(*tri.sparse_block_table(table, lens, sel, count, BS), STRIDE)
+            row[f"serial_step_g{g}_us"] = us = bench(serial_g) / STRIDE
+            row[f"dense_over_serial_step_g{g}"] = dense / us
         report["shapes"][f"{batch}x{tokens}"] = row
         print(f"{batch}x{tokens}: " + ", ".join(f"{k_} {v_:.2f}" for k_, v_ in row.items()),
               flush=True)
-        del k, v, mean
+        del k, v, mean, means
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -14,7 +14,12 @@ the documents with :func:`benchmarks.sparse_quality.summarize`. Variants:
 * ``quest-prev``: the blocks selected at the previous step are scored by the exact attention
   they received then (their estimated total share redistributed by it), the others by the Quest
   bound;
-* ``oracle`` (exact block mass) and ``random`` baselines.
+* ``oracle`` (exact block mass) and ``random`` baselines;
+* a ``q8`` / ``f8`` suffix after the group (``esa1:g4q8``): the summaries the method scores are
+  rounded through 8 bits first, per (block, sub-block, KV head) row scaled by its largest
+  magnitude: int8 (means to nearest, Quest's maxima up and minima down, so the bound stays a
+  bound) or float8 e4m3. What 8-bit tables would cost in accuracy (harness only: the methods
+  keep tables in the cache's dtype).
 
 Run with the vLLM environment (it has ``tokenizers``)::
 
@@ -117,11 +122,42 @@ class QuestPrevExact(Quest):
         return sel, count
 
 
+def _round8(x: torch.Tensor, kind: str, fmt: str) -> torch.Tensor:
+    """``x`` rounded through 8 bits per last-axis row (scaled by the row's largest magnitude)."""
+    xf = x.float()
+    if fmt == "f8":
+        scale = (xf.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-30)
+        return ((xf / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    scale = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-30)
+    r = {"kmax": torch.ceil, "kmin": torch.floor}.get(kind, torch.round)
+    return (r(xf / scale).clamp(-127, 127) * scale).to(x.dtype)
+
+
+def _eight_bit(method, fmt: str):
+    """``method`` scoring 8-bit-rounded copies of its summary tables."""
+    select = method.select
+
+    def rounded(layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
+        if tables:
+            tables = {k: _round8(v, k, fmt) if k in ("mean", "kmin", "kmax") else v
+                      for k, v in tables.items()}
+        return select(layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables)
+    method.select = rounded
+    return method
+
+
 def build(variant: str, ratio: float, shape: dict):
-    """The method of a variant name such as ``quest:g4``, ``esa1:g8``, ``oracle``."""
+    """The method of a variant name such as ``quest:g4``, ``esa1:g8``, ``oracle``,
+    ``esa1:g4q8``."""
+    name, _, opt = variant.partition(":")
+    fmt = opt[-2:] if opt[-2:] in ("q8", "f8") else ""
+    method = _build(name, opt[:len(opt) - len(fmt)], ratio, shape)
+    return _eight_bit(method, fmt) if fmt else method
+
+
+def _build(name: str, opt: str, ratio: float, shape: dict):
     import ucm.sparse
 
-    name, _, opt = variant.partition(":")
     cfg = {"sparse_method": "esa", "sparse_ratio": ratio, "min_blocks": 16,
            "sparse_repr_group": int(opt.lstrip("g")) if opt else 0}
     if name == "esa1":
