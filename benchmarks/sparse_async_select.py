@@ -9,8 +9,11 @@ the attention. This script times, as CUDA graph replays (median, microseconds pe
 - ``overlap_first``: the selection on a second stream beside the first attention (which uses the
   previous selection; the new table is used from the next step on), then ``stride - 1`` more;
 - ``overlap_all``: the selection beside all ``stride`` attentions (the most it could hide);
-- with ``--groups 4,2``, the serial step on G = 2 bf16 tables too (half the scoring bytes: what
-  8-bit G = 4 means would read, in a step whose attention evicts the table from L2);
+- with ``--groups 4,2``, the serial step on G = 2 bf16 tables too (half the scoring bytes, in a
+  step whose attention evicts the table from L2);
+- the serial step on int8 G = 4 means with per-row scales (``ops.quantize_rows``; half the
+  scoring bytes), its selection checked against the reference's on the same int8 table and
+  compared with the bfloat16 table's;
 - the dense attention, and a contiguous read (``sum``) of several sizes: the read ceiling as a
   function of bytes, which bounds the sparse attention.
 
@@ -50,6 +53,8 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--groups", default="4", help="sub-block summaries per block to time, e.g. "
                     "4,2 (G = 2 in bf16 reads the bytes of 8-bit G = 4 tables)")
+    ap.add_argument("--int8-sweep", action="store_true",
+                    help="also time the int8 scoring and step over scoring launch shapes")
     args = ap.parse_args()
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(5)
@@ -139,10 +144,71 @@ def main() -> int:
                 return attend(*tri.sparse_block_table(table, lens, sel, count, BS), STRIDE)
             row[f"serial_step_g{g}_us"] = us = bench(serial_g) / STRIDE
             row[f"dense_over_serial_step_g{g}"] = dense / us
+        # int8 G = 4 means with per-row scales (ops.quantize_rows): what the methods would keep
+        qmean, qscale = ops.quantize_rows(mean)
+
+        def serial_int8():
+            sel, count = tri.score_select_head_mass(
+                q, table, nblk, budget, kind="mean", scale=scale, init_window=INIT,
+                local_window=LOCAL, width=width, mean=qmean, mean_scale=qscale)
+            return attend(*tri.sparse_block_table(table, lens, sel, count, BS), STRIDE)
+        ref_int8 = ops.score_select_head_mass(q, table, nblk, budget, kind="mean", scale=scale,
+                                              init_window=INIT, local_window=LOCAL, mean=qmean,
+                                              mean_scale=qscale, backend="reference")
+        fast_int8 = tri.score_select_head_mass(q, table, nblk, budget, kind="mean", scale=scale,
+                                               init_window=INIT, local_window=LOCAL, width=width,
+                                               mean=qmean, mean_scale=qscale)
+        bf16_sel = tri.score_select_head_mass(q, table, nblk, budget, kind="mean", scale=scale,
+                                              init_window=INIT, local_window=LOCAL, width=width,
+                                              mean=mean)
+        row["int8_selection_equals_reference"] = bool(
+            torch.equal(ref_int8[0], fast_int8[0]) and torch.equal(ref_int8[1], fast_int8[1]))
+        row["int8_selection_share_of_bf16"] = float(sum(
+            len(set(fast_int8[0][b, :int(fast_int8[1][b])].tolist())
+                & set(bf16_sel[0][b, :int(bf16_sel[1][b])].tolist())) / int(bf16_sel[1][b])
+            for b in range(batch)) / batch)
+        row["serial_step_int8_us"] = us = bench(serial_int8) / STRIDE
+        row["dense_over_serial_step_int8"] = dense / us
+        def serial_int8_fast():  # the table folded into the selection's last launch
+            s_ = tri.score_blocks(q, table, nblk, kind="mean", reduce="none", mean=qmean,
+                                  mean_scale=qscale)
+            _, _, t_, n_ = tri.select_head_mass(s_, nblk, budget, scale=scale, init_window=INIT,
+                                                local_window=LOCAL, width=width,
+                                                block_table=table, seq_lens=lens, block_size=BS)
+            return attend(t_, n_, STRIDE)
+        row["serial_step_int8_fast_us"] = us = bench(serial_int8_fast) / STRIDE
+        row["dense_over_serial_step_int8_fast"] = dense / us
+        bits = tri.SELECT_HIST_BITS
+        tri.SELECT_HIST_BITS = 12                     # 4,096 histogram bins instead of 16,384
+        try:
+            row["serial_step_int8_fast_bins12_us"] = us = bench(serial_int8_fast) / STRIDE
+            row["dense_over_serial_step_int8_fast_bins12"] = dense / us
+        finally:
+            tri.SELECT_HIST_BITS = bits
+        if args.int8_sweep:  # scoring launch shapes for the int8 table (half the bytes per row)
+            saved = (tri.SCORE_ROWS, tri.SCORE_PROGRAMS_PER_SM, tri.SCORE_LOOP_STAGES,
+                     tri.SCORE_WARPS)
+            for rows_, per_sm, stages, warps in ((64, 2, 3, 4), (128, 1, 3, 4), (256, 1, 3, 4),
+                                                 (64, 4, 3, 4), (64, 2, 2, 4), (64, 2, 4, 4),
+                                                 (128, 1, 3, 8), (64, 2, 0, 4)):
+                (tri.SCORE_ROWS, tri.SCORE_PROGRAMS_PER_SM, tri.SCORE_LOOP_STAGES,
+                 tri.SCORE_WARPS) = rows_, per_sm, stages, warps
+                key = f"rows{rows_}_persm{per_sm}_stages{stages}_warps{warps}"
+                try:
+                    row[f"int8_score_{key}_us"] = bench(lambda: tri.score_blocks(
+                        q, table, nblk, kind="mean", reduce="none", mean=qmean,
+                        mean_scale=qscale))
+                    row[f"int8_step_{key}_us"] = bench(serial_int8) / STRIDE
+                    row[f"bf16_score_{key}_us"] = bench(lambda: tri.score_blocks(
+                        q, table, nblk, kind="mean", reduce="none", mean=mean))
+                except Exception as exc:  # a launch shape that does not fit: recorded
+                    row[f"int8_{key}_error"] = repr(exc)[:200]
+            (tri.SCORE_ROWS, tri.SCORE_PROGRAMS_PER_SM, tri.SCORE_LOOP_STAGES,
+             tri.SCORE_WARPS) = saved
         report["shapes"][f"{batch}x{tokens}"] = row
         print(f"{batch}x{tokens}: " + ", ".join(f"{k_} {v_:.2f}" for k_, v_ in row.items()),
               flush=True)
-        del k, v, mean, means
+        del k, v, mean, means, qmean, qscale
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

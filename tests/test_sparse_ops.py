@@ -925,6 +925,79 @@ def test_sub_block_scores_triton_match_reference(triton_ready, monkeypatch, G, b
                     (kind, reduce, tdtype, qdtype, float((got[fin] - want[fin]).abs().max()))
 
 
+def test_quantize_rows_reference():
+    """int8 rows within half a scale step of the input, the largest magnitude at +-127, zero
+    rows all zero with scale 0; scores of the int8 table (with its scales) == scores of its
+    dequantized float table; bad scale arguments raise."""
+    g = gen(83)
+    x = rand((7, 4, 3, 16), g) * 3.0
+    x[2, 1, 0] = 0.0
+    qx, sc = ops.quantize_rows(x)
+    assert qx.dtype == torch.int8 and sc.dtype == torch.float32 and sc.shape == x.shape[:-1]
+    back = qx.float() * sc[..., None]
+    assert ((back - x).abs() <= sc[..., None] / 2 + 1e-6).all()
+    assert torch.equal(qx.abs().amax(-1)[sc > 0], torch.full_like(sc[sc > 0], 127).to(torch.int8))
+    assert sc[2, 1, 0] == 0 and not qx[2, 1, 0].any()
+    q, k, table, nblk, t, proj, mask = sub_scoring_case(84, 4, 16, M=9)
+    qm, sm = ops.quantize_rows(t["mean"])
+    deq = (qm.float() * sm[..., None]).to(t["mean"].dtype)
+    for reduce in ("sum", "none"):
+        for kw in ({}, {"channel_mask": mask}):
+            want = ops.score_blocks(q, table, nblk, kind="mean", mean=deq.float(), reduce=reduce,
+                                    backend="reference", **kw)
+            got = ops.score_blocks(q, table, nblk, kind="mean", mean=qm, mean_scale=sm,
+                                   reduce=reduce, backend="reference", **kw)
+            fin = torch.isfinite(want)
+            assert torch.equal(fin, torch.isfinite(got))
+            assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="mean_scale: required"):
+        ops.score_blocks(q, table, nblk, kind="mean", mean=qm)
+    with pytest.raises(ValueError, match="mean_scale: required"):
+        ops.score_blocks(q, table, nblk, kind="mean", mean=t["mean"], mean_scale=sm)
+    with pytest.raises(ValueError, match="mean_scale: expected shape"):
+        ops.score_blocks(q, table, nblk, kind="mean", mean=qm, mean_scale=sm[:, :2])
+    with pytest.raises(ValueError, match="mean_scale: expected dtype"):
+        ops.score_blocks(q, table, nblk, kind="mean", mean=qm, mean_scale=sm.double())
+    with pytest.raises(ValueError, match="kmin: expected dtype"):
+        ops.score_blocks(q, table, nblk, kind="quest", kmin=qm, kmax=qm)
+    with pytest.raises(ValueError, match="x: expected dtype"):
+        ops.quantize_rows(qm)
+
+
+@pytest.mark.parametrize("rows", [None, 16, "unrolled"], ids=["rows_default", "rows_16", "unrolled"])
+def test_int8_mean_scores_triton(triton_ready, monkeypatch, rows):
+    """Scores of an int8 mean table with per-row scales: Triton == reference (both loops, several
+    tiles, G = 4 and G = 1, a channel mask, float32 and bfloat16 queries), and the fused
+    scoring + head-mass selection takes it too."""
+    from ucm.fast.triton import sparse as tri
+
+    if rows == "unrolled":
+        monkeypatch.setattr(tri, "SCORE_LOOP_STAGES", 0)
+        rows = 16
+    if rows:
+        monkeypatch.setattr(tri, "SCORE_ROWS", rows)
+        monkeypatch.setattr(tri, "SCORE_TILE_ELEMS", 64)
+    for G, bs, qdtype in ((4, 16, torch.bfloat16), (4, 16, torch.float32), (1, 4, torch.float32)):
+        q, k, table, nblk, t, proj, mask = sub_scoring_case(85 + G, G, bs, M=23, qdtype=qdtype)
+        qm, sm = ops.quantize_rows(t["mean"][:, 0] if G == 1 else t["mean"])
+        for kw in ({}, {"channel_mask": mask}):
+            for reduce in ("sum", "none"):
+                want = ops.score_blocks(q, table, nblk, kind="mean", mean=qm, mean_scale=sm,
+                                        reduce=reduce, backend="reference", **kw)
+                got = ops.score_blocks(q, table, nblk, kind="mean", mean=qm, mean_scale=sm,
+                                       reduce=reduce, backend="triton", **kw)
+                assert torch.equal(torch.isinf(got), torch.isinf(want)), (G, reduce)
+                fin = torch.isfinite(want)
+                assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), \
+                    (G, reduce, float((got[fin] - want[fin]).abs().max()))
+        budget = torch.full_like(nblk, 5)
+        args = (q, table, nblk, budget)
+        kw = dict(kind="mean", mean=qm, mean_scale=sm, scale=0.5, init_window=1, local_window=1)
+        want = ops.score_select_head_mass(*args, backend="reference", **kw)
+        got = ops.score_select_head_mass(*args, backend="triton", **kw)
+        assert torch.equal(want[1], got[1]) and torch.equal(want[0], got[0]), G
+
+
 @pytest.mark.parametrize("group", [1, 2, 32], ids=["groups_of_1", "groups_of_2", "one_group"])
 def test_score_head_stats_triton(triton_ready, monkeypatch, group):
     """The scoring launch's per-head log-sum-exp and bounds (partials per tile, combined by the

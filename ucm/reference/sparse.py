@@ -47,6 +47,26 @@ def grouped(table: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return table.unsqueeze(1)
 
 
+def quantize_rows(x: torch.Tensor):
+    """``(int8 values, float32 scales)`` of a float table, one scale per last-axis row:
+    ``scale = max |row| / 127`` and ``value = floor(row / scale + 1/2)`` (an all-zero row: scale
+    0, values 0), so ``value * scale`` is within ``scale / 2`` of each entry. Shapes: ``x.shape``
+    and ``x.shape[:-1]``."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.floor(xf / safe[..., None] + 0.5).clamp(-127, 127)
+    return torch.where(scale[..., None] > 0, q, 0.0).to(torch.int8), scale.contiguous()
+
+
+def dequantized(table: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """A summary table as float32: ``table * scale`` for int8 tables (``scale`` per row, see
+    :func:`quantize_rows`), else ``table`` as it is."""
+    if scale is None:
+        return table
+    return table.float() * scale.float()[..., None]
+
+
 def sub_block_keys(keys: torch.Tensor, num_tokens: torch.Tensor, G: int):
     """Split blocks of keys ``[N, bs, Hkv, D]`` into ``G`` sub-blocks of ``bs // G`` tokens:
     ``(keys [N, G, bs // G, Hkv, D], live bool [N, G, bs // G, 1, 1])``. Sub-block ``g`` holds
@@ -103,11 +123,14 @@ def score_blocks(q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.T
                  mean: Optional[torch.Tensor] = None, kmin: Optional[torch.Tensor] = None,
                  kmax: Optional[torch.Tensor] = None, codes: Optional[torch.Tensor] = None,
                  proj: Optional[torch.Tensor] = None, channel_mask: Optional[torch.Tensor] = None,
-                 reduce: str = "sum") -> torch.Tensor:
+                 reduce: str = "sum", mean_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float32 block scores ``[B, M]`` (``reduce="sum"``) or per head (``reduce="none"``);
     positions ``j >= num_blocks[b]`` are ``-inf``. With sub-block tables
     ``[num_blocks, G, Hkv, X]`` a block's per-head score is the maximum of its ``G`` sub-block
-    scores (taken before the sum over heads)."""
+    scores (taken before the sum over heads). An int8 ``mean`` comes with its per-row
+    ``mean_scale`` (:func:`quantize_rows`) and scores as ``mean * mean_scale``."""
+    if mean_scale is not None:
+        mean = dequantized(mean, mean_scale)
     B, Hq, D = q.shape
     ids, valid = _logical_ids(block_table, num_blocks)
     qf = q.float()
@@ -187,11 +210,12 @@ def score_select_head_mass(q: torch.Tensor, block_table: torch.Tensor, num_block
                            budget: torch.Tensor, *, kind: str, mean: Optional[torch.Tensor] = None,
                            kmin: Optional[torch.Tensor] = None, kmax: Optional[torch.Tensor] = None,
                            channel_mask: Optional[torch.Tensor] = None, scale: float,
-                           init_window: int, local_window: int, width: int):
+                           init_window: int, local_window: int, width: int,
+                           mean_scale: Optional[torch.Tensor] = None):
     """:func:`select_head_mass` on the per-head :func:`score_blocks` (``kind`` "mean" or
     "quest")."""
     per_head = score_blocks(q, block_table, num_blocks, kind=kind, mean=mean, kmin=kmin, kmax=kmax,
-                            channel_mask=channel_mask, reduce="none")
+                            channel_mask=channel_mask, reduce="none", mean_scale=mean_scale)
     return select_head_mass(per_head, num_blocks, budget, scale=scale, init_window=init_window,
                             local_window=local_window, width=width)
 

@@ -18,6 +18,8 @@ score_select_head_mass      (same: score_blocks, select_head_mass) (same: the sc
 sparse_block_table          (same)                                (same: one gather kernel)
 paged_decode_attention      (same: per-request softmax)           (same: split-K flash decoding)
 block_attention_mass        (same; an oracle, reference only)     --
+quantize_rows               (same: elementwise PyTorch, any       --
+                            device)
 ==========================  ====================================  ===============================
 
 The Triton implementations take CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` (tests).
@@ -73,7 +75,7 @@ def on_triton_device(*args, **kwargs):
 _TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
                "select_head_mass", "score_select_head_mass", "sparse_block_table",
                "paged_decode_attention")
-for _op in _TRITON_OPS + ("block_attention_mass",):
+for _op in _TRITON_OPS + ("block_attention_mass", "quantize_rows"):
     dispatch.register(_op, "reference", f"ucm.reference.sparse:{_op}", priority=0)
 for _op in _TRITON_OPS:
     dispatch.register(_op, "triton", f"ucm.fast.triton.sparse:{_op}", priority=20,
@@ -258,7 +260,8 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
                   proj=proj, backend=backend)
 
 
-def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj, channel_mask):
+def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj, channel_mask,
+                mean_scale=None):
     """Validated ``(q, block_table, num_blocks)`` of a scoring call (see :func:`score_blocks`;
     the caller has checked ``kind``)."""
     q = _query(q, "q", None)
@@ -280,11 +283,20 @@ def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj,
                                        proj.shape[1] // 32)
     else:
         first = mean if kind == "mean" else kmin
-        first = _tensor(first, needed[0], REPR_DTYPES, None, dev)
-        n_phys, groups, Hkv, _ = _sub_table(first, needed[0], REPR_DTYPES, dev, None, None, D)
+        dtypes = REPR_DTYPES + ((torch.int8,) if kind == "mean" else ())
+        first = _tensor(first, needed[0], dtypes, None, dev)
+        n_phys, groups, Hkv, _ = _sub_table(first, needed[0], dtypes, dev, None, None, D)
         for name in needed:  # kmin and kmax: one dtype, one shape
             _tensor(given[name], name, (first.dtype,), first.ndim, dev)
             _sub_table(given[name], name, (first.dtype,), dev, n_phys, Hkv, D, groups)
+    quantized = kind == "mean" and mean.dtype == torch.int8
+    if quantized != (mean_scale is not None):
+        raise ValueError("mean_scale: required with an int8 mean table (one float32 scale per "
+                         "row, from quantize_rows) and only then"
+                         + ("" if kind == "mean" else f"; kind={kind!r} takes none"))
+    if quantized:
+        _tensor(mean_scale, "mean_scale", (torch.float32,), mean.ndim - 1, dev)
+        _shape(mean_scale, "mean_scale", tuple(mean.shape[:-1]), "one scale per row of mean")
     if n_phys < 1 or Hkv < 1:
         raise ValueError(f"{needed[0]}: expected at least one block and one KV head")
     _heads(Hq, Hkv, "q")
@@ -302,7 +314,7 @@ def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj,
 
 def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
                  codes=None, proj=None, channel_mask=None, reduce: str = "sum",
-                 backend: Optional[str] = None) -> torch.Tensor:
+                 mean_scale=None, backend: Optional[str] = None) -> torch.Tensor:
     """float32 scores of each request's logical blocks from their representations.
 
     q: ``[B, Hq, D]`` float; block_table: int32 ``[B, M]``; num_blocks: int32 ``[B]``, each in
@@ -311,17 +323,31 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
     ``"none"`` -> ``[B, Hq, M]`` (``[B, Hkv, M]`` for hamming). Positions past ``num_blocks`` are
     ``-inf``. Tables ``[num_blocks, Hkv, X]`` or, with ``G`` sub-block summaries per block,
     ``[num_blocks, G, Hkv, X]`` (as :func:`update_block_reprs` writes them): a block's per-head
-    score is then the maximum over its sub-blocks (before the sum over heads).
+    score is then the maximum over its sub-blocks (before the sum over heads). ``mean`` may be
+    int8 with ``mean_scale`` (float32, ``mean.shape[:-1]``: one scale per row, as
+    :func:`quantize_rows` makes them): half the bytes of a bfloat16 table to read; it scores as
+    ``mean * mean_scale``.
     """
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
     if reduce not in REDUCES:
         raise ValueError(f"reduce: expected one of {list(REDUCES)}, got {reduce!r}")
     q, table, nblk = _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj,
-                                 channel_mask)
+                                 channel_mask, mean_scale)
     return dispatch.call("score_blocks", q, table, nblk, kind=kind, mean=mean, kmin=kmin, kmax=kmax,
                          codes=codes, proj=proj, channel_mask=channel_mask, reduce=reduce,
-                         backend=backend)
+                         mean_scale=mean_scale, backend=backend)
+
+
+def quantize_rows(x):
+    """``(int8 values, float32 scales)`` of a float table, one scale per last-axis row
+    (``max |row| / 127``; values ``floor(row / scale + 1/2)``, within ``scale / 2`` of each
+    entry; an all-zero row has scale 0): an int8 ``mean`` table and its ``mean_scale`` for
+    :func:`score_blocks`. One implementation (elementwise PyTorch, on the tensor's device)."""
+    t = _tensor(x, "x", FLOAT_DTYPES, None, x.device if isinstance(x, torch.Tensor) else None)
+    if t.ndim < 1 or t.shape[-1] < 1:
+        raise ValueError(f"x: expected rows along the last axis, got shape {list(t.shape)}")
+    return dispatch.call("quantize_rows", t)
 
 
 def select_width(M: int, max_budget: int, init_window: int, local_window: int) -> int:
@@ -407,7 +433,7 @@ def select_head_mass(per_head, num_blocks, budget: Union[int, torch.Tensor], *, 
 def score_select_head_mass(q, block_table, num_blocks, budget: Union[int, torch.Tensor], *,
                            kind: str, mean=None, kmin=None, kmax=None, channel_mask=None,
                            scale: float, init_window: int, local_window: int,
-                           backend: Optional[str] = None):
+                           mean_scale=None, backend: Optional[str] = None):
     """:func:`select_head_mass` on the per-head scores of :func:`score_blocks` (``reduce="none"``)
     as one op: ``(sel, count)``. kind: ``"mean"`` or ``"quest"``; the other arguments as those
     two ops take them. The Triton implementation's scoring launch also writes the per-head
@@ -416,7 +442,7 @@ def score_select_head_mass(q, block_table, num_blocks, budget: Union[int, torch.
     if kind not in ("mean", "quest"):
         raise ValueError(f"kind: expected 'mean' or 'quest', got {kind!r}")
     q, table, nblk = _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, None, None,
-                                 channel_mask)
+                                 channel_mask, mean_scale)
     B, M = table.shape
     scale = _scale_arg(scale)
     nblk, bud, init_window, local_window, width = _selection_args(q.device, B, M, nblk, budget,
@@ -424,7 +450,7 @@ def score_select_head_mass(q, block_table, num_blocks, budget: Union[int, torch.
     return dispatch.call("score_select_head_mass", q, table, nblk, bud, kind=kind, mean=mean,
                          kmin=kmin, kmax=kmax, channel_mask=channel_mask, scale=scale,
                          init_window=init_window, local_window=local_window, width=width,
-                         backend=backend)
+                         mean_scale=mean_scale, backend=backend)
 
 
 def sparse_block_table(block_table, seq_lens, sel, count, block_size: int, *,

@@ -580,7 +580,8 @@ def _score_dot_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_pt
                       HKV: tl.constexpr, GROUP: tl.constexpr, GPAD: tl.constexpr,
                       D: tl.constexpr, DPAD: tl.constexpr, G: tl.constexpr, SPAD: tl.constexpr,
                       KIND: tl.constexpr, HAS_MASK: tl.constexpr, PER_HEAD: tl.constexpr,
-                      TILE_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                      TILE_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+                      scale_ptr=None, QUANT: tl.constexpr = False):
     """Mean (KIND 0) or Quest (KIND 1) scores of logical blocks ``[tile * TILE_M, +TILE_M)`` of
     request ``b``, as matrix products.
 
@@ -592,6 +593,8 @@ def _score_dot_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_pt
     as :func:`update_block_reprs` writes them); ``a`` is ``mean`` or ``kmax``, ``b`` ``kmin``.
     IEEE: float32 operands and exact float32 products (float32 tables or queries, and the
     interpreter), else bfloat16 operands with float32 accumulation (their products are exact).
+    QUANT (KIND 0): an int8 ``mean`` (exact in bfloat16) whose products are scaled by each row's
+    ``scale [num_blocks, G, HKV]`` after the product.
     """
     if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -625,9 +628,11 @@ def _score_dot_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_pt
                            mask=qmask, other=0)
             qg = tl.where(keep != 0, qg, tl.zeros_like(qg))
         off = ((phys * G + sr) * HKV + g)[:, None] * D + d[None, :]
-        rep_a = tl.load(a_ptr + off, mask=amask, other=0.0)
+        rep_a = tl.load(a_ptr + off, mask=amask, other=0)
         if IEEE:
             rep_a = rep_a.to(tl.float32)
+        elif QUANT:
+            rep_a = rep_a.to(qg.dtype)                              # int8: exact in bfloat16
         if KIND == 1:
             rep_b = tl.load(b_ptr + off, mask=amask, other=0.0)
             if IEEE:
@@ -646,6 +651,9 @@ def _score_dot_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, out_pt
                 s = tl.dot(qg, tl.trans(rep_a), input_precision="ieee")
             else:
                 s = tl.dot(qg, tl.trans(rep_a))                    # [GPAD, TILE_M * SPAD]
+            if QUANT:
+                rs = tl.load(scale_ptr + (phys * G + sr) * HKV + g, mask=rvalid, other=0.0)
+                s = s * rs[None, :]
         s = tl.where(rvalid[None, :], s, float("-inf"))
         best = tl.max(tl.reshape(s, [GPAD, TILE_M, SPAD]), 2)      # [GPAD, TILE_M]
         if PER_HEAD:
@@ -667,7 +675,8 @@ def _score_dot_pipe_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, o
                            stat_ptr=None, cnt_ptr=None, stat_scale=1.0,
                            STATS: tl.constexpr = False, HQ: tl.constexpr = 1,
                            HPAD: tl.constexpr = 1, GSZ: tl.constexpr = 1,
-                           NGPAD: tl.constexpr = 1):
+                           NGPAD: tl.constexpr = 1, scale_ptr=None,
+                           QUANT: tl.constexpr = False):
     """:func:`_score_dot_kernel` with the KV heads in a software-pipelined loop
     (``LOOP_STAGES`` stages: the next heads' summary rows are loaded while this head's product
     runs) instead of an unrolled one. Per-head stores and the sum as there.
@@ -712,9 +721,11 @@ def _score_dot_pipe_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, o
                            mask=qmask, other=0)
             qg = tl.where(keep != 0, qg, tl.zeros_like(qg))
         off = ((phys * G + sr) * HKV + g)[:, None] * D + d[None, :]
-        rep_a = tl.load(a_ptr + off, mask=amask, other=0.0)
+        rep_a = tl.load(a_ptr + off, mask=amask, other=0)
         if IEEE:
             rep_a = rep_a.to(tl.float32)
+        elif QUANT:
+            rep_a = rep_a.to(qg.dtype)                              # int8: exact in bfloat16
         if KIND == 1:
             rep_b = tl.load(b_ptr + off, mask=amask, other=0.0)
             if IEEE:
@@ -733,6 +744,9 @@ def _score_dot_pipe_kernel(q_ptr, table_ptr, nblk_ptr, a_ptr, b_ptr, mask_ptr, o
                 s = tl.dot(qg, tl.trans(rep_a), input_precision="ieee")
             else:
                 s = tl.dot(qg, tl.trans(rep_a))                    # [GPAD, TILE_M * SPAD]
+            if QUANT:
+                rs = tl.load(scale_ptr + (phys * G + sr) * HKV + g, mask=rvalid, other=0.0)
+                s = s * rs[None, :]
         s = tl.where(rvalid[None, :], s, float("-inf"))
         best = tl.max(tl.reshape(s, [GPAD, TILE_M, SPAD]), 2)      # [GPAD, TILE_M]
         if PER_HEAD:
@@ -898,7 +912,7 @@ def _stat_counters(device: torch.device, n: int) -> torch.Tensor:
 
 def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
                  codes=None, proj=None, channel_mask=None, reduce: str = "sum",
-                 head_stats_scale: Optional[float] = None):
+                 head_stats_scale: Optional[float] = None, mean_scale=None):
     """Same contract as :func:`ucm.reference.sparse.score_blocks`; asynchronous.
 
     ``head_stats_scale`` (``reduce="none"``, mean or Quest, the pipelined loop): also returns the
@@ -934,7 +948,13 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
     cmask = dummy if channel_mask is None else channel_mask.contiguous().view(torch.uint8)
     spad = _p2(G)
     tile = score_tile(B, M, spad, dev)
-    ieee = interpreting() or not (q.dtype == torch.bfloat16 and rep_a.dtype == torch.bfloat16)
+    quant = kind == "mean" and mean_scale is not None
+    ieee = interpreting() or not (q.dtype == torch.bfloat16
+                                  and rep_a.dtype in (torch.bfloat16, torch.int8))
+    if quant:
+        pipe_q = dict(scale_ptr=mean_scale.contiguous(), QUANT=True)
+    else:
+        pipe_q = {}
     kern = _score_dot_pipe_kernel if SCORE_LOOP_STAGES else _score_dot_kernel
     pipe = dict(LOOP_STAGES=SCORE_LOOP_STAGES) if SCORE_LOOP_STAGES else {}
     nt = triton.cdiv(M, tile)
@@ -957,7 +977,7 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
         HKV=Hkv, GROUP=Hq // Hkv, GPAD=_p2(Hq // Hkv, 16), D=D, DPAD=_p2(D, 16), G=G, SPAD=spad,
         KIND=1 if kind == "quest" else 0, HAS_MASK=channel_mask is not None, PER_HEAD=per_head,
         TILE_M=tile, IEEE=ieee, num_warps=SCORE_WARPS, num_stages=SCORE_STAGES,
-        **pipe, **_pdl_launch(SCORE_PDL))
+        **pipe, **pipe_q, **_pdl_launch(SCORE_PDL))
     return out if stats is None else (out, stats)
 
 
@@ -1833,7 +1853,7 @@ def _mass_hist_path(B: int, M: int) -> bool:
 def score_select_head_mass(q, block_table, num_blocks, budget, *, kind: str, mean=None,
                            kmin=None, kmax=None, channel_mask=None, scale: float,
                            init_window: int, local_window: int, width: int,
-                           return_mass: bool = False):
+                           return_mass: bool = False, mean_scale=None):
     """Same contract as :func:`ucm.reference.sparse.score_select_head_mass`: per-head
     :func:`score_blocks` then :func:`select_head_mass`, ``(sel, count)``. On the fused head-mass
     path (:data:`SCORE_HEAD_STATS`) the scoring launch also writes the log-sum-exp statistics
@@ -1843,7 +1863,8 @@ def score_select_head_mass(q, block_table, num_blocks, budget, *, kind: str, mea
     B, M = block_table.shape
     fold = (SCORE_HEAD_STATS and bool(SCORE_LOOP_STAGES) and kind in ("mean", "quest")
             and _mass_hist_path(B, M))
-    reprs = dict(mean=mean, kmin=kmin, kmax=kmax, channel_mask=channel_mask)
+    reprs = dict(mean=mean, kmin=kmin, kmax=kmax, channel_mask=channel_mask,
+                 mean_scale=mean_scale)
     if fold:
         per_head, stats = score_blocks(q, block_table, num_blocks, kind=kind, reduce="none",
                                        head_stats_scale=scale, **reprs)
