@@ -25,7 +25,6 @@ reference), not made here: these figures say whether it is worth it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -33,19 +32,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
 
+from benchmarks.gpu_diag import BS, HKV, D, graph_us as bench, header, make_case, \
+    write_json  # noqa: E402
 from ucm.fast.triton import sparse as tri  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
 
-HQ, HKV, D, BS, G = 32, 8, 128, 16, 4
+G = 4
 RATIO, STRIDE, INIT, LOCAL = 0.2, 8, 1, 4
-
-
-def bench(fn) -> float:
-    """Median microseconds of a CUDA graph replay."""
-    return 1e3 * float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
 def main() -> int:
@@ -57,9 +51,7 @@ def main() -> int:
                     help="also time the int8 scoring and step over scoring launch shapes")
     args = ap.parse_args()
     dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(5)
-    report = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
-              "torch": torch.__version__, "shapes": {}, "read_ceiling_us": {}}
+    report = header(shapes={}, read_ceiling_us={})
     for mb in (16, 32, 64, 107, 215, 537):
         x = torch.empty(mb * 1000 * 1000 // 2, dtype=torch.bfloat16, device=dev).normal_()
         report["read_ceiling_us"][mb] = us = bench(lambda: x.sum())
@@ -69,13 +61,8 @@ def main() -> int:
     side = torch.cuda.Stream()
     for batch, tokens in ((1, 131072), (8, 32768)):
         m = tokens // BS
-        n_phys = batch * m + 64
-        k = torch.randn(n_phys, BS, HKV, D, generator=gen, device=dev).to(torch.bfloat16)
-        v = torch.randn(n_phys, BS, HKV, D, generator=gen, device=dev).to(torch.bfloat16)
-        q = torch.randn(batch, HQ, D, generator=gen, device=dev).to(torch.bfloat16)
-        table = torch.randperm(n_phys, generator=gen, device=dev)[:batch * m].to(
-            torch.int32).reshape(batch, m)
-        lens = torch.full((batch,), tokens, dtype=torch.int32, device=dev)
+        q, k, v, table, lens = make_case(batch, tokens, seed=5)
+        n_phys = k.shape[0]
         nblk = torch.full((batch,), m, dtype=torch.int32, device=dev)
         ids = torch.arange(n_phys, dtype=torch.int32, device=dev)
         means = {}
@@ -210,9 +197,7 @@ def main() -> int:
               flush=True)
         del k, v, mean, means, qmean, qscale
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import sys
@@ -25,17 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
 
+from benchmarks.gpu_diag import BS, HKV, D, graph_us as bench, header, make_case, \
+    write_json  # noqa: E402
 from ucm.fast.triton import sparse as tri  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
-
-HQ, HKV, D, BS = 32, 8, 128, 16
-
-
-def bench(fn) -> float:
-    """Median microseconds of a CUDA graph replay."""
-    return 1e3 * float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
 @triton.jit
@@ -67,17 +60,11 @@ def main() -> int:
     args = ap.parse_args()
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(3)
-    report = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
-              "torch": torch.__version__, "rows": [], "ceilings": {}}
+    report = header(rows=[], ceilings={})
     scale = D ** -0.5
     for batch, tokens in ((1, 131072), (8, 32768)):
         m = tokens // BS
-        n_phys = batch * m + 64
-        k = torch.randn(n_phys, BS, HKV, D, generator=gen, device=dev).to(torch.bfloat16)
-        v = torch.randn(n_phys, BS, HKV, D, generator=gen, device=dev).to(torch.bfloat16)
-        q = torch.randn(batch, HQ, D, generator=gen, device=dev).to(torch.bfloat16)
-        table = torch.randperm(n_phys, generator=gen, device=dev)[:batch * m].to(
-            torch.int32).reshape(batch, m)
+        q, k, v, table, lens = make_case(batch, tokens, seed=3)
         keep = math.ceil(0.2 * m)
         rows_t = []
         for b in range(batch):
@@ -90,8 +77,7 @@ def main() -> int:
         kv_bytes = 2 * batch * keep * BS * HKV * D * 2
         want = ops.paged_decode_attention(q.float(), k.float(), v.float(), t20, n20,
                                           backend="reference")
-        dense_us = bench(lambda: tri.decode(q, k, v, table, torch.full(
-            (batch,), tokens, dtype=torch.int32, device=dev), scale))
+        dense_us = bench(lambda: tri.decode(q, k, v, table, lens, scale))
         report["ceilings"][shape] = ceil = {"dense_us": dense_us, "kv_bytes_20pct": kv_bytes}
         default_us = bench(lambda: tri.decode(q, k, v, t20, n20, scale))
         ceil["default_us"] = default_us
@@ -145,9 +131,7 @@ def main() -> int:
             f"{r['grain']} s={r['num_splits']}x{r['split_tokens']} t={r['tile']} w={r['warps']} "
             f"ve={int(r['v_early'])}: {r['us']:.1f}" for r in best), flush=True)
     bad = [r for r in report["rows"] if "error" in r or (r.get("rel_err") or 0) >= 1e-2]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return 1 if bad else 0
 
 

@@ -13,7 +13,6 @@ blocks instead of scattered ones. First checks the 20% attention against the ref
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -22,24 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
 
+from benchmarks.gpu_diag import BS, HKV, HQ, D, graph_us as bench, header, make_case, \
+    noop_kernel, write_json  # noqa: E402
 from ucm.fast.triton import sparse as tri  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
-
-HQ, HKV, D, BS = 32, 8, 128, 16
-
-
-def bench(fn) -> float:
-    """Median microseconds of a CUDA graph replay."""
-    return 1e3 * float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
-
-
-@triton.jit
-def _noop(x_ptr):
-    pid = tl.program_id(0)
-    tl.store(x_ptr + pid, pid)
 
 
 def main() -> int:
@@ -50,15 +36,9 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(3)
     tokens = 131072
     m = tokens // BS
-    n_phys = m + 64
-    k = torch.randn(n_phys, BS, HKV, D, generator=gen, device=dev).to(torch.bfloat16)
-    v = torch.randn(n_phys, BS, HKV, D, generator=gen, device=dev).to(torch.bfloat16)
-    q = torch.randn(1, HQ, D, generator=gen, device=dev).to(torch.bfloat16)
-    table = torch.randperm(n_phys, generator=gen, device=dev)[:m].to(torch.int32)[None]
-    lens = torch.tensor([tokens], dtype=torch.int32, device=dev)
+    q, k, v, table, lens = make_case(1, tokens, seed=3)
     scale = D ** -0.5
-    report = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
-              "torch": torch.__version__}
+    report = header()
 
     def sparse_table(frac: float, consecutive: bool = False):
         keep = max(2, math.ceil(frac * m))
@@ -121,14 +101,12 @@ def main() -> int:
         opart, lse, out, *out.stride(), splits, HQ=HQ, D=D, DPAD=D,
         SPAD=triton.next_power_of_2(splits), num_warps=4))
     x = torch.zeros(1024, dtype=torch.int32, device=dev)
-    parts["two_noop_kernels"] = bench(lambda: (_noop[(132,)](x), _noop[(132,)](x)))
-    parts["one_noop_kernel"] = bench(lambda: _noop[(132,)](x))
+    parts["two_noop_kernels"] = bench(lambda: (noop_kernel[(132,)](x), noop_kernel[(132,)](x)))
+    parts["one_noop_kernel"] = bench(lambda: noop_kernel[(132,)](x))
     report["parts_us"] = parts
     for name, us in parts.items():
         print(f"{name}: {us:.1f} us", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return 0
 
 

@@ -18,7 +18,6 @@ two costs any redesign trades in, as CUDA graph replays (median, microseconds):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -28,23 +27,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
 
+from benchmarks.gpu_diag import BS, HKV, D, graph_us as bench, header, make_case, \
+    noop_kernel, write_json  # noqa: E402
 from ucm.fast.triton import sparse as tri  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
-
-HQ, HKV, D, BS = 32, 8, 128, 16
-
-
-def bench(fn) -> float:
-    """Median microseconds of a CUDA graph replay."""
-    return 1e3 * float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
-
-
-@triton.jit
-def _noop(x_ptr):
-    pid = tl.program_id(0)
-    tl.store(x_ptr + pid, pid)
 
 
 @triton.jit
@@ -73,11 +60,10 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = "cuda"
-    report = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
-              "torch": torch.__version__, "launches_us": {}, "barriers_us": {}, "parts_us": {}}
+    report = header(launches_us={}, barriers_us={}, parts_us={})
     x = torch.zeros(4096, dtype=torch.int32, device=dev)
     for n in range(1, 7):
-        report["launches_us"][n] = us = bench(lambda: [_noop[(132,)](x) for _ in range(n)])
+        report["launches_us"][n] = us = bench(lambda: [noop_kernel[(132,)](x) for _ in range(n)])
         print(f"{n} trivial launches: {us:.2f} us", flush=True)
     bar = torch.zeros(2, dtype=torch.int32, device=dev)
     out = torch.zeros(1024, dtype=torch.int32, device=dev)
@@ -92,14 +78,10 @@ def main() -> int:
             report["barriers_us"][f"{progs}x{rounds}"] = dict(us=us, ok=ok)
             print(f"{progs} programs, {rounds} barriers: {us:.2f} us (ok {ok})", flush=True)
 
-    gen = torch.Generator(device=dev).manual_seed(9)
     tokens = 131072
     m = tokens // BS
-    n_phys = m + 64
-    k = torch.randn(n_phys, BS, HKV, D, generator=gen, device=dev).to(torch.bfloat16)
-    q = torch.randn(1, HQ, D, generator=gen, device=dev).to(torch.bfloat16)
-    table = torch.randperm(n_phys, generator=gen, device=dev)[:m].to(torch.int32)[None]
-    lens = torch.tensor([tokens], dtype=torch.int32, device=dev)
+    q, k, _, table, lens = make_case(1, tokens, seed=9)
+    n_phys = k.shape[0]
     nblk = torch.tensor([m], dtype=torch.int32, device=dev)
     ids = torch.arange(n_phys, dtype=torch.int32, device=dev)
     scale = D ** -0.5
@@ -150,9 +132,7 @@ def main() -> int:
     for n, v in sorted(report["kernel_us"].items(), key=lambda kv: -kv[1]["mean"]):
         print(f"kernel {n[:60]}: {v['mean']:.2f} us x {v['calls'] / reps:.0f} per re-selection",
               flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     bad = [k_ for k_, v in report["barriers_us"].items() if not v["ok"]]
     return 1 if bad else 0
 

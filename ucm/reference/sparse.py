@@ -59,11 +59,9 @@ def quantize_rows(x: torch.Tensor):
     return torch.where(scale[..., None] > 0, q, 0.0).to(torch.int8), scale.contiguous()
 
 
-def dequantized(table: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """A summary table as float32: ``table * scale`` for int8 tables (``scale`` per row, see
-    :func:`quantize_rows`), else ``table`` as it is."""
-    if scale is None:
-        return table
+def dequantized(table: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An int8 summary table as float32: ``table * scale`` (``scale`` per row, see
+    :func:`quantize_rows`)."""
     return table.float() * scale.float()[..., None]
 
 

@@ -948,13 +948,10 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
     cmask = dummy if channel_mask is None else channel_mask.contiguous().view(torch.uint8)
     spad = _p2(G)
     tile = score_tile(B, M, spad, dev)
-    quant = kind == "mean" and mean_scale is not None
     ieee = interpreting() or not (q.dtype == torch.bfloat16
                                   and rep_a.dtype in (torch.bfloat16, torch.int8))
-    if quant:
-        pipe_q = dict(scale_ptr=mean_scale.contiguous(), QUANT=True)
-    else:
-        pipe_q = {}
+    # an int8 mean (validated: only kind "mean" takes a scale)
+    pipe_q = {} if mean_scale is None else dict(scale_ptr=mean_scale.contiguous(), QUANT=True)
     kern = _score_dot_pipe_kernel if SCORE_LOOP_STAGES else _score_dot_kernel
     pipe = dict(LOOP_STAGES=SCORE_LOOP_STAGES) if SCORE_LOOP_STAGES else {}
     nt = triton.cdiv(M, tile)
