@@ -306,6 +306,59 @@ def test_sub_blocks_one_op_call_per_layer(monkeypatch, method):
     assert half._tables[1]["mean" if method != "quest" else "kmax"].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("method", ["esa", "kvstar", "adaptive"])
+def test_int8_mean_tables(method):
+    """sparse_repr_dtype='int8': the mean table holds int8 rows with one float32 scale each,
+    exactly quantize_rows of the float32 table the same method keeps without it; the planted
+    blocks are still found; ESA's selection equals the float32 selection on the dequantized
+    table (so the scales reach the scoring). 'auto' picks int8 only for a bfloat16 cache on a
+    GPU; Quest's bounds keep the cache's precision."""
+    k = cache(seed=11)
+    table, lens = tables([64 * BS + 4, 48 * BS], seed=12)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(13))
+    hot = {0: [9, 25, 40], 1: [5, 17, 33]}
+    for b in (0, 1):
+        plant(k, table, b, hot[b], q)
+    opts = dict(sparse_ratio=0.125, sparse_repr_group=4, retrieval_stride=1)
+    m8, m32 = make(method, sparse_repr_dtype="int8", **opts), make(method, **opts)
+    outs = []
+    for m in (m8, m32):
+        m.request_begin("a", 1), m.request_begin("b", 1)
+        m.step_begin()
+        outs.append(m.attention_begin(1, ["a", "b"], q, k, table, lens))
+    t8, t32 = m8._tables[1], m32._tables[1]
+    assert t8["mean"].dtype == torch.int8 and t8["mean_scale"].shape == t8["mean"].shape[:-1]
+    used = table[table > 0].long().unique()
+    want_q, want_s = ops.quantize_rows(t32["mean"][used])
+    full = [int(table[b, j]) for b in (0, 1) for j in range(int(lens[b]) // BS)]
+    full = torch.tensor(sorted(full))
+    if method != "adaptive":     # adaptive also keeps partial last blocks current: compare full
+        used = full
+        want_q, want_s = ops.quantize_rows(t32["mean"][used])
+    assert torch.equal(t8["mean"][used], want_q) and torch.equal(t8["mean_scale"][used], want_s)
+    for b in (0, 1):
+        assert set(hot[b]) <= set(check_selection(m8, table, lens, outs[0], b)), (method, b)
+    if method == "esa":
+        deq = {"mean": t8["mean"].float() * t8["mean_scale"][..., None]}
+        n = torch.tensor([math.ceil(int(x) / BS) for x in lens], dtype=torch.int32)
+        budget = torch.tensor([m8.budget(int(x)) for x in n], dtype=torch.int32)
+        sel, count = m32.score_pick_by_mass(q, table, n, budget, "mean", deq)
+        want = ops.sparse_block_table(table, lens, sel, count, BS)
+        assert torch.equal(outs[0][0], want[0]) and torch.equal(outs[0][1], want[1])
+    auto = make(method)
+    assert auto.repr_dtype(torch.bfloat16, "cuda:0", "mean") == torch.int8
+    assert auto.repr_dtype(torch.bfloat16, "cpu", "mean") == torch.bfloat16
+    assert auto.repr_dtype(torch.float32, "cuda:0", "mean") == torch.float32
+    assert m8.repr_dtype(torch.float32, "cpu", "mean") == torch.int8
+    assert m8.repr_dtype(torch.bfloat16, "cuda:0", "kmin") == torch.bfloat16
+    quest = make("quest", sparse_repr_dtype="int8")
+    quest.request_begin("a", 1)
+    quest.attention_begin(1, ["a"], q[:1], k, table[:1], lens[:1])
+    assert quest._tables[1]["kmin"].dtype == torch.float32 and "mean_scale" not in quest._tables[1]
+    with pytest.raises(ValueError, match="sparse_repr_dtype"):
+        make(method, sparse_repr_dtype="int4")
+
+
 def test_quest_per_kv_head_selects_each_heads_blocks():
     """per_kv_head=True: each KV head keeps the blocks its own queries point at (planted per KV
     head), tables [B, Hkv, K] / lengths [B, Hkv] that paged_decode_attention takes; a short row

@@ -452,15 +452,20 @@ def test_select_hist_triton_identical(triton_ready, monkeypatch, bins, listed, b
     assert _hist_scratch_zeroed(tri)
 
 
-@pytest.mark.parametrize("bins,listed", [(4, 16), (4, 0), (12, 64)],
-                         ids=["bins16-list", "bins16-search", "bins4096-list"])
-def test_select_head_mass_triton(triton_ready, monkeypatch, bins, listed):
+@pytest.mark.parametrize("bins,listed,span", [(4, 16, 0), (4, 0, 0), (12, 64, 0), (4, 16, 16),
+                                              (12, 64, 8)],
+                         ids=["bins16-list", "bins16-search", "bins4096-list",
+                              "bins16-list-parts16", "bins4096-list-parts8"])
+def test_select_head_mass_triton(triton_ready, monkeypatch, bins, listed, span):
     """The fused head mass + histogram selection: the mass it writes == softmax over blocks per
     head, averaged (float32 rounding), and its selection == the reference's on that mass; with
-    integer-spaced per-head scores (many equal masses) == the reference op end to end."""
+    integer-spaced per-head scores (many equal masses) == the reference op end to end. With
+    LSE_SPAN the per-head statistics come in parts (some of them all -inf past a short row's
+    end) that the head-mass launch combines."""
     from ucm.fast.triton import sparse as tri
 
-    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed).items():
+    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed,
+                            LSE_SPAN=span, LSE_CHUNK=8).items():
         monkeypatch.setattr(tri, name, value)
     g = gen(33)
     B, H, M = 3, 6, 45
@@ -962,6 +967,64 @@ def test_quantize_rows_reference():
         ops.score_blocks(q, table, nblk, kind="quest", kmin=qm, kmax=qm)
     with pytest.raises(ValueError, match="x: expected dtype"):
         ops.quantize_rows(qm)
+
+
+def _int8_reprs_case(seed, bs=16, G=4, dtype=torch.float32):
+    g = gen(seed)
+    _, k, _, _, _ = paged_case(g, Hkv=2, D=16, bs=bs, dtype=dtype, layout="strided")
+    ids = torch.tensor([2, 11, 4, 7, 0], dtype=torch.int64, device=DEV)
+    ntok = torch.tensor([bs, 2, 1, bs - 1, bs // 2 + 1], dtype=torch.int32, device=DEV)
+    n = k.shape[0]
+    int8 = dict(mean=torch.full((n, G, 2, 16), 99, dtype=torch.int8, device=DEV),
+                mean_scale=torch.full((n, G, 2), -1.0, device=DEV))
+    return k, ids, ntok, int8
+
+
+def test_update_block_reprs_int8_reference():
+    """An int8 mean table: each listed row is quantize_rows of the float32 mean the float path
+    writes (values and scales exactly), other rows untouched; 3-D tables likewise; a scale
+    without an int8 table, an int8 table without scales, int8 bounds: clear errors."""
+    k, ids, ntok, t8 = _int8_reprs_case(91)
+    ref = _sub_tables(k.shape[0], 4, 2, 16, 2)
+    ops.update_block_reprs(k, ids, ntok, mean=ref["mean"], backend="reference")
+    ops.update_block_reprs(k, ids, ntok, backend="reference", **t8)
+    want_q, want_s = ops.quantize_rows(ref["mean"][ids])
+    assert torch.equal(t8["mean"][ids], want_q) and torch.equal(t8["mean_scale"][ids], want_s)
+    assert (want_q.abs().amax(-1) == 127).all()                    # rows use the full range
+    rest = [i for i in range(k.shape[0]) if i not in ids.tolist()]
+    assert (t8["mean"][rest] == 99).all() and (t8["mean_scale"][rest] == -1).all()
+    flat = dict(mean=torch.zeros(k.shape[0], 2, 16, dtype=torch.int8),
+                mean_scale=torch.zeros(k.shape[0], 2))
+    k1, ids1, ntok1, _ = _int8_reprs_case(92, bs=4, G=1)
+    ref1 = torch.zeros(k1.shape[0], 2, 16)
+    ops.update_block_reprs(k1, ids1, ntok1, mean=ref1, backend="reference")
+    ops.update_block_reprs(k1, ids1, ntok1, backend="reference", **flat)
+    assert torch.equal(flat["mean"][ids1], ops.quantize_rows(ref1[ids1])[0])
+    with pytest.raises(ValueError, match="mean_scale: required"):
+        ops.update_block_reprs(k, ids, ntok, mean=t8["mean"])
+    with pytest.raises(ValueError, match="mean_scale: required"):
+        ops.update_block_reprs(k, ids, ntok, mean=ref["mean"], mean_scale=t8["mean_scale"])
+    with pytest.raises(ValueError, match="mean_scale: expected shape"):
+        ops.update_block_reprs(k, ids, ntok, mean=t8["mean"], mean_scale=t8["mean_scale"][:, :2])
+    with pytest.raises(ValueError, match="kmin: expected dtype"):
+        ops.update_block_reprs(k, ids, ntok, kmin=t8["mean"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_block_reprs_int8_triton(triton_ready, dtype):
+    """The Triton kernel's int8 rows and scales == the reference's (a value may differ by one
+    step only where the float32 means differ in their last bit), with codes and bounds in the
+    same call."""
+    k, ids, ntok, want = _int8_reprs_case(93, dtype=dtype)
+    _, _, _, got = _int8_reprs_case(93, dtype=dtype)
+    extra = {name: _sub_tables(k.shape[0], 4, 2, 16, 2)[name] for name in ("kmin", "codes")}
+    proj = rand((16, 64), gen(94))
+    ops.update_block_reprs(k, ids, ntok, backend="reference", **want)
+    ops.update_block_reprs(k, ids, ntok, backend="triton", proj=proj, **extra, **got)
+    assert torch.allclose(got["mean_scale"], want["mean_scale"], rtol=1e-6, atol=0)
+    diff = (got["mean"].int() - want["mean"].int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
+    assert not torch.isnan(extra["kmin"][ids]).any() and (extra["codes"][ids] != 7).any()
 
 
 @pytest.mark.parametrize("rows", [None, 16, "unrolled"], ids=["rows_default", "rows_16", "unrolled"])

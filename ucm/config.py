@@ -211,6 +211,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("sparse_repr_group", "int", 4, "Tokens per sub-block summary of ESA/KVStar/Quest "
            "(a block scores as its best sub-block; a divisor of the block size); 0 or >= the "
            "block size = one summary per block.", min=0),
+    Option("sparse_repr_dtype", "str", "auto", "dtype of the mean-key summary tables (ESA, "
+           "KVStar, adaptive): 'int8' keeps int8 rows with one float32 scale per row (half the "
+           "bytes of bfloat16 for scoring to read; measured to cost no accuracy); 'bfloat16' or "
+           "'float32' as named; 'auto' = int8 for a bfloat16 cache on a GPU, else the cache's "
+           "precision (bfloat16 for bfloat16, float32 otherwise). Quest's min/max bounds and "
+           "GSA's hash codes keep their own dtypes.",
+           choices=("auto", "int8", "bfloat16", "float32")),
     Option("sparse_per_kv_head", "bool", False, "Each KV head selects its own blocks (Quest): "
            "needs an attention kernel that takes one block table per KV head (ucm.sparse.ops "
            "does; the vLLM-CPU hook does not and refuses it)."),

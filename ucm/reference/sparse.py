@@ -86,10 +86,12 @@ def sub_block_keys(keys: torch.Tensor, num_tokens: torch.Tensor, G: int):
 def update_block_reprs(k_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: torch.Tensor,
                        *, mean: Optional[torch.Tensor] = None, kmin: Optional[torch.Tensor] = None,
                        kmax: Optional[torch.Tensor] = None, codes: Optional[torch.Tensor] = None,
-                       proj: Optional[torch.Tensor] = None) -> None:
+                       proj: Optional[torch.Tensor] = None,
+                       mean_scale: Optional[torch.Tensor] = None) -> None:
     """Write mean / kmin / kmax / codes rows of the listed physical blocks in place, over each
     block's first ``num_tokens[i]`` tokens, per sub-block when the tables are
-    ``[num_blocks, G, Hkv, X]`` (:func:`sub_block_keys`; 3-D tables: ``G = 1``)."""
+    ``[num_blocks, G, Hkv, X]`` (:func:`sub_block_keys`; 3-D tables: ``G = 1``). An int8 ``mean``
+    gets :func:`quantize_rows` of the float32 means, their scales going to ``mean_scale``."""
     if block_ids.numel() == 0:
         return
     given = [t for t in (mean, kmin, kmax, codes) if t is not None]
@@ -98,7 +100,11 @@ def update_block_reprs(k_cache: torch.Tensor, block_ids: torch.Tensor, num_token
     sub, live = sub_block_keys(k_cache[ids].float(), num_tokens, G)   # [N, G, t, Hkv, D]
     count = live.sum(2).float()                                        # [N, G, 1, 1]
     sub_mean = torch.where(live, sub, 0.0).sum(2) / count              # [N, G, Hkv, D]
-    if mean is not None:
+    if mean is not None and mean_scale is not None:
+        values, scales = quantize_rows(sub_mean)
+        grouped(mean)[ids] = values
+        (mean_scale if mean_scale.dim() == 3 else mean_scale.unsqueeze(1))[ids] = scales
+    elif mean is not None:
         grouped(mean)[ids] = sub_mean.to(mean.dtype)
     if kmin is not None:
         grouped(kmin)[ids] = torch.where(live, sub, float("inf")).amin(2).to(kmin.dtype)

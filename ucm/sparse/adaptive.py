@@ -34,8 +34,8 @@ class Adaptive(SparseMethod):
 
     def estimated_mass(self, q, block_table, seq_lens, num_blocks, tables) -> torch.Tensor:
         """float32 ``[b, M]``: estimated softmax mass per block, averaged over query heads."""
-        per_head = ops.score_blocks(q, block_table, num_blocks, kind="mean", mean=tables["mean"],
-                                    reduce="none")                          # [b, Hq, M]
+        per_head = ops.score_blocks(q, block_table, num_blocks, kind="mean", reduce="none",
+                                    **self.score_tables("mean", tables))    # [b, Hq, M]
         b, _, M = per_head.shape
         bs = self.block_size
         j = torch.arange(M, device=q.device)[None, :]

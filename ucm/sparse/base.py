@@ -33,7 +33,10 @@ What the base class does, so that a method only has to say how it scores blocks:
   sub-blocks (inside the op): a tighter Quest bound and a sharper mean key. The default is 4;
   ``0`` (or a group >= the block size) keeps one summary per block (``G = 1``).
 * **Table dtype.** bfloat16 when the cache is bfloat16 (scoring reads half the bytes; summaries
-  are computed in float32 and stored rounded), else float32.
+  are computed in float32 and stored rounded), else float32. ``sparse_repr_dtype`` = ``int8``
+  keeps the ``mean`` table as int8 rows with one float32 scale per row (``mean_scale``, from
+  :func:`ucm.sparse.ops.update_block_reprs`; half a bfloat16 table's bytes); its default
+  ``auto`` does so for a bfloat16 cache on a GPU, where scoring is bound by reading the table.
 * **Selection to table.** :meth:`SparseMethod.select` returns logical block indexes (as
   :func:`ucm.sparse.ops.select_blocks` does); :func:`ucm.sparse.ops.sparse_block_table` turns
   them into the table and lengths the attention kernel reads.
@@ -180,25 +183,39 @@ class SparseMethod:
         return n >= self.min_blocks and self.budget(n) < n
 
     # representations ------------------------------------------------------------------------
-    def repr_dtype(self, cache_dtype: torch.dtype) -> torch.dtype:
-        """dtype of the mean / kmin / kmax tables for a cache of ``cache_dtype``."""
-        return torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float32
+    def repr_dtype(self, cache_dtype: torch.dtype, device=None, kind: str = "kmin") -> torch.dtype:
+        """dtype of the ``kind`` table (mean / kmin / kmax) for a cache of ``cache_dtype`` on
+        ``device``: ``sparse_repr_dtype`` for ``mean`` (int8 under ``auto`` for a bfloat16 cache
+        on a GPU), the cache's precision (bfloat16 or float32) otherwise."""
+        floating = torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float32
+        if kind != "mean":
+            return floating
+        want = self.config["sparse_repr_dtype"]
+        if want == "auto":
+            gpu = device is not None and torch.device(device).type == "cuda"
+            return torch.int8 if gpu and floating == torch.bfloat16 else floating
+        return {"int8": torch.int8, "bfloat16": torch.bfloat16, "float32": torch.float32}[want]
 
     def _layer_tables(self, layer: int, k_cache: torch.Tensor) -> dict:
         """The representation tables of ``layer``, (re)allocated for the cache's block count."""
         tables = self._tables[layer]
         nb, _, hkv, d = k_cache.shape
-        dtype = self.repr_dtype(k_cache.dtype)
-        if tables is None or tables["num_blocks"] != nb or tables["device"] != k_cache.device \
-                or tables["dtype"] != dtype:
-            dev = k_cache.device
-            tables = {"num_blocks": nb, "device": dev, "dtype": dtype}
+        dev = k_cache.device
+        dtypes = {kind: self.repr_dtype(k_cache.dtype, dev, kind) for kind in self.reprs
+                  if kind != "codes"}
+        if tables is None or tables["num_blocks"] != nb or tables["device"] != dev \
+                or tables["dtypes"] != dtypes:
+            tables = {"num_blocks": nb, "device": dev, "dtypes": dtypes}
             for kind in self.reprs:
                 if kind == "codes":
                     tables[kind] = torch.zeros(nb, self.groups, hkv, self._proj.shape[1] // 32,
                                                dtype=torch.int32, device=dev)
                 else:
-                    tables[kind] = torch.zeros(nb, self.groups, hkv, d, dtype=dtype, device=dev)
+                    tables[kind] = torch.zeros(nb, self.groups, hkv, d, dtype=dtypes[kind],
+                                               device=dev)
+            if dtypes.get("mean") == torch.int8:   # one float32 scale per int8 row
+                tables["mean_scale"] = torch.zeros(nb, self.groups, hkv, dtype=torch.float32,
+                                                   device=dev)
             self._tables[layer] = tables
             for st in self._requests.values():   # a new cache: every block is new
                 st.done.pop(layer, None)
@@ -225,7 +242,8 @@ class SparseMethod:
         dev = k_cache.device
         ids = torch.tensor(list(todo), dtype=torch.int64, device=dev)
         ntok = torch.tensor(list(todo.values()), dtype=torch.int64, device=dev)
-        rows = {k: tables[k] for k in ("mean", "kmin", "kmax", "codes") if k in tables}
+        rows = {k: tables[k] for k in ("mean", "kmin", "kmax", "codes", "mean_scale")
+                if k in tables}
         ops.update_block_reprs(k_cache, ids, ntok, **rows,
                                proj=self._proj if "codes" in tables else None)
         return tables
@@ -322,22 +340,27 @@ class SparseMethod:
         """``pick_by_mass(score_per_head(...), ...)`` as one op
         (:func:`ucm.sparse.ops.score_select_head_mass`: on CUDA the scoring launch also writes the
         per-head log-sum-exp that the head mass needs)."""
-        reprs = ({"mean": tables["mean"]} if kind == "mean"
-                 else {"kmin": tables["kmin"], "kmax": tables["kmax"]})
         return ops.score_select_head_mass(q, block_table, num_blocks, budget, kind=kind,
                                           channel_mask=channel_mask,
                                           scale=1.0 / math.sqrt(self.head_dim),
                                           init_window=self.init_window,
-                                          local_window=self.local_window, **reprs)
+                                          local_window=self.local_window,
+                                          **self.score_tables(kind, tables))
 
     def score_per_head(self, q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor,
                        kind: str, tables: dict, channel_mask: Optional[torch.Tensor] = None):
         """Per-head block scores ``[b, Hq, M]`` (one :func:`ucm.sparse.ops.score_blocks` call,
         ``kind`` "mean" or "quest"): the maximum over the block's sub-block summaries."""
-        reprs = ({"mean": tables["mean"]} if kind == "mean"
-                 else {"kmin": tables["kmin"], "kmax": tables["kmax"]})
         return ops.score_blocks(q, block_table, num_blocks, kind=kind, channel_mask=channel_mask,
-                                reduce="none", **reprs)
+                                reduce="none", **self.score_tables(kind, tables))
+
+    @staticmethod
+    def score_tables(kind: str, tables: dict) -> dict:
+        """The tables a ``kind`` ("mean" or "quest") scoring call takes, as keyword arguments
+        (an int8 ``mean`` with its ``mean_scale``)."""
+        if kind != "mean":
+            return {"kmin": tables["kmin"], "kmax": tables["kmax"]}
+        return {"mean": tables["mean"], "mean_scale": tables.get("mean_scale")}
 
     def pick_per_kv_head(self, scores: torch.Tensor, num_blocks: torch.Tensor,
                          budget: torch.Tensor):

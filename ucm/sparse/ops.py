@@ -215,7 +215,8 @@ def hash_codes(x, proj, *, backend: Optional[str] = None) -> torch.Tensor:
 
 
 def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, kmax=None,
-                       codes=None, proj=None, backend: Optional[str] = None) -> None:
+                       codes=None, proj=None, mean_scale=None,
+                       backend: Optional[str] = None) -> None:
     """Write the representations of the listed physical blocks in place.
 
     k_cache: ``[num_blocks, block_size, Hkv, D]`` (any strides); block_ids: int32/int64 ``[N]``
@@ -226,7 +227,9 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
     At least one of mean/kmin/kmax/codes. Sub-block summaries: every given table
     ``[num_blocks, G, Hkv, X]`` (one ``G``, dividing block_size): row ``g`` summarises tokens
     ``[g t, (g + 1) t)`` (``t = block_size // G``) cut at ``num_tokens``; a sub-block with no valid
-    token repeats the last one that has some.
+    token repeats the last one that has some. ``mean`` may be int8, with ``mean_scale`` float32
+    ``mean.shape[:-1]``: each row is stored as :func:`quantize_rows` rounds the float32 mean
+    (what :func:`score_blocks` takes with ``mean_scale``).
     """
     k = _cache(k_cache)
     nb, bs, Hkv, D = k.shape
@@ -239,7 +242,9 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
     groups = None
     for name, t in (("mean", mean), ("kmin", kmin), ("kmax", kmax)):
         if t is not None:
-            groups = _sub_table(t, name, REPR_DTYPES, dev, nb, Hkv, D, groups)[1]
+            dtypes = REPR_DTYPES + ((torch.int8,) if name == "mean" else ())
+            groups = _sub_table(t, name, dtypes, dev, nb, Hkv, D, groups)[1]
+    _quant_scale(mean, mean_scale, dev)
     if codes is not None:
         if proj is None:
             raise ValueError("proj: required with codes (codes hash the block mean)")
@@ -257,7 +262,19 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
             "block_ids: duplicate ids": (torch.sort(ids).values.diff() == 0).any(),
         })
     dispatch.call("update_block_reprs", k, ids, ntok, mean=mean, kmin=kmin, kmax=kmax, codes=codes,
-                  proj=proj, backend=backend)
+                  proj=proj, mean_scale=mean_scale, backend=backend)
+
+
+def _quant_scale(mean, mean_scale, dev, kind: str = "mean") -> None:
+    """``mean_scale`` comes exactly with an int8 ``mean``: float32, one scale per row."""
+    quantized = kind == "mean" and mean is not None and mean.dtype == torch.int8
+    if quantized != (mean_scale is not None):
+        raise ValueError("mean_scale: required with an int8 mean table (one float32 scale per "
+                         "row, from quantize_rows) and only then"
+                         + ("" if kind == "mean" else f"; kind={kind!r} takes none"))
+    if quantized:
+        _tensor(mean_scale, "mean_scale", (torch.float32,), mean.ndim - 1, dev)
+        _shape(mean_scale, "mean_scale", tuple(mean.shape[:-1]), "one scale per row of mean")
 
 
 def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj, channel_mask,
@@ -289,14 +306,7 @@ def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj,
         for name in needed:  # kmin and kmax: one dtype, one shape
             _tensor(given[name], name, (first.dtype,), first.ndim, dev)
             _sub_table(given[name], name, (first.dtype,), dev, n_phys, Hkv, D, groups)
-    quantized = kind == "mean" and mean.dtype == torch.int8
-    if quantized != (mean_scale is not None):
-        raise ValueError("mean_scale: required with an int8 mean table (one float32 scale per "
-                         "row, from quantize_rows) and only then"
-                         + ("" if kind == "mean" else f"; kind={kind!r} takes none"))
-    if quantized:
-        _tensor(mean_scale, "mean_scale", (torch.float32,), mean.ndim - 1, dev)
-        _shape(mean_scale, "mean_scale", tuple(mean.shape[:-1]), "one scale per row of mean")
+    _quant_scale(mean, mean_scale, dev, kind)
     if n_phys < 1 or Hkv < 1:
         raise ValueError(f"{needed[0]}: expected at least one block and one KV head")
     _heads(Hq, Hkv, "q")

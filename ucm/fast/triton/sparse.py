@@ -506,11 +506,14 @@ def hash_codes(x, proj):
 def _reprs_kernel(k_ptr, ids_ptr, ntok_ptr, mean_ptr, kmin_ptr, kmax_ptr, listed_ptr,
                   sk_n, sk_t, sk_h, sk_d, HKV: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
                   T: tl.constexpr, TPAD: tl.constexpr, G: tl.constexpr, DO_MEAN: tl.constexpr,
-                  DO_MIN: tl.constexpr, DO_MAX: tl.constexpr, DO_LISTED: tl.constexpr):
+                  DO_MIN: tl.constexpr, DO_MAX: tl.constexpr, DO_LISTED: tl.constexpr,
+                  scale_ptr=None, QUANT: tl.constexpr = False):
     """Block ``ids[i]``, KV head ``g``, sub-block ``s`` (tokens ``[s T, (s + 1) T)``, or the last
     sub-block holding valid tokens when ``s T >= ntok[i]``): mean / min / max over its valid
     tokens into row ``(ids[i], s, g)`` of the ``[num_blocks, G, HKV, D]`` tables; DO_LISTED also
-    writes the mean to row ``(i, s, g)`` of ``listed [N, G, HKV, D]``."""
+    writes the mean to row ``(i, s, g)`` of ``listed [N, G, HKV, D]``. QUANT: the mean row is
+    stored as int8 with its float32 scale in ``scale [num_blocks, G, HKV]``, as
+    :func:`ucm.reference.sparse.quantize_rows` rounds it."""
     i = tl.program_id(0)
     g = tl.program_id(1)
     sub = tl.program_id(2)
@@ -527,7 +530,15 @@ def _reprs_kernel(k_ptr, ids_ptr, ntok_ptr, mean_ptr, kmin_ptr, kmax_ptr, listed
                    mask=live, other=0.0).to(tl.float32)
     row = ((blk * G + sub) * HKV + g) * D + d
     mean = tl.sum(keys, 0) / tl.minimum(n - src * T, T).to(tl.float32)
-    if DO_MEAN:
+    if DO_MEAN and QUANT:
+        amax = tl.max(tl.where(dmask, tl.abs(mean), 0.0), 0)
+        scale = amax / 127.0
+        safe = tl.where(scale > 0, scale, 1.0)
+        qv = tl.minimum(tl.maximum(tl.floor(mean / safe + 0.5), -127.0), 127.0)
+        qv = tl.where(scale > 0, qv, 0.0)
+        tl.store(mean_ptr + row, qv.to(tl.int8), mask=dmask)
+        tl.store(scale_ptr + (blk * G + sub) * HKV + g, scale)
+    elif DO_MEAN:
         tl.store(mean_ptr + row, mean, mask=dmask)
     if DO_MIN:
         tl.store(kmin_ptr + row, tl.min(tl.where(live, keys, float("inf")), 0), mask=dmask)
@@ -544,7 +555,7 @@ def _groups_of(*tables) -> int:
 
 
 def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, kmax=None,
-                       codes=None, proj=None) -> None:
+                       codes=None, proj=None, mean_scale=None) -> None:
     """Same contract as :func:`ucm.reference.sparse.update_block_reprs`; asynchronous."""
     n = block_ids.shape[0]
     if n == 0:
@@ -554,16 +565,17 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
     T = bs // G
     dummy = torch.empty(1, dtype=torch.float32, device=k_cache.device)
     tables = []
-    for t in (mean, kmin, kmax):  # written through flat row indexes: need contiguity
+    for t in (mean, kmin, kmax, mean_scale):  # written through flat row indexes: need contiguity
         tables.append(None if t is None else (t if t.is_contiguous() else t.contiguous()))
     listed = None if codes is None else torch.empty(n, G, Hkv, D, dtype=torch.float32,
                                                     device=k_cache.device)
     _jit(_reprs_kernel)[(n, Hkv, G)](
-        k_cache, block_ids, num_tokens, *(dummy if t is None else t for t in tables),
+        k_cache, block_ids, num_tokens, *(dummy if t is None else t for t in tables[:3]),
         dummy if listed is None else listed, *k_cache.stride(),
         HKV=Hkv, D=D, DPAD=_p2(D, 16), T=T, TPAD=_p2(T), G=G, DO_MEAN=mean is not None,
-        DO_MIN=kmin is not None, DO_MAX=kmax is not None, DO_LISTED=listed is not None)
-    for given, used in zip((mean, kmin, kmax), tables):
+        DO_MIN=kmin is not None, DO_MAX=kmax is not None, DO_LISTED=listed is not None,
+        scale_ptr=dummy if mean_scale is None else tables[3], QUANT=mean_scale is not None)
+    for given, used in zip((mean, kmin, kmax, mean_scale), tables):
         if given is not None and used is not given:
             given.copy_(used)
     if codes is not None:
@@ -1200,19 +1212,28 @@ SELECT_COMPACT_TILE = 1024
 
 
 def _lse_bounds_kernel(x_ptr, stat_ptr, M, scale_log2, CHUNK: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """Row ``program_id(0)`` of ``x [rows, M]`` (``c = scale_log2``): ``stat[row] = (log2 sum_j
-    2 ** (c x_j), max_j c x_j, min_j c x_j over the entries above -inf)``."""
+                       PDL: tl.constexpr = False, SPAN: tl.constexpr = 0):
+    """Row ``program_id(0)`` of ``x [rows, M]`` (``c = scale_log2``), entries ``[s SPAN, (s + 1)
+    SPAN)`` for ``s = program_id(1)`` (``SPAN`` 0: the whole row, one program per row):
+    ``stat[row, s] = (log2 sum_j 2 ** (c x_j), max_j c x_j, min_j c x_j over the entries above
+    -inf)`` (``-inf, -inf, inf`` for a part with none); :func:`_mass_hist_kernel` combines the
+    parts of a row."""
     if PDL:  # programmatic dependent launch: wait for the previous grid, let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    lo = part * SPAN
+    if SPAN > 0:
+        hi = tl.minimum(lo + SPAN, M)
+    else:
+        hi = M
     c = tl.arange(0, CHUNK)
     m_i = tl.full([CHUNK], float("-inf"), tl.float32)
     l_i = tl.zeros([CHUNK], tl.float32)
     n_i = tl.full([CHUNK], float("inf"), tl.float32)
-    for j0 in range(0, M, CHUNK):
-        x = tl.load(x_ptr + row * M + j0 + c, mask=j0 + c < M, other=float("-inf")) * scale_log2
+    for j0 in range(lo, hi, CHUNK):
+        x = tl.load(x_ptr + row * M + j0 + c, mask=j0 + c < hi, other=float("-inf")) * scale_log2
         m_new = tl.maximum(m_i, x)
         safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         l_i = l_i * tl.exp2(m_i - safe) + tl.exp2(x - safe)
@@ -1221,9 +1242,10 @@ def _lse_bounds_kernel(x_ptr, stat_ptr, M, scale_log2, CHUNK: tl.constexpr,
     m = tl.max(m_i, 0)
     safe = tl.where(m_i > float("-inf"), m_i, m)
     total = tl.sum(tl.where(m_i > float("-inf"), l_i * tl.exp2(safe - m), 0.0), 0)
-    tl.store(stat_ptr + row * 3, m + tl.log2(total))
-    tl.store(stat_ptr + row * 3 + 1, m)
-    tl.store(stat_ptr + row * 3 + 2, tl.min(n_i, 0))
+    out = (row * tl.num_programs(1) + part) * 3
+    tl.store(stat_ptr + out, tl.where(total > 0, m + tl.log2(total), float("-inf")))
+    tl.store(stat_ptr + out + 1, m)
+    tl.store(stat_ptr + out + 2, tl.min(n_i, 0))
 
 
 def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, lcnt_ptr, M,
@@ -1231,12 +1253,14 @@ def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, lc
                       scale_log2, HQ: tl.constexpr, HPAD: tl.constexpr, T: tl.constexpr,
                       MASS: tl.constexpr, INIT: tl.constexpr, LW: tl.constexpr,
                       NB: tl.constexpr, LOG_NB: tl.constexpr, PDL: tl.constexpr = False,
-                      BOUNDED: tl.constexpr = False):
+                      BOUNDED: tl.constexpr = False, PARTS: tl.constexpr = 1,
+                      PPAD: tl.constexpr = 1):
     """Blocks ``[c T, (c + 1) T)`` of request ``b``: add each candidate (not forced, below
     ``nblk[b]``) to its bin of the row's ``NB``-bin histogram (global atomics).
 
     MASS: the row is the head mass of per-head scores ``x [B, HQ, M]``, ``mean_h 2 ** (c x_hj -
-    lse_h)`` (``stat`` from :func:`_lse_bounds_kernel`), written to ``mass [B, M]``; its bins
+    lse_h)`` (``stat [B, HQ, PARTS, 3]`` from :func:`_lse_bounds_kernel`, each head's ``PARTS``
+    parts combined here), written to ``mass [B, M]``; its bins
     split ``[lo, hi]`` evenly on the order-preserving int32 image ``u``, where ``lo`` / ``hi``
     are the head mass of each head's lowest / highest score (bounds of the row, up to rounding;
     values outside land in the end bins). Else the row is ``x [B, M]`` (strides ``sx``) and the
@@ -1255,14 +1279,29 @@ def _mass_hist_kernel(x_ptr, stat_ptr, mass_ptr, nblk_ptr, hist_ptr, prm_ptr, lc
     if MASS:
         h = tl.arange(0, HPAD)
         hm = h < HQ
-        lse = tl.load(stat_ptr + (b * HQ + h) * 3, mask=hm, other=0.0)
+        if PARTS == 1:
+            lse = tl.load(stat_ptr + (b * HQ + h) * 3, mask=hm, other=0.0)
+            mx = tl.load(stat_ptr + (b * HQ + h) * 3 + 1, mask=hm, other=0.0)
+            mn = tl.load(stat_ptr + (b * HQ + h) * 3 + 2, mask=hm, other=0.0)
+        else:  # combine each head's parts (log2-sum-exp of log2-sum-exps, max, min)
+            pp = tl.arange(0, PPAD)
+            pm = hm[:, None] & (pp < PARTS)[None, :]
+            src = ((b * HQ + h[:, None]) * PARTS + pp[None, :]) * 3
+            pl = tl.load(stat_ptr + src, mask=pm, other=float("-inf"))
+            top = tl.max(pl, 1)
+            tsafe = tl.where(top > float("-inf"), top, 0.0)
+            lse = tsafe + tl.log2(tl.sum(tl.where(pl > float("-inf"),
+                                                  tl.exp2(pl - tsafe[:, None]), 0.0), 1))
+            lse = tl.where(hm, lse, 0.0)
+            mx = tl.where(hm, tl.max(tl.load(stat_ptr + src + 1, mask=pm, other=float("-inf")),
+                                     1), 0.0)
+            mn = tl.where(hm, tl.min(tl.load(stat_ptr + src + 2, mask=pm, other=float("inf")),
+                                     1), 0.0)
         x = tl.load(x_ptr + (b * HQ + h[:, None]) * M + j[None, :],
                     mask=hm[:, None] & inside[None, :], other=float("-inf"))
         p = tl.where(hm[:, None], tl.exp2(x * scale_log2 - lse[:, None]), 0.0)
         s = tl.sum(p, 0) / HQ
         tl.store(mass_ptr + b * M + j, s, mask=inside)
-        mx = tl.load(stat_ptr + (b * HQ + h) * 3 + 1, mask=hm, other=0.0)
-        mn = tl.load(stat_ptr + (b * HQ + h) * 3 + 2, mask=hm, other=0.0)
         hi = tl.sum(tl.where(hm, tl.exp2(mx - lse), 0.0), 0) / HQ
         lo = tl.sum(tl.where(hm, tl.exp2(mn - lse), 0.0), 0) / HQ
         hi = tl.where(hi != hi, float("-inf"), hi)
@@ -1556,7 +1595,8 @@ def _hist_scratch(device: torch.device, n: int) -> torch.Tensor:
 def _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window, width,
                  block_table=None, seq_lens=None, block_size=1):
     """The histogram selection: ``x`` the scores ``[B, M]`` (``stats`` None) or per-head scores
-    ``[B, H, M]`` with their :func:`_lse_bounds_kernel` stats (the row is then their head mass).
+    ``[B, H, M]`` with their :func:`_lse_bounds_kernel` stats ``[B, H, 3]`` or, in parts,
+    ``[B, H, parts, 3]`` (the row is then their head mass).
     Returns ``(sel, count[, table, lens], mass)`` (``mass`` None for plain scores)."""
     mass_mode = stats is not None
     if mass_mode:
@@ -1587,11 +1627,12 @@ def _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window,
         stats = torch.empty(B, 1, 3, dtype=torch.float32, device=dev)
         _jit(_lse_bounds_kernel)[(B,)](x.contiguous(), stats, M, 1.0,
                                        CHUNK=min(_p2(LSE_CHUNK), mpad), num_warps=LSE_WARPS, **pdl)
+    parts = stats.shape[2] if mass_mode and stats.dim() == 4 else 1
     _jit(_mass_hist_kernel)[(B, triton.cdiv(M, t))](
         x, stats if stats is not None else dummy, mass if mass_mode else dummy, num_blocks, hist,
         prm, lcnt, M, *sx, scale * LOG2E, HQ=H, HPAD=_p2(H), T=t, MASS=mass_mode,
         INIT=init_window, LW=lw, NB=nb, LOG_NB=SELECT_HIST_BITS, BOUNDED=bounded, num_warps=4,
-        **pdl)
+        PARTS=parts, PPAD=_p2(parts), **pdl)
     src = mass if mass_mode else x
     tc = min(_p2(SELECT_HIST_SPAN, 16), mpad)
     nprog = triton.cdiv(M, tc)
@@ -1798,9 +1839,12 @@ def head_mass(per_head: torch.Tensor, scale: float) -> torch.Tensor:
     return out
 
 
-#: :func:`_lse_bounds_kernel` launch: elements per step, warps.
+#: :func:`_lse_bounds_kernel` launch: elements per step, warps; LSE_SPAN: each head's row cut
+#: into parts of this many entries, one program each, combined by the head-mass launch (0: one
+#: program per head over its whole row, as before session 10).
 LSE_CHUNK = 4096
 LSE_WARPS = 8
+LSE_SPAN = 0
 
 
 def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float,
@@ -1821,11 +1865,15 @@ def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float
     if _mass_hist_path(B, M):
         stats = head_stats
         if stats is None:  # else the scoring launch wrote them (score_blocks' head_stats_scale)
-            stats = torch.empty(B, H, 3, dtype=torch.float32, device=x.device)
-            _jit(_lse_bounds_kernel)[(B * H,)](x, stats, M, scale * LOG2E,
-                                               CHUNK=min(_p2(LSE_CHUNK), _p2(M, 16)),
-                                               num_warps=LSE_WARPS,
-                                               **_pdl_launch(_select_pdl(x.device)))
+            span = LSE_SPAN if 0 < LSE_SPAN < M else 0
+            parts = triton.cdiv(M, span) if span else 1
+            stats = torch.empty(B, H, parts, 3, dtype=torch.float32, device=x.device)
+            chunk = min(_p2(LSE_CHUNK), _p2(span or M, 16))
+            _jit(_lse_bounds_kernel)[(B * H, parts)](x, stats, M, scale * LOG2E, CHUNK=chunk,
+                                                     num_warps=LSE_WARPS if not span else
+                                                     max(1, min(LSE_WARPS, chunk // 128)),
+                                                     SPAN=span,
+                                                     **_pdl_launch(_select_pdl(x.device)))
         out = _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window, width,
                            block_table, seq_lens, block_size)
     else:
