@@ -19,10 +19,14 @@ run, with CUDA events (``triton.testing.do_bench``, median; "graph": replays of 
     selection, selection with the table folded in, table, attention variants;
 (e) per decode step, the shipped configurations: ESA at ``retrieval_stride`` 1 and 8 and Quest
     (every step); one graph holds one scoring + selection and ``stride`` attentions, divided by
-    ``stride``. Variants: "method" (what ``ucm.sparse`` computes on CUDA: per-head scores, the
-    fused head mass + selection of ``select_head_mass``, table kernel, attention), "fast" (the
-    table folded into the selection), "sum" (scores summed over heads in the kernel, no head
-    mass); suffixes: "_s5" (session 5's code path: PyTorch head mass for "method", the two-launch
+    ``stride``. Variants: "method" (what ``ucm.sparse``'s ESA computes on CUDA when every row
+    re-selects: ``score_select_head_mass`` with ``seq_lens``, i.e. per-head scores, the fused
+    head mass + selection writing the attention's table in its last launch, then the
+    attention; before session 10 it ran the table kernel after the selection, now "method_table"),
+    "method_async" (ESA with ``esa_async_retrieval``: the re-selection on a second stream beside
+    the step's first attention, which reads the previous table; the new table from the next step
+    on), "fast" (scores, then ``select_head_mass`` with the table folded in), "sum" (scores
+    summed over heads in the kernel, no head mass); suffixes: "_s5" (session 5's code path: PyTorch head mass for "method", the two-launch
     Triton head mass for "fast", pairwise / single-program selection, no histogram selection,
     the unrolled scoring loop, no programmatic dependent launch), "_nodpdl" (this code without
     programmatic dependent launch on the decode launches), "_fused" (merge folded into the
@@ -88,6 +92,10 @@ STRIDE = 8
 #: 16-token block, bfloat16 tables (what the methods keep for a bfloat16 cache).
 GROUPS = 4
 TABLE_DTYPE = torch.bfloat16
+#: ESA's mean table: int8 rows with per-row float32 scales, what the methods keep for a bfloat16
+#: cache on a GPU (``sparse_repr_dtype`` auto, since session 10; Quest's bounds stay
+#: TABLE_DTYPE). torch.bfloat16: the tables of sessions 4-9.
+MEAN_DTYPE = torch.int8
 
 
 def make_case(batch: int, tokens: int, seed: int, dev: str = DEV):
@@ -482,12 +490,17 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
     t4 = {n: torch.empty(k.shape[0], GROUPS, HKV, D, dtype=TABLE_DTYPE, device=DEV)
           for n in ("mean", "kmin", "kmax")}
     tri.update_block_reprs(k, ids, torch.full_like(ids, BS), **t4)
+    esa_tables = dict(mean=t4["mean"])
+    if MEAN_DTYPE == torch.int8:
+        esa_tables = dict(mean=torch.empty(k.shape[0], GROUPS, HKV, D, dtype=torch.int8, device=DEV),
+                          mean_scale=torch.empty(k.shape[0], GROUPS, HKV, device=DEV))
+        tri.update_block_reprs(k, ids, torch.full_like(ids, BS), **esa_tables)
     mean1 = torch.empty(k.shape[0], HKV, D, dtype=TABLE_DTYPE, device=DEV)
     tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=mean1)
     budget_n = math.ceil(RATIO * n_blocks)
     budget = torch.full((batch,), budget_n, dtype=torch.int32, device=DEV)
     width = ops.select_width(n_blocks, budget_n, INIT_WINDOW, LOCAL_WINDOW)
-    kinds = {"esa": ("mean", dict(mean=t4["mean"])),
+    kinds = {"esa": ("mean", esa_tables),
              "quest": ("quest", dict(kmin=t4["kmin"], kmax=t4["kmax"]))}
 
     def scorer(method, reduce="none"):
@@ -654,13 +667,30 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         score = scorer(method, "sum" if variant == "sum" else "none")
 
         def steps():
-            if variant == "method" and not s5 and not nofold:
+            if variant in ("method", "method_table", "method_async") and not s5 and not nofold:
                 kind, kw = kinds[method]
-                chosen, cnt = tri.score_select_head_mass(
-                    q, table, nblk, budget, kind=kind, scale=scale, init_window=INIT_WINDOW,
-                    local_window=LOCAL_WINDOW, width=width, **kw)
-                t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
-                for _ in range(stride):
+                fold = {} if variant == "method_table" else dict(seq_lens=lens, block_size=BS)
+                first = 0
+                if variant == "method_async":   # beside the first attention, on a second stream
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        _, _, t, n = tri.score_select_head_mass(
+                            q, table, nblk, budget, kind=kind, scale=scale,
+                            init_window=INIT_WINDOW, local_window=LOCAL_WINDOW, width=width,
+                            **kw, **fold)
+                    o = tri.decode(q, k, v, stab, slens, scale, fused_merge=fused)
+                    torch.cuda.current_stream().wait_stream(side)
+                    first = 1
+                elif fold:
+                    _, _, t, n = tri.score_select_head_mass(
+                        q, table, nblk, budget, kind=kind, scale=scale, init_window=INIT_WINDOW,
+                        local_window=LOCAL_WINDOW, width=width, **kw, **fold)
+                else:
+                    chosen, cnt = tri.score_select_head_mass(
+                        q, table, nblk, budget, kind=kind, scale=scale, init_window=INIT_WINDOW,
+                        local_window=LOCAL_WINDOW, width=width, **kw)
+                    t, n = tri.sparse_block_table(table, lens, chosen, cnt, BS)
+                for _ in range(stride - first):
                     o = tri.decode(q, k, v, t, n, scale, fused_merge=fused)
                 return o
             s = score()
@@ -693,9 +723,13 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
 
     configs = [("esa", 1), ("esa", STRIDE), ("quest", 1)]
     per_step = {}
+    side = torch.cuda.Stream() if DEV == "cuda" else None   # ESA's asynchronous retrieval
     for method, stride in configs:
-        for variant in ("method", "fast", "sum", "method_s5", "fast_s5", "sum_s5",
+        for variant in ("method", "method_table", "method_async", "fast", "sum", "method_s5",
+                        "fast_s5", "sum_s5",
                         "method_nodpdl", "fast_nodpdl", "sum_nodpdl"):
+            if variant == "method_async" and (method != "esa" or side is None):
+                continue
             name = f"{method}_stride{stride}_{variant}"
             try:
                 per_step[name] = bench(step_fn(method, stride, variant), graph=True) / stride
@@ -706,8 +740,9 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
 
     # the bytes each step must move at least: the selected K/V, plus the tables over the stride
     sel_kv = kv_bytes * budget_n / n_blocks
-    table_bytes = {m: batch * n_blocks * GROUPS * HKV * D * 2 * (2 if m == "quest" else 1)
-                   for m in ("esa", "quest")}
+    row_bytes = {"esa": D + 4 if MEAN_DTYPE == torch.int8 else 2 * D,   # int8 + its scale
+                 "quest": 2 * 2 * D}
+    table_bytes = {m: batch * n_blocks * GROUPS * HKV * row_bytes[m] for m in ("esa", "quest")}
     floors = {f"{m}_stride{s}": kv_bytes / (sel_kv + table_bytes[m] / s) for m, s in configs}
 
     sweeps = {}
@@ -776,7 +811,7 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
         tri.SELECT_WARPS = None
 
     def sparse_public():
-        s = ops.score_blocks(q, table, nblk, kind="mean", reduce="none", mean=t4["mean"])
+        s = ops.score_blocks(q, table, nblk, kind="mean", reduce="none", **esa_tables)
         chosen, cnt = ops.select_blocks(torch.softmax(s * scale, -1).mean(1), nblk, budget_n,
                                         init_window=INIT_WINDOW, local_window=LOCAL_WINDOW)
         t, n = ops.sparse_block_table(table, lens, chosen, cnt, BS)
@@ -794,6 +829,7 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                 sdpa=sdpa, copy=copy, sparse_public_ops_esa_stride1=public,
                 sparse_parts_graph=parts_graph, sparse_per_step_graph=per_step),
         sweeps_graph_ms=sweeps, stride=STRIDE, groups=GROUPS, table_dtype=str(TABLE_DTYPE),
+        esa_mean_dtype=str(MEAN_DTYPE),
         head_mass_triton_vs_torch_selection_agreement=head_mass_agreement,
         sdpa_backend=sdpa_name, sdpa_backends_ms=sdpa_all, dense_vs_sdpa_rel_err=sdpa_err,
         sparse_budget_blocks=budget_n, sparse_blocks=n_blocks,
@@ -854,7 +890,8 @@ def main() -> int:
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, block_size=BS, dtype=str(DTYPE),
                              sparse_ratio=RATIO, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
-                             repr_groups=GROUPS, table_dtype=str(TABLE_DTYPE)),
+                             repr_groups=GROUPS, table_dtype=str(TABLE_DTYPE),
+                             esa_mean_dtype=str(MEAN_DTYPE)),
                   command=" ".join(sys.argv))
     t0 = time.time()
     if not check(report):

@@ -14,13 +14,16 @@ the attention. This script times, as CUDA graph replays (median, microseconds pe
 - the serial step on int8 G = 4 means with per-row scales (``ops.quantize_rows``; half the
   scoring bytes), its selection checked against the reference's on the same int8 table and
   compared with the bfloat16 table's;
+- with ``--select-sweep``, the int8 step over the selection's knobs (per-head log-sum-exp in
+  parts ``LSE_SPAN`` and its warps, 16,384 or 4,096 histogram bins), each selection checked
+  against the reference's first;
 - the dense attention, and a contiguous read (``sum``) of several sizes: the read ceiling as a
   function of bytes, which bounds the sparse attention.
 
 An ESA that applies each new selection one step later is a change of the method (and of its
 reference), not made here: these figures say whether it is worth it.
 
-    PYTHONPATH=. python3 benchmarks/sparse_async_select.py [--json PATH] [--groups 4,2]
+    PYTHONPATH=. python3 benchmarks/sparse_async_select.py [--json PATH] [--groups 4,2] [--select-sweep]
 """
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ def main() -> int:
                     "4,2 (G = 2 in bf16 reads the bytes of 8-bit G = 4 tables)")
     ap.add_argument("--int8-sweep", action="store_true",
                     help="also time the int8 scoring and step over scoring launch shapes")
+    ap.add_argument("--select-sweep", action="store_true",
+                    help="also time the int8 step over selection knobs (log-sum-exp in parts "
+                    "LSE_SPAN, its warps, histogram bins), each checked against the reference")
     args = ap.parse_args()
     dev = "cuda"
     report = header(shapes={}, read_ceiling_us={})
@@ -131,8 +137,11 @@ def main() -> int:
                 return attend(*tri.sparse_block_table(table, lens, sel, count, BS), STRIDE)
             row[f"serial_step_g{g}_us"] = us = bench(serial_g) / STRIDE
             row[f"dense_over_serial_step_g{g}"] = dense / us
-        # int8 G = 4 means with per-row scales (ops.quantize_rows): what the methods would keep
-        qmean, qscale = ops.quantize_rows(mean)
+        # int8 G = 4 means with per-row scales, as the methods keep them (update_block_reprs
+        # quantizes the float32 sub-block means; sparse_repr_dtype auto on a GPU)
+        qmean = torch.empty(n_phys, G, HKV, D, dtype=torch.int8, device=dev)
+        qscale = torch.empty(n_phys, G, HKV, dtype=torch.float32, device=dev)
+        tri.update_block_reprs(k, ids, torch.full_like(ids, BS), mean=qmean, mean_scale=qscale)
 
         def serial_int8():
             sel, count = tri.score_select_head_mass(
@@ -172,6 +181,32 @@ def main() -> int:
             row["dense_over_serial_step_int8_fast_bins12"] = dense / us
         finally:
             tri.SELECT_HIST_BITS = bits
+        if args.select_sweep:  # selection knobs on the int8 step, "method" path and "fast"
+            saved = {name: getattr(tri, name) for name in ("LSE_SPAN", "LSE_SPAN_WARPS",
+                                                           "SELECT_HIST_BITS")}
+            for span, warps, bits_ in ((0, 8, 14), (2048, 8, 14), (1024, 8, 14), (1024, 4, 14),
+                                       (512, 4, 14), (256, 2, 14), (0, 8, 12), (1024, 4, 12),
+                                       (512, 4, 12), (256, 2, 12)):
+                tri.LSE_SPAN, tri.LSE_SPAN_WARPS, tri.SELECT_HIST_BITS = span, warps, bits_
+                key = f"span{span}_warps{warps}_bits{bits_}"
+                got = tri.score_select_head_mass(q, table, nblk, budget, kind="mean",
+                                                 scale=scale, init_window=INIT,
+                                                 local_window=LOCAL, width=width, mean=qmean,
+                                                 mean_scale=qscale)
+                row[f"sel_{key}_equals_reference"] = ok = bool(
+                    torch.equal(ref_int8[0], got[0]) and torch.equal(ref_int8[1], got[1]))
+                if not ok:
+                    print(f"{key}: selection differs from the reference", flush=True)
+                    return 1
+                row[f"sel_{key}_step_us"] = bench(serial_int8) / STRIDE
+                row[f"sel_{key}_fast_step_us"] = bench(serial_int8_fast) / STRIDE
+                row[f"sel_{key}_reselect_us"] = bench(lambda: tri.sparse_block_table(
+                    table, lens, *tri.score_select_head_mass(
+                        q, table, nblk, budget, kind="mean", scale=scale, init_window=INIT,
+                        local_window=LOCAL, width=width, mean=qmean, mean_scale=qscale), BS))
+            for name, value in saved.items():
+                setattr(tri, name, value)
+            row["dense_us_after_sweep"] = bench(lambda: tri.decode(q, k, v, table, lens, scale))
         if args.int8_sweep:  # scoring launch shapes for the int8 table (half the bytes per row)
             saved = (tri.SCORE_ROWS, tri.SCORE_PROGRAMS_PER_SM, tri.SCORE_LOOP_STAGES,
                      tri.SCORE_WARPS)

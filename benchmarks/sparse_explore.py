@@ -9,6 +9,8 @@ the documents with :func:`benchmarks.sparse_quality.summarize`. Variants:
 * ``quest`` / ``esa1`` (ESA re-selecting every step, to isolate its scoring) / ``kvstar`` /
   ``esa``, with ``sparse_repr_group`` 0 (no suffix: one summary per block) or ``:g8`` / ``:g4`` /
   ``:g2`` / ``:g1`` (summaries of 8 / 4 / 2 / 1 tokens; a block scores as its best sub-block);
+* ``esa-async``: ESA (stride 8) with ``esa_async_retrieval`` (each re-selection attended from
+  the next decode step on);
 * ``quest-kvhead``: each KV head its own top-``budget`` blocks (harness only: a vLLM request has
   one block table for all heads, so this measures what the shared selection costs);
 * ``quest-prev``: the blocks selected at the previous step are scored by the exact attention
@@ -162,6 +164,8 @@ def _build(name: str, opt: str, ratio: float, shape: dict):
            "sparse_repr_group": int(opt.lstrip("g")) if opt else 0}
     if name == "esa1":
         return ucm.sparse.create(dict(cfg, retrieval_stride=1), method="esa", **shape)
+    if name == "esa-async":    # stride 8, each re-selection attended from the next step on
+        return ucm.sparse.create(dict(cfg, esa_async_retrieval=True), method="esa", **shape)
     if name == "quest-kvhead":
         return QuestPerKVHead(cfg, **shape)
     if name == "quest-prev":

@@ -991,12 +991,12 @@ def test_update_block_reprs_int8_reference():
     want_q, want_s = ops.quantize_rows(ref["mean"][ids])
     assert torch.equal(t8["mean"][ids], want_q) and torch.equal(t8["mean_scale"][ids], want_s)
     assert (want_q.abs().amax(-1) == 127).all()                    # rows use the full range
-    rest = [i for i in range(k.shape[0]) if i not in ids.tolist()]
+    rest = torch.tensor([i for i in range(k.shape[0]) if i not in ids.tolist()], device=DEV)
     assert (t8["mean"][rest] == 99).all() and (t8["mean_scale"][rest] == -1).all()
-    flat = dict(mean=torch.zeros(k.shape[0], 2, 16, dtype=torch.int8),
-                mean_scale=torch.zeros(k.shape[0], 2))
     k1, ids1, ntok1, _ = _int8_reprs_case(92, bs=4, G=1)
-    ref1 = torch.zeros(k1.shape[0], 2, 16)
+    flat = dict(mean=torch.zeros(k1.shape[0], 2, 16, dtype=torch.int8, device=DEV),
+                mean_scale=torch.zeros(k1.shape[0], 2, device=DEV))
+    ref1 = torch.zeros(k1.shape[0], 2, 16, device=DEV)
     ops.update_block_reprs(k1, ids1, ntok1, mean=ref1, backend="reference")
     ops.update_block_reprs(k1, ids1, ntok1, backend="reference", **flat)
     assert torch.equal(flat["mean"][ids1], ops.quantize_rows(ref1[ids1])[0])
@@ -1059,6 +1059,18 @@ def test_int8_mean_scores_triton(triton_ready, monkeypatch, rows):
         want = ops.score_select_head_mass(*args, backend="reference", **kw)
         got = ops.score_select_head_mass(*args, backend="triton", **kw)
         assert torch.equal(want[1], got[1]) and torch.equal(want[0], got[0]), G
+        # with seq_lens: the attention's table too, == sparse_block_table of the selection
+        lens = (nblk.long() * bs - 1).to(torch.int32)
+        for backend in ("reference", "triton"):
+            sel, count, t_, n_ = ops.score_select_head_mass(*args, backend=backend, seq_lens=lens,
+                                                            block_size=bs, **kw)
+            assert torch.equal(sel, want[0]) and torch.equal(count, want[1]), backend
+            wt, wn = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
+            assert torch.equal(t_[:, :wt.shape[1]], wt) and torch.equal(n_, wn), backend
+        with pytest.raises(ValueError, match="seq_lens, block_size"):
+            ops.score_select_head_mass(*args, seq_lens=lens, **kw)
+        with pytest.raises(ValueError, match="must equal num_blocks"):
+            ops.score_select_head_mass(*args, seq_lens=lens + bs, block_size=bs, **kw)
 
 
 @pytest.mark.parametrize("group", [1, 2, 32], ids=["groups_of_1", "groups_of_2", "one_group"])

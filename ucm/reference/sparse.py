@@ -215,13 +215,19 @@ def score_select_head_mass(q: torch.Tensor, block_table: torch.Tensor, num_block
                            kmin: Optional[torch.Tensor] = None, kmax: Optional[torch.Tensor] = None,
                            channel_mask: Optional[torch.Tensor] = None, scale: float,
                            init_window: int, local_window: int, width: int,
-                           mean_scale: Optional[torch.Tensor] = None):
+                           mean_scale: Optional[torch.Tensor] = None,
+                           seq_lens: Optional[torch.Tensor] = None,
+                           block_size: Optional[int] = None):
     """:func:`select_head_mass` on the per-head :func:`score_blocks` (``kind`` "mean" or
-    "quest")."""
+    "quest"); with ``seq_lens`` and ``block_size`` also :func:`sparse_block_table` of the
+    selection: ``(sel, count, table, lens)``."""
     per_head = score_blocks(q, block_table, num_blocks, kind=kind, mean=mean, kmin=kmin, kmax=kmax,
                             channel_mask=channel_mask, reduce="none", mean_scale=mean_scale)
-    return select_head_mass(per_head, num_blocks, budget, scale=scale, init_window=init_window,
-                            local_window=local_window, width=width)
+    sel, count = select_head_mass(per_head, num_blocks, budget, scale=scale,
+                                  init_window=init_window, local_window=local_window, width=width)
+    if seq_lens is None:
+        return sel, count
+    return (sel, count) + sparse_block_table(block_table, seq_lens, sel, count, block_size)
 
 
 def sparse_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,

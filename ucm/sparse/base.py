@@ -287,11 +287,14 @@ class SparseMethod:
             tables = self._update_reprs(layer, sub_states, k_cache, rows_list, [lens[i] for i in rows])
         n_t = torch.tensor([nblocks[i] for i in rows], dtype=torch.int32, device=dev)
         budget = torch.tensor([self.budget(nblocks[i]) for i in rows], dtype=torch.int32, device=dev)
-        sel, count = self.select(layer, sub_states, q[ri], k_cache, sub_table, sub_lens, n_t, budget,
-                                 tables)
+        picked = self.select(layer, sub_states, q[ri], k_cache, sub_table, sub_lens, n_t, budget,
+                             tables)
+        sel, count = picked[:2]
         for st in sub_states:
             st.calls[layer] = st.calls.get(layer, 0) + 1
-        if sel.dim() == 3:   # per KV head: one table per (row, KV head)
+        if len(picked) == 4:  # the selection op also wrote the attention's table
+            t_sparse, l_sparse = picked[2:]
+        elif sel.dim() == 3:   # per KV head: one table per (row, KV head)
             b_, H_, K_ = sel.shape
             t_sparse, l_sparse = ops.sparse_block_table(
                 sub_table.repeat_interleave(H_, 0), sub_lens.repeat_interleave(H_),
@@ -318,7 +321,9 @@ class SparseMethod:
                budget: torch.Tensor, tables: Optional[dict]):
         """Logical blocks for the sparse rows: ``(sel int32 [b, K], count int32 [b])`` as
         :func:`ucm.sparse.ops.select_blocks` returns them (increasing, padded with -1, the
-        windows and the last block included). ``tables`` holds this layer's representations."""
+        windows and the last block included), optionally followed by the attention's ``(table,
+        lens)`` for them when the selection op made it (:func:`ucm.sparse.ops.sparse_block_table`
+        of the selection). ``tables`` holds this layer's representations."""
         raise NotImplementedError
 
     # helpers for subclasses -----------------------------------------------------------------
@@ -336,16 +341,18 @@ class SparseMethod:
 
     def score_pick_by_mass(self, q: torch.Tensor, block_table: torch.Tensor,
                            num_blocks: torch.Tensor, budget: torch.Tensor, kind: str,
-                           tables: dict, channel_mask: Optional[torch.Tensor] = None):
+                           tables: dict, channel_mask: Optional[torch.Tensor] = None,
+                           seq_lens: Optional[torch.Tensor] = None):
         """``pick_by_mass(score_per_head(...), ...)`` as one op
-        (:func:`ucm.sparse.ops.score_select_head_mass`: on CUDA the scoring launch also writes the
-        per-head log-sum-exp that the head mass needs)."""
+        (:func:`ucm.sparse.ops.score_select_head_mass`); with ``seq_lens`` also the attention's
+        table and lengths, ``(sel, count, table, lens)``."""
+        fold = {} if seq_lens is None else dict(seq_lens=seq_lens, block_size=self.block_size)
         return ops.score_select_head_mass(q, block_table, num_blocks, budget, kind=kind,
                                           channel_mask=channel_mask,
                                           scale=1.0 / math.sqrt(self.head_dim),
                                           init_window=self.init_window,
                                           local_window=self.local_window,
-                                          **self.score_tables(kind, tables))
+                                          **self.score_tables(kind, tables), **fold)
 
     def score_per_head(self, q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor,
                        kind: str, tables: dict, channel_mask: Optional[torch.Tensor] = None):

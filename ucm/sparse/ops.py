@@ -443,12 +443,15 @@ def select_head_mass(per_head, num_blocks, budget: Union[int, torch.Tensor], *, 
 def score_select_head_mass(q, block_table, num_blocks, budget: Union[int, torch.Tensor], *,
                            kind: str, mean=None, kmin=None, kmax=None, channel_mask=None,
                            scale: float, init_window: int, local_window: int,
-                           mean_scale=None, backend: Optional[str] = None):
+                           mean_scale=None, seq_lens=None, block_size: Optional[int] = None,
+                           backend: Optional[str] = None):
     """:func:`select_head_mass` on the per-head scores of :func:`score_blocks` (``reduce="none"``)
     as one op: ``(sel, count)``. kind: ``"mean"`` or ``"quest"``; the other arguments as those
-    two ops take them. The Triton implementation's scoring launch also writes the per-head
-    log-sum-exp the head mass needs (one launch fewer than the two ops) and selects exactly on
-    the head mass it computes (float32 rounding)."""
+    two ops take them. With ``seq_lens`` (int32 ``[B]``, ``ceil(seq_lens / block_size) ==
+    num_blocks``) and ``block_size``, also the attention's table: ``(sel, count, table, lens)``,
+    ``table, lens`` as :func:`sparse_block_table` makes them from ``block_table`` (the Triton
+    selection writes them in its last launch). The Triton implementation selects exactly on the
+    head mass it computes (float32 rounding)."""
     if kind not in ("mean", "quest"):
         raise ValueError(f"kind: expected 'mean' or 'quest', got {kind!r}")
     q, table, nblk = _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, None, None,
@@ -457,10 +460,21 @@ def score_select_head_mass(q, block_table, num_blocks, budget: Union[int, torch.
     scale = _scale_arg(scale)
     nblk, bud, init_window, local_window, width = _selection_args(q.device, B, M, nblk, budget,
                                                                   init_window, local_window)
+    fold = {}
+    if (seq_lens is None) != (block_size is None):
+        raise ValueError("seq_lens, block_size: give both (the attention's table is returned "
+                         "too) or neither")
+    if seq_lens is not None:
+        block_size = _int(block_size, "block_size", 1)
+        lens = _vector(seq_lens, "seq_lens", B, q.device)
+        nb = torch.div(lens.long() + block_size - 1, block_size, rounding_mode="floor")
+        _fail_if({"seq_lens: ceil(seq_lens / block_size) must equal num_blocks":
+                  (nb != nblk.long()).any()})
+        fold = dict(seq_lens=lens, block_size=block_size)
     return dispatch.call("score_select_head_mass", q, table, nblk, bud, kind=kind, mean=mean,
                          kmin=kmin, kmax=kmax, channel_mask=channel_mask, scale=scale,
                          init_window=init_window, local_window=local_window, width=width,
-                         mean_scale=mean_scale, backend=backend)
+                         mean_scale=mean_scale, backend=backend, **fold)
 
 
 def sparse_block_table(block_table, seq_lens, sel, count, block_size: int, *,

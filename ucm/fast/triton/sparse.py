@@ -1839,12 +1839,15 @@ def head_mass(per_head: torch.Tensor, scale: float) -> torch.Tensor:
     return out
 
 
-#: :func:`_lse_bounds_kernel` launch: elements per step, warps; LSE_SPAN: each head's row cut
-#: into parts of this many entries, one program each, combined by the head-mass launch (0: one
-#: program per head over its whole row, as before session 10).
+#: :func:`_lse_bounds_kernel` launch: elements per step, warps; LSE_SPAN: in the head-mass
+#: selection each head's row is cut into parts of this many entries, one program each (warps
+#: LSE_SPAN_WARPS), combined by the head-mass launch (0: one program per head over its whole row,
+#: as before session 10). H200, session 10 (1 x 128K, int8 tables, ESA stride 8, µs per step):
+#: span 0 / 2048 / 1024 / 512 / 256: 37.21 / 37.04 / 36.99 (4 warps) / 37.18 / 37.09.
 LSE_CHUNK = 4096
 LSE_WARPS = 8
-LSE_SPAN = 0
+LSE_SPAN = 1024
+LSE_SPAN_WARPS = 4
 
 
 def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float,
@@ -1870,8 +1873,8 @@ def select_head_mass(per_head: torch.Tensor, num_blocks, budget, *, scale: float
             stats = torch.empty(B, H, parts, 3, dtype=torch.float32, device=x.device)
             chunk = min(_p2(LSE_CHUNK), _p2(span or M, 16))
             _jit(_lse_bounds_kernel)[(B * H, parts)](x, stats, M, scale * LOG2E, CHUNK=chunk,
-                                                     num_warps=LSE_WARPS if not span else
-                                                     max(1, min(LSE_WARPS, chunk // 128)),
+                                                     num_warps=LSE_SPAN_WARPS if span
+                                                     else LSE_WARPS,
                                                      SPAN=span,
                                                      **_pdl_launch(_select_pdl(x.device)))
         out = _select_hist(x, stats, scale, num_blocks, budget, init_window, local_window, width,
@@ -1898,12 +1901,15 @@ def _mass_hist_path(B: int, M: int) -> bool:
 def score_select_head_mass(q, block_table, num_blocks, budget, *, kind: str, mean=None,
                            kmin=None, kmax=None, channel_mask=None, scale: float,
                            init_window: int, local_window: int, width: int,
-                           return_mass: bool = False, mean_scale=None):
+                           return_mass: bool = False, mean_scale=None, seq_lens=None,
+                           block_size=None):
     """Same contract as :func:`ucm.reference.sparse.score_select_head_mass`: per-head
     :func:`score_blocks` then :func:`select_head_mass`, ``(sel, count)``. On the fused head-mass
     path (:data:`SCORE_HEAD_STATS`) the scoring launch also writes the log-sum-exp statistics
     the selection needs, so the selection's own log-sum-exp launch is skipped. ``return_mass``:
-    the head mass appended (tests). Inputs as validated by
+    the head mass appended (tests). With ``seq_lens`` and ``block_size`` the attention's table
+    is written by the selection's last launch (:func:`select_head_mass` with ``block_table``):
+    ``(sel, count, table, lens)``. Inputs as validated by
     :func:`ucm.sparse.ops.score_select_head_mass`; asynchronous."""
     B, M = block_table.shape
     fold = (SCORE_HEAD_STATS and bool(SCORE_LOOP_STAGES) and kind in ("mean", "quest")
@@ -1916,6 +1922,8 @@ def score_select_head_mass(q, block_table, num_blocks, budget, *, kind: str, mea
     else:
         per_head, stats = score_blocks(q, block_table, num_blocks, kind=kind, reduce="none",
                                        **reprs), None
+    fold = {} if seq_lens is None else dict(block_table=block_table, seq_lens=seq_lens,
+                                            block_size=block_size)
     return select_head_mass(per_head, num_blocks, budget, scale=scale, init_window=init_window,
                             local_window=local_window, width=width, return_mass=return_mass,
-                            head_stats=stats)
+                            head_stats=stats, **fold)
