@@ -52,6 +52,10 @@ def main() -> int:
                     "4,2 (G = 2 in bf16 reads the bytes of 8-bit G = 4 tables)")
     ap.add_argument("--int8-sweep", action="store_true",
                     help="also time the int8 scoring and step over scoring launch shapes")
+    ap.add_argument("--async-sweep", action="store_true",
+                    help="also time ESA's step on int8 tables with the table folded into the "
+                    "selection, serial and with the asynchronous retrieval (esa_async_retrieval), "
+                    "over stream priority and histogram bins")
     ap.add_argument("--select-sweep", action="store_true",
                     help="also time the int8 step over selection knobs (log-sum-exp in parts "
                     "LSE_SPAN, its warps, histogram bins), each checked against the reference")
@@ -181,6 +185,36 @@ def main() -> int:
             row["dense_over_serial_step_int8_fast_bins12"] = dense / us
         finally:
             tri.SELECT_HIST_BITS = bits
+        if args.async_sweep:  # what ESA runs now: int8 tables, the table folded in
+            fold = dict(seq_lens=lens, block_size=BS)
+            high = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
+
+            def esa_step(lag: int, stream):
+                def run():
+                    sel_kw = dict(kind="mean", scale=scale, init_window=INIT, local_window=LOCAL,
+                                  width=width, mean=qmean, mean_scale=qscale, **fold)
+                    if not lag:
+                        return attend(*tri.score_select_head_mass(
+                            q, table, nblk, budget, **sel_kw)[2:], STRIDE)
+                    main = torch.cuda.current_stream()
+                    stream.wait_stream(main)
+                    with torch.cuda.stream(stream):
+                        t, n = tri.score_select_head_mass(q, table, nblk, budget, **sel_kw)[2:]
+                    attend(t_prev, n_prev, lag)
+                    main.wait_stream(stream)
+                    return attend(t, n, STRIDE - lag)
+                return run
+            bits = tri.SELECT_HIST_BITS
+            for bits_ in (14, 12):
+                tri.SELECT_HIST_BITS = bits_
+                for name, lag, stream in (("serial", 0, None), ("async", 1, side),
+                                          ("async_high", 1, high), ("async_lag2", 2, side)):
+                    row[f"esa_{name}_bits{bits_}_step_us"] = us = bench(
+                        esa_step(lag, stream)) / STRIDE
+                    row[f"dense_over_esa_{name}_bits{bits_}"] = dense / us
+            tri.SELECT_HIST_BITS = bits
+            row["dense_us_after_async_sweep"] = bench(lambda: tri.decode(q, k, v, table, lens,
+                                                                         scale))
         if args.select_sweep:  # selection knobs on the int8 step, "method" path and "fast"
             saved = {name: getattr(tri, name) for name in ("LSE_SPAN", "LSE_SPAN_WARPS",
                                                            "SELECT_HIST_BITS")}
