@@ -265,6 +265,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("connector.async_save", "bool", True, "Save blocks on a background thread (gather, "
            "store, commit) so the step does not wait; vLLM keeps a finished request's blocks "
            "until its saves are done. Off: the step returns after its blocks are stored."),
+    Option("connector.save_during_forward", "bool", True, "With async_save: copy a step's new "
+           "blocks out layer by layer as vLLM finishes each layer (its save_kv_layer hook), on "
+           "the background thread, while the forward computes the next layers; the step's last "
+           "job commits them. A prompt's save then runs beside its own prefill instead of "
+           "through the first decode steps (where it costs memory bandwidth). Used once vLLM was "
+           "seen calling that hook for every layer of a step; else the whole save starts at the "
+           "end of the step."),
     Option("connector.partial_tail", "bool", True, "Also store a prompt's partial last block "
            "under an id of its exact tokens, so a repeated prompt computes only its last token."),
     Option("connector.overlap_load", "bool", True, "Copy loaded blocks into the paged cache "

@@ -42,6 +42,11 @@ Worker side (data movement):
   until ``get_finished`` reports its saves done; a step that preempted requests (whose blocks
   vLLM frees at once) first waits for every save in flight (``bind_connector_metadata``); a
   step that loads waits for them too (it may load a block still being saved);
+  With ``connector.save_during_forward`` (the default) the background thread copies the new
+  blocks out layer by layer as vLLM reports each layer done (``save_kv_layer``) and dumps each
+  layer's part, while the forward computes the next layers; ``wait_for_save`` only queues the
+  job that stores the rest (layers whose hook did not come) and commits. A prompt's save thus
+  runs beside its own prefill (compute-bound) instead of through the first decode steps;
 * layer-wise mode (``connector.layerwise``): per-layer loads waited for in
   ``wait_for_layer_load`` and per-layer saves from ``save_kv_layer``.
 """
@@ -426,6 +431,12 @@ class UCMConnector(KVConnectorBase_V1):
         self._load_tails = np.zeros(0, dtype=bool)
         self._idle = False
         self._async = bool(self.cfg["connector.async_save"]) and not self.cfg["connector.layerwise"]
+        # saves during the forward: per step, the layer jobs queued so far (None: not begun this
+        # step; False: nothing to save); used once vLLM called save_kv_layer for every layer
+        self._during = self._async and bool(self.cfg["connector.save_during_forward"])
+        self._lsave = None
+        self._lsave_seen: set = set()
+        self._lsave_ok = False
         # background saves: one thread runs them in order; per request, how many are in flight
         self._lock = threading.Lock()
         self._jobs_done = threading.Condition(self._lock)
@@ -445,7 +456,8 @@ class UCMConnector(KVConnectorBase_V1):
                           "save_wait_s": 0.0, "steps": 0, "forward_s": 0.0,
                           "resumed_requests": 0, "resumed_load_blocks": 0,
                           "borrowed_load_blocks": 0, "background_cpus": 0,
-                          "overlapped_load_blocks": 0, "scatter_wait_s": 0.0}
+                          "overlapped_load_blocks": 0, "scatter_wait_s": 0.0,
+                          "saves_during_forward": 0}
         self._forward_t0: Optional[float] = None
         # overlapped loads: the step's copy into the paged cache runs layer by layer on a
         # background thread while the forward computes; wait_for_layer_load waits per layer.
@@ -477,6 +489,8 @@ class UCMConnector(KVConnectorBase_V1):
         uniform = all(self.layout.shard_bytes(k) == shard for k in range(len(unique)))
         self._shard = shard if uniform and shard % 8 == 0 else bb
         self._layer_index = {n: k for k, n in enumerate(unique)}
+        # saves during the forward store each layer's part of a block at its own offset
+        self._during = self._during and self._shard * len(unique) == bb
         # this is the engine's compute thread: ucm's threads (started lazily, from here on) go to
         # the CPUs no compute thread is bound to
         cpus = ucm_threads.place_beside_current_thread()
@@ -729,6 +743,12 @@ class UCMConnector(KVConnectorBase_V1):
             self._record_load(self._layer_blocks, self._layer_ok, time.perf_counter() - self._layer_t0)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        if self._during:
+            if not self._lsave_ok:
+                self._lsave_seen.add(layer_name)
+            elif self._lsave is not False:
+                self._save_layer(layer_name)
+            return
         if not self._layerwise or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -754,6 +774,13 @@ class UCMConnector(KVConnectorBase_V1):
             if not self._hook_ok and self._layer_names and self._hooked.issuperset(self._layer_names):
                 self._hook_ok = True  # vLLM waits per layer: later loads may overlap the forward
             self._hooked = set()
+        layer_saves, self._lsave = self._lsave, None
+        if self._during and not self._lsave_ok:
+            if self._layer_names and self._lsave_seen.issuperset(self._layer_names):
+                self._lsave_ok = True  # vLLM reports every layer: later saves start during the forward
+            self._lsave_seen = set()
+        if layer_saves:  # queued by save_kv_layer: store the rest, then commit
+            self._finish_saves_during_forward(layer_saves)
         if not self.has_connector_metadata() or self.store is None:
             return
         meta = self._get_connector_metadata()
@@ -762,14 +789,12 @@ class UCMConnector(KVConnectorBase_V1):
         self._idle = meta.idle
         if self._layerwise:
             self._finish_layer_saves(meta)
-        elif meta.saves:
+        elif meta.saves and not layer_saves:
             self._save(meta.saves)
         self._write_stats()
 
-    def _save(self, saves: list) -> None:
-        """Store the step's new blocks: copy them out of the paged cache, dump, commit. In the
-        background with ``async_save`` (vLLM keeps the blocks until then, see the module doc),
-        else before the step returns."""
+    def _save_plan(self, saves: list) -> tuple:
+        """(ids, vLLM blocks, tail flags, request ids) of a step's saves, each block once."""
         ids, blocks, is_tail = self._concat(saves)
         # Two requests of one step may both hold a block no one had stored yet: save it once
         # (two writers of one block could interleave two numerically different versions).
@@ -777,8 +802,93 @@ class UCMConnector(KVConnectorBase_V1):
         if len(first) < len(ids):
             keep = np.sort(first)
             ids, blocks, is_tail = ids[keep], [blocks[k] for k in keep], is_tail[keep]
-        ids = self._rank_ids(ids)
-        reqs = sorted({t.req_id for t in saves})
+        return self._rank_ids(ids), blocks, is_tail, sorted({t.req_id for t in saves})
+
+    def _save_layer(self, layer_name: str) -> None:
+        """save_kv_layer during the forward: queue the copy and dump of this layer's part of the
+        step's new blocks on the background thread."""
+        ctx = self._lsave
+        if ctx is None:  # the step's first layer: plan its saves once
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            if not isinstance(meta, UCMConnectorMetadata) or not meta.saves or self.store is None:
+                self._lsave = False
+                return
+            ids, blocks, is_tail, reqs = self._save_plan(meta.saves)
+            n = len(ids)
+            staging = self._take_staging(n * self.layout.block_bytes)
+            ctx = self._lsave = {"ids": ids, "blocks": torch.tensor(blocks, dtype=torch.int64),
+                                 "is_tail": is_tail, "reqs": reqs, "staging": staging,
+                                 "queued": set(), "gathered": set(), "tasks": [],
+                                 "failed": False, "busy_s": 0.0, "gather_s": 0.0}
+            if self._executor is None:
+                self._executor = ucm_threads.pool(1, "ucm-save")
+        k = self._layer_index.get(layer_name)
+        if k is None or k in ctx["queued"]:
+            return
+        ctx["queued"].add(k)
+        self._executor.submit(self._run_layer_save, ctx, [k])
+
+    def _run_layer_save(self, ctx: dict, layers: list) -> None:
+        """Background thread: copy ``layers`` of the step's blocks into their part of the staged
+        rows (layer-major, each layer's part contiguous) and dump each part at its offset."""
+        t0 = time.perf_counter()
+        n, shard = len(ctx["ids"]), self._shard
+        try:
+            for k in layers:
+                rows = ctx["staging"][k * n * shard:(k + 1) * n * shard].view(n, shard)
+                t1 = time.perf_counter()
+                ucm.gather_blocks(self.layout, ctx["blocks"], rows, layers=[k])
+                ctx["gather_s"] += time.perf_counter() - t1
+                ctx["gathered"].add(k)
+                ctx["tasks"].append(self.store.dump(ctx["ids"], k * shard, rows))
+        except Exception as exc:  # a failed save is a future miss, nothing more
+            log.warning("ucm: save of layer(s) %s failed: %r", layers, exc)
+            ctx["failed"] = True
+        ctx["busy_s"] += time.perf_counter() - t0
+
+    def _finish_saves_during_forward(self, ctx: dict) -> None:
+        """wait_for_save after layer saves: queue the layers vLLM did not report and the commit
+        (the request's blocks stay with us until it ran, as for any background save)."""
+        rest = [k for k in range(len(self._layer_names)) if k not in ctx["queued"]]
+        self._counters["saves_during_forward"] += 1
+        with self._lock:
+            for r in ctx["reqs"]:
+                self._req_jobs[r] = self._req_jobs.get(r, 0) + 1
+            self._jobs_in_flight += 1
+        if rest:
+            self._executor.submit(self._run_layer_save, ctx, rest)
+        self._executor.submit(self._commit_layer_saves, ctx)
+
+    def _commit_layer_saves(self, ctx: dict) -> None:
+        t0 = time.perf_counter()
+        ids = ctx["ids"]
+        ok = np.zeros(len(ids), dtype=bool) if ctx["failed"] else np.ones(len(ids), dtype=bool)
+        try:
+            for task in ctx["tasks"]:
+                ok &= self.store.wait(task).ok
+            self.store.commit(ids, ok)
+        except Exception as exc:
+            log.warning("ucm: save of %d blocks failed: %r", len(ids), exc)
+            ok = np.zeros(len(ids), dtype=bool)
+            try:
+                self.store.commit(ids, ok)
+            except Exception:
+                pass
+        finally:
+            with self._lock:
+                self._free_staging.append(ctx["staging"])
+                self._counters["gather_s"] += ctx["gather_s"]
+                self._count_save(ok, ctx["busy_s"] + time.perf_counter() - t0, ctx["is_tail"])
+                for r in ctx["reqs"]:
+                    self._req_jobs[r] -= 1
+                self._jobs_in_flight -= 1
+                self._jobs_done.notify_all()
+
+    def _save(self, saves: list) -> None:
+        """Store the step's new blocks: copy them out of the paged cache, dump, commit. In the
+        background with ``async_save`` (vLLM keeps the blocks until then, see the module doc),
+        else before the step returns."""
+        ids, blocks, is_tail, reqs = self._save_plan(saves)
         if not self._async:
             self._run_save(ids, blocks, is_tail, ())
             return
