@@ -24,8 +24,8 @@ run, with CUDA events (``triton.testing.do_bench``, median; "graph": replays of 
     head mass + selection writing the attention's table in its last launch, then the
     attention; before session 10 it ran the table kernel after the selection, now "method_table"),
     "method_async" (ESA with ``esa_async_retrieval``: the re-selection on a second stream beside
-    the step's first attention, which reads the previous table; the new table from the next step
-    on), "fast" (scores, then ``select_head_mass`` with the table folded in), "sum" (scores
+    the step's first attention, which reads the previous table on ``BESIDE_SHARE`` of its planned
+    slices (``decode(..., beside=True)``); the new table from the next step on), "fast" (scores, then ``select_head_mass`` with the table folded in), "sum" (scores
     summed over heads in the kernel, no head mass); suffixes: "_s5" (session 5's code path: PyTorch head mass for "method", the two-launch
     Triton head mass for "fast", pairwise / single-program selection, no histogram selection,
     the unrolled scoring loop, no programmatic dependent launch), "_nodpdl" (this code without
@@ -678,7 +678,7 @@ def time_shape(batch: int, tokens: int, cfg: dict, tune: bool = False) -> dict:
                             q, table, nblk, budget, kind=kind, scale=scale,
                             init_window=INIT_WINDOW, local_window=LOCAL_WINDOW, width=width,
                             **kw, **fold)
-                    o = tri.decode(q, k, v, stab, slens, scale, fused_merge=fused)
+                    o = tri.decode(q, k, v, stab, slens, scale, fused_merge=fused, beside=True)
                     torch.cuda.current_stream().wait_stream(side)
                     first = 1
                 elif fold:

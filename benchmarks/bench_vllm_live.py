@@ -3,7 +3,7 @@
 request by request, so every arm sees the same machine state (this VM drifts by 10-20% over
 minutes: engines run one after the other cannot resolve a 2% difference).
 
-    python benchmarks/bench_vllm_live.py miss [--pairs 3] [--no-control] [--null] [--spin-arm] [--json out.json]
+    python benchmarks/bench_vllm_live.py miss [--pairs 3] [--no-control] [--null] [--spin-arm] [--save-end-arm] [--json out.json]
     python benchmarks/bench_vllm_live.py warm [--pairs 3] [--repeats 8] [--spin-arm] [--json out.json]
 
 Each pair is one child process that starts the engines, gives each a 512-token warm-up request
@@ -17,7 +17,9 @@ second plain engine (the A/A control: how far two identical engines differ); wit
 also an engine whose connector does nothing (``benchmarks/null_connector.py``: vLLM's own
 per-step and per-layer cost of having a connector), with ``--spin-arm`` also ucm with vLLM's
 own spinning engine-core wait (``connector.engine_poll_us=0``: the connector's cost without the
-engine-wait patch, which may speed the engine up). Distinct
+engine-wait patch, which may speed the engine up), with ``--save-end-arm`` also ucm saving
+each step's blocks after its forward (``connector.save_during_forward=false``, the behaviour
+before session 10: a prompt's save runs through its first decode steps). Distinct
 4,000-token prompts, new to every engine, so ucm looks each up, misses, computes it and saves
 it in the background: the miss path in full. ``--ttft-prompts`` with one output token (TTFT),
 then ``--decode-prompts`` generating 64 tokens: decode rate from vLLM's engine-core timestamps
@@ -136,6 +138,8 @@ def _miss(args, model, ids, work) -> dict:
             out["null"] = {"null_connector": True}
         if args.spin_arm:
             out["ucm_spin"] = _ucm_engine(_own_dir(root, "spin"), engine_poll_us=0)
+        if args.save_end_arm:  # ucm saving each step's blocks after its forward (before session 10)
+            out["ucm_save_end"] = _ucm_engine(_own_dir(root, "save_end"), save_during_forward=False)
         return out
 
     return _pairs(args, model, ids, work, engines, prompts, requests, fill=False, base="plain")
@@ -229,6 +233,9 @@ def main():
                    help="miss: one more engine with a connector that does nothing (vLLM's own cost of a connector)")
     p.add_argument("--spin-arm", action="store_true",
                    help="add ucm with connector.engine_poll_us=0 (vLLM's spinning engine-core wait)")
+    p.add_argument("--save-end-arm", action="store_true",
+                   help="miss: add ucm with connector.save_during_forward=false (the step's saves "
+                   "start after its forward, so a prompt's save runs through its first decode steps)")
     p.add_argument("--reserved-cpus", type=int, default=1)
     p.add_argument("--json")
     p.add_argument("--child", help=argparse.SUPPRESS)

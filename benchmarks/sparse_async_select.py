@@ -189,7 +189,7 @@ def main() -> int:
             fold = dict(seq_lens=lens, block_size=BS)
             high = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
 
-            def esa_step(lag: int, stream):
+            def esa_step(lag: int, stream, splits=None):
                 def run():
                     sel_kw = dict(kind="mean", scale=scale, init_window=INIT, local_window=LOCAL,
                                   width=width, mean=qmean, mean_scale=qscale, **fold)
@@ -200,7 +200,10 @@ def main() -> int:
                     stream.wait_stream(main)
                     with torch.cuda.stream(stream):
                         t, n = tri.score_select_head_mass(q, table, nblk, budget, **sel_kw)[2:]
-                    attend(t_prev, n_prev, lag)
+                    for _ in range(lag):   # beside the retrieval, on fewer slices if asked
+                        tri.decode(q, k, v, t_prev, n_prev, scale,
+                                   num_splits=None if splits == "beside" else splits,
+                                   beside=splits == "beside")
                     main.wait_stream(stream)
                     return attend(t, n, STRIDE - lag)
                 return run
@@ -213,6 +216,12 @@ def main() -> int:
                         esa_step(lag, stream)) / STRIDE
                     row[f"dense_over_esa_{name}_bits{bits_}"] = dense / us
             tri.SELECT_HIST_BITS = bits
+            default_splits = tri.plan(batch, HKV, t_prev.shape[1] * BS, q.device)[0]
+            row["attention_default_splits"] = default_splits
+            for splits in (48, 40, 32, 24, 16, 8, "beside"):   # the attention beside the retrieval
+                row[f"esa_async_splits{splits}_step_us"] = us = bench(
+                    esa_step(1, side, splits)) / STRIDE
+                row[f"dense_over_esa_async_splits{splits}"] = dense / us
             row["dense_us_after_async_sweep"] = bench(lambda: tri.decode(q, k, v, table, lens,
                                                                          scale))
         if args.select_sweep:  # selection knobs on the int8 step, "method" path and "fast"

@@ -604,6 +604,28 @@ def test_decode_split_grain_v_early_triton(triton_ready, small_splits, monkeypat
         assert small_splits._split_len(47, 5, 16, 4) == (4, 12)
 
 
+def test_decode_beside_triton(triton_ready, small_splits, monkeypatch):
+    """decode(beside=True) (a launch sharing the GPU with ESA's asynchronous retrieval): fewer
+    slices than planned, BESIDE_SHARE of them, and the same attention as the reference."""
+    g = gen(31)
+    q, k, v, table, lens = paged_case(g, B=2, M=12, bs=4, dtype=torch.bfloat16, lens=[47, 30])
+    want = ops.paged_decode_attention(q.float(), k.float(), v.float(), table, lens,
+                                      backend="reference")
+    seen = []
+    real = small_splits._split_len
+
+    def spy(max_tokens, splits, tile, block_size):
+        seen.append(splits)
+        return real(max_tokens, splits, tile, block_size)
+    monkeypatch.setattr(small_splits, "_split_len", spy)
+    for beside in (False, True):
+        out = small_splits.decode(q, k, v, table, lens, 16 ** -0.5, block_n=16, beside=beside)
+        assert rel(out, want) < TOL[torch.bfloat16], beside
+    planned = seen[0]
+    assert planned > 1 and seen[-1] == max(1, round(planned * small_splits.BESIDE_SHARE))
+    assert seen[-1] < planned
+
+
 def test_decode_fused_merge_triton(triton_ready, small_splits):
     """The slices merged by the split kernel's last program (atomic counter) == the separate merge
     launch, dense and on a selection, for repeated calls (the counters are left at zero)."""

@@ -174,6 +174,9 @@ def test_cold_and_warm_outputs_identical_to_plain_vllm(runs):
     # warm loads were copied into the cache layer by layer during the forward (the engine had
     # been seen waiting per layer in the cold steps): outputs above are still identical
     assert warm_stats["overlapped_load_blocks"] - cold_stats["overlapped_load_blocks"] >= len(MAIN)
+    # the cold prompts were saved layer by layer during their own forward (vLLM reports each
+    # layer through save_kv_layer): the restart test below loads those blocks back from disk
+    assert cold_stats["saves_during_forward"] >= len(MAIN) // 2
     # every prompt's partial last block was stored once (cold) and loaded back (warm): a
     # repeated prompt computes only its last token
     tails = sum(1 for n in NAMES[:8] if len(runs["prompts"][n]) % BS >= 2)

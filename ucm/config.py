@@ -271,7 +271,7 @@ OPTIONS: tuple[Option, ...] = (
            "job commits them. A prompt's save then runs beside its own prefill instead of "
            "through the first decode steps (where it costs memory bandwidth). Used once vLLM was "
            "seen calling that hook for every layer of a step; else the whole save starts at the "
-           "end of the step."),
+           "end of the step. CPU engines (GPU engines always save at the end of the step)."),
     Option("connector.partial_tail", "bool", True, "Also store a prompt's partial last block "
            "under an id of its exact tokens, so a repeated prompt computes only its last token."),
     Option("connector.overlap_load", "bool", True, "Copy loaded blocks into the paged cache "

@@ -364,6 +364,14 @@ def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
     return _split_len(max_tokens, min(want, most), tile, block_size)
 
 
+#: Slices of a decode launch that runs beside other work (``decode(..., beside=True)``), as a share
+#: of the planned ones: ESA's asynchronous retrieval runs beside the attention of the step that
+#: computes it, and leaving it part of the GPU shortens the pair. H200, session 10, ESA stride 8 at
+#: 1 x 128K (41 planned slices): 48 / 40 / 32 / 24 / 16 / 8 slices 35.68 / 35.47 / 34.90 / 34.35
+#: / 35.49 / 38.13 us per step (default 35.68); 8 x 32K (6 planned): within 0.7%.
+BESIDE_SHARE = 0.6
+
+
 #: Loop over the slice's full tile count (masked past the length) instead of up to the length,
 #: so the first table and K/V loads need not wait for the length's load. Off: as fast as
 #: PREFETCH_TABLE on full tables, but a short sequence in a wide table runs every masked tile
@@ -397,10 +405,11 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
            num_splits: Optional[int] = None, num_warps: Optional[int] = None,
            num_stages: Optional[int] = None, fused_merge: Optional[bool] = None,
            static_loop: Optional[bool] = None, prefetch: Optional[bool] = None,
-           v_early: Optional[bool] = None):
+           v_early: Optional[bool] = None, beside: bool = False):
     """:func:`paged_decode_attention` with explicit launch knobs (benchmarks, tuning); with
     ``sel, count`` from :func:`select_blocks`, over the selected blocks only
-    (:func:`decode_selected`)."""
+    (:func:`decode_selected`). ``beside``: the launch shares the GPU with work on another
+    stream (ESA's asynchronous retrieval): :data:`BESIDE_SHARE` of the planned slices."""
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     group = Hq // Hkv
@@ -423,6 +432,9 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
     prefetch = PREFETCH_TABLE if prefetch is None else prefetch
     if num_splits is None:
         num_splits, split_tokens = plan(B, Hkv, max_tokens, q.device, tile, bs)
+        if beside:
+            num_splits, split_tokens = _split_len(
+                max_tokens, max(1, round(num_splits * BESIDE_SHARE)), tile, bs)
     else:
         num_splits, split_tokens = _split_len(max_tokens, num_splits, tile, bs)
     opart = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)

@@ -489,8 +489,10 @@ class UCMConnector(KVConnectorBase_V1):
         uniform = all(self.layout.shard_bytes(k) == shard for k in range(len(unique)))
         self._shard = shard if uniform and shard % 8 == 0 else bb
         self._layer_index = {n: k for k, n in enumerate(unique)}
-        # saves during the forward store each layer's part of a block at its own offset
-        self._during = self._during and self._shard * len(unique) == bb
+        # saves during the forward store each layer's part of a block at its own offset; CPU
+        # engines only (on a GPU the save thread's copies would need the forward's stream)
+        self._during = self._during and self._shard * len(unique) == bb \
+            and next(iter(kv_caches.values())).device.type == "cpu"
         # this is the engine's compute thread: ucm's threads (started lazily, from here on) go to
         # the CPUs no compute thread is bound to
         cpus = ucm_threads.place_beside_current_thread()
