@@ -91,7 +91,7 @@ def _spec(model, prompts, names, phases, connector=None, store_dir=None, stats=N
         extra = {"store": {"pipeline": "memory|posix", "posix": {"roots": [str(store_dir)]}},
                  "buffer_number": 256, "cache_capacity": "4GiB",
                  "connector": {"stats_file": str(stats), "model_id": "smollm2-135m-test",
-                               "async_save": os.environ.get("TEST_UCM_ASYNC_SAVE", "0") == "1"}}
+                               "async_save": os.environ.get("TEST_UCM_ASYNC_SAVE", "1") == "1"}}
     # One OpenMP thread (vLLM's own default on 2 cores): with two, float32 matmul reductions can
     # split differently for different batch shapes, and greedy outputs of plain vLLM itself
     # then depend on what else was in the batch.
@@ -174,9 +174,12 @@ def test_cold_and_warm_outputs_identical_to_plain_vllm(runs):
     # warm loads were copied into the cache layer by layer during the forward (the engine had
     # been seen waiting per layer in the cold steps): outputs above are still identical
     assert warm_stats["overlapped_load_blocks"] - cold_stats["overlapped_load_blocks"] >= len(MAIN)
-    # the cold prompts were saved layer by layer during their own forward (vLLM reports each
-    # layer through save_kv_layer): the restart test below loads those blocks back from disk
-    assert cold_stats["saves_during_forward"] >= len(MAIN) // 2
+    # with background saves (the default; TEST_UCM_ASYNC_SAVE=0: synchronous), steps after the
+    # first were saved layer by layer during their own forward (vLLM reports each layer through
+    # save_kv_layer): the restart test below loads those blocks back from disk
+    if os.environ.get("TEST_UCM_ASYNC_SAVE", "1") == "1":
+        assert cold_stats["saves_during_forward"] >= 1
+    assert cold_stats["save_failed"] == 0
     # every prompt's partial last block was stored once (cold) and loaded back (warm): a
     # repeated prompt computes only its last token
     tails = sum(1 for n in NAMES[:8] if len(runs["prompts"][n]) % BS >= 2)
