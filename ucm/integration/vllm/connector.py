@@ -541,6 +541,9 @@ class UCMConnector(KVConnectorBase_V1):
         return ids, blocks, is_tail
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        stale, self._lsave = getattr(self, "_lsave", None), None
+        if stale:  # layer saves of a step that never reached wait_for_save: finish them
+            self._finish_saves_during_forward(stale)
         super().bind_connector_metadata(connector_metadata)
         if getattr(connector_metadata, "barrier", False):
             self._drain()  # preempted blocks may be reused by this step's forward
