@@ -108,8 +108,8 @@ def test_layers_saved_during_the_forward(tmp_path):
         changed = []
 
         def overwrite(k):  # once layer k is copied out, change the cache: the store keeps the old bytes
-            deadline = time.time() + 10
-            while k not in c._lsave["gathered"] and time.time() < deadline:
+            deadline = time.time() + 10   # (one save thread, layers in order: k's dump is task k)
+            while len(c._lsave["tasks"]) <= k and time.time() < deadline:
                 time.sleep(0.001)
             before[k] = _cache_rows(c, [1, 5, 9])
             caches[c._layer_names[k]][:, [1, 5, 9]] += 1.0

@@ -823,8 +823,8 @@ class UCMConnector(KVConnectorBase_V1):
             staging = self._take_staging(n * self.layout.block_bytes)
             ctx = self._lsave = {"ids": ids, "blocks": torch.tensor(blocks, dtype=torch.int64),
                                  "is_tail": is_tail, "reqs": reqs, "staging": staging,
-                                 "queued": set(), "gathered": set(), "tasks": [],
-                                 "failed": False, "busy_s": 0.0, "gather_s": 0.0}
+                                 "queued": set(), "tasks": [], "failed": False, "busy_s": 0.0,
+                                 "gather_s": 0.0}
             if self._executor is None:
                 self._executor = ucm_threads.pool(1, "ucm-save")
         k = self._layer_index.get(layer_name)
@@ -844,7 +844,6 @@ class UCMConnector(KVConnectorBase_V1):
                 t1 = time.perf_counter()
                 ucm.gather_blocks(self.layout, ctx["blocks"], rows, layers=[k])
                 ctx["gather_s"] += time.perf_counter() - t1
-                ctx["gathered"].add(k)
                 ctx["tasks"].append(self.store.dump(ctx["ids"], k * shard, rows))
         except Exception as exc:  # a failed save is a future miss, nothing more
             log.warning("ucm: save of layer(s) %s failed: %r", layers, exc)
@@ -856,10 +855,7 @@ class UCMConnector(KVConnectorBase_V1):
         (the request's blocks stay with us until it ran, as for any background save)."""
         rest = [k for k in range(len(self._layer_names)) if k not in ctx["queued"]]
         self._counters["saves_during_forward"] += 1
-        with self._lock:
-            for r in ctx["reqs"]:
-                self._req_jobs[r] = self._req_jobs.get(r, 0) + 1
-            self._jobs_in_flight += 1
+        self._job_started(ctx["reqs"])
         if rest:
             self._executor.submit(self._run_layer_save, ctx, rest)
         self._executor.submit(self._commit_layer_saves, ctx)
@@ -873,21 +869,10 @@ class UCMConnector(KVConnectorBase_V1):
                 ok &= self.store.wait(task).ok
             self.store.commit(ids, ok)
         except Exception as exc:
-            log.warning("ucm: save of %d blocks failed: %r", len(ids), exc)
-            ok = np.zeros(len(ids), dtype=bool)
-            try:
-                self.store.commit(ids, ok)
-            except Exception:
-                pass
+            ok = self._save_failed(ids, exc)
         finally:
-            with self._lock:
-                self._free_staging.append(ctx["staging"])
-                self._counters["gather_s"] += ctx["gather_s"]
-                self._count_save(ok, ctx["busy_s"] + time.perf_counter() - t0, ctx["is_tail"])
-                for r in ctx["reqs"]:
-                    self._req_jobs[r] -= 1
-                self._jobs_in_flight -= 1
-                self._jobs_done.notify_all()
+            self._save_ended(ctx["staging"], ok, ctx["busy_s"] + time.perf_counter() - t0,
+                             ctx["gather_s"], ctx["is_tail"], ctx["reqs"])
 
     def _save(self, saves: list) -> None:
         """Store the step's new blocks: copy them out of the paged cache, dump, commit. In the
@@ -897,13 +882,41 @@ class UCMConnector(KVConnectorBase_V1):
         if not self._async:
             self._run_save(ids, blocks, is_tail, ())
             return
+        self._job_started(reqs)
+        if self._executor is None:
+            self._executor = ucm_threads.pool(1, "ucm-save")
+        self._executor.submit(self._run_save, ids, blocks, is_tail, reqs)
+
+    def _job_started(self, reqs: list) -> None:
+        """A background save job for ``reqs`` is queued (vLLM keeps their blocks until it ends)."""
         with self._lock:
             for r in reqs:
                 self._req_jobs[r] = self._req_jobs.get(r, 0) + 1
             self._jobs_in_flight += 1
-        if self._executor is None:
-            self._executor = ucm_threads.pool(1, "ucm-save")
-        self._executor.submit(self._run_save, ids, blocks, is_tail, reqs)
+
+    def _save_failed(self, ids, exc) -> np.ndarray:
+        """A save that raised: logged, its blocks committed as failed (a future miss)."""
+        log.warning("ucm: save of %d blocks failed: %r", len(ids), exc)
+        ok = np.zeros(len(ids), dtype=bool)
+        try:
+            self.store.commit(ids, ok)
+        except Exception:
+            pass
+        return ok
+
+    def _save_ended(self, staging, ok, seconds: float, gather_s: float, is_tail, reqs) -> None:
+        """Bookkeeping at the end of a save: its staging back to the pool, counters, and (a
+        background job) the requests' jobs in flight."""
+        with self._lock:
+            if staging is not None:
+                self._free_staging.append(staging)
+            self._counters["gather_s"] += gather_s
+            self._count_save(ok, seconds, is_tail)
+            if reqs:
+                for r in reqs:
+                    self._req_jobs[r] -= 1
+                self._jobs_in_flight -= 1
+                self._jobs_done.notify_all()
 
     def _run_save(self, ids, blocks, is_tail, reqs) -> None:
         t0 = time.perf_counter()
@@ -917,24 +930,10 @@ class UCMConnector(KVConnectorBase_V1):
             ok = self.store.wait(self.store.dump(ids, 0, rows)).ok
             self.store.commit(ids, ok)
         except Exception as exc:  # a failed save is a future miss, nothing more
-            log.warning("ucm: save of %d blocks failed: %r", len(ids), exc)
             t1 = t0
-            try:
-                self.store.commit(ids, np.zeros(len(ids), dtype=bool))
-            except Exception:
-                pass
-            ok = np.zeros(len(ids), dtype=bool)
+            ok = self._save_failed(ids, exc)
         finally:
-            with self._lock:
-                if staging is not None:
-                    self._free_staging.append(staging)
-                self._counters["gather_s"] += t1 - t0
-                self._count_save(ok, time.perf_counter() - t0, is_tail)
-                if reqs:
-                    for r in reqs:
-                        self._req_jobs[r] -= 1
-                    self._jobs_in_flight -= 1
-                    self._jobs_done.notify_all()
+            self._save_ended(staging, ok, time.perf_counter() - t0, t1 - t0, is_tail, reqs)
 
     def _take_staging(self, nbytes: int) -> torch.Tensor:
         """A host/device staging buffer of at least nbytes, reused once its save completed."""
