@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 
 #if defined(__x86_64__) || defined(__SSE2__)
 #include <emmintrin.h>
@@ -452,4 +454,102 @@ int ucm_io_batch(ucm_io_op *ops, size_t n, int n_threads, int want_checksum) {
     for (int t = 1; t < threads; t++)
         if (started[t]) pthread_join(tids[t], NULL);
     return atomic_load(&w.failed);
+}
+
+/* ---- opening files beneath a directory, never through a symbolic link ---------------------- */
+
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+#define UCM_RESOLVE_NO_SYMLINKS 0x04
+#define UCM_RESOLVE_BENEATH 0x08
+
+struct ucm_open_how { uint64_t flags, mode, resolve; };
+
+static atomic_int openat2_missing; /* set once openat2 answered ENOSYS (or a sandbox's EPERM) */
+
+/* The portable walk: every directory component with O_DIRECTORY | O_NOFOLLOW, the last one
+ * with O_NOFOLLOW (an O_PATH descriptor of a link is refused by the caller's fstat). */
+static int open_walk(int dirfd, const char *path, int flags, mode_t mode) {
+    char part[256];
+    int cur = dirfd;
+    const char *p = path;
+    for (;;) {
+        const char *slash = strchr(p, '/');
+        size_t len = slash ? (size_t)(slash - p) : strlen(p);
+        if (len == 0 || len >= sizeof part || (len == 2 && p[0] == '.' && p[1] == '.')) {
+            if (cur != dirfd) close(cur);
+            return -EINVAL;
+        }
+        memcpy(part, p, len);
+        part[len] = 0;
+        int fd = slash ? openat(cur, part, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                       : openat(cur, part, flags | O_NOFOLLOW | O_CLOEXEC, mode);
+        int err = errno;
+        if (cur != dirfd) close(cur);
+        if (fd < 0) return -(err == ENOTDIR && slash ? ELOOP : err);
+        if (!slash) return fd;
+        cur = fd;
+        p = slash + 1;
+    }
+}
+
+static int open_one(int dirfd, const char *path, int flags, mode_t mode) {
+    if (path[0] == '/' || path[0] == 0) return -EINVAL;
+    if (!atomic_load(&openat2_missing)) {
+        struct ucm_open_how how;
+        memset(&how, 0, sizeof how);
+        how.flags = (uint64_t)(flags | O_NOFOLLOW | O_CLOEXEC);
+        how.mode = (flags & (O_CREAT | O_TMPFILE)) ? (uint64_t)mode : 0;
+        how.resolve = UCM_RESOLVE_BENEATH | UCM_RESOLVE_NO_SYMLINKS;
+        long fd;
+        do {
+            fd = syscall(SYS_openat2, dirfd, path, &how, sizeof how);
+        } while (fd < 0 && (errno == EINTR || errno == EAGAIN));
+        if (fd >= 0) return (int)fd;
+        if (errno != ENOSYS && errno != EPERM) return -errno;
+        if (errno == ENOSYS) atomic_store(&openat2_missing, 1);
+    }
+    return open_walk(dirfd, path, flags, mode);
+}
+
+int ucm_open_beneath(int dirfd, const char *paths, uint64_t stride, size_t n, int flags,
+                     uint32_t mode, int keep_open, int64_t *fds, int64_t *sizes) {
+    if (n == 0) return 0;
+    if (paths == NULL || fds == NULL || stride == 0 || dirfd < 0) return -EINVAL;
+    for (size_t i = 0; i < n; i++)
+        if (memchr(paths + i * stride, 0, (size_t)stride) == NULL) return -EINVAL;
+    int failed = 0;
+    for (size_t i = 0; i < n; i++) {
+        int fd = open_one(dirfd, paths + i * stride, flags, (mode_t)mode);
+        if (fd >= 0 && sizes != NULL) {
+            struct stat st;
+            if (fstat(fd, &st) != 0) {
+                int err = errno;
+                close(fd);
+                fd = -err;
+            } else if (S_ISLNK(st.st_mode)) {
+                close(fd);
+                fd = -ELOOP;
+            } else if (!S_ISREG(st.st_mode)) {
+                close(fd);
+                fd = -EINVAL;
+            } else {
+                sizes[i] = (int64_t)st.st_size;
+            }
+        }
+        if (fd < 0) {
+            fds[i] = fd;
+            if (sizes != NULL) sizes[i] = -1;
+            failed++;
+            continue;
+        }
+        if (keep_open) {
+            fds[i] = fd;
+        } else {
+            close(fd);
+            fds[i] = 0;
+        }
+    }
+    return failed;
 }

@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 /* Bumped whenever the C ABI or behaviour changes; checked by ucm/fast/native.py. */
-#define UCM_NATIVE_ABI 4
+#define UCM_NATIVE_ABI 5
 
 /* CFFI-BEGIN */
 /* ABI version compiled into the library (UCM_NATIVE_ABI). */
@@ -77,6 +77,20 @@ typedef struct {
  * per-op outcome in result. Never aborts; -EINVAL for bad arguments.
  */
 int ucm_io_batch(ucm_io_op *ops, size_t n, int n_threads, int want_checksum);
+
+/*
+ * Open n relative paths beneath the directory dirfd without following any symbolic link and
+ * without leaving dirfd (Linux openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS; on kernels
+ * or sandboxes without openat2, a walk of the components with O_NOFOLLOW). Path i is the
+ * NUL-terminated string at paths + i * stride (at most stride bytes, no "..", not absolute).
+ * flags/mode as for open(2) (O_CLOEXEC and O_NOFOLLOW are always added; O_PATH probes).
+ * fds[i]: the descriptor (keep_open), 0 (closed again), or -errno: -ELOOP/-EXDEV for a link
+ * or an escape, -ENOENT, -EINVAL when sizes is given and the target is not a regular file.
+ * sizes (optional, may be NULL): st_size of each regular file opened. Returns the number of
+ * paths that failed, or -EINVAL for bad arguments (nothing opened then).
+ */
+int ucm_open_beneath(int dirfd, const char *paths, uint64_t stride, size_t n, int flags,
+                     uint32_t mode, int keep_open, int64_t *fds, int64_t *sizes);
 /* CFFI-END */
 
 #endif /* UCM_NATIVE_H */

@@ -12,6 +12,7 @@ copy_segments   ucm.reference.copy (ctypes.memmove)        ucm.fast.native (C th
 alloc_aligned   ucm.reference.copy (numpy)                 ucm.fast.native (posix_memalign/mmap)
 checksum        ucm.reference.fileio (numpy)               ucm.fast.native
 io_batch        ucm.reference.fileio (os.pread/pwrite)     ucm.fast.native (C threads)
+open_beneath    ucm.reference.fileio (O_NOFOLLOW walk)     ucm.fast.native (openat2)
 gather_blocks   ucm.reference.transfer (torch indexing)    ucm.fast.triton.transfer (GPU)
 scatter_blocks  (same)                                     ucm.fast.native_transfer (CPU)
 ==============  =========================================  ==============================
@@ -58,6 +59,8 @@ for _op, _ref, _fast, _name, _probe in (
      "native", _native_probe),
     ("checksum", "ucm.reference.fileio:checksum", "ucm.fast.native:checksum", "native", _native_probe),
     ("io_batch", "ucm.reference.fileio:io_batch", "ucm.fast.native:io_batch", "native", _native_probe),
+    ("open_beneath", "ucm.reference.fileio:open_beneath", "ucm.fast.native:open_beneath", "native",
+     _native_probe),
 ):
     dispatch.register(_op, _REF, _ref, priority=0)
     dispatch.register(_op, _name, _fast, priority=10, probe=_probe)
@@ -314,3 +317,26 @@ def io_batch(ops: np.ndarray, n_threads: Optional[int] = None, want_checksum: bo
         raise ValueError("ops: negative file descriptor")
     n_threads = default_threads() if n_threads is None else _check_count(n_threads, "n_threads", 1)
     return dispatch.call("io_batch", ops, n_threads, bool(want_checksum), backend=backend)
+
+
+def open_beneath(dirfd: int, paths: Sequence[str], flags: int, mode: int = 0o600, *,
+                 keep_open: bool = True, want_sizes: bool = False,
+                 backend: Optional[str] = None):
+    """Open relative ``paths`` beneath the directory descriptor ``dirfd`` without following any
+    symbolic link or leaving the directory (``O_NOFOLLOW`` and ``O_CLOEXEC`` are always added).
+    Returns ``(fds, sizes)``: int64 arrays, per path the descriptor (``keep_open``; the caller
+    closes it), 0 (opened and closed again: a probe) or -errno; with ``want_sizes`` the size of
+    each regular file (a target that is not one fails with -EINVAL), else None."""
+    if isinstance(dirfd, bool) or not isinstance(dirfd, (int, np.integer)) or dirfd < 0:
+        raise ValueError(f"dirfd: expected a directory descriptor, got {dirfd!r}")
+    if isinstance(paths, (str, bytes)):
+        raise ValueError("paths: expected a sequence of relative paths, got one string")
+    raw = [p.encode() if isinstance(p, str) else p for p in paths]
+    for p in raw:
+        if not isinstance(p, bytes) or b"\0" in p or p.startswith(b"/") \
+                or any(part in (b"", b".", b"..") for part in p.split(b"/")):
+            raise ValueError(f"paths: {p!r} is not a relative path of plain components")
+    width = max((len(p) for p in raw), default=0) + 1
+    packed = np.array(raw, dtype=f"S{width}") if raw else np.zeros(0, dtype="S1")
+    return dispatch.call("open_beneath", int(dirfd), packed, int(flags), int(mode), bool(keep_open),
+                         bool(want_sizes), backend=backend)

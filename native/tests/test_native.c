@@ -24,7 +24,7 @@
  * Under -fsanitize=thread the data-race checks come from TSan itself (the
  * non-temporal stores are invisible to it; the sentinel checks still apply).
  */
-#define _DEFAULT_SOURCE /* mincore */
+#define _GNU_SOURCE /* mincore, O_PATH */
 #define _POSIX_C_SOURCE 200809L
 #include "../ucm_native.h"
 
@@ -36,7 +36,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -943,6 +945,67 @@ static void test_checksum_and_io(void) {
     free(buf);
 }
 
+/* ucm_open_beneath: regular files open; links anywhere in the path, escapes, directories and
+ * bad arguments fail per path with the documented -errno, the others still open. */
+static void test_open_beneath(void) {
+    char root[] = "/tmp/ucm-native-beneath-XXXXXX";
+    CHECK(mkdtemp(root) != NULL);
+    char p[512];
+    snprintf(p, sizeof p, "%s/ab", root);
+    CHECK(mkdir(p, 0700) == 0);
+    snprintf(p, sizeof p, "%s/ab/f.blk", root);
+    int w = open(p, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    CHECK(w >= 0 && write(w, "hello", 5) == 5);
+    close(w);
+    snprintf(p, sizeof p, "%s/lnk", root);
+    CHECK(symlink("ab", p) == 0);            /* a linked directory */
+    snprintf(p, sizeof p, "%s/ab/l.blk", root);
+    CHECK(symlink("f.blk", p) == 0);         /* a linked file */
+    int dirfd = open(root, O_RDONLY | O_DIRECTORY);
+    CHECK(dirfd >= 0);
+    enum { STRIDE = 32, N = 7 };
+    char paths[N * STRIDE];
+    const char *names[N] = {"ab/f.blk", "lnk/f.blk", "ab/l.blk", "../x", "ab/none.blk", "ab", "/etc/passwd"};
+    for (int i = 0; i < N; i++) {
+        memset(paths + i * STRIDE, 0, STRIDE);
+        strcpy(paths + i * STRIDE, names[i]);
+    }
+    int64_t fds[N], sizes[N];
+    CHECK(ucm_open_beneath(dirfd, paths, STRIDE, N, O_RDONLY, 0, 1, fds, sizes) == N - 1);
+    CHECK(fds[0] > 0 && sizes[0] == 5);
+    CHECKF(fds[1] == -ELOOP, "linked directory: %lld", (long long)fds[1]);
+    CHECKF(fds[2] == -ELOOP, "linked file: %lld", (long long)fds[2]);
+    CHECKF(fds[3] == -EXDEV || fds[3] == -EINVAL, "escape: %lld", (long long)fds[3]);
+    CHECK(fds[4] == -ENOENT && sizes[4] == -1);
+    CHECK(fds[5] == -EINVAL);                /* a directory is not a block file */
+    CHECK(fds[6] == -EINVAL || fds[6] == -EXDEV);
+    if (fds[0] > 0) close((int)fds[0]);
+    /* probes (O_PATH, closed again) and creation */
+    CHECK(ucm_open_beneath(dirfd, paths, STRIDE, 1, O_PATH, 0, 0, fds, sizes) == 0 && fds[0] == 0 && sizes[0] == 5);
+    memset(paths, 0, STRIDE);
+    strcpy(paths, "ab/new.tmp");
+    CHECK(ucm_open_beneath(dirfd, paths, STRIDE, 1, O_WRONLY | O_CREAT | O_EXCL, 0600, 1, fds, NULL) == 0 && fds[0] > 0);
+    if (fds[0] > 0) close((int)fds[0]);
+    struct stat st;
+    snprintf(p, sizeof p, "%s/ab/new.tmp", root);
+    CHECK(stat(p, &st) == 0 && (st.st_mode & 0777) == (0600 & ~(mode_t)0));
+    /* bad arguments open nothing */
+    CHECK(ucm_open_beneath(dirfd, NULL, STRIDE, 1, O_RDONLY, 0, 1, fds, NULL) == -EINVAL);
+    CHECK(ucm_open_beneath(dirfd, paths, 0, 1, O_RDONLY, 0, 1, fds, NULL) == -EINVAL);
+    memset(paths, 'a', STRIDE); /* no NUL inside the stride */
+    CHECK(ucm_open_beneath(dirfd, paths, STRIDE, 1, O_RDONLY, 0, 1, fds, NULL) == -EINVAL);
+    CHECK(ucm_open_beneath(dirfd, paths, STRIDE, 0, O_RDONLY, 0, 1, fds, NULL) == 0);
+    close(dirfd);
+    const char *rm[] = {"ab/new.tmp", "ab/l.blk", "ab/f.blk", "lnk"};
+    for (size_t i = 0; i < sizeof rm / sizeof rm[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", root, rm[i]);
+        unlink(p);
+    }
+    snprintf(p, sizeof p, "%s/ab", root);
+    rmdir(p);
+    rmdir(root);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) {
         g_rng = strtoull(argv[1], NULL, 0);
@@ -961,6 +1024,7 @@ int main(int argc, char **argv) {
     RUN(test_thread_cap);
     RUN(test_random_segments);
     RUN(test_checksum_and_io);
+    RUN(test_open_beneath);
     fflush(stderr);
     printf("%ld copies (%ld multi-threaded, %ld streaming), %.0f MiB; "
            "total time %.2f s\n",

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-EXPECTED_ABI = 4
+EXPECTED_ABI = 5
 _SRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "native")
 
@@ -106,3 +106,20 @@ def io_batch(ops: np.ndarray, n_threads: int, want_checksum: bool) -> int:
     if rc < 0:
         raise ValueError(f"ucm_io_batch rejected its arguments (errno {-rc})")
     return int(rc)
+
+
+def open_beneath(dirfd: int, paths: np.ndarray, flags: int, mode: int, keep_open: bool,
+                 want_sizes: bool):
+    """Same contract as :func:`ucm.reference.fileio.open_beneath`; one C call for the batch
+    (openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)."""
+    n = len(paths)
+    fds = np.zeros(n, dtype=np.int64)
+    sizes = np.full(n, -1, dtype=np.int64) if want_sizes else None
+    if n:
+        rc = _lib.ucm_open_beneath(int(dirfd), _ffi.cast("const char *", paths.ctypes.data),
+                                   paths.dtype.itemsize, n, int(flags), int(mode), int(bool(keep_open)),
+                                   _ffi.cast("int64_t *", fds.ctypes.data),
+                                   _ffi.NULL if sizes is None else _ffi.cast("int64_t *", sizes.ctypes.data))
+        if rc < 0:
+            raise ValueError(f"ucm_open_beneath rejected its arguments (errno {-rc})")
+    return fds, sizes

@@ -81,3 +81,56 @@ def io_batch(ops: np.ndarray, n_threads: int, want_checksum: bool) -> int:
             else:
                 op["checksum"] = checksum(data, word0)
     return failed
+
+
+def _open_walk(dirfd: int, path: str, flags: int, mode: int) -> int:
+    parts = path.split("/")
+    if path.startswith("/") or any(part in ("", "..") for part in parts):
+        return -errno.EINVAL
+    cur = dirfd
+    try:
+        for k, part in enumerate(parts):
+            last = k == len(parts) - 1
+            try:
+                fd = os.open(part, (flags if last else os.O_PATH | os.O_DIRECTORY) | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, mode if last else 0, dir_fd=cur)
+            except OSError as exc:
+                code = exc.errno or errno.EIO
+                return -(errno.ELOOP if code == errno.ENOTDIR and not last else code)
+            if cur != dirfd:
+                os.close(cur)
+            cur = fd
+        fd, cur = cur, dirfd
+        return fd
+    finally:
+        if cur != dirfd:
+            os.close(cur)
+
+
+def open_beneath(dirfd: int, paths: np.ndarray, flags: int, mode: int, keep_open: bool,
+                 want_sizes: bool):
+    """Open each relative path of ``paths`` (a fixed-width bytes array, NUL-padded) beneath the
+    directory ``dirfd``, following no symbolic link: each directory component is opened with
+    ``O_DIRECTORY | O_NOFOLLOW``, the last with ``flags | O_NOFOLLOW``. Returns ``(fds, sizes)``:
+    int64 arrays with the descriptor (``keep_open``), 0 (closed again) or -errno per path, and
+    with ``want_sizes`` each regular file's size (-1 on failure; a target that is not a regular
+    file fails with -EINVAL, a link with -ELOOP), else None."""
+    n = len(paths)
+    fds = np.zeros(n, dtype=np.int64)
+    sizes = np.full(n, -1, dtype=np.int64) if want_sizes else None
+    for i in range(n):
+        fd = _open_walk(dirfd, paths[i].decode(), flags, mode)
+        if fd >= 0 and want_sizes:
+            st = os.fstat(fd)
+            import stat as _stat
+
+            if _stat.S_ISLNK(st.st_mode) or not _stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                fd = -(errno.ELOOP if _stat.S_ISLNK(st.st_mode) else errno.EINVAL)
+            else:
+                sizes[i] = st.st_size
+        if fd >= 0 and not keep_open:
+            os.close(fd)
+            fd = 0
+        fds[i] = fd
+    return fds, sizes
