@@ -500,7 +500,7 @@ static int open_one(int dirfd, const char *path, int flags, mode_t mode) {
         struct ucm_open_how how;
         memset(&how, 0, sizeof how);
         how.flags = (uint64_t)(flags | O_NOFOLLOW | O_CLOEXEC);
-        how.mode = (flags & (O_CREAT | O_TMPFILE)) ? (uint64_t)mode : 0;
+        how.mode = ((flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE) ? (uint64_t)mode : 0;
         how.resolve = UCM_RESOLVE_BENEATH | UCM_RESOLVE_NO_SYMLINKS;
         long fd;
         do {

@@ -39,6 +39,7 @@ def posix(path, **kw):
 
 def memory(**kw):
     kw.setdefault("buffer_number", 64)
+    kw.setdefault("namespace", NS.digest())
     return MemoryStore(BlockGeometry(BLOCK, SHARD), **kw)
 
 
@@ -257,13 +258,15 @@ def test_posix_file_layout(tmp_path):
     s, ids, src = _committed(tmp_path)
     path = s.path_of(ids[0])
     hexid = ucm.id_hex(ids[:1])[0]
-    assert path == os.path.join(str(tmp_path), hexid[:2], hexid[2:4], hexid + ".blk")
+    assert path == os.path.join(str(tmp_path), s.space, hexid[:2], hexid[2:4], hexid + ".blk")
+    assert open(tmp_path / ".ucm" / "ROOT", "rb").read() == b"ucm kv root 1\n"
     raw = open(path, "rb").read()
     assert raw[:8] == b"UCMKVBLK" and len(raw) == 4096 + BLOCK
     assert raw[16:32] == NS.digest() and raw[32:48] == ucm.id_bytes(ids[:1])[0]
     assert raw[4096:] == src[0].tobytes()
-    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if ".tmp." in f]
+    assert os.listdir(tmp_path / ".ucm" / "tmp" / s.roots[0].writer_name) == ["lock"]  # no temporaries
     s.close()
+    assert os.listdir(tmp_path / ".ucm" / "tmp") == []  # the writer directory goes with its store
 
 
 def _corrupt_flip(path, offset):
@@ -275,7 +278,7 @@ def _corrupt_flip(path, offset):
 
 
 @pytest.mark.parametrize("how", ["payload-byte", "last-byte", "header-byte", "checksum-table",
-                                 "truncate", "extend", "wrong-namespace", "wrong-id", "empty"])
+                                 "truncate", "extend", "namespace-byte", "empty"])
 def test_posix_corruption_detected_quarantined_then_miss(tmp_path, how):
     s, ids, src = _committed(tmp_path)
     victim = s.path_of(ids[1])
@@ -292,22 +295,34 @@ def test_posix_corruption_detected_quarantined_then_miss(tmp_path, how):
     elif how == "extend":
         with open(victim, "ab") as f:
             f.write(b"\0" * 10)
-    elif how == "wrong-namespace":
+    elif how == "namespace-byte":  # a flipped bit is damage (the header checksum), not a tenant
         _corrupt_flip(victim, 20)
-    elif how == "wrong-id":  # a valid block of another id copied over this one
-        os.replace(s.path_of(ids[2]), victim)
     elif how == "empty":
         open(victim, "wb").close()
     dst = np.full_like(src, 0x5A)
     res = s.wait(s.load(ids, 0, dst))
     assert not res.ok[1] and "corrupt" in res.errors[1]
     assert not dst[1].any()  # never plausible bytes for a failed block
-    good = [i for i in range(4) if i != 1 and not (how == "wrong-id" and i == 2)]
+    good = [0, 2, 3]
     assert res.ok[good].all() and np.array_equal(dst[good], src[good])
     assert not os.path.exists(victim)
     assert os.listdir(tmp_path / ".ucm" / "quarantine")
     assert s.lookup(ids[1:2]) == [False]
     assert s.stats()["posix"]["quarantined"] == 1
+    s.close()
+
+
+def test_posix_intact_block_of_another_id_is_a_miss_and_left_alone(tmp_path):
+    """A valid block file under another block's name (copied there by hand) is not damage: a
+    miss for the reader, never quarantined, never read as this block."""
+    s, ids, src = _committed(tmp_path)
+    victim = s.path_of(ids[1])
+    os.replace(s.path_of(ids[2]), victim)
+    dst = np.full_like(src, 0x5A)
+    res = s.wait(s.load(ids, 0, dst))
+    assert not res.ok[1] and "foreign" in res.errors[1] and not dst[1].any()
+    assert os.path.exists(victim) and not os.listdir(tmp_path / ".ucm" / "quarantine")
+    assert s.stats()["posix"]["quarantined"] == 0
     s.close()
 
 
@@ -360,15 +375,18 @@ def test_posix_budget_lru_by_last_access(tmp_path):
     s.close()
 
 
-def test_posix_gc_removes_stale_temporaries(tmp_path):
-    s, ids, src = _committed(tmp_path)
-    stale = s.path_of(ids[0]) + ".tmp.99999.deadbeef"
-    open(stale, "wb").write(b"half")
-    os.utime(stale, (1, 1))
-    fresh = s.path_of(ids[1]) + ".tmp.99999.cafebabe"
-    open(fresh, "wb").write(b"in progress")
+def test_posix_gc_removes_old_quarantine_only(tmp_path):
+    s, ids, src = _committed(tmp_path, stale_tmp_s=3600)
+    q = tmp_path / ".ucm" / "quarantine"
+    old = q / (ucm.id_hex(ids[:1])[0] + ".blk.99999.1")
+    old.write_bytes(b"x" * 100)
+    os.utime(old, (1, 1))
+    fresh = q / (ucm.id_hex(ids[1:2])[0] + ".blk.99999.2")
+    fresh.write_bytes(b"y" * 100)
+    mine = tmp_path / "notes.txt.tmp.1"  # not a ucm name: never touched (written after the marker)
+    mine.write_bytes(b"keep")
     s.gc()
-    assert not os.path.exists(stale) and os.path.exists(fresh)
+    assert not old.exists() and fresh.exists() and mine.exists()
     s.close()
 
 
@@ -407,7 +425,8 @@ def test_disk_full_fails_the_dump_and_store_keeps_serving(small_tmpfs):
 
 
 AS_NOBODY = """
-import os, sys, numpy as np
+import logging, os, sys, numpy as np
+logging.basicConfig()
 sys.path.insert(0, {tests!r})
 from test_store import posix, make_ids, payload
 import pytest
@@ -420,22 +439,33 @@ try:
 except ValueError as e:
     print("CTOR", e)
 s = posix(root + "/ok")
-ids = make_ids(40, seed=13)
-r = s.wait(s.dump(ids, 0, payload(ids)))
-print("DUMP", int(r.ok.sum()), sorted(set(r.errors.values())))
-s.commit(ids, r.ok)
-good = ids[r.ok]
-dst = np.zeros((len(good), 64 << 10), np.uint8)
-print("LOAD", bool(s.wait(s.load(good, 0, dst)).all_ok), bool(np.array_equal(dst, payload(good))))
+print("SPACE", s.space)
+if {dump}:
+    ids = make_ids(40, seed=13)
+    r = s.wait(s.dump(ids, 0, payload(ids)))
+    print("DUMP", int(r.ok.sum()))
+    s.commit(ids, r.ok)
+    good = ids[np.array(s.lookup(ids))]
+    print("PUBLISHED", len(good))
+    dst = np.zeros((len(good), 64 << 10), np.uint8)
+    print("LOAD", bool(s.wait(s.load(good, 0, dst)).all_ok), bool(np.array_equal(dst, payload(good))))
+s.close()
 """
 
 
 def test_permission_errors_as_unprivileged_user():
+    """A root the user may not write is refused at open; directories inside the store that it
+    may not write fail those blocks' publication (a miss later), the others are stored."""
     import shutil
     import tempfile
     from pathlib import Path
 
     base = Path(tempfile.mkdtemp(prefix="ucm-perm-"))  # pytest's tmp dirs are private to root
+    tests = os.path.dirname(__file__)
+
+    def as_nobody(dump):
+        return subprocess.run([sys.executable, "-c", AS_NOBODY.format(tests=tests, root=str(root), dump=dump)],
+                              capture_output=True, text=True, timeout=120)
     try:
         os.chmod(base, 0o755)
         root = base / "perm"
@@ -444,20 +474,23 @@ def test_permission_errors_as_unprivileged_user():
         ok.mkdir()
         os.chmod(root, 0o755)
         os.chmod(ok, 0o777)
+        first = as_nobody(False)  # makes the root and its space, as that user
+        assert first.returncode == 0, first.stderr
+        space = ok / first.stdout.split("SPACE ")[1].split()[0]
         ids = make_ids(40, seed=13)
         blocked = {ucm.id_hex(ids[i:i + 1])[0][:2] for i in range(0, 40, 3)}
         for d in blocked:  # fan-out directories the writer may not write into
-            (ok / d).mkdir()
-            os.chmod(ok / d, 0o555)
-        r = subprocess.run([sys.executable, "-c", AS_NOBODY.format(tests=os.path.dirname(__file__), root=str(root))],
-                           capture_output=True, text=True, timeout=120)
+            (space / d).mkdir()
+            os.chmod(space / d, 0o555)
+        r = as_nobody(True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "CTOR store.posix.roots" in out and "not writable" in out
-    n_ok = int(out.split("DUMP ")[1].split()[0])
-    assert 0 < n_ok < 40 and "EACCES" in out
+    assert "CTOR store.posix.roots" in first.stdout and "not writable" in first.stdout
+    assert "DUMP 40" in out  # temporaries live in the writer's own directory
+    n_ok = int(out.split("PUBLISHED ")[1].split()[0])
+    assert 0 < n_ok < 40 and "EACCES" in r.stderr
     assert "LOAD True True" in out
 
 

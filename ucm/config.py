@@ -176,6 +176,9 @@ def _check_pipeline(value: str) -> Optional[str]:
     ok = all(re.fullmatch(r"[A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*", p.strip()) for p in parts)
     if not value.strip() or not ok:
         return "tier names joined by '|' (e.g. 'memory|posix', or 'package.module:Class')"
+    names = [p.strip() for p in parts]
+    if len(set(names)) != len(names):
+        return "each tier once (a tier listed twice would hold every block twice)"
     return None
 
 
@@ -184,7 +187,13 @@ def _check_hash_bits(value: int) -> Optional[str]:
 
 
 def _check_roots(value: list) -> Optional[str]:
-    return None if value else "at least one directory"
+    if not value:
+        return "at least one directory"
+    if any(not r.strip() for r in value):
+        return "non-empty directory paths (an empty path would mean the working directory)"
+    if len(set(value)) != len(value):
+        return "each directory once"
+    return None
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -253,6 +262,12 @@ OPTIONS: tuple[Option, ...] = (
            "(local disk, NFS, any shared mount); blocks spread across them.", check=_check_roots),
     Option("store.posix.o_direct", "bool", False, "Bypass the page cache (O_DIRECT)."),
     Option("store.posix.fsync", "bool", False, "fsync each block file before publishing it."),
+    Option("store.posix.read_only", "bool", False, "Open the roots only to read (a consumer of a "
+           "shared directory it may not write): no dumps, no lock, no quarantine, no access-time "
+           "updates; the roots must already be ucm roots."),
+    Option("store.posix.group", "str", "", "Group that shares the roots (name or gid): "
+           "directories 2770 and files 0640 owned by it; empty = private to this user "
+           "(directories 0700, files 0600)."),
     # engine connector
     Option("connector.layerwise", "bool", False, "Load and save KV layer by layer (vLLM's "
            "wait_for_layer_load / save_kv_layer) instead of once per step."),

@@ -980,6 +980,12 @@ static void test_open_beneath(void) {
     CHECK(fds[5] == -EINVAL);                /* a directory is not a block file */
     CHECK(fds[6] == -EINVAL || fds[6] == -EXDEV);
     if (fds[0] > 0) close((int)fds[0]);
+    /* a directory through O_PATH | O_DIRECTORY (the mode is ignored then) */
+    memset(paths, 0, STRIDE);
+    strcpy(paths, "ab");
+    CHECK(ucm_open_beneath(dirfd, paths, STRIDE, 1, O_PATH | O_DIRECTORY, 0600, 1, fds, NULL) == 0 && fds[0] > 0);
+    if (fds[0] > 0) close((int)fds[0]);
+    strcpy(paths, "ab/f.blk");
     /* probes (O_PATH, closed again) and creation */
     CHECK(ucm_open_beneath(dirfd, paths, STRIDE, 1, O_PATH, 0, 0, fds, sizes) == 0 && fds[0] == 0 && sizes[0] == 5);
     memset(paths, 0, STRIDE);

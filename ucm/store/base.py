@@ -311,8 +311,14 @@ class KVStore(ABC):
 
     name = "store"
 
-    def __init__(self, geometry: BlockGeometry, wait_timeout_s: float = 30.0):
+    def __init__(self, geometry: BlockGeometry, wait_timeout_s: float = 30.0,
+                 namespace: bytes = bytes(16)):
+        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
+            raise ValueError("namespace: expected a 16-byte digest (ucm.Namespace(...).digest())")
         self.geometry = geometry
+        #: whose blocks these are: a tier serves only blocks stored under this digest, and the
+        #: tiers of one pipeline share it
+        self.namespace = bytes(namespace)
         self.wait_timeout_s = float(wait_timeout_s)
         self._stats = Stats()
         self._closed = False

@@ -67,6 +67,10 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
     geometry = BlockGeometry(block_bytes, shard_bytes or block_bytes)
     ns = bytes(16) if namespace is None else namespace
     specs = [s.strip() for s in config["store.pipeline"].split("|")]
+    twice = sorted({s for s in specs if specs.count(s) > 1})
+    if twice:
+        raise ValueError(f"config key 'store.pipeline': tier {twice[0]!r} is listed twice "
+                         f"({config['store.pipeline']!r}); each tier may appear once")
     built = []
     try:
         for spec in specs:
@@ -84,14 +88,15 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
 
 def _memory_from_config(cls, geometry, config, namespace):
     return cls(geometry, buffer_number=config["buffer_number"], io_threads=config["store.io_threads"],
-               wait_timeout_s=config["store.wait_timeout_s"])
+               wait_timeout_s=config["store.wait_timeout_s"], namespace=namespace)
 
 
 def _posix_from_config(cls, geometry, config, namespace):
     return cls(geometry, roots=config["store.posix.roots"], namespace=namespace,
                capacity_bytes=config["cache_capacity"], o_direct=config["store.posix.o_direct"],
                fsync=config["store.posix.fsync"], io_threads=config["store.io_threads"],
-               wait_timeout_s=config["store.wait_timeout_s"])
+               wait_timeout_s=config["store.wait_timeout_s"], read_only=config["store.posix.read_only"],
+               group=config["store.posix.group"] or None)
 
 
 def _install():

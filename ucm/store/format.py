@@ -74,12 +74,19 @@ class Header:
 
 
 class BadBlock(Exception):
-    """A header that fails a check (the reason is the message)."""
+    """A header that fails a check (the reason is the message). ``foreign``: the header is
+    intact but describes another block (namespace, id, codec, geometry or format version): a
+    miss for this reader, not damage; anything else is corruption."""
+
+    def __init__(self, reason: str, foreign: bool = False):
+        super().__init__(reason)
+        self.foreign = foreign
 
 
 def parse(raw: np.ndarray, namespace: bytes, block_id: bytes, block_bytes: int, shard_bytes: int,
           codec: int = 0) -> Header:
-    """Validate the first ``header_size`` bytes of a block file against expectations."""
+    """Validate the first ``header_size`` bytes of a block file against expectations: first
+    that the header is intact (magic, size fields, its checksum), then that it is this block."""
     if raw.nbytes < 88:
         raise BadBlock("header truncated")
     (magic, version, hsize, ns, bid, cdc, _flags, bbytes, sbytes, nsh, _r) = _FIXED.unpack(
@@ -87,21 +94,24 @@ def parse(raw: np.ndarray, namespace: bytes, block_id: bytes, block_bytes: int, 
     if magic != MAGIC:
         raise BadBlock("bad magic")
     if version != VERSION:
-        raise BadBlock(f"format version {version}, expected {VERSION}")
-    if ns != namespace:
-        raise BadBlock("namespace differs")
-    if bid != block_id:
-        raise BadBlock("block id differs")
-    if cdc != codec:
-        raise BadBlock(f"codec {cdc}, expected {codec}")
-    if bbytes != block_bytes or sbytes != shard_bytes or nsh * shard_bytes != block_bytes:
-        raise BadBlock(f"geometry {bbytes}/{sbytes}/{nsh} differs from {block_bytes}/{shard_bytes}")
-    if hsize != header_size(nsh) or raw.nbytes < 88 + 8 * nsh:
+        raise BadBlock(f"format version {version}, expected {VERSION}", foreign=True)
+    if hsize != header_size(nsh):
         raise BadBlock("header size inconsistent")
+    if raw.nbytes < 88 + 8 * nsh:
+        raise BadBlock(f"header of {nsh} shards, this reader expects fewer", foreign=True)
     body = raw[:88 + 8 * nsh].copy()
     stored = struct.unpack("<Q", body[80:88].tobytes())[0]
     body[80:88] = 0
     if checksum(body) != stored:
         raise BadBlock("header checksum mismatch")
+    if ns != namespace:
+        raise BadBlock("namespace differs", foreign=True)
+    if bid != block_id:
+        raise BadBlock("block id differs", foreign=True)
+    if cdc != codec:
+        raise BadBlock(f"codec {cdc}, expected {codec}", foreign=True)
+    if bbytes != block_bytes or sbytes != shard_bytes or nsh * shard_bytes != block_bytes:
+        raise BadBlock(f"geometry {bbytes}/{sbytes}/{nsh} differs from {block_bytes}/{shard_bytes}",
+                       foreign=True)
     table = np.frombuffer(raw[88:88 + 8 * nsh].tobytes(), dtype="<u8").astype(np.uint64)
     return Header(ns, bid, cdc, bbytes, sbytes, table)

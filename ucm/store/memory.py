@@ -27,11 +27,12 @@ log = logging.getLogger("ucm.store.memory")
 
 
 class _Pending:
-    __slots__ = ("slot", "shards", "inflight", "failed", "discard")
+    __slots__ = ("slot", "shards", "claimed", "inflight", "failed", "discard")
 
     def __init__(self, slot: int, n_shards: int):
         self.slot = slot
-        self.shards = np.zeros(n_shards, dtype=bool)
+        self.shards = np.zeros(n_shards, dtype=bool)   # written
+        self.claimed = np.zeros(n_shards, dtype=bool)  # written or being written
         self.inflight = 0
         self.failed = False
         self.discard = False
@@ -50,8 +51,9 @@ class MemoryStore(KVStore):
     name = "memory"
 
     def __init__(self, geometry: BlockGeometry, buffer_number: int, io_threads: int = 4,
-                 wait_timeout_s: float = 30.0, pin: Optional[bool] = None, copy_threads: int = 2):
-        super().__init__(geometry, wait_timeout_s)
+                 wait_timeout_s: float = 30.0, pin: Optional[bool] = None, copy_threads: int = 2,
+                 namespace: bytes = bytes(16)):
+        super().__init__(geometry, wait_timeout_s, namespace)
         if isinstance(buffer_number, bool) or not isinstance(buffer_number, (int, np.integer)) \
                 or buffer_number < 1:
             raise ValueError(f"buffer_number must be an int >= 1, got {buffer_number!r}")
@@ -181,6 +183,12 @@ class MemoryStore(KVStore):
                         errors[i] = "memory tier full: every slot is pending or being read"
                         continue
                     p = self._pending[keys[i]] = _Pending(slot, self.geometry.n_shards)
+                if p.claimed[shards.start:shards.stop].all():
+                    # these shards are written (or being written) by an earlier row or task:
+                    # one writer per byte, so a block never mixes two sources
+                    skipped.append(i)
+                    continue
+                p.claimed[shards.start:shards.stop] = True
                 p.inflight += 1
                 plan.append((i, p))
         self._stats.add(dump_skipped=len(skipped), dump_failures=len(errors))
@@ -197,7 +205,9 @@ class MemoryStore(KVStore):
 
         t0 = time.perf_counter()
         try:
-            self._copy(bufs, [p.slot for _, p in plan], offset, nbytes, to_pool=True, ready=ready)
+            # each item carries its row: skipped or refused rows leave gaps in the plan
+            self._copy(bufs, [p.slot for _, p in plan], offset, nbytes, to_pool=True, ready=ready,
+                       rows=[i for i, _ in plan])
             ok, err = True, None
         except Exception as exc:  # a copy fault fails these blocks, never the process
             ok, err = False, f"copy into memory tier failed: {exc!r}"

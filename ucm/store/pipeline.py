@@ -35,7 +35,12 @@ class PipelineStore(KVStore):
             if t.geometry != geo:
                 raise ValueError(f"store.pipeline: tier {t.name!r} has geometry {t.geometry}, "
                                  f"{tiers[0].name!r} has {geo}")
-        super().__init__(geo, max(t.wait_timeout_s for t in tiers))
+            if t.namespace != tiers[0].namespace:
+                raise ValueError(f"store.pipeline: tier {t.name!r} serves another namespace than "
+                                 f"{tiers[0].name!r}")
+        if len({id(t) for t in tiers}) != len(tiers):
+            raise ValueError("store.pipeline: the same tier object is listed twice")
+        super().__init__(geo, max(t.wait_timeout_s for t in tiers), tiers[0].namespace)
         self.tiers = tiers
         self.write_back = bool(write_back) and len(tiers) > 1
         self._hits = np.zeros(len(tiers), dtype=np.int64)

@@ -1,217 +1,669 @@
 """``posix`` tier: one file per block under one or more root directories (local disk, NFS, any
-shared mount), safe for several processes and nodes sharing the directories.
+shared mount), safe for several processes and nodes sharing the directories, and for roots that
+other local users can reach.
 
-Layout of a root::
+Layout of a root (``docs/posix-tier.md`` has the full rules)::
 
-    <root>/ab/cd/<32 hex>.blk          published blocks (ab, cd: the first hex digits)
-    <root>/ab/cd/<32 hex>.blk.tmp.*    blocks being written (never read)
-    <root>/.ucm/lock                   flock serialising publish and garbage collection
-    <root>/.ucm/usage                  bytes of published blocks (rebuilt by every GC scan)
-    <root>/.ucm/quarantine/            blocks that failed a check, moved aside
+    <root>/.ucm/ROOT                      marker: this directory belongs to ucm
+    <root>/.ucm/lock                      flock serialising budget accounting, publish and GC
+    <root>/.ucm/usage                     bytes of every ucm file in the root (blocks, temporaries)
+    <root>/.ucm/quarantine/               blocks that failed their own checksums, moved aside
+    <root>/.ucm/tmp/<host>-<pid>-<r>/     one directory per open writer: its flock-held ``lock``
+                                          and the temporary files of the blocks it is writing
+    <root>/<space>/ab/cd/<32 hex>.blk     published blocks of one space: <space> is the digest of
+                                          namespace, geometry, codec and format version
 
-Write path: a dump writes the payload into a temporary file (preallocated, so a full disk fails
-the dump up front) with the native engine's threads (``pwrite``, optional ``O_DIRECT``),
-computing one checksum per shard. ``commit(True)`` writes the header (docs/block-format.md),
-optionally ``fsync``s, and publishes with an atomic ``rename`` under the root's lock, after
-garbage collection made room: the byte budget of published blocks is never exceeded. A process
-killed at any moment leaves at most a temporary file, which no reader opens and GC removes.
+Ownership: a root is ucm's only once it carries the marker. A store initialises only an empty
+directory and refuses a non-empty unmarked one (a home directory, say), so garbage collection
+only ever deletes names ucm writes (32-hex ``.blk`` files under a space, its own temporaries and
+quarantine). Files are private (0600 / directories 0700) unless ``group`` names the group that
+shares the root (then 0640 / 0660 and setgid 2770 directories owned by that group).
 
-Read path: ``open`` + header check (magic, version, namespace, id, geometry, header checksum) +
-size check + ``pread`` of the requested shards on native threads + per-shard checksum. Any
-failure is a failed block (a miss for the engine); a block that fails a check is quarantined so
-later lookups miss. A successful load refreshes the file's mtime: GC evicts by least recent use.
+Links: nothing under a root is reached through a symbolic link. The root's metadata is opened
+with ``O_NOFOLLOW`` relative to the root's descriptor and must belong to this user (or, shared,
+to the group); block files are opened with :func:`ucm.ops.open_beneath` (openat2,
+``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``) relative to the space's descriptor; renames, unlinks
+and directory creation go through directory descriptors obtained the same way.
+
+Budget: ``usage`` counts published blocks, temporary files and quarantined files. A dump creates
+its temporary files first, then reserves their bytes under the lock (collecting garbage when the
+budget is full); what does not fit fails the dump. A batch larger than the budget keeps its
+leading blocks (a prefix is only useful from its start). Every writer holds an flock on its own
+directory's ``lock`` while it is open, so any store that takes the root's lock can tell a dead
+writer's directory (lock free) and removes it with its temporaries: at open and at every
+collection. Disk use never exceeds the budget by more than the batches being reserved.
+
+Write path: payload into the writer's temporary file (preallocated) with the native engine's
+threads, one checksum per shard; ``commit(True)`` writes the header (docs/block-format.md),
+optionally ``fsync``s and publishes with an atomic rename. Read path: open beneath the space,
+size and header checks, ``pread`` of the requested shards on native threads, per-shard checksums.
+A header of another namespace, id, codec or geometry (valid in itself) is a miss, never touched;
+a block failing its own checksums or size is quarantined. A successful load refreshes the
+file's mtime: collection evicts by least recent use. ``read_only`` stores write nothing at all:
+no lock, no quarantine, no mtime refresh.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
+import grp
+import hashlib
 import logging
 import os
+import re
+import socket
+import stat
 import threading
 import time
 import uuid
-from ucm import threads
 from typing import Optional, Sequence
 
 import numpy as np
 
-from ucm.ops import alloc_aligned, io_batch, new_io_ops
+from ucm import threads
+from ucm.ops import alloc_aligned, io_batch, new_io_ops, open_beneath
 from ucm.store import format as fmt
 from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task, subset_buffers as _subset
 
 log = logging.getLogger("ucm.store.posix")
 
 SUFFIX = ".blk"
-TMP = ".tmp."
 META = ".ucm"
+MARKER = b"ucm kv root 1\n"
+_HEX32 = re.compile(r"[0-9a-f]{32}\Z")
+_HEX2 = re.compile(r"[0-9a-f]{2}\Z")
+_BLOCK = re.compile(r"[0-9a-f]{32}\.blk\Z")
+_TEMP = re.compile(r"[0-9a-f]{32}\.\d+\Z")
+_WRITER = re.compile(r"[0-9a-f]{8}-\d+-[0-9a-f]{8}\Z")
+_QUARANTINED = re.compile(r"[0-9a-f]{32}\.blk\.\d+\.\d+\Z")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_ORPHAN_WRITER_S = 60.0  # a writer directory without its lock file is dead after this long
 
 
-class _Pending:
-    __slots__ = ("path", "tmp", "fd", "fd_direct", "checksums", "shards", "inflight", "failed",
-                 "discard", "root")
+def space_name(namespace: bytes, geometry: BlockGeometry, codec: int = 0) -> str:
+    """The directory of one space (namespace, geometry, codec, format version) under a root."""
+    h = hashlib.sha256(b"ucm-space\0" + bytes(namespace) + b"%d/%d/%d/%d" % (
+        geometry.block_bytes, geometry.shard_bytes, codec, fmt.VERSION))
+    return h.hexdigest()[:32]
 
-    def __init__(self, root, path, tmp, fd, fd_direct, n_shards):
-        self.root, self.path, self.tmp, self.fd, self.fd_direct = root, path, tmp, fd, fd_direct
-        self.checksums = np.zeros(n_shards, dtype=np.uint64)
-        self.shards = np.zeros(n_shards, dtype=bool)
-        self.inflight = 0
-        self.failed: Optional[str] = None
-        self.discard = False
 
-    def close(self) -> None:
-        for fd in {self.fd, self.fd_direct} - {None}:
+def _err(code: int) -> str:
+    code = abs(int(code))
+    return f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+
+
+def _close(*fds) -> None:
+    for fd in fds:
+        if fd is not None and fd >= 0:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self.fd = self.fd_direct = None
+
+
+class _Perms:
+    """File and directory modes, and the group of a shared root."""
+
+    def __init__(self, group: Optional[str]):
+        self.gid = None
+        if group not in (None, ""):
+            try:
+                self.gid = int(group) if str(group).isdigit() else grp.getgrnam(str(group)).gr_gid
+            except KeyError:
+                raise ValueError(f"store.posix.group: no group named {group!r}") from None
+        shared = self.gid is not None
+        self.dir_mode = 0o2770 if shared else 0o700
+        self.file_mode = 0o640 if shared else 0o600
+        self.meta_mode = 0o660 if shared else 0o600
+
+    def fix(self, fd: int, mode: int) -> None:
+        """Give a file or directory we created its mode (umask may have cut it) and group."""
+        if self.gid is not None:
+            os.fchown(fd, -1, self.gid)
+            os.fchmod(fd, mode)
+
+    def check(self, fd: int, what: str, directory: bool) -> None:
+        """Refuse metadata that another user controls (or that is not what it should be)."""
+        st = os.fstat(fd)
+        if directory and not stat.S_ISDIR(st.st_mode) or not directory and not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"store.posix.roots: {what} is not a {'directory' if directory else 'file'}")
+        if st.st_uid == os.geteuid():
+            return
+        if self.gid is not None and st.st_gid == self.gid and not st.st_mode & 0o002:
+            return
+        raise ValueError(f"store.posix.roots: {what} belongs to uid {st.st_uid}, not to this user "
+                         f"(uid {os.geteuid()}){'' if self.gid is None else ' nor to the shared group'}: "
+                         f"refusing a directory another user controls")
+
+
+def _open_dir(name: str, dir_fd: int, perms: Optional[_Perms], what: str, create: bool) -> Optional[int]:
+    """A directory below ``dir_fd`` (one component), created if asked, never through a link.
+    None when it does not exist and ``create`` is False."""
+    for attempt in (0, 1):
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            if not create or attempt:
+                return None
+            try:
+                os.mkdir(name, perms.dir_mode if perms else 0o700, dir_fd=dir_fd)
+            except FileExistsError:
+                pass
+            continue
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ValueError(f"store.posix.roots: {what} is a symbolic link or not a directory; "
+                                 f"ucm follows no link under a root") from None
+            raise
+        if perms is not None:
+            try:
+                perms.check(fd, what, directory=True)
+                if create and attempt:
+                    perms.fix(fd, perms.dir_mode)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+    return None
 
 
 class _Root:
-    """One root directory: its budget, lock and usage counter."""
+    """One root directory: its descriptors, lock, usage counter, writer directory and space."""
 
-    def __init__(self, path: str, budget: int, file_bytes: int, stale_s: float, stats):
-        self.path, self.budget, self.file_bytes, self.stale_s = path, budget, file_bytes, stale_s
-        self.meta = os.path.join(path, META)
-        self.quarantine = os.path.join(self.meta, "quarantine")
-        os.makedirs(self.quarantine, exist_ok=True)
-        self._lockfd = os.open(os.path.join(self.meta, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        self._usagefd = os.open(os.path.join(self.meta, "usage"), os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, path: str, budget: int, file_bytes: int, space: str, perms: _Perms,
+                 read_only: bool, stale_s: float, stats):
+        self.path, self.budget, self.file_bytes, self.space = path, budget, file_bytes, space
+        self.perms, self.read_only, self.stale_s, self._stats = perms, read_only, stale_s, stats
+        self.fd = self.meta = self.lockfd = self.usagefd = self.quarantine = None
+        self.tmp = self.writer = self.writer_lock = self.space_fd = None
+        self.writer_name = None
         self._tlock = threading.Lock()  # flock does not exclude threads sharing one descriptor
-        self._stats = stats
+        self._space_probe = 0.0
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
 
-    def close(self):
-        for fd in (self._lockfd, self._usagefd):
+    # -- opening --------------------------------------------------------------------------------
+    def _open(self) -> None:
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ValueError(f"store.posix.roots: {self.path!r} does not exist or is not a directory") from None
+        except NotADirectoryError:
+            raise ValueError(f"store.posix.roots: {self.path!r} does not exist or is not a directory") from None
+        except PermissionError:
+            raise ValueError(f"store.posix.roots: {self.path!r} cannot be opened (permission denied)") from None
+        self.meta = _open_dir(META, self.fd, self.perms, f"{self.path}/{META}", create=False)
+        if self.meta is None:
+            self._initialise()
+        self._check_marker()
+        if not self.read_only:
+            try:
+                self.lockfd = self._meta_file("lock")
+                self.usagefd = self._meta_file("usage")
+                self.quarantine = _open_dir("quarantine", self.meta, self.perms,
+                                            f"{self.path}/{META}/quarantine", create=True)
+                self.tmp = _open_dir("tmp", self.meta, self.perms, f"{self.path}/{META}/tmp", create=True)
+            except PermissionError as exc:
+                raise ValueError(f"store.posix.roots: {self.path!r} is not writable ({exc.strerror}); "
+                                 f"a consumer that may not write opens it with store.posix.read_only") from None
+            self._open_writer()
+            with self.locked():
+                freed = self._reap_locked()
+                usage = self._read_usage()
+                if usage is None:
+                    self.gc_locked(None)
+                elif freed:
+                    self._write_usage(max(0, usage - freed))
+        self.open_space(create=not self.read_only)
+
+    def _initialise(self) -> None:
+        """Make an empty directory a ucm root (marker last: a half-made root is still empty of
+        anything but .ucm, so the next store finishes the job)."""
+        if self.read_only:
+            raise ValueError(f"store.posix.roots: {self.path!r} is not a ucm root (no {META}/ROOT "
+                             f"marker); a read-only store opens only a root a writer has made")
+        others = [e for e in os.listdir(self.fd) if e != META]
+        if others:
+            raise ValueError(f"store.posix.roots: {self.path!r} is not empty and is not a ucm root "
+                             f"(no {META}/ROOT marker; it holds e.g. {sorted(others)[0]!r}); ucm "
+                             f"takes only an empty directory or one it made, so that it never "
+                             f"deletes files it did not write")
+        try:
+            self.meta = _open_dir(META, self.fd, self.perms, f"{self.path}/{META}", create=True)
+        except PermissionError as exc:
+            raise ValueError(f"store.posix.roots: {self.path!r} is not writable ({exc.strerror})") from None
+
+    def _check_marker(self) -> None:
+        try:
+            fd = os.open("ROOT", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.meta)
+        except FileNotFoundError:
+            if self.read_only:
+                raise ValueError(f"store.posix.roots: {self.path!r} is not a ucm root (no {META}/ROOT "
+                                 f"marker)") from None
+            self._write_marker()
+            return
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ValueError(f"store.posix.roots: {self.path}/{META}/ROOT is a symbolic link") from None
+            raise
+        try:
+            self.perms.check(fd, f"{self.path}/{META}/ROOT", directory=False)
+            content = os.read(fd, 64)
+        finally:
             os.close(fd)
+        if content != MARKER:
+            raise ValueError(f"store.posix.roots: {self.path}/{META}/ROOT is not a ucm marker "
+                             f"({content[:20]!r})")
 
+    def _write_marker(self) -> None:
+        if any(_HEX2.match(e) for e in os.listdir(self.fd)):
+            log.warning("ucm posix tier: %s holds blocks of an older ucm layout (%s/ab/...); they "
+                        "are no longer read or counted and may be deleted", self.path, self.path)
+        tmp = f"ROOT.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         self.perms.file_mode, dir_fd=self.meta)
+        except PermissionError as exc:
+            raise ValueError(f"store.posix.roots: {self.path!r} is not writable ({exc.strerror})") from None
+        try:
+            self.perms.fix(fd, self.perms.file_mode)
+            os.write(fd, MARKER)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, "ROOT", src_dir_fd=self.meta, dst_dir_fd=self.meta)
+
+    def _meta_file(self, name: str) -> int:
+        what = f"{self.path}/{META}/{name}"
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         self.perms.meta_mode, dir_fd=self.meta)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ValueError(f"store.posix.roots: {what} is a symbolic link; ucm follows no "
+                                 f"link under a root") from None
+            raise
+        try:
+            self.perms.check(fd, what, directory=False)
+            if os.fstat(fd).st_uid == os.geteuid():
+                self.perms.fix(fd, self.perms.meta_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_writer(self) -> None:
+        """This store's writer directory, its lock held (flock) until close."""
+        name = f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.writer = _open_dir(name, self.tmp, self.perms, f"{self.path}/{META}/tmp/{name}", create=True)
+        self.writer_name = name
+        self.writer_lock = os.open("lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                   self.perms.meta_mode, dir_fd=self.writer)
+        fcntl.flock(self.writer_lock, fcntl.LOCK_EX)
+
+    def open_space(self, create: bool) -> Optional[int]:
+        """The space's directory descriptor (None while a read-only store finds none: looked for
+        again at most once a second)."""
+        if self.space_fd is None and (create or time.monotonic() - self._space_probe > 1.0):
+            self._space_probe = time.monotonic()
+            fd = _open_dir(self.space, self.fd, self.perms, f"{self.path}/{self.space}", create=create)
+            with self._tlock:
+                if self.space_fd is None:
+                    self.space_fd = fd
+                elif fd is not None:
+                    os.close(fd)
+        return self.space_fd
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self._remove_writer_dir(self.writer, self.writer_name)
+        _close(self.writer_lock, self.writer, self.space_fd, self.tmp, self.quarantine, self.usagefd,
+               self.lockfd, self.meta, self.fd)
+        self.fd = self.meta = self.lockfd = self.usagefd = self.quarantine = None
+        self.tmp = self.writer = self.writer_lock = self.space_fd = None
+
+    # -- lock and usage -------------------------------------------------------------------------
     class _Locked:
         def __init__(self, root):
             self.root = root
 
         def __enter__(self):
             self.root._tlock.acquire()
-            fcntl.flock(self.root._lockfd, fcntl.LOCK_EX)
+            fcntl.flock(self.root.lockfd, fcntl.LOCK_EX)
             return self.root
 
         def __exit__(self, *exc):
-            fcntl.flock(self.root._lockfd, fcntl.LOCK_UN)
+            fcntl.flock(self.root.lockfd, fcntl.LOCK_UN)
             self.root._tlock.release()
 
     def locked(self):
         return _Root._Locked(self)
 
     def _read_usage(self) -> Optional[int]:
-        raw = os.pread(self._usagefd, 32, 0).split(b"\n")[0].strip()
+        raw = os.pread(self.usagefd, 32, 0).split(b"\n")[0].strip()
         return int(raw) if raw.isdigit() else None
 
     def _write_usage(self, value: int) -> None:
-        os.pwrite(self._usagefd, b"%-30d\n" % value, 0)
+        os.pwrite(self.usagefd, b"%-30d\n" % value, 0)
 
     def usage_locked(self) -> int:
         usage = self._read_usage()
         return self.gc_locked(None) if usage is None else usage
 
-    def scan(self):
-        """(mtime, size, path) of every published block, plus stale temporary files."""
-        blocks, stale = [], []
-        now = time.time()
-        for top in os.scandir(self.path):
-            if not top.is_dir(follow_symlinks=False) or top.name == META:
-                continue
-            for mid in os.scandir(top.path):
-                if not mid.is_dir(follow_symlinks=False):
-                    continue
-                for f in os.scandir(mid.path):
-                    try:
-                        st = f.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if f.name.endswith(SUFFIX):
-                        blocks.append((st.st_mtime, st.st_size, f.path))
-                    elif TMP in f.name and now - st.st_mtime > self.stale_s:
-                        stale.append(f.path)
-        for f in os.scandir(self.quarantine):
-            try:
-                if now - f.stat().st_mtime > self.stale_s:
-                    stale.append(f.path)
-            except FileNotFoundError:
-                pass
-        return blocks, stale
+    def add_usage(self, delta: int) -> None:
+        with self.locked():
+            self._write_usage(max(0, self.usage_locked() + delta))
 
-    def gc_locked(self, target: Optional[int]) -> int:
-        """Rescan (exact usage), drop stale temporaries, evict least recently used blocks until
-        usage <= target (None: no eviction). Returns the usage; caller holds the lock."""
-        blocks, stale = self.scan()
-        for path in stale:
-            _unlink(path)
-        usage = sum(size for _, size, _ in blocks)
-        if target is not None and usage > target:
-            blocks.sort()
-            evicted = 0
-            for _, size, path in blocks:
-                if usage <= target:
-                    break
-                if _unlink(path):
-                    usage -= size
-                    evicted += 1
-            self._stats.add(evictions=evicted)
-        self._write_usage(usage)
-        return usage
-
-    def publish(self, items: list) -> list[Optional[str]]:
-        """Atomically rename each ``(tmp, final)`` into place within the budget; returns an
-        error text (or None) per item."""
-        out: list[Optional[str]] = []
+    def reserve(self, n: int) -> int:
+        """Count ``n`` temporary files that exist now; returns how many fit the budget (the
+        leading ones), collecting garbage first when needed. The caller removes the rest."""
+        fb = self.file_bytes
         with self.locked():
             usage = self.usage_locked()
-            need = len(items) * self.file_bytes
-            if usage + need > self.budget:
-                target = max(0, min(self.budget - need, int(self.budget * 0.9)))
+            if usage + n * fb > self.budget:
+                # the scan counts the n files already: evict down to a tenth below what they need
+                target = max(0, min(self.budget, int(self.budget * 0.9) + n * fb))
                 usage = self.gc_locked(target)
-            for tmp, final in items:
-                if os.path.exists(final):  # published meanwhile by another process
-                    _unlink(tmp)
-                    out.append(None)
-                    continue
-                if usage + self.file_bytes > self.budget:
-                    _unlink(tmp)
-                    out.append("byte budget too small for this block")
-                    continue
-                try:
-                    os.rename(tmp, final)
-                except OSError as exc:
-                    _unlink(tmp)
-                    out.append(f"publish failed: {exc}")
-                    continue
-                usage += self.file_bytes
-                out.append(None)
-            self._write_usage(usage)
+                fit = n - max(0, -(-(usage - self.budget) // fb))
+                fit = max(0, min(n, fit))
+                self._write_usage(usage - (n - fit) * fb)
+                return fit
+            self._write_usage(usage + n * fb)
+            return n
+
+    # -- scanning and collection ----------------------------------------------------------------
+    def _subdirs(self, fd: int, pattern) -> list:
+        out = []
+        for e in os.scandir(fd):
+            if pattern.match(e.name) and e.is_dir(follow_symlinks=False):
+                out.append(e.name)
         return out
 
-    def quarantine_block(self, path: str) -> None:
-        dest = os.path.join(self.quarantine, f"{os.path.basename(path)}.{os.getpid()}.{time.time():.0f}")
-        with self.locked():
+    def scan(self):
+        """Published blocks of every space and quarantined files, as (mtime, size, dir path
+        relative to the root, name); and the bytes of live writers' temporaries."""
+        files = []
+        for space in self._subdirs(self.fd, _HEX32):
+            sfd = _try_open_dir(space, self.fd)
+            if sfd is None:
+                continue
             try:
-                os.rename(path, dest)
-            except OSError:
-                return  # already gone (evicted or quarantined by someone else)
-            usage = self._read_usage()
-            if usage is not None:
-                self._write_usage(max(0, usage - self.file_bytes))
+                for ab in self._subdirs(sfd, _HEX2):
+                    afd = _try_open_dir(ab, sfd)
+                    if afd is None:
+                        continue
+                    try:
+                        for cd in self._subdirs(afd, _HEX2):
+                            cfd = _try_open_dir(cd, afd)
+                            if cfd is None:
+                                continue
+                            try:
+                                rel = f"{space}/{ab}/{cd}"
+                                for e in os.scandir(cfd):
+                                    if _BLOCK.match(e.name):
+                                        st = _lstat(e)
+                                        if st is not None and stat.S_ISREG(st.st_mode):
+                                            files.append((st.st_mtime, st.st_size, rel, e.name))
+                            finally:
+                                os.close(cfd)
+                    finally:
+                        os.close(afd)
+            finally:
+                os.close(sfd)
+        for e in os.scandir(self.quarantine):
+            if _QUARANTINED.match(e.name):
+                st = _lstat(e)
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    files.append((st.st_mtime, st.st_size, f"{META}/quarantine", e.name))
+        temp = 0
+        for name in self._subdirs(self.tmp, _WRITER):
+            wfd = _try_open_dir(name, self.tmp)
+            if wfd is None:
+                continue
+            try:
+                for e in os.scandir(wfd):
+                    if _TEMP.match(e.name):
+                        st = _lstat(e)
+                        if st is not None and stat.S_ISREG(st.st_mode):
+                            temp += st.st_size
+            finally:
+                os.close(wfd)
+        return files, temp
+
+    def _reap_locked(self) -> int:
+        """Remove the writer directories of dead writers (their lock is free); returns the bytes
+        of the temporaries removed. Caller holds the root's lock."""
+        freed = 0
+        for name in self._subdirs(self.tmp, _WRITER):
+            if name == self.writer_name:
+                continue
+            wfd = _try_open_dir(name, self.tmp)
+            if wfd is None:
+                continue
+            try:
+                try:
+                    lfd = os.open("lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=wfd)
+                except FileNotFoundError:  # died before taking its lock, or still starting
+                    if time.time() - os.fstat(wfd).st_mtime < _ORPHAN_WRITER_S:
+                        continue
+                    lfd = None
+                except OSError:
+                    continue
+                if lfd is not None:
+                    try:
+                        fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError:  # held: the writer is alive
+                        os.close(lfd)
+                        continue
+                    os.close(lfd)
+            finally:
+                os.close(wfd)
+            freed += self._remove_writer_dir(None, name)
+        return freed
+
+    def _remove_writer_dir(self, wfd: Optional[int], name: str) -> int:
+        """Delete a writer directory's temporaries, lock and the directory; returns the bytes."""
+        own = wfd is None
+        if own:
+            wfd = _try_open_dir(name, self.tmp)
+            if wfd is None:
+                return 0
+        freed = 0
+        try:
+            for e in os.scandir(wfd):
+                if _TEMP.match(e.name) or e.name == "lock":
+                    st = _lstat(e)
+                    try:
+                        os.unlink(e.name, dir_fd=wfd)
+                        if st is not None and e.name != "lock":
+                            freed += st.st_size
+                    except OSError:
+                        pass
+        finally:
+            if own:
+                os.close(wfd)
+        try:
+            os.rmdir(name, dir_fd=self.tmp)
+        except OSError:
+            pass
+        return freed
+
+    def gc_locked(self, target: Optional[int]) -> int:
+        """Reap dead writers, rescan (exact usage), drop quarantined files older than the stale
+        age and evict least recently used blocks until usage <= target (None: no eviction).
+        Returns the usage; caller holds the lock."""
+        self._reap_locked()
+        files, temp = self.scan()
+        now = time.time()
+        usage = temp + sum(size for _, size, _, _ in files)
+        files.sort()
+        victims = [f for f in files if f[2].startswith(META) and now - f[0] > self.stale_s]
+        if target is not None and usage > target:
+            chosen = {id(f) for f in victims}
+            need = usage - target - sum(f[1] for f in victims)
+            for f in files:
+                if need <= 0:
+                    break
+                if id(f) not in chosen:
+                    victims.append(f)
+                    chosen.add(id(f))
+                    need -= f[1]
+        evicted = 0
+        by_dir: dict[str, list] = {}
+        for f in victims:
+            by_dir.setdefault(f[2], []).append(f)
+        for rel, group in by_dir.items():
+            dfd = self._dir_beneath(rel)
+            if dfd is None:
+                continue
+            try:
+                for _, size, _, name in group:
+                    try:
+                        os.unlink(name, dir_fd=dfd)
+                    except OSError:
+                        continue
+                    usage -= size
+                    evicted += not rel.startswith(META)
+            finally:
+                os.close(dfd)
+        if evicted:
+            self._stats.add(evictions=evicted)
+        self._write_usage(max(0, usage))
+        return usage
+
+    def _dir_beneath(self, rel: str) -> Optional[int]:
+        fds, _ = open_beneath(self.fd, [rel], os.O_PATH | os.O_DIRECTORY, keep_open=True)
+        return int(fds[0]) if fds[0] > 0 else None
+
+    # -- publish and quarantine -----------------------------------------------------------------
+    def leaf(self, ab: str, cd: str, create: bool) -> int:
+        """Descriptor of ``<space>/ab/cd`` (created when asked), or -errno."""
+        sfd = self.open_space(create=create)
+        if sfd is None:
+            return -errno.ENOENT
+        rel = f"{ab}/{cd}"
+        fds, _ = open_beneath(sfd, [rel], os.O_PATH | os.O_DIRECTORY, keep_open=True)
+        if fds[0] > 0 or fds[0] != -errno.ENOENT or not create:
+            return int(fds[0])
+        for part, parent in ((ab, None), (cd, ab)):
+            pfd = sfd
+            if parent is not None:
+                got, _ = open_beneath(sfd, [parent], os.O_PATH | os.O_DIRECTORY, keep_open=True)
+                if got[0] < 0:
+                    return int(got[0])
+                pfd = int(got[0])
+            try:
+                os.mkdir(part, self.perms.dir_mode, dir_fd=pfd)
+                if self.perms.gid is not None:
+                    got, _ = open_beneath(pfd, [part], os.O_RDONLY | os.O_DIRECTORY, keep_open=True)
+                    if got[0] > 0:
+                        try:
+                            self.perms.fix(int(got[0]), self.perms.dir_mode)
+                        finally:
+                            os.close(int(got[0]))
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                return -(exc.errno or errno.EIO)
+            finally:
+                if pfd != sfd:
+                    os.close(pfd)
+        fds, _ = open_beneath(sfd, [rel], os.O_PATH | os.O_DIRECTORY, keep_open=True)
+        return int(fds[0])
+
+    def publish(self, items: list) -> list[Optional[str]]:
+        """Rename each ``(temp name, hex id)`` from the writer directory into place; returns an
+        error text (or None) per item. The bytes were counted when the temporaries were made."""
+        out: list[Optional[str]] = []
+        leaves: dict[tuple, int] = {}
+        dropped = 0
+        try:
+            with self.locked():
+                for tmp, hexid in items:
+                    key = (hexid[:2], hexid[2:4])
+                    if key not in leaves:
+                        leaves[key] = self.leaf(*key, create=True)
+                    lfd = leaves[key]
+                    final = hexid + SUFFIX
+                    if lfd < 0:
+                        err = f"cannot create the block's directory: {_err(lfd)}"
+                    else:
+                        try:
+                            os.stat(final, dir_fd=lfd, follow_symlinks=False)
+                            err = "present"  # published meanwhile by another writer
+                        except FileNotFoundError:
+                            try:
+                                os.rename(tmp, final, src_dir_fd=self.writer, dst_dir_fd=lfd)
+                                err = None
+                            except OSError as exc:
+                                err = f"publish failed: {_err(exc.errno or errno.EIO)}"
+                        except OSError as exc:
+                            err = f"publish failed: {_err(exc.errno or errno.EIO)}"
+                    if err is not None:
+                        try:
+                            os.unlink(tmp, dir_fd=self.writer)
+                            dropped += 1
+                        except OSError:
+                            pass
+                    out.append(None if err == "present" else err)
+                if dropped:
+                    self._write_usage(max(0, self.usage_locked() - dropped * self.file_bytes))
+        finally:
+            for fd in leaves.values():
+                _close(fd)
+        return out
+
+    def quarantine_block(self, hexid: str) -> None:
+        if self.read_only:
+            return
+        lfd = self.leaf(hexid[:2], hexid[2:4], create=False)
+        if lfd < 0:
+            return
+        dest = f"{hexid}{SUFFIX}.{os.getpid()}.{time.time():.0f}"
+        try:
+            with self.locked():
+                os.rename(hexid + SUFFIX, dest, src_dir_fd=lfd, dst_dir_fd=self.quarantine)
+        except OSError:
+            return  # already gone (evicted or quarantined by someone else)
+        finally:
+            os.close(lfd)
         self._stats.add(quarantined=1)
 
 
-def _unlink(path: str) -> bool:
+def _try_open_dir(name: str, dir_fd: int) -> Optional[int]:
     try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
 
 
-def _err(code: int) -> str:
-    code = abs(int(code))
-    return f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+def _lstat(entry):
+    try:
+        return entry.stat(follow_symlinks=False)
+    except OSError:
+        return None
+
+
+class _Pending:
+    __slots__ = ("root", "hexid", "tmp", "fd", "fd_direct", "checksums", "shards", "claimed",
+                 "inflight", "failed", "discard")
+
+    def __init__(self, root: _Root, hexid: str, tmp: str, fd: int, fd_direct, n_shards: int):
+        self.root, self.hexid, self.tmp, self.fd, self.fd_direct = root, hexid, tmp, fd, fd_direct
+        self.checksums = np.zeros(n_shards, dtype=np.uint64)
+        self.shards = np.zeros(n_shards, dtype=bool)   # written
+        self.claimed = np.zeros(n_shards, dtype=bool)  # written or being written
+        self.inflight = 0
+        self.failed: Optional[str] = None
+        self.discard = False
+
+    def close(self) -> None:
+        _close(self.fd, self.fd_direct)
+        self.fd = self.fd_direct = None
 
 
 class PosixStore(KVStore):
@@ -220,49 +672,62 @@ class PosixStore(KVStore):
     def __init__(self, geometry: BlockGeometry, roots: Sequence[str], namespace: bytes = bytes(16),
                  capacity_bytes: int = 64 << 30, o_direct: bool = False, fsync: bool = False,
                  io_threads: int = 4, wait_timeout_s: float = 30.0, stale_tmp_s: float = 600.0,
-                 codec: int = 0):
-        super().__init__(geometry, wait_timeout_s)
+                 codec: int = 0, read_only: bool = False, group: Optional[str] = None):
+        super().__init__(geometry, wait_timeout_s, namespace)
         if isinstance(roots, (str, os.PathLike)):
             roots = [roots]
-        roots = [os.path.abspath(os.path.expanduser(os.fspath(r))) for r in roots]
+        roots = list(roots)
+        for r in roots:
+            if not isinstance(r, (str, os.PathLike)) or not os.fspath(r).strip():
+                raise ValueError(f"store.posix.roots: {r!r} is not a directory path (an empty path "
+                                 f"would silently mean the working directory)")
+        roots = [os.path.realpath(os.path.expanduser(os.fspath(r))) for r in roots]
         if not roots:
             raise ValueError("store.posix.roots: at least one directory is required")
-        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
-            raise ValueError("namespace: expected a 16-byte digest (ucm.Namespace(...).digest())")
+        if len(set(roots)) != len(roots):
+            dup = sorted(r for r in set(roots) if roots.count(r) > 1)
+            raise ValueError(f"store.posix.roots: {dup[0]!r} is listed twice")
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer)) \
                 or capacity_bytes < 0:
             raise ValueError(f"cache_capacity must be a size in bytes >= 0, got {capacity_bytes!r}")
-        self.namespace = bytes(namespace)
         self.codec = int(codec)
+        self.read_only = bool(read_only)
         self.o_direct, self.fsync = bool(o_direct), bool(fsync)
         self.io_threads = max(1, int(io_threads))
         self.header_bytes = fmt.header_size(geometry.n_shards)
         self.file_bytes = self.header_bytes + geometry.block_bytes
         per_root = int(capacity_bytes) // len(roots)
-        if per_root < self.file_bytes:
+        if per_root < self.file_bytes and not self.read_only:
             raise ValueError(f"cache_capacity ({capacity_bytes} bytes over {len(roots)} roots) is "
                              f"smaller than one block file ({self.file_bytes} bytes)")
-        for r in roots:
-            if not os.path.isdir(r):
-                raise ValueError(f"store.posix.roots: {r!r} does not exist or is not a directory")
-            probe = os.path.join(r, f".ucm-write-probe.{os.getpid()}.{uuid.uuid4().hex}")
-            try:
-                with open(probe, "wb") as f:
-                    f.write(b"x")
-                os.unlink(probe)
-            except OSError as exc:
-                raise ValueError(f"store.posix.roots: {r!r} is not writable ({exc.strerror})") from None
-        self.roots = [_Root(r, per_root, self.file_bytes, stale_tmp_s, self._stats) for r in roots]
+        self.perms = _Perms(group)
+        self.space = space_name(self.namespace, geometry, self.codec)
+        self.roots: list[_Root] = []
+        try:
+            for r in roots:
+                self.roots.append(_Root(r, per_root, self.file_bytes, self.space, self.perms,
+                                        self.read_only, stale_tmp_s, self._stats))
+        except BaseException:
+            for r in self.roots:
+                r.close()
+            raise
         self._pending: dict[bytes, _Pending] = {}
         self._lock = threading.Lock()
+        self._seq = 0
         self._exec = threads.pool(self.io_threads, "ucm-posix")
         self._bounce_free: list = []  # pinned host buffers for CUDA rows, reused
 
     # -- paths ----------------------------------------------------------------------------------
-    def _place(self, block_id: np.ndarray) -> tuple[_Root, str]:
-        hexid = block_id.astype("<u8").tobytes().hex()
-        root = self.roots[int(block_id[1]) % len(self.roots)]
-        return root, os.path.join(root.path, hexid[:2], hexid[2:4], hexid + SUFFIX)
+    @staticmethod
+    def _hex(block_id: np.ndarray) -> str:
+        return block_id.astype("<u8").tobytes().hex()
+
+    def _root_of(self, block_id: np.ndarray) -> _Root:
+        return self.roots[int(block_id[1]) % len(self.roots)]
+
+    @staticmethod
+    def _rel(hexid: str) -> str:
+        return f"{hexid[:2]}/{hexid[2:4]}/{hexid}{SUFFIX}"
 
     def path_of(self, block_id) -> str:
         """File of one block id (16 bytes or ``uint64[2]``)."""
@@ -270,25 +735,52 @@ class PosixStore(KVStore):
 
         one = [bytes(block_id)] if isinstance(block_id, (bytes, bytearray)) else \
             np.asarray(block_id).reshape(1, 2)
-        return self._place(as_ids(one)[0])[1]
+        bid = as_ids(one)[0]
+        return os.path.join(self._root_of(bid).path, self.space, self._rel(self._hex(bid)))
+
+    def _probe(self, ids: np.ndarray) -> np.ndarray:
+        """Is each block published here (a regular file of the right size, reached without a
+        link)? One native call per root."""
+        found = np.zeros(len(ids), dtype=bool)
+        if not len(ids):
+            return found
+        owner = np.asarray([int(b[1]) % len(self.roots) for b in ids]) if len(self.roots) > 1 \
+            else np.zeros(len(ids), dtype=np.int64)
+        for k, root in enumerate(self.roots):
+            rows = np.flatnonzero(owner == k)
+            if not len(rows):
+                continue
+            sfd = root.open_space(create=False)
+            if sfd is None:
+                continue
+            fds, sizes = open_beneath(sfd, [self._rel(self._hex(ids[i])) for i in rows], os.O_PATH,
+                                      keep_open=False, want_sizes=True)
+            found[rows] = (fds == 0) & (sizes == self.file_bytes)
+        return found
 
     # -- API ------------------------------------------------------------------------------------
     def lookup(self, block_ids) -> list[bool]:
         from ucm.ids import as_ids
 
         ids = as_ids(block_ids, "block_ids")
-        found = [os.path.exists(self._place(ids[i])[1]) for i in range(len(ids))]
-        hits = sum(found)
+        found = self._probe(ids)
+        hits = int(found.sum())
         self._stats.add(lookups=len(ids), hits=hits, misses=len(ids) - hits)
-        return found
+        return found.tolist()
+
+    PREFIX_STEP = 64  # ids probed per call while extending a leading run
 
     def lookup_prefix(self, block_ids) -> int:
         from ucm.ids import as_ids
 
         ids = as_ids(block_ids, "block_ids")
         n = 0
-        while n < len(ids) and os.path.exists(self._place(ids[n])[1]):
-            n += 1
+        while n < len(ids):
+            found = self._probe(ids[n:n + self.PREFIX_STEP])
+            run = len(found) if found.all() else int(np.argmin(found))
+            n += run
+            if run < len(found):
+                break
         self._stats.add(lookups=min(n + 1, len(ids)), hits=n, misses=int(n < len(ids)))
         return n
 
@@ -299,9 +791,13 @@ class PosixStore(KVStore):
         self._exec.shutdown(wait=True)
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
+        drop: dict[int, int] = {}
         for p in pending:  # never published: remove
-            p.close()
-            _unlink(p.tmp)
+            if self._drop(p):
+                drop[id(p.root)] = drop.get(id(p.root), 0) + 1
+        for r in self.roots:
+            if drop.get(id(r)):
+                r.add_usage(-drop[id(r)] * self.file_bytes)
         if self._bounce_free:
             import torch
 
@@ -312,8 +808,9 @@ class PosixStore(KVStore):
             r.close()
 
     def gc(self, target_bytes: Optional[int] = None) -> int:
-        """Collect stale temporaries and, with a target, evict down to it (per root). Returns
-        the published bytes after collection."""
+        """Collect dead writers' temporaries and old quarantined files and, with a target, evict
+        down to it (split over the roots). Returns the bytes in use after collection."""
+        self._writable("gc")
         total = 0
         for r in self.roots:
             with r.locked():
@@ -321,11 +818,17 @@ class PosixStore(KVStore):
         return total
 
     def usage(self) -> int:
+        """Bytes of ucm files in the roots (published, being written, quarantined)."""
+        self._writable("usage")
         total = 0
         for r in self.roots:
             with r.locked():
                 total += r.usage_locked()
         return total
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise ValueError(f"posix tier: {what}() needs a writable store (store.posix.read_only is set)")
 
     # -- dump -----------------------------------------------------------------------------------
     CHUNK = 32  # blocks per worker job: Python preparation of one overlaps I/O of another
@@ -339,28 +842,37 @@ class PosixStore(KVStore):
         return task.seal()
 
     def _dump(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
+        if self.read_only:
+            task = Task("dump", ids)
+            task.add_part()
+            task.finish_part([], {i: "read-only store" for i in range(len(ids))})
+            return task.seal()
         return self._submit("dump", self._run_dump, ids, bufs, shards)
 
-    def _guard(self, task: Task, fn, *args) -> None:
-        """Run a worker; an unexpected exception fails the whole part instead of hanging it."""
+    def _guard(self, task: Task, fn, task_, ids, bufs, shards, base) -> None:
+        """Run a worker; an unexpected exception fails its part instead of hanging the task."""
         try:
-            fn(*args)
+            fn(task_, ids, bufs, shards, base)
         except Exception as exc:  # pragma: no cover - defensive
             log.exception("ucm posix tier: %s task failed", task.kind)
-            task.finish_part([], {i: f"internal error: {exc!r}" for i in range(task.n)})  # whole task
+            task.finish_part([], {base + i: f"internal error: {exc!r}" for i in range(len(ids))})
 
-    def _open_tmp(self, root: _Root, path: str) -> _Pending:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}{TMP}{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _new_temp(self, root: _Root, hexid: str) -> _Pending:
+        with self._lock:
+            self._seq += 1
+            tmp = f"{hexid}.{self._seq}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     self.perms.file_mode, dir_fd=root.writer)
         try:
+            self.perms.fix(fd, self.perms.file_mode)
             os.posix_fallocate(fd, 0, self.file_bytes)  # a full disk fails here, up front
-            fd_direct = os.open(tmp, os.O_WRONLY | os.O_DIRECT) if self.o_direct else None
+            fd_direct = os.open(tmp, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                dir_fd=root.writer) if self.o_direct else None
         except BaseException:
             os.close(fd)
-            _unlink(tmp)
+            _unlink_in(root.writer, tmp)
             raise
-        return _Pending(root, path, tmp, fd, fd_direct, self.geometry.n_shards)
+        return _Pending(root, hexid, tmp, fd, fd_direct, self.geometry.n_shards)
 
     def _host_rows(self, bufs: BlockBuffers, nbytes: int, to_device: bool = False):
         """Host addresses for the rows; CUDA buffers go through a pinned bounce buffer taken
@@ -408,8 +920,7 @@ class PosixStore(KVStore):
             use = fd_direct if fd_direct is not None and self._direct_ok(addr, nbytes, off) else fd
             ops[n] = (use, int(write), addr, nbytes, off, shards.start * sb // 8, sb,
                       int(base) + n * 8 * len(shards), 0, 0)
-        ops_keep = (ops, sums)
-        return ops_keep
+        return ops, sums
 
     def _direct_ok(self, addr, length, file_off) -> bool:
         return self.o_direct and addr % 4096 == 0 and length % 4096 == 0 and file_off % 4096 == 0
@@ -418,37 +929,62 @@ class PosixStore(KVStore):
         t0 = time.perf_counter()
         sb = self.geometry.shard_bytes
         nbytes = len(shards) * sb
-        addrs, bounce = self._host_rows(bufs, nbytes)
+        present = self._probe(ids)
         skipped, errors, plan = [], {}, []  # plan: (row, pending)
-        for i in range(len(ids)):
-            root, path = self._place(ids[i])
-            if os.path.exists(path):
-                skipped.append(i)
-                continue
-            key = ids[i].tobytes()
-            with self._lock:
-                p = self._pending.get(key)
-                if p is not None:
-                    p.inflight += 1
-            if p is None:
-                try:
-                    p = self._open_tmp(root, path)
-                except OSError as exc:
-                    errors[i] = f"cannot create block file: {_err(exc.errno or errno.EIO)}"
+        fresh: dict[bytes, list] = {}       # key -> rows needing a new temporary file
+        with self._lock:
+            for i in range(len(ids)):
+                if present[i]:
+                    skipped.append(i)
                     continue
-                with self._lock:
+                key = ids[i].tobytes()
+                p = self._pending.get(key)
+                if p is None:
+                    fresh.setdefault(key, []).append(i)
+                elif p.claimed[shards.start:shards.stop].all():
+                    skipped.append(i)  # these shards are written by an earlier row or task
+                else:
+                    p.claimed[shards.start:shards.stop] = True
+                    p.inflight += 1
+                    plan.append((i, p))
+        made: dict[int, list] = {}  # root -> [(key, rows, pending)]
+        for key, rows in fresh.items():
+            bid = ids[rows[0]]
+            root = self._root_of(bid)
+            try:
+                p = self._new_temp(root, self._hex(bid))
+            except OSError as exc:
+                for i in rows:
+                    errors[i] = f"cannot create block file: {_err(exc.errno or errno.EIO)}"
+                continue
+            made.setdefault(id(root), []).append((key, rows, p))
+        for group in made.values():
+            root = group[0][2].root
+            fit = root.reserve(len(group))
+            for key, rows, p in group[fit:]:
+                self._drop(p)
+                for i in rows:
+                    errors[i] = "byte budget full: blocks being written fill it"
+            with self._lock:
+                for key, rows, p in group[:fit]:
                     other = self._pending.setdefault(key, p)
-                    other.inflight += 1
-                if other is not p:  # another task of this process got there first
-                    p.close()
-                    _unlink(p.tmp)
-                    p = other
-            plan.append((i, p))
+                    if other is not p:  # another task of this process got there first
+                        self._drop(p)
+                        root.add_usage(-self.file_bytes)
+                    for n, i in enumerate(rows):
+                        if n == 0 and not other.claimed[shards.start:shards.stop].all():
+                            other.claimed[shards.start:shards.stop] = True
+                            other.inflight += 1
+                            plan.append((i, other))
+                        else:
+                            skipped.append(i)
+        addrs, bounce = self._host_rows(bufs, nbytes)
         ops, sums = self._block_ops(
             [(p.fd, p.fd_direct, int(addrs[i])) for i, p in plan], shards, write=True)
         if len(ops):
             io_batch(ops, self.io_threads, want_checksum=True)
         ok = list(skipped)
+        dropped = []
         with self._lock:
             for n, (i, p) in enumerate(plan):
                 if ops["result"][n] < 0:
@@ -460,7 +996,8 @@ class PosixStore(KVStore):
                     ok.append(i)
                 p.inflight -= 1
                 if p.discard and p.inflight == 0:
-                    self._drop(p)
+                    dropped.append(p)
+        self._drop_counted(dropped)
         self._give_back(None if bounce is None else bounce[0])
         written = (len(ok) - len(skipped)) * nbytes
         self._stats.add(dump_blocks=len(ok) - len(skipped), dump_bytes=written,
@@ -470,13 +1007,23 @@ class PosixStore(KVStore):
                          written)
 
     @staticmethod
-    def _drop(p: _Pending) -> None:
+    def _drop(p: _Pending) -> bool:
         p.close()
-        _unlink(p.tmp)
+        return _unlink_in(p.root.writer, p.tmp)
+
+    def _drop_counted(self, plist: list) -> None:
+        """Remove temporaries that were counted in their root's usage, and uncount them."""
+        per_root: dict[int, list] = {}
+        for p in plist:
+            if self._drop(p):
+                per_root.setdefault(id(p.root), [p.root, 0])[1] += 1
+        for root, n in per_root.values():
+            root.add_usage(-n * self.file_bytes)
 
     def commit(self, block_ids, success_flags) -> None:
         ids, flags = self._flags(block_ids, success_flags)
         ready: list[_Pending] = []
+        discard: list[_Pending] = []
         with self._lock:
             for i in range(len(ids)):
                 p = self._pending.pop(ids[i].tobytes(), None)
@@ -486,45 +1033,70 @@ class PosixStore(KVStore):
                     ready.append(p)
                     continue
                 if flags[i]:
-                    log.warning("ucm posix tier: block %s not published (%s)", os.path.basename(p.path),
+                    log.warning("ucm posix tier: block %s not published (%s)", p.hexid,
                                 "dump in flight" if p.inflight else p.failed or "shards missing")
                 self._stats.add(discards=1)
                 if p.inflight:
                     p.discard = True
                 else:
-                    self._drop(p)
+                    discard.append(p)
         by_root: dict[int, list] = {}
         for p in ready:
             try:
-                header = fmt.Header(self.namespace, _id_bytes(p.path), self.codec,
+                header = fmt.Header(self.namespace, bytes.fromhex(p.hexid), self.codec,
                                     self.geometry.block_bytes, self.geometry.shard_bytes,
                                     p.checksums).pack()
                 os.pwrite(p.fd, header.tobytes(), 0)
                 if self.fsync:
                     os.fsync(p.fd)
             except OSError as exc:
-                log.warning("ucm posix tier: header write failed for %s: %s", p.path, exc)
-                self._drop(p)
+                log.warning("ucm posix tier: header write failed for %s: %s", p.hexid, exc)
+                discard.append(p)
                 self._stats.add(discards=1)
                 continue
             p.close()
             by_root.setdefault(id(p.root), []).append(p)
+        self._drop_counted(discard)
         for plist in by_root.values():
             root = plist[0].root
-            results = root.publish([(p.tmp, p.path) for p in plist])
+            results = root.publish([(p.tmp, p.hexid) for p in plist])
             for p, err in zip(plist, results):
                 if err:
-                    log.warning("ucm posix tier: %s not published: %s", p.path, err)
+                    log.warning("ucm posix tier: %s not published: %s", p.hexid, err)
                     self._stats.add(discards=1)
                 else:
                     self._stats.add(commits=1)
             if self.fsync:
-                for d in {os.path.dirname(p.path) for p in plist}:
-                    _fsync_dir(d)
+                for key in {(p.hexid[:2], p.hexid[2:4]) for p in plist}:
+                    lfd = root.leaf(*key, create=False)
+                    if lfd > 0:
+                        try:
+                            os.fsync(lfd)
+                        except OSError:
+                            pass
+                        finally:
+                            os.close(lfd)
 
     # -- load -----------------------------------------------------------------------------------
     def _load(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
         return self._submit("load", self._run_load, ids, bufs, shards)
+
+    def _open_blocks(self, ids, flags):
+        """Open each block beneath its root's space: (fds, sizes) int64 arrays (-errno)."""
+        fds = np.full(len(ids), -errno.ENOENT, dtype=np.int64)
+        sizes = np.full(len(ids), -1, dtype=np.int64)
+        owner = [int(b[1]) % len(self.roots) for b in ids]
+        for k, root in enumerate(self.roots):
+            rows = [i for i in range(len(ids)) if owner[i] == k]
+            if not rows:
+                continue
+            sfd = root.open_space(create=False)
+            if sfd is None:
+                continue
+            f, s = open_beneath(sfd, [self._rel(self._hex(ids[i])) for i in rows], flags,
+                                keep_open=True, want_sizes=True)
+            fds[rows], sizes[rows] = f, s
+        return fds, sizes
 
     def _run_load(self, task: Task, ids, bufs: BlockBuffers, shards: range, base: int) -> None:
         t0 = time.perf_counter()
@@ -532,81 +1104,75 @@ class PosixStore(KVStore):
         nbytes = len(shards) * sb
         addrs, bounce = self._host_rows(bufs, nbytes, to_device=True)
         errors: dict = {}
-        candidates = []  # (row, root, path, fd, fd_direct)
+        fds, sizes = self._open_blocks(ids, os.O_RDONLY)
+        candidates = []  # (row, fd)
         for i in range(len(ids)):
-            root, path = self._place(ids[i])
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
+            fd = int(fds[i])
+            if fd == -errno.ENOENT:
                 errors[i] = "miss"
-                continue
-            except OSError as exc:
-                errors[i] = f"cannot open: {_err(exc.errno or errno.EIO)}"
-                continue
-            try:
-                size = os.fstat(fd).st_size
-                if size != self.file_bytes:
-                    raise fmt.BadBlock(f"file is {size} bytes, expected {self.file_bytes}")
-                fd_direct = os.open(path, os.O_RDONLY | os.O_DIRECT) if self.o_direct else None
-            except fmt.BadBlock as exc:
+            elif fd < 0:
+                errors[i] = f"cannot open: {_err(fd)}"
+            elif sizes[i] < self.header_bytes:
                 os.close(fd)
-                errors[i] = f"corrupt block: {exc}"
-                root.quarantine_block(path)
-                continue
-            except OSError as exc:
-                os.close(fd)
-                errors[i] = f"read failed: {_err(exc.errno or errno.EIO)}"
-                continue
-            candidates.append((i, root, path, fd, fd_direct))
+                errors[i] = f"corrupt block: file is {sizes[i]} bytes, expected {self.file_bytes}"
+                self._root_of(ids[i]).quarantine_block(self._hex(ids[i]))
+            else:
+                candidates.append((i, fd))
+        direct = {}
+        if self.o_direct and candidates:
+            dfds, _ = self._open_blocks(ids[[i for i, _ in candidates]], os.O_RDONLY | os.O_DIRECT)
+            direct = {i: int(d) for (i, _), d in zip(candidates, dfds) if d > 0}
         # every header in one parallel batch (a cold header read is a disk round trip each)
         hsz = self.header_bytes
         headers = alloc_aligned(max(1, len(candidates)) * hsz)
         hops = new_io_ops(len(candidates))
-        for n, (_, _, _, fd, fd_direct) in enumerate(candidates):
-            hops[n] = (fd if fd_direct is None else fd_direct, 0, headers.ctypes.data + n * hsz, hsz,
-                       0, 0, 0, 0, 0, 0)
+        for n, (i, fd) in enumerate(candidates):
+            hops[n] = (direct.get(i, fd), 0, headers.ctypes.data + n * hsz, hsz, 0, 0, 0, 0, 0, 0)
         if len(hops):
             io_batch(hops, self.io_threads, want_checksum=False)
-        opened = []  # (row, root, path, fd, fd_direct, header)
-        for n, (i, root, path, fd, fd_direct) in enumerate(candidates):
+        opened = []  # (row, fd, fd_direct, header)
+        for n, (i, fd) in enumerate(candidates):
+            fdd = direct.get(i)
+            problem = None
             if hops["result"][n] < 0:  # an I/O error is not corruption: no quarantine
-                for f in {fd, fd_direct} - {None}:
-                    os.close(f)
-                errors[i] = f"read failed: {_err(hops['result'][n])}"
+                problem = (f"read failed: {_err(hops['result'][n])}", False)
+            else:
+                try:
+                    header = fmt.parse(headers[n * hsz:(n + 1) * hsz], self.namespace, ids[i].tobytes(),
+                                       self.geometry.block_bytes, sb, self.codec)
+                    if sizes[i] != self.file_bytes:
+                        raise fmt.BadBlock(f"file is {sizes[i]} bytes, expected {self.file_bytes}")
+                except fmt.BadBlock as exc:
+                    problem = (f"foreign block: {exc}" if exc.foreign else f"corrupt block: {exc}",
+                               not exc.foreign)
+            if problem is not None:
+                _close(fd, fdd)
+                errors[i] = problem[0]
+                if problem[1]:
+                    self._root_of(ids[i]).quarantine_block(self._hex(ids[i]))
                 continue
-            try:
-                if hops["result"][n] != hsz:
-                    raise fmt.BadBlock("header truncated")
-                header = fmt.parse(headers[n * hsz:(n + 1) * hsz], self.namespace, ids[i].tobytes(),
-                                   self.geometry.block_bytes, sb, self.codec)
-            except fmt.BadBlock as exc:
-                for f in {fd, fd_direct} - {None}:
-                    os.close(f)
-                errors[i] = f"corrupt block: {exc}"
-                root.quarantine_block(path)
-                continue
-            opened.append((i, root, path, fd, fd_direct, header))
-        ops, sums = self._block_ops([(fd, fd_direct, int(addrs[i])) for i, _, _, fd, fd_direct, _ in opened],
+            opened.append((i, fd, fdd, header))
+        ops, sums = self._block_ops([(fd, fdd, int(addrs[i])) for i, fd, fdd, _ in opened],
                                     shards, write=False)
         if len(ops):
             io_batch(ops, self.io_threads, want_checksum=True)
         ok = []
-        for n, (i, root, path, fd, fd_direct, header) in enumerate(opened):
+        for n, (i, fd, fdd, header) in enumerate(opened):
             if ops["result"][n] < 0:
                 errors[i] = f"read failed: {_err(ops['result'][n])}"
             else:
                 expected = header.shard_checksums[shards.start:shards.stop]
                 if not np.array_equal(sums[n], expected):
                     errors[i] = "corrupt block: payload checksum mismatch"
-                    root.quarantine_block(path)
+                    self._root_of(ids[i]).quarantine_block(self._hex(ids[i]))
                 else:
                     ok.append(i)
-                    try:
-                        os.utime(fd)  # least-recently-used order for GC
-                    except OSError:
-                        pass
-            for f in {fd, fd_direct} - {None}:
-                os.close(f)
+                    if not self.read_only:
+                        try:
+                            os.utime(fd)  # least-recently-used order for GC
+                        except OSError:
+                            pass
+            _close(fd, fdd)
         if bounce is not None:
             _, host = bounce
             for i in ok:
@@ -634,19 +1200,16 @@ class PosixStore(KVStore):
         with self._lock:
             d["pending"] = len(self._pending)
         d["roots"] = [r.path for r in self.roots]
+        d["space"] = self.space
+        d["read_only"] = self.read_only
         return {self.name: d}
 
 
-def _id_bytes(path: str) -> bytes:
-    return bytes.fromhex(os.path.basename(path)[:32])
-
-
-def _fsync_dir(path: str) -> None:
+def _unlink_in(dir_fd: Optional[int], name: str) -> bool:
+    if dir_fd is None:
+        return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
