@@ -3,7 +3,7 @@
 Block ids and contents are derived from integers, so every process knows what any block must
 contain. Modes:
 
-* ``writer ROOT SEED``: dump + commit random batches forever (killed by the parent);
+* ``writer ROOT SEED [BUDGET]``: dump + commit random batches forever (killed by the parent);
 * ``mixed ROOT SEED ROUNDS BUDGET``: dump/commit and load overlapping blocks, check every loaded
   byte, print one JSON line of counts.
 """
@@ -43,8 +43,8 @@ def store(root, budget=1 << 30):
                       io_threads=2)
 
 
-def writer(root, seed):
-    s = store(root)
+def writer(root, seed, budget=1 << 30):
+    s = store(root, budget)
     rng = np.random.default_rng(seed)
     print("ready", flush=True)
     while True:
@@ -89,6 +89,6 @@ def mixed(root, seed, rounds, budget):
 if __name__ == "__main__":
     mode, root = sys.argv[1], sys.argv[2]
     if mode == "writer":
-        writer(root, int(sys.argv[3]))
+        writer(root, int(sys.argv[3]), *(int(a) for a in sys.argv[4:5]))
     else:
         mixed(root, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))

@@ -22,22 +22,49 @@ def _published(root):
     return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".blk")]
 
 
+def _ucm_bytes(root):
+    """Bytes of every file ucm keeps in a root: published blocks, temporaries, quarantine."""
+    total = 0
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            if f.endswith(".blk") or ".blk." in f or (f[:32].isalnum() and "/.ucm/tmp/" in d + "/" and f != "lock"):
+                total += os.path.getsize(os.path.join(d, f))
+    return total
+
+
+def _temporaries(root):
+    tmp = os.path.join(root, ".ucm", "tmp")
+    return {d: [f for f in os.listdir(os.path.join(tmp, d)) if f != "lock"] for d in os.listdir(tmp)}
+
+
 def test_sigkill_during_dumps_never_exposes_partial_blocks(tmp_path):
+    """Writers SIGKILLed at random moments under a 2 MiB budget: a fresh reader sees only whole,
+    exact blocks, removes the dead writers' temporaries at open, and disk use stays within the
+    budget plus the one batch a writer may hold unreserved."""
     root = str(tmp_path)
+    file_bytes = 4096 + w.BLOCK
+    budget = 2 << 20
+    batch = 5 * file_bytes  # a writer's largest batch
     rng = np.random.default_rng(2024)
-    trials, published_total, killed_mid_write = 50, 0, 0
+    trials, published_total, killed_mid_write, peak = 40, 0, 0, 0
     for trial in range(trials):
-        p = subprocess.Popen([sys.executable, WORKER, "writer", root, str(trial)],
+        p = subprocess.Popen([sys.executable, WORKER, "writer", root, str(trial), str(budget)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
         time.sleep(float(rng.uniform(0.0, 0.25)))  # a random moment inside the dump loop
         p.send_signal(signal.SIGKILL)
         p.wait()
         assert p.returncode == -signal.SIGKILL
-        tmp_now = {f for _, _, fs in os.walk(root) for f in fs if ".tmp." in f and f".tmp.{p.pid}." in f}
-        killed_mid_write += bool(tmp_now)
+        left = _temporaries(root)
+        dead = [d for d in left if f"-{p.pid}-" in d]
+        assert len(dead) == 1
+        killed_mid_write += bool(left[dead[0]])
+        used = _ucm_bytes(root)
+        peak = max(peak, used)
+        assert used <= budget + batch, (trial, used)
         # a fresh reader: every block lookup reports must load and be exactly what was dumped
-        s = w.store(root)
+        s = w.store(root, budget)
+        assert not [d for d in _temporaries(root) if f"-{p.pid}-" in d]  # reaped at open
         keys = np.arange(w.POOL)
         present = np.array(s.lookup(w.ids_of(keys)))
         visible = keys[present]
@@ -47,14 +74,14 @@ def test_sigkill_during_dumps_never_exposes_partial_blocks(tmp_path):
             assert r.all_ok, (trial, r.errors)
             assert np.array_equal(dst, w.content(visible)), trial
         assert s.stats()["posix"]["quarantined"] == 0
+        assert s.usage() == _ucm_bytes(root) <= budget
         published_total += len(visible)
         s.close()
-        # start the next writer from an empty pool, so that it writes (a published block is
-        # skipped) whatever the speed of this machine; its predecessors' temp files stay
-        for path in _published(root):
-            os.unlink(path)
-    # the writers really were killed mid-write (their temp files are left), and really published
+    assert _temporaries(root) == {}  # nothing of any writer is left
+    # the writers really were killed mid-write (their temp files were left), and really published
     assert published_total > 20 and killed_mid_write >= 5, (published_total, killed_mid_write)
+    print(f"SIGKILL: {trials} writers, {killed_mid_write} killed with temporaries, peak "
+          f"{peak} bytes of ucm files for a {budget}-byte budget, {_ucm_bytes(root)} bytes after")
 
 
 def test_four_processes_share_a_directory_within_budget(tmp_path):

@@ -212,12 +212,10 @@ class _Root:
                                  f"a consumer that may not write opens it with store.posix.read_only") from None
             self._open_writer()
             with self.locked():
-                freed = self._reap_locked()
-                usage = self._read_usage()
-                if usage is None:
+                # a dead writer's temporaries may not all have been counted yet (they are
+                # counted right after they are made): recount exactly once any were found
+                if self._reap_locked() or self._read_usage() is None:
                     self.gc_locked(None)
-                elif freed:
-                    self._write_usage(max(0, usage - freed))
         self.open_space(create=not self.read_only)
 
     def _initialise(self) -> None:
