@@ -132,13 +132,29 @@ def _row2d(b, name):
     raise ValueError(f"{name}: unsupported buffer type {type(b).__name__}")
 
 
+def _check_rows(name: str, n: int, row_stride: int, row_bytes: int, writable: bool) -> None:
+    """Rows are addressed as base + i * row_stride: a negative stride is refused, and rows a
+    load writes must not overlap (the bytes of one block would land in another's row)."""
+    if n > 1 and row_stride < 0:
+        raise ValueError(f"{name}: rows in reverse order (negative row stride {row_stride}); pass "
+                         f"a copy with ascending rows")
+    if n > 1 and writable and row_stride < row_bytes:
+        raise ValueError(f"{name}: rows overlap (row stride {row_stride} < {row_bytes} bytes a "
+                         f"row); a destination needs one distinct row per block")
+
+
 def _wrap_numpy(arr: np.ndarray, n: int, name: str, writable: bool) -> BlockBuffers:
+    if arr.dtype.hasobject:
+        raise TypeError(f"{name}: dtype {arr.dtype} holds Python object references, not bytes")
     if arr.ndim != 2 or arr.shape[0] != n:
         raise ValueError(f"{name}: expected shape [{n}, nbytes], got {list(arr.shape)}")
-    if arr.strides[1] != arr.itemsize:
-        raise ValueError(f"{name}: rows must be contiguous (strides {arr.strides})")
     if writable and not arr.flags.writeable:
         raise ValueError(f"{name}: array is read-only")
+    if n == 0:
+        return BlockBuffers([], "cpu", np.zeros(0, np.uint64), arr)
+    if arr.strides[1] != arr.itemsize:
+        raise ValueError(f"{name}: rows must be contiguous (strides {arr.strides})")
+    _check_rows(name, n, arr.strides[0], arr.shape[1] * arr.itemsize, writable)
     rows = [np.frombuffer(arr[i].data, dtype=np.uint8) if arr[i].flags.c_contiguous
             else arr[i].view(np.uint8) for i in range(n)]
     base = np.uint64(arr.ctypes.data)
@@ -151,8 +167,11 @@ def _wrap_torch(t, n: int, name: str, writable: bool) -> BlockBuffers:
 
     if t.dim() != 2 or t.shape[0] != n:
         raise ValueError(f"{name}: expected shape [{n}, nbytes], got {list(t.shape)}")
+    if n == 0:
+        return BlockBuffers([], str(t.device), np.zeros(0, np.uint64) if t.device.type == "cpu" else None, t)
     if t.stride(1) != 1:
         raise ValueError(f"{name}: rows must be contiguous (strides {t.stride()})")
+    _check_rows(name, n, t.stride(0) * t.element_size(), t.shape[1] * t.element_size(), writable)
     if t.dtype != torch.uint8:
         if t.stride(0) * t.element_size() % 1:
             raise ValueError(f"{name}: cannot view rows as bytes")
@@ -340,12 +359,12 @@ class KVStore(ABC):
     def load(self, block_ids, offset: int, dst) -> Task:
         """Copy bytes ``[offset, offset + nbytes)`` of each block into row ``i`` of ``dst``."""
         ids, bufs, shards = self._prepare(block_ids, offset, dst, writable=True, name="dst")
-        return self._load(ids, offset, bufs, shards)
+        return self._load(ids, offset, bufs, shards) if len(ids) else Task("load", ids).seal()
 
     def dump(self, block_ids, offset: int, src) -> Task:
         """Store row ``i`` of ``src`` as bytes ``[offset, offset + nbytes)`` of block ``i``."""
         ids, bufs, shards = self._prepare(block_ids, offset, src, writable=False, name="src")
-        return self._dump(ids, offset, bufs, shards)
+        return self._dump(ids, offset, bufs, shards) if len(ids) else Task("dump", ids).seal()
 
     def wait(self, task: Task, timeout: Optional[float] = None) -> TaskResult:
         """Block until ``task`` is done (at most ``timeout`` seconds, default the store's
@@ -416,10 +435,16 @@ class KVStore(ABC):
     @staticmethod
     def _flags(block_ids, success_flags) -> tuple[np.ndarray, np.ndarray]:
         ids = as_ids(block_ids, "block_ids")
+        if success_flags is None or isinstance(success_flags, (str, bytes)):
+            raise TypeError(f"success_flags: expected a bool or {len(ids)} booleans (e.g. the "
+                            f"task result's ok), got {success_flags!r}")
         flags = np.asarray(success_flags)
+        if flags.dtype.kind not in "biu" or flags.dtype.kind in "iu" and flags.size \
+                and not np.isin(flags, (0, 1)).all():
+            raise TypeError(f"success_flags: expected booleans, got {flags!r}")
         if flags.ndim == 0:
             flags = np.full(len(ids), bool(flags))
-        if flags.shape != (len(ids),) or flags.dtype.kind not in "bi":
+        if flags.shape != (len(ids),):
             raise ValueError(f"success_flags: expected {len(ids)} booleans, got {flags!r}")
         return ids, flags.astype(bool)
 
