@@ -105,8 +105,11 @@ def _close(*fds) -> None:
 class _Perms:
     """File and directory modes, and the group of a shared root."""
 
-    def __init__(self, group: Optional[str]):
+    def __init__(self, group: Optional[str], read_only: bool = False):
         self.gid = None
+        # a reader writes nothing through these directories: it needs no ownership of them
+        # (links stay refused), it trusts the producer whose root it was pointed at
+        self.read_only = read_only
         if group not in (None, ""):
             try:
                 self.gid = int(group) if str(group).isdigit() else grp.getgrnam(str(group)).gr_gid
@@ -128,13 +131,14 @@ class _Perms:
         st = os.fstat(fd)
         if directory and not stat.S_ISDIR(st.st_mode) or not directory and not stat.S_ISREG(st.st_mode):
             raise ValueError(f"store.posix.roots: {what} is not a {'directory' if directory else 'file'}")
-        if st.st_uid == os.geteuid():
+        if st.st_uid == os.geteuid() or self.read_only:
             return
         if self.gid is not None and st.st_gid == self.gid and not st.st_mode & 0o002:
             return
         raise ValueError(f"store.posix.roots: {what} belongs to uid {st.st_uid}, not to this user "
                          f"(uid {os.geteuid()}){'' if self.gid is None else ' nor to the shared group'}: "
-                         f"refusing a directory another user controls")
+                         f"refusing a directory another user controls (a consumer that only reads "
+                         f"it opens it with store.posix.read_only)")
 
 
 def _open_dir(name: str, dir_fd: int, perms: Optional[_Perms], what: str, create: bool) -> Optional[int]:
@@ -301,6 +305,7 @@ class _Root:
         self.writer_name = name
         self.writer_lock = os.open("lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                    self.perms.meta_mode, dir_fd=self.writer)
+        self.perms.fix(self.writer_lock, self.perms.meta_mode)
         fcntl.flock(self.writer_lock, fcntl.LOCK_EX)
 
     def open_space(self, create: bool) -> Optional[int]:
@@ -698,7 +703,7 @@ class PosixStore(KVStore):
         if per_root < self.file_bytes and not self.read_only:
             raise ValueError(f"cache_capacity ({capacity_bytes} bytes over {len(roots)} roots) is "
                              f"smaller than one block file ({self.file_bytes} bytes)")
-        self.perms = _Perms(group)
+        self.perms = _Perms(group, self.read_only)
         self.space = space_name(self.namespace, geometry, self.codec)
         self.roots: list[_Root] = []
         try:
