@@ -319,24 +319,34 @@ def io_batch(ops: np.ndarray, n_threads: Optional[int] = None, want_checksum: bo
     return dispatch.call("io_batch", ops, n_threads, bool(want_checksum), backend=backend)
 
 
-def open_beneath(dirfd: int, paths: Sequence[str], flags: int, mode: int = 0o600, *,
+def open_beneath(dirfd: int, paths, flags: int, mode: int = 0o600, *,
                  keep_open: bool = True, want_sizes: bool = False,
                  backend: Optional[str] = None):
     """Open relative ``paths`` beneath the directory descriptor ``dirfd`` without following any
     symbolic link or leaving the directory (``O_NOFOLLOW`` and ``O_CLOEXEC`` are always added).
-    Returns ``(fds, sizes)``: int64 arrays, per path the descriptor (``keep_open``; the caller
-    closes it), 0 (opened and closed again: a probe) or -errno; with ``want_sizes`` the size of
-    each regular file (a target that is not one fails with -EINVAL), else None."""
+    ``paths``: a sequence of str, or (for hot loops) a ``uint8 [n, width]`` array whose rows hold
+    NUL-terminated paths. Returns ``(fds, sizes)``: int64 arrays, per path the descriptor
+    (``keep_open``; the caller closes it), 0 (opened and closed again: a probe) or -errno; with
+    ``want_sizes`` the size of each regular file (a target that is not one fails with -EINVAL),
+    else None."""
     if isinstance(dirfd, bool) or not isinstance(dirfd, (int, np.integer)) or dirfd < 0:
         raise ValueError(f"dirfd: expected a directory descriptor, got {dirfd!r}")
-    if isinstance(paths, (str, bytes)):
-        raise ValueError("paths: expected a sequence of relative paths, got one string")
-    raw = [p.encode() if isinstance(p, str) else p for p in paths]
-    for p in raw:
-        if not isinstance(p, bytes) or b"\0" in p or p.startswith(b"/") \
-                or any(part in (b"", b".", b"..") for part in p.split(b"/")):
-            raise ValueError(f"paths: {p!r} is not a relative path of plain components")
-    width = max((len(p) for p in raw), default=0) + 1
-    packed = np.array(raw, dtype=f"S{width}") if raw else np.zeros(0, dtype="S1")
+    if isinstance(paths, np.ndarray):
+        if paths.dtype != np.uint8 or paths.ndim != 2 or not paths.flags.c_contiguous \
+                or (len(paths) and not (paths == 0).any(axis=1).all()):
+            raise ValueError("paths: expected a C-contiguous uint8 [n, width] array of "
+                             "NUL-terminated rows")
+        packed = paths.view(f"S{paths.shape[1]}").reshape(-1) if paths.shape[1] else \
+            np.zeros(0, dtype="S1")
+    else:
+        if isinstance(paths, (str, bytes)):
+            raise ValueError("paths: expected a sequence of relative paths, got one string")
+        raw = [p.encode() if isinstance(p, str) else p for p in paths]
+        for p in raw:
+            if not isinstance(p, bytes) or b"\0" in p or p.startswith(b"/") \
+                    or any(part in (b"", b".", b"..") for part in p.split(b"/")):
+                raise ValueError(f"paths: {p!r} is not a relative path of plain components")
+        width = max((len(p) for p in raw), default=0) + 1
+        packed = np.array(raw, dtype=f"S{width}") if raw else np.zeros(0, dtype="S1")
     return dispatch.call("open_beneath", int(dirfd), packed, int(flags), int(mode), bool(keep_open),
                          bool(want_sizes), backend=backend)

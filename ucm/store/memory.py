@@ -32,7 +32,7 @@ class _Pending:
     def __init__(self, slot: int, n_shards: int):
         self.slot = slot
         self.shards = np.zeros(n_shards, dtype=bool)   # written
-        self.claimed = np.zeros(n_shards, dtype=bool)  # written or being written
+        self.claimed = 0  # bit k: shard k is written or being written (one writer per shard)
         self.inflight = 0
         self.failed = False
         self.discard = False
@@ -164,6 +164,7 @@ class MemoryStore(KVStore):
     def _dump(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
         task = Task("dump", ids)
         nbytes = len(shards) * self.geometry.shard_bytes
+        mask = ((1 << len(shards)) - 1) << shards.start
         plan, skipped, errors = [], [], {}
         with self._lock:
             self._ensure_pool()
@@ -183,12 +184,12 @@ class MemoryStore(KVStore):
                         errors[i] = "memory tier full: every slot is pending or being read"
                         continue
                     p = self._pending[keys[i]] = _Pending(slot, self.geometry.n_shards)
-                if p.claimed[shards.start:shards.stop].all():
+                if p.claimed & mask == mask:
                     # these shards are written (or being written) by an earlier row or task:
                     # one writer per byte, so a block never mixes two sources
                     skipped.append(i)
                     continue
-                p.claimed[shards.start:shards.stop] = True
+                p.claimed |= mask
                 p.inflight += 1
                 plan.append((i, p))
         self._stats.add(dump_skipped=len(skipped), dump_failures=len(errors))

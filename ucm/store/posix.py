@@ -543,40 +543,51 @@ class _Root:
         return int(fds[0]) if fds[0] > 0 else None
 
     # -- publish and quarantine -----------------------------------------------------------------
-    def leaf(self, ab: str, cd: str, create: bool) -> int:
-        """Descriptor of ``<space>/ab/cd`` (created when asked), or -errno."""
+    def leaves(self, keys, create: bool) -> dict:
+        """Descriptors of the directories ``<space>/ab/cd`` for ``(ab, cd)`` keys, created when
+        asked: ``{key: fd or -errno}`` (the caller closes them). A few batched calls whatever
+        the number of keys."""
+        keys = sorted(set(keys))
         sfd = self.open_space(create=create)
         if sfd is None:
-            return -errno.ENOENT
-        rel = f"{ab}/{cd}"
-        fds, _ = open_beneath(sfd, [rel], os.O_PATH | os.O_DIRECTORY, keep_open=True)
-        if fds[0] > 0 or fds[0] != -errno.ENOENT or not create:
-            return int(fds[0])
-        for part, parent in ((ab, None), (cd, ab)):
-            pfd = sfd
-            if parent is not None:
-                got, _ = open_beneath(sfd, [parent], os.O_PATH | os.O_DIRECTORY, keep_open=True)
-                if got[0] < 0:
-                    return int(got[0])
-                pfd = int(got[0])
-            try:
-                os.mkdir(part, self.perms.dir_mode, dir_fd=pfd)
-                if self.perms.gid is not None:
-                    got, _ = open_beneath(pfd, [part], os.O_RDONLY | os.O_DIRECTORY, keep_open=True)
-                    if got[0] > 0:
-                        try:
-                            self.perms.fix(int(got[0]), self.perms.dir_mode)
-                        finally:
-                            os.close(int(got[0]))
-            except FileExistsError:
-                pass
-            except OSError as exc:
-                return -(exc.errno or errno.EIO)
-            finally:
-                if pfd != sfd:
-                    os.close(pfd)
-        fds, _ = open_beneath(sfd, [rel], os.O_PATH | os.O_DIRECTORY, keep_open=True)
-        return int(fds[0])
+            return {k: -errno.ENOENT for k in keys}
+        flags = os.O_RDONLY | os.O_DIRECTORY
+        fds, _ = open_beneath(sfd, [f"{ab}/{cd}" for ab, cd in keys], flags)
+        out = dict(zip(keys, fds.tolist()))
+        missing = [k for k in keys if out[k] == -errno.ENOENT]
+        if not create or not missing:
+            return out
+        tops = sorted({ab for ab, _ in missing})
+        why = {ab: self._mkdir(ab, sfd) for ab in tops}
+        top_fds, _ = open_beneath(sfd, tops, flags)
+        tops = dict(zip(tops, top_fds.tolist()))
+        for ab, cd in missing:
+            if tops[ab] >= 0:
+                why[(ab, cd)] = self._mkdir(cd, tops[ab])
+        for fd in tops.values():
+            _close(fd)
+        fds, _ = open_beneath(sfd, [f"{ab}/{cd}" for ab, cd in missing], flags)
+        for key, fd in zip(missing, fds.tolist()):
+            # a directory that could not be made: say why (EACCES, ENOSPC...), not ENOENT
+            out[key] = fd if fd != -errno.ENOENT else -(why.get(key) or why.get(key[0]) or errno.ENOENT)
+        return out
+
+    def _mkdir(self, name: str, dir_fd: int) -> int:
+        """Make a directory; 0, or the errno that stopped it (an existing one is fine)."""
+        try:
+            os.mkdir(name, self.perms.dir_mode, dir_fd=dir_fd)
+        except FileExistsError:
+            return 0
+        except OSError as exc:
+            return exc.errno or errno.EIO
+        if self.perms.gid is not None:
+            fd = _try_open_dir(name, dir_fd)
+            if fd is not None:
+                try:
+                    self.perms.fix(fd, self.perms.dir_mode)
+                finally:
+                    os.close(fd)
+        return 0
 
     def publish(self, items: list) -> list[Optional[str]]:
         """Rename each ``(temp name, hex id)`` from the writer directory into place; returns an
@@ -586,11 +597,9 @@ class _Root:
         dropped = 0
         try:
             with self.locked():
+                leaves = self.leaves([(h[:2], h[2:4]) for _, h in items], create=True)
                 for tmp, hexid in items:
-                    key = (hexid[:2], hexid[2:4])
-                    if key not in leaves:
-                        leaves[key] = self.leaf(*key, create=True)
-                    lfd = leaves[key]
+                    lfd = leaves[(hexid[:2], hexid[2:4])]
                     final = hexid + SUFFIX
                     if lfd < 0:
                         err = f"cannot create the block's directory: {_err(lfd)}"
@@ -623,7 +632,7 @@ class _Root:
     def quarantine_block(self, hexid: str) -> None:
         if self.read_only:
             return
-        lfd = self.leaf(hexid[:2], hexid[2:4], create=False)
+        lfd = self.leaves([(hexid[:2], hexid[2:4])], create=False).popitem()[1]
         if lfd < 0:
             return
         dest = f"{hexid}{SUFFIX}.{os.getpid()}.{time.time():.0f}"
@@ -659,7 +668,7 @@ class _Pending:
         self.root, self.hexid, self.tmp, self.fd, self.fd_direct = root, hexid, tmp, fd, fd_direct
         self.checksums = np.zeros(n_shards, dtype=np.uint64)
         self.shards = np.zeros(n_shards, dtype=bool)   # written
-        self.claimed = np.zeros(n_shards, dtype=bool)  # written or being written
+        self.claimed = 0  # bit k: shard k is written or being written (one writer per shard)
         self.inflight = 0
         self.failed: Optional[str] = None
         self.discard = False
@@ -732,6 +741,19 @@ class PosixStore(KVStore):
     def _rel(hexid: str) -> str:
         return f"{hexid[:2]}/{hexid[2:4]}/{hexid}{SUFFIX}"
 
+    @staticmethod
+    def _rel_rows(ids: np.ndarray) -> np.ndarray:
+        """``ab/cd/<32 hex>.blk`` of every id as NUL-terminated ``uint8 [n, 43]`` rows (built
+        with array operations: lookups of thousands of ids are the scheduler's hot path)."""
+        hexes = np.frombuffer(ids.astype("<u8").tobytes().hex().encode(), dtype=np.uint8).reshape(-1, 32)
+        rows = np.zeros((len(ids), 43), dtype=np.uint8)
+        rows[:, 0:2] = hexes[:, 0:2]
+        rows[:, 3:5] = hexes[:, 2:4]
+        rows[:, 2] = rows[:, 5] = ord("/")
+        rows[:, 6:38] = hexes
+        rows[:, 38:42] = np.frombuffer(SUFFIX.encode(), dtype=np.uint8)
+        return rows
+
     def path_of(self, block_id) -> str:
         """File of one block id (16 bytes or ``uint64[2]``)."""
         from ucm.ids import as_ids
@@ -747,8 +769,7 @@ class PosixStore(KVStore):
         found = np.zeros(len(ids), dtype=bool)
         if not len(ids):
             return found
-        owner = np.asarray([int(b[1]) % len(self.roots) for b in ids]) if len(self.roots) > 1 \
-            else np.zeros(len(ids), dtype=np.int64)
+        owner = ids[:, 1] % np.uint64(len(self.roots))
         for k, root in enumerate(self.roots):
             rows = np.flatnonzero(owner == k)
             if not len(rows):
@@ -756,8 +777,8 @@ class PosixStore(KVStore):
             sfd = root.open_space(create=False)
             if sfd is None:
                 continue
-            fds, sizes = open_beneath(sfd, [self._rel(self._hex(ids[i])) for i in rows], os.O_PATH,
-                                      keep_open=False, want_sizes=True)
+            fds, sizes = open_beneath(sfd, self._rel_rows(ids[rows]), os.O_PATH, keep_open=False,
+                                      want_sizes=True)
             found[rows] = (fds == 0) & (sizes == self.file_bytes)
         return found
 
@@ -932,6 +953,7 @@ class PosixStore(KVStore):
         t0 = time.perf_counter()
         sb = self.geometry.shard_bytes
         nbytes = len(shards) * sb
+        mask = ((1 << len(shards)) - 1) << shards.start
         present = self._probe(ids)
         skipped, errors, plan = [], {}, []  # plan: (row, pending)
         fresh: dict[bytes, list] = {}       # key -> rows needing a new temporary file
@@ -944,10 +966,10 @@ class PosixStore(KVStore):
                 p = self._pending.get(key)
                 if p is None:
                     fresh.setdefault(key, []).append(i)
-                elif p.claimed[shards.start:shards.stop].all():
+                elif p.claimed & mask == mask:
                     skipped.append(i)  # these shards are written by an earlier row or task
                 else:
-                    p.claimed[shards.start:shards.stop] = True
+                    p.claimed |= mask
                     p.inflight += 1
                     plan.append((i, p))
         made: dict[int, list] = {}  # root -> [(key, rows, pending)]
@@ -975,8 +997,8 @@ class PosixStore(KVStore):
                         self._drop(p)
                         root.add_usage(-self.file_bytes)
                     for n, i in enumerate(rows):
-                        if n == 0 and not other.claimed[shards.start:shards.stop].all():
-                            other.claimed[shards.start:shards.stop] = True
+                        if n == 0 and not other.claimed & mask == mask:
+                            other.claimed |= mask
                             other.inflight += 1
                             plan.append((i, other))
                         else:
@@ -1070,9 +1092,8 @@ class PosixStore(KVStore):
                 else:
                     self._stats.add(commits=1)
             if self.fsync:
-                for key in {(p.hexid[:2], p.hexid[2:4]) for p in plist}:
-                    lfd = root.leaf(*key, create=False)
-                    if lfd > 0:
+                for lfd in root.leaves([(p.hexid[:2], p.hexid[2:4]) for p in plist], create=False).values():
+                    if lfd >= 0:
                         try:
                             os.fsync(lfd)
                         except OSError:
@@ -1088,16 +1109,15 @@ class PosixStore(KVStore):
         """Open each block beneath its root's space: (fds, sizes) int64 arrays (-errno)."""
         fds = np.full(len(ids), -errno.ENOENT, dtype=np.int64)
         sizes = np.full(len(ids), -1, dtype=np.int64)
-        owner = [int(b[1]) % len(self.roots) for b in ids]
+        owner = ids[:, 1] % np.uint64(len(self.roots))
         for k, root in enumerate(self.roots):
-            rows = [i for i in range(len(ids)) if owner[i] == k]
-            if not rows:
+            rows = np.flatnonzero(owner == k)
+            if not len(rows):
                 continue
             sfd = root.open_space(create=False)
             if sfd is None:
                 continue
-            f, s = open_beneath(sfd, [self._rel(self._hex(ids[i])) for i in rows], flags,
-                                keep_open=True, want_sizes=True)
+            f, s = open_beneath(sfd, self._rel_rows(ids[rows]), flags, keep_open=True, want_sizes=True)
             fds[rows], sizes[rows] = f, s
         return fds, sizes
 
