@@ -123,3 +123,18 @@ def test_four_processes_share_a_directory_within_budget(tmp_path):
     assert sum(c["loaded"] for c in counts) > 100 and sum(c["missed"] for c in counts) > 0
     assert len(samples) > 20 and max(samples) <= budget + file_bytes, (max(samples), budget)
     assert max(samples) > budget // 2  # the budget was really under pressure
+
+
+def test_processes_opening_an_empty_root_at_once_all_succeed(tmp_path):
+    """An engine's scheduler and workers open the same new root at the same moment: whichever
+    makes it, the others take it as ucm's (none sees a half-made root as a foreign directory)."""
+    for trial in range(5):
+        root = tmp_path / f"r{trial}"
+        root.mkdir()
+        code = ("import sys; sys.path.insert(0, %r); import store_worker as w; "
+                "s = w.store(%r); print(s.space); s.close()" % (os.path.dirname(WORKER), str(root)))
+        procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+        assert len({o.strip() for o, _ in outs}) == 1

@@ -229,7 +229,10 @@ class _Root:
             raise ValueError(f"store.posix.roots: {self.path!r} is not a ucm root (no {META}/ROOT "
                              f"marker); a read-only store opens only a root a writer has made")
         others = [e for e in os.listdir(self.fd) if e != META]
-        if others:
+        if others:  # another process may have made it meanwhile (engines open roots at once)
+            self.meta = _open_dir(META, self.fd, self.perms, f"{self.path}/{META}", create=False)
+            if self.meta is not None:
+                return
             raise ValueError(f"store.posix.roots: {self.path!r} is not empty and is not a ucm root "
                              f"(no {META}/ROOT marker; it holds e.g. {sorted(others)[0]!r}); ucm "
                              f"takes only an empty directory or one it made, so that it never "
