@@ -146,4 +146,4 @@ def test_eight_threads_never_load_wrong_bytes(kind, tmp_path):
         t.join()
     store.close()
     assert not errors, errors[:5]
-    assert loaded[0] > 200
+    assert loaded[0] > 50  # loads really happened (eviction keeps many of them misses)

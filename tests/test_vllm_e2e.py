@@ -127,7 +127,7 @@ def runs(model, prompts, tmp_path_factory):
                             connector="ucm", store_dir=store, stats=stats), tmp, "ucm")
     # 3. restart (new process: hits come from disk), with a corrupted block file on the load
     #    path, chunked prefill (max_num_batched_tokens=512) and all requests in flight together
-    files = sorted(glob.glob(str(store / "*" / "*" / "*.blk")))
+    files = sorted(glob.glob(str(store / "*" / "*" / "*" / "*.blk")))  # <space>/ab/cd/<id>.blk
     out["n_files_after_first_engine"] = len(files)
     victim = _block_file_of(store, prompts["b3000"], block=10)
     with open(victim, "r+b") as f:
@@ -146,6 +146,12 @@ def runs(model, prompts, tmp_path_factory):
     return out
 
 
+def _new_dir(path):
+    """An empty directory for a store root (a ucm root must be empty or ucm's own)."""
+    path.mkdir()
+    return path
+
+
 def _block_file_of(store, tokens, block):
     import ucm
 
@@ -153,9 +159,9 @@ def _block_file_of(store, tokens, block):
                        kv_layout="vllm-cpu-kv:auto")
     ids = ucm.hash_blocks(tokens, ns)
     hexid = ucm.id_hex(ids[block:block + 1])[0]
-    path = os.path.join(str(store), hexid[:2], hexid[2:4], hexid + ".blk")
-    assert os.path.exists(path), "the connector's namespace differs from the test's expectation"
-    return path
+    paths = glob.glob(os.path.join(str(store), "*", hexid[:2], hexid[2:4], hexid + ".blk"))
+    assert len(paths) == 1, "the connector's namespace differs from the test's expectation"
+    return paths[0]
 
 
 def test_cold_and_warm_outputs_identical_to_plain_vllm(runs):
@@ -280,7 +286,8 @@ def test_bf16_first_token_and_prompt_logprobs(model, prompts, tmp_path_factory):
     stats = tmp / "stats-bf16.jsonl"
     got = _run(_spec(model, prompts, BF16, [{"name": "cold", "prompts": [0, 1], **lp},
                                             {"name": "warm", "prompts": [0, 1, 2], "read_cache": True, **lp}],
-                     connector="ucm", store_dir=tmp, stats=stats, dtype="bfloat16"), tmp, "bf16-ucm")
+                     connector="ucm", store_dir=_new_dir(tmp / "store"), stats=stats, dtype="bfloat16"),
+                     tmp, "bf16-ucm")
     ref, _ = _tokens(plain, "lp")
     ref_out = {o["prompt"]: o for o in plain["phases"][0]["outputs"]}
     full = sum((len(prompts[n]) - 1) // BS for n in BF16[:2])
@@ -333,7 +340,8 @@ def test_preemption_outputs_identical_and_connector_consistent(model, prompts, t
     phases = [{"name": "all", "prompts": [0, 1, 2, 3], "max_tokens": 24}]
     plain = _run(_spec(model, prompts, PRE, phases, **kw), tmp, "preempt-plain")
     stats = tmp / "stats-preempt.jsonl"
-    got = _run(_spec(model, prompts, PRE, phases, connector="ucm", store_dir=tmp, stats=stats, **kw),
+    got = _run(_spec(model, prompts, PRE, phases, connector="ucm", store_dir=_new_dir(tmp / "store"), stats=stats,
+                     **kw),
                tmp, "preempt-ucm")
     assert plain["metrics"]["vllm:num_preemptions"] > 0
     assert got["metrics"]["vllm:num_preemptions"] > 0
@@ -354,4 +362,4 @@ def test_preemption_outputs_identical_and_connector_consistent(model, prompts, t
     assert st["save_blocks"] == len(computed)
     # plus each prompt's partial last block, once (none of the four prompts fills its last block)
     assert st["save_tail_blocks"] == len(PRE)
-    assert len(glob.glob(str(tmp / "*" / "*" / "*.blk"))) == len(computed) + len(PRE)
+    assert len(glob.glob(str(tmp / "store" / "*" / "*" / "*" / "*.blk"))) == len(computed) + len(PRE)
