@@ -6,7 +6,8 @@
 The base revision is checked out into a scratch worktree (``--scratch``, default under the
 system temp directory) and its native engine built there once; then every case runs in fresh
 worker processes, alternating base and this tree round by round (ABAB...), so both see the same
-machine state. Each worker times its case as the best of three and checks the bytes it loads.
+machine state. Each worker times its case as the best of three (after ``sync``, so that dirty
+pages of earlier runs are not written back during a timing) and checks the bytes it loads.
 Reported: the median seconds per side and ratio = this tree / base (< 1: faster).
 
 Cases (posix tier on the scratch directory's filesystem, page cache warm for loads; memory tier
@@ -60,6 +61,7 @@ def worker(tree: str, case: str, workdir: str) -> dict:
         for _ in range(3):
             if setup:
                 setup()
+            os.sync()  # dirty pages of earlier runs are written back before, not during, timing
             t0 = time.perf_counter()
             fn()
             runs.append(time.perf_counter() - t0)
@@ -126,7 +128,7 @@ def worker(tree: str, case: str, workdir: str) -> dict:
         s.close()
     else:
         raise SystemExit(f"unknown case {case}")
-    return {"seconds": secs, "bytes": int(data.nbytes)}
+    return {"seconds": secs, "bytes": int(data.nbytes), "runs": runs}
 
 
 # ---------------------------------------------------------------------------------------------

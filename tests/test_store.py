@@ -258,7 +258,7 @@ def test_posix_file_layout(tmp_path):
     s, ids, src = _committed(tmp_path)
     path = s.path_of(ids[0])
     hexid = ucm.id_hex(ids[:1])[0]
-    assert path == os.path.join(str(tmp_path), s.space, hexid[:2], hexid[2:4], hexid + ".blk")
+    assert path == os.path.join(str(tmp_path), s.space, hexid[:2], hexid + ".blk")
     assert open(tmp_path / ".ucm" / "ROOT", "rb").read() == b"ucm kv root 1\n"
     raw = open(path, "rb").read()
     assert raw[:8] == b"UCMKVBLK" and len(raw) == 4096 + BLOCK

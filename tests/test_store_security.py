@@ -187,7 +187,7 @@ elif what == "prefix":
     swap(os.path.join(root, space, ab), os.path.join(victim, "elsewhere"))
 elif what == "block":
     blk = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, space)) for f in fs][0]
-    swap(blk, os.path.join(victim, "elsewhere", "cd", "f" * 32 + ".blk"))
+    swap(blk, os.path.join(victim, "elsewhere", "f" * 32 + ".blk"))
 print("PLANTED", what)
 """
 
@@ -209,6 +209,7 @@ def test_symlinks_planted_by_a_group_member_are_never_followed(public_tmp, what)
         (victim / d).mkdir(parents=True)
     (victim / "secret.txt").write_bytes(b"precious data, not ucm's")
     (victim / "elsewhere" / "cd" / ("f" * 32 + ".blk")).write_bytes(b"a user's file named like a block")
+    (victim / "elsewhere" / ("f" * 32 + ".blk")).write_bytes(b"another one, where a block would be")
     (victim / "q" / ("e" * 32 + ".blk.1.1")).write_bytes(b"a user's file named like a quarantined block")
     os.utime(victim / "q" / ("e" * 32 + ".blk.1.1"), (1, 1))
     for p in [victim, *victim.rglob("*")]:
@@ -314,10 +315,10 @@ def test_collection_deletes_only_files_ucm_wrote(tmp_path):
     put(s, range(4))
     sp = tmp_path / s.space
     ab = sorted(p for p in sp.iterdir())[0]
-    cd = sorted(p for p in ab.iterdir())[0]
+    (ab / "cd").mkdir()
     foreign = [tmp_path / "image.blk", tmp_path / "cache.tmp.42", sp / "report.tmp.docx",
-               ab / "notes.txt", cd / "readme.blk", cd / ("A" * 32 + ".blk"), tmp_path / ".ucm" / "tmp" / "notes",
-               tmp_path / ".ucm" / "quarantine" / "mine.txt"]
+               ab / "notes.txt", ab / "readme.blk", ab / ("A" * 32 + ".blk"), ab / "cd" / ("0" * 32 + ".blk"),
+               tmp_path / ".ucm" / "tmp" / "notes", tmp_path / ".ucm" / "quarantine" / "mine.txt"]
     for f in foreign:
         f.write_bytes(b"not ucm's")
         os.utime(f, (1, 1))

@@ -10,8 +10,9 @@ Layout of a root (``docs/posix-tier.md`` has the full rules)::
     <root>/.ucm/quarantine/               blocks that failed their own checksums, moved aside
     <root>/.ucm/tmp/<host>-<pid>-<r>/     one directory per open writer: its flock-held ``lock``
                                           and the temporary files of the blocks it is writing
-    <root>/<space>/ab/cd/<32 hex>.blk     published blocks of one space: <space> is the digest of
-                                          namespace, geometry, codec and format version
+    <root>/<space>/ab/<32 hex>.blk        published blocks of one space (ab: the id's first two
+                                          hex digits; 256 directories, made once): <space> is the
+                                          digest of namespace, geometry, codec and format version
 
 Ownership: a root is ucm's only once it carries the marker. A store initialises only an empty
 directory and refuses a non-empty unmarked one (a home directory, say), so garbage collection
@@ -403,19 +404,12 @@ class _Root:
                     if afd is None:
                         continue
                     try:
-                        for cd in self._subdirs(afd, _HEX2):
-                            cfd = _try_open_dir(cd, afd)
-                            if cfd is None:
-                                continue
-                            try:
-                                rel = f"{space}/{ab}/{cd}"
-                                for e in os.scandir(cfd):
-                                    if _BLOCK.match(e.name):
-                                        st = _lstat(e)
-                                        if st is not None and stat.S_ISREG(st.st_mode):
-                                            files.append((st.st_mtime, st.st_size, rel, e.name))
-                            finally:
-                                os.close(cfd)
+                        rel = f"{space}/{ab}"
+                        for e in os.scandir(afd):
+                            if _BLOCK.match(e.name):
+                                st = _lstat(e)
+                                if st is not None and stat.S_ISREG(st.st_mode):
+                                    files.append((st.st_mtime, st.st_size, rel, e.name))
                     finally:
                         os.close(afd)
             finally:
@@ -547,32 +541,24 @@ class _Root:
 
     # -- publish and quarantine -----------------------------------------------------------------
     def leaves(self, keys, create: bool) -> dict:
-        """Descriptors of the directories ``<space>/ab/cd`` for ``(ab, cd)`` keys, created when
-        asked: ``{key: fd or -errno}`` (the caller closes them). A few batched calls whatever
-        the number of keys."""
+        """Descriptors of the fan-out directories ``<space>/ab`` of these keys (``ab``), created
+        when asked: ``{key: fd or -errno}`` (the caller closes them). One batched open, and a
+        second after making the missing ones."""
         keys = sorted(set(keys))
         sfd = self.open_space(create=create)
         if sfd is None:
             return {k: -errno.ENOENT for k in keys}
         flags = os.O_RDONLY | os.O_DIRECTORY
-        fds, _ = open_beneath(sfd, [f"{ab}/{cd}" for ab, cd in keys], flags)
+        fds, _ = open_beneath(sfd, keys, flags)
         out = dict(zip(keys, fds.tolist()))
         missing = [k for k in keys if out[k] == -errno.ENOENT]
         if not create or not missing:
             return out
-        tops = sorted({ab for ab, _ in missing})
-        why = {ab: self._mkdir(ab, sfd) for ab in tops}
-        top_fds, _ = open_beneath(sfd, tops, flags)
-        tops = dict(zip(tops, top_fds.tolist()))
-        for ab, cd in missing:
-            if tops[ab] >= 0:
-                why[(ab, cd)] = self._mkdir(cd, tops[ab])
-        for fd in tops.values():
-            _close(fd)
-        fds, _ = open_beneath(sfd, [f"{ab}/{cd}" for ab, cd in missing], flags)
+        why = {k: self._mkdir(k, sfd) for k in missing}
+        fds, _ = open_beneath(sfd, missing, flags)
         for key, fd in zip(missing, fds.tolist()):
             # a directory that could not be made: say why (EACCES, ENOSPC...), not ENOENT
-            out[key] = fd if fd != -errno.ENOENT else -(why.get(key) or why.get(key[0]) or errno.ENOENT)
+            out[key] = fd if fd != -errno.ENOENT else -(why[key] or errno.ENOENT)
         return out
 
     def _mkdir(self, name: str, dir_fd: int) -> int:
@@ -600,9 +586,9 @@ class _Root:
         dropped = 0
         try:
             with self.locked():
-                leaves = self.leaves([(h[:2], h[2:4]) for _, h in items], create=True)
+                leaves = self.leaves([h[:2] for _, h in items], create=True)
                 for tmp, hexid in items:
-                    lfd = leaves[(hexid[:2], hexid[2:4])]
+                    lfd = leaves[hexid[:2]]
                     final = hexid + SUFFIX
                     if lfd < 0:
                         err = f"cannot create the block's directory: {_err(lfd)}"
@@ -635,7 +621,7 @@ class _Root:
     def quarantine_block(self, hexid: str) -> None:
         if self.read_only:
             return
-        lfd = self.leaves([(hexid[:2], hexid[2:4])], create=False).popitem()[1]
+        lfd = self.leaves([hexid[:2]], create=False).popitem()[1]
         if lfd < 0:
             return
         dest = f"{hexid}{SUFFIX}.{os.getpid()}.{time.time():.0f}"
@@ -742,19 +728,18 @@ class PosixStore(KVStore):
 
     @staticmethod
     def _rel(hexid: str) -> str:
-        return f"{hexid[:2]}/{hexid[2:4]}/{hexid}{SUFFIX}"
+        return f"{hexid[:2]}/{hexid}{SUFFIX}"
 
     @staticmethod
     def _rel_rows(ids: np.ndarray) -> np.ndarray:
-        """``ab/cd/<32 hex>.blk`` of every id as NUL-terminated ``uint8 [n, 43]`` rows (built
-        with array operations: lookups of thousands of ids are the scheduler's hot path)."""
+        """``ab/<32 hex>.blk`` of every id as NUL-terminated ``uint8 [n, 40]`` rows (built with
+        array operations: lookups of thousands of ids are the scheduler's hot path)."""
         hexes = np.frombuffer(ids.astype("<u8").tobytes().hex().encode(), dtype=np.uint8).reshape(-1, 32)
-        rows = np.zeros((len(ids), 43), dtype=np.uint8)
+        rows = np.zeros((len(ids), 40), dtype=np.uint8)
         rows[:, 0:2] = hexes[:, 0:2]
-        rows[:, 3:5] = hexes[:, 2:4]
-        rows[:, 2] = rows[:, 5] = ord("/")
-        rows[:, 6:38] = hexes
-        rows[:, 38:42] = np.frombuffer(SUFFIX.encode(), dtype=np.uint8)
+        rows[:, 2] = ord("/")
+        rows[:, 3:35] = hexes
+        rows[:, 35:39] = np.frombuffer(SUFFIX.encode(), dtype=np.uint8)
         return rows
 
     def path_of(self, block_id) -> str:
@@ -1095,7 +1080,7 @@ class PosixStore(KVStore):
                 else:
                     self._stats.add(commits=1)
             if self.fsync:
-                for lfd in root.leaves([(p.hexid[:2], p.hexid[2:4]) for p in plist], create=False).values():
+                for lfd in root.leaves([p.hexid[:2] for p in plist], create=False).values():
                     if lfd >= 0:
                         try:
                             os.fsync(lfd)
