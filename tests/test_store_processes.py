@@ -24,17 +24,18 @@ def _published(root):
 
 def _ucm_bytes(root):
     """Bytes of every file ucm keeps in a root: published blocks, temporaries, quarantine."""
-    total = 0
-    for d, _, fs in os.walk(root):
-        for f in fs:
-            if f.endswith(".blk") or ".blk." in f or (f[:32].isalnum() and "/.ucm/tmp/" in d + "/" and f != "lock"):
-                total += os.path.getsize(os.path.join(d, f))
-    return total
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs
+               if f.endswith(".blk") or ".blk." in f)
 
 
 def _temporaries(root):
-    tmp = os.path.join(root, ".ucm", "tmp")
-    return {d: [f for f in os.listdir(os.path.join(tmp, d)) if f != "lock"] for d in os.listdir(tmp)}
+    """{writer name: its temporaries} for every writer directory and every temporary file."""
+    out = {d: [] for d in os.listdir(os.path.join(root, ".ucm", "tmp"))}
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            if ".blk.tmp." in f:
+                out.setdefault(f.split(".blk.tmp.")[1].rsplit(".", 1)[0], []).append(f)
+    return out
 
 
 def test_sigkill_during_dumps_never_exposes_partial_blocks(tmp_path):

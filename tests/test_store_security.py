@@ -229,8 +229,11 @@ def test_symlinks_planted_by_a_group_member_are_never_followed(public_tmp, what)
             posix(root, group=str(GID), capacity_bytes=12 * FILE, stale_tmp_s=0)
     else:
         s = posix(root, group=str(GID), capacity_bytes=12 * FILE, stale_tmp_s=0)
-        assert put(s, later).all_ok  # written to temporaries; publication is refused
-        assert s.lookup(block_ids(later)) == [False] * len(later) if what == "prefix" else True
+        r = put(s, later)
+        if what == "prefix":  # no temporary file is made through the link: the dumps fail
+            assert not r.ok.any() and s.lookup(block_ids(later)) == [False] * len(later)
+        else:
+            assert r.all_ok
         got = get(s, list(range(8)))
         assert got.ok.sum() >= 7 - (what == "block")
         put(s, range(20, 60))  # eviction pressure: collection walks the tree

@@ -8,11 +8,11 @@ Layout of a root (``docs/posix-tier.md`` has the full rules)::
     <root>/.ucm/lock                      flock serialising budget accounting, publish and GC
     <root>/.ucm/usage                     bytes of every ucm file in the root (blocks, temporaries)
     <root>/.ucm/quarantine/               blocks that failed their own checksums, moved aside
-    <root>/.ucm/tmp/<host>-<pid>-<r>/     one directory per open writer: its flock-held ``lock``
-                                          and the temporary files of the blocks it is writing
+    <root>/.ucm/tmp/<host>-<pid>-<r>/lock one per open store that writes, flock-held while open
     <root>/<space>/ab/<32 hex>.blk        published blocks of one space (ab: the id's first two
                                           hex digits; 256 directories, made once): <space> is the
                                           digest of namespace, geometry, codec and format version
+    <root>/<space>/ab/<32 hex>.blk.tmp.<writer>.<n>   a block being written by that writer
 
 Ownership: a root is ucm's only once it carries the marker. A store initialises only an empty
 directory and refuses a non-empty unmarked one (a home directory, say), so garbage collection
@@ -30,11 +30,12 @@ Budget: ``usage`` counts published blocks, temporary files and quarantined files
 its temporary files first, then reserves their bytes under the lock (collecting garbage when the
 budget is full); what does not fit fails the dump. A batch larger than the budget keeps its
 leading blocks (a prefix is only useful from its start). Every writer holds an flock on its own
-directory's ``lock`` while it is open, so any store that takes the root's lock can tell a dead
-writer's directory (lock free) and removes it with its temporaries: at open and at every
+``.ucm/tmp/<writer>/lock`` while it is open and names its temporaries after itself, so any store
+that takes the root's lock can tell a dead writer (lock free, or no directory) and removes its
+temporaries and directory: at open (when a dead writer's directory is there) and at every
 collection. Disk use never exceeds the budget by more than the batches being reserved.
 
-Write path: payload into the writer's temporary file (preallocated) with the native engine's
+Write path: payload into a temporary file beside the block's final name (preallocated) with the native engine's
 threads, one checksum per shard; ``commit(True)`` writes the header (docs/block-format.md),
 optionally ``fsync``s and publishes with an atomic rename. Read path: open beneath the space,
 size and header checks, ``pread`` of the requested shards on native threads, per-shard checksums.
@@ -74,7 +75,7 @@ MARKER = b"ucm kv root 1\n"
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 _HEX2 = re.compile(r"[0-9a-f]{2}\Z")
 _BLOCK = re.compile(r"[0-9a-f]{32}\.blk\Z")
-_TEMP = re.compile(r"[0-9a-f]{32}\.\d+\Z")
+_TEMP = re.compile(r"[0-9a-f]{32}\.blk\.tmp\.([0-9a-f]{8}-\d+-[0-9a-f]{8})\.\d+\Z")
 _WRITER = re.compile(r"[0-9a-f]{8}-\d+-[0-9a-f]{8}\Z")
 _QUARANTINED = re.compile(r"[0-9a-f]{32}\.blk\.\d+\.\d+\Z")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -218,8 +219,8 @@ class _Root:
             self._open_writer()
             with self.locked():
                 # a dead writer's temporaries may not all have been counted yet (they are
-                # counted right after they are made): recount exactly once any were found
-                if self._reap_locked() or self._read_usage() is None:
+                # counted right after they are made): remove them and recount exactly
+                if self._dead_writers() or self._read_usage() is None:
                     self.gc_locked(None)
         self.open_space(create=not self.read_only)
 
@@ -392,8 +393,8 @@ class _Root:
 
     def scan(self):
         """Published blocks of every space and quarantined files, as (mtime, size, dir path
-        relative to the root, name); and the bytes of live writers' temporaries."""
-        files = []
+        relative to the root, name); and temporaries as (size, dir path, name, writer)."""
+        files, temps = [], []
         for space in self._subdirs(self.fd, _HEX32):
             sfd = _try_open_dir(space, self.fd)
             if sfd is None:
@@ -406,10 +407,16 @@ class _Root:
                     try:
                         rel = f"{space}/{ab}"
                         for e in os.scandir(afd):
-                            if _BLOCK.match(e.name):
-                                st = _lstat(e)
-                                if st is not None and stat.S_ISREG(st.st_mode):
-                                    files.append((st.st_mtime, st.st_size, rel, e.name))
+                            temp = None if _BLOCK.match(e.name) else _TEMP.match(e.name)
+                            if temp is None and not _BLOCK.match(e.name):
+                                continue
+                            st = _lstat(e)
+                            if st is None or not stat.S_ISREG(st.st_mode):
+                                continue
+                            if temp is None:
+                                files.append((st.st_mtime, st.st_size, rel, e.name))
+                            else:
+                                temps.append((st.st_size, rel, e.name, temp.group(1)))
                     finally:
                         os.close(afd)
             finally:
@@ -419,70 +426,48 @@ class _Root:
                 st = _lstat(e)
                 if st is not None and stat.S_ISREG(st.st_mode):
                     files.append((st.st_mtime, st.st_size, f"{META}/quarantine", e.name))
-        temp = 0
-        for name in self._subdirs(self.tmp, _WRITER):
-            wfd = _try_open_dir(name, self.tmp)
-            if wfd is None:
-                continue
-            try:
-                for e in os.scandir(wfd):
-                    if _TEMP.match(e.name):
-                        st = _lstat(e)
-                        if st is not None and stat.S_ISREG(st.st_mode):
-                            temp += st.st_size
-            finally:
-                os.close(wfd)
-        return files, temp
+        return files, temps
 
-    def _reap_locked(self) -> int:
-        """Remove the writer directories of dead writers (their lock is free); returns the bytes
-        of the temporaries removed. Caller holds the root's lock."""
-        freed = 0
-        for name in self._subdirs(self.tmp, _WRITER):
-            if name == self.writer_name:
-                continue
-            wfd = _try_open_dir(name, self.tmp)
-            if wfd is None:
-                continue
+    def _writer_alive(self, name: str) -> bool:
+        """Does the writer of this name hold its lock? (A writer makes its directory and takes
+        the lock before it writes anything, and removes them only after its temporaries.)"""
+        if name == self.writer_name:
+            return True
+        wfd = _try_open_dir(name, self.tmp)
+        if wfd is None:
+            return False
+        try:
             try:
-                try:
-                    lfd = os.open("lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=wfd)
-                except FileNotFoundError:  # died before taking its lock, or still starting
-                    if time.time() - os.fstat(wfd).st_mtime < _ORPHAN_WRITER_S:
-                        continue
-                    lfd = None
-                except OSError:
-                    continue
-                if lfd is not None:
-                    try:
-                        fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except OSError:  # held: the writer is alive
-                        os.close(lfd)
-                        continue
-                    os.close(lfd)
+                lfd = os.open("lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=wfd)
+            except FileNotFoundError:  # died before taking its lock, or still starting
+                return time.time() - os.fstat(wfd).st_mtime < _ORPHAN_WRITER_S
+            except OSError:
+                return True  # cannot tell: keep its files
+            try:
+                fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False
+            except OSError:  # held
+                return True
             finally:
-                os.close(wfd)
-            freed += self._remove_writer_dir(None, name)
-        return freed
+                os.close(lfd)
+        finally:
+            os.close(wfd)
 
-    def _remove_writer_dir(self, wfd: Optional[int], name: str) -> int:
-        """Delete a writer directory's temporaries, lock and the directory; returns the bytes."""
+    def _dead_writers(self) -> list:
+        return [n for n in self._subdirs(self.tmp, _WRITER) if not self._writer_alive(n)]
+
+    def _remove_writer_dir(self, wfd: Optional[int], name: str) -> None:
+        """Delete a writer directory (its lock) once its temporaries are gone."""
         own = wfd is None
         if own:
             wfd = _try_open_dir(name, self.tmp)
             if wfd is None:
-                return 0
-        freed = 0
+                return
         try:
-            for e in os.scandir(wfd):
-                if _TEMP.match(e.name) or e.name == "lock":
-                    st = _lstat(e)
-                    try:
-                        os.unlink(e.name, dir_fd=wfd)
-                        if st is not None and e.name != "lock":
-                            freed += st.st_size
-                    except OSError:
-                        pass
+            try:
+                os.unlink("lock", dir_fd=wfd)
+            except OSError:
+                pass
         finally:
             if own:
                 os.close(wfd)
@@ -490,16 +475,34 @@ class _Root:
             os.rmdir(name, dir_fd=self.tmp)
         except OSError:
             pass
-        return freed
 
     def gc_locked(self, target: Optional[int]) -> int:
         """Reap dead writers, rescan (exact usage), drop quarantined files older than the stale
         age and evict least recently used blocks until usage <= target (None: no eviction).
         Returns the usage; caller holds the lock."""
-        self._reap_locked()
-        files, temp = self.scan()
+        dead_dirs = self._dead_writers()
+        files, temps = self.scan()
+        alive = {}
+        dead_temps = []
+        for t in temps:
+            if t[3] not in alive:
+                alive[t[3]] = self._writer_alive(t[3])
+            if not alive[t[3]]:
+                dead_temps.append(t)
         now = time.time()
-        usage = temp + sum(size for _, size, _, _ in files)
+        usage = sum(t[0] for t in temps) + sum(size for _, size, _, _ in files)
+        for size, rel, name, _ in dead_temps:  # a dead writer's: never published
+            dfd = self._dir_beneath(rel)
+            if dfd is not None:
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                    usage -= size
+                except OSError:
+                    pass
+                finally:
+                    os.close(dfd)
+        for name in dead_dirs:
+            self._remove_writer_dir(None, name)
         files.sort()
         victims = [f for f in files if f[2].startswith(META) and now - f[0] > self.stale_s]
         if target is not None and usage > target:
@@ -579,8 +582,8 @@ class _Root:
         return 0
 
     def publish(self, items: list) -> list[Optional[str]]:
-        """Rename each ``(temp name, hex id)`` from the writer directory into place; returns an
-        error text (or None) per item. The bytes were counted when the temporaries were made."""
+        """Rename each ``(temp name, hex id)`` into place (same directory); returns an error
+        text (or None) per item. The bytes were counted when the temporaries were made."""
         out: list[Optional[str]] = []
         leaves: dict[tuple, int] = {}
         dropped = 0
@@ -598,15 +601,15 @@ class _Root:
                             err = "present"  # published meanwhile by another writer
                         except FileNotFoundError:
                             try:
-                                os.rename(tmp, final, src_dir_fd=self.writer, dst_dir_fd=lfd)
+                                os.rename(tmp, final, src_dir_fd=lfd, dst_dir_fd=lfd)
                                 err = None
                             except OSError as exc:
                                 err = f"publish failed: {_err(exc.errno or errno.EIO)}"
                         except OSError as exc:
                             err = f"publish failed: {_err(exc.errno or errno.EIO)}"
-                    if err is not None:
+                    if err is not None and lfd >= 0:
                         try:
-                            os.unlink(tmp, dir_fd=self.writer)
+                            os.unlink(tmp, dir_fd=lfd)
                             dropped += 1
                         except OSError:
                             pass
@@ -617,6 +620,20 @@ class _Root:
             for fd in leaves.values():
                 _close(fd)
         return out
+
+    def remove_temps(self, names: list) -> int:
+        """Unlink temporaries ``(hex id, temp name)`` of this store; returns how many went."""
+        gone = 0
+        leaves = self.leaves([h[:2] for h, _ in names], create=False)
+        try:
+            for hexid, tmp in names:
+                lfd = leaves[hexid[:2]]
+                if lfd >= 0 and _unlink_in(lfd, tmp):
+                    gone += 1
+        finally:
+            for fd in leaves.values():
+                _close(fd)
+        return gone
 
     def quarantine_block(self, hexid: str) -> None:
         if self.read_only:
@@ -803,13 +820,7 @@ class PosixStore(KVStore):
         self._exec.shutdown(wait=True)
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
-        drop: dict[int, int] = {}
-        for p in pending:  # never published: remove
-            if self._drop(p):
-                drop[id(p.root)] = drop.get(id(p.root), 0) + 1
-        for r in self.roots:
-            if drop.get(id(r)):
-                r.add_usage(-drop[id(r)] * self.file_bytes)
+        self._drop_counted(pending)  # never published: remove
         if self._bounce_free:
             import torch
 
@@ -869,20 +880,24 @@ class PosixStore(KVStore):
             log.exception("ucm posix tier: %s task failed", task.kind)
             task.finish_part([], {base + i: f"internal error: {exc!r}" for i in range(len(ids))})
 
-    def _new_temp(self, root: _Root, hexid: str) -> _Pending:
+    def _new_temp(self, root: _Root, hexid: str, lfd: int) -> _Pending:
+        """A preallocated temporary file beside the block's final name (``lfd``: its fan-out
+        directory), named after this store's writer so that collection can tell whose it is."""
+        if lfd < 0:
+            raise OSError(-lfd, os.strerror(-lfd))
         with self._lock:
             self._seq += 1
-            tmp = f"{hexid}.{self._seq}"
+            tmp = f"{hexid}{SUFFIX}.tmp.{root.writer_name}.{self._seq}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     self.perms.file_mode, dir_fd=root.writer)
+                     self.perms.file_mode, dir_fd=lfd)
         try:
             self.perms.fix(fd, self.perms.file_mode)
             os.posix_fallocate(fd, 0, self.file_bytes)  # a full disk fails here, up front
             fd_direct = os.open(tmp, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                dir_fd=root.writer) if self.o_direct else None
+                                dir_fd=lfd) if self.o_direct else None
         except BaseException:
             os.close(fd)
-            _unlink_in(root.writer, tmp)
+            _unlink_in(lfd, tmp)
             raise
         return _Pending(root, hexid, tmp, fd, fd_direct, self.geometry.n_shards)
 
@@ -961,29 +976,38 @@ class PosixStore(KVStore):
                     p.inflight += 1
                     plan.append((i, p))
         made: dict[int, list] = {}  # root -> [(key, rows, pending)]
+        by_root: dict[int, list] = {}
         for key, rows in fresh.items():
             bid = ids[rows[0]]
-            root = self._root_of(bid)
+            by_root.setdefault(id(self._root_of(bid)), []).append((key, rows, self._hex(bid)))
+        for items in by_root.values():
+            root = self._root_of(ids[items[0][1][0]])
+            leaves = root.leaves([h[:2] for _, _, h in items], create=True)
             try:
-                p = self._new_temp(root, self._hex(bid))
-            except OSError as exc:
-                for i in rows:
-                    errors[i] = f"cannot create block file: {_err(exc.errno or errno.EIO)}"
-                continue
-            made.setdefault(id(root), []).append((key, rows, p))
+                for key, rows, hexid in items:
+                    try:
+                        p = self._new_temp(root, hexid, leaves[hexid[:2]])
+                    except OSError as exc:
+                        for i in rows:
+                            errors[i] = f"cannot create block file: {_err(exc.errno or errno.EIO)}"
+                        continue
+                    made.setdefault(id(root), []).append((key, rows, p))
+            finally:
+                for fd in leaves.values():
+                    _close(fd)
         for group in made.values():
             root = group[0][2].root
             fit = root.reserve(len(group))
             for key, rows, p in group[fit:]:
-                self._drop(p)
                 for i in rows:
                     errors[i] = "byte budget full: blocks being written fill it"
+            self._remove_temps([p for _, _, p in group[fit:]])
+            raced = []
             with self._lock:
                 for key, rows, p in group[:fit]:
                     other = self._pending.setdefault(key, p)
                     if other is not p:  # another task of this process got there first
-                        self._drop(p)
-                        root.add_usage(-self.file_bytes)
+                        raced.append(p)
                     for n, i in enumerate(rows):
                         if n == 0 and not other.claimed & mask == mask:
                             other.claimed |= mask
@@ -991,6 +1015,7 @@ class PosixStore(KVStore):
                             plan.append((i, other))
                         else:
                             skipped.append(i)
+            self._drop_counted(raced)
         addrs, bounce = self._host_rows(bufs, nbytes)
         ops, sums = self._block_ops(
             [(p.fd, p.fd_direct, int(addrs[i])) for i, p in plan], shards, write=True)
@@ -1020,18 +1045,19 @@ class PosixStore(KVStore):
                          written)
 
     @staticmethod
-    def _drop(p: _Pending) -> bool:
-        p.close()
-        return _unlink_in(p.root.writer, p.tmp)
+    def _remove_temps(plist: list) -> dict:
+        """Close and unlink temporaries; ``{root id: [root, how many went]}``."""
+        per_root: dict[int, list] = {}
+        for p in plist:
+            p.close()
+            per_root.setdefault(id(p.root), [p.root, []])[1].append((p.hexid, p.tmp))
+        return {k: [root, root.remove_temps(names)] for k, (root, names) in per_root.items()}
 
     def _drop_counted(self, plist: list) -> None:
         """Remove temporaries that were counted in their root's usage, and uncount them."""
-        per_root: dict[int, list] = {}
-        for p in plist:
-            if self._drop(p):
-                per_root.setdefault(id(p.root), [p.root, 0])[1] += 1
-        for root, n in per_root.values():
-            root.add_usage(-n * self.file_bytes)
+        for root, n in self._remove_temps(plist).values():
+            if n:
+                root.add_usage(-n * self.file_bytes)
 
     def commit(self, block_ids, success_flags) -> None:
         ids, flags = self._flags(block_ids, success_flags)
