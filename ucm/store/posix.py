@@ -771,21 +771,8 @@ class PosixStore(KVStore):
     def _probe(self, ids: np.ndarray) -> np.ndarray:
         """Is each block published here (a regular file of the right size, reached without a
         link)? One native call per root."""
-        found = np.zeros(len(ids), dtype=bool)
-        if not len(ids):
-            return found
-        owner = ids[:, 1] % np.uint64(len(self.roots))
-        for k, root in enumerate(self.roots):
-            rows = np.flatnonzero(owner == k)
-            if not len(rows):
-                continue
-            sfd = root.open_space(create=False)
-            if sfd is None:
-                continue
-            fds, sizes = open_beneath(sfd, self._rel_rows(ids[rows]), os.O_PATH, keep_open=False,
-                                      want_sizes=True)
-            found[rows] = (fds == 0) & (sizes == self.file_bytes)
-        return found
+        fds, sizes = self._open_blocks(ids, os.O_PATH, keep_open=False)
+        return (fds == 0) & (sizes == self.file_bytes)
 
     # -- API ------------------------------------------------------------------------------------
     def lookup(self, block_ids) -> list[bool]:
@@ -1119,8 +1106,9 @@ class PosixStore(KVStore):
     def _load(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
         return self._submit("load", self._run_load, ids, bufs, shards)
 
-    def _open_blocks(self, ids, flags):
-        """Open each block beneath its root's space: (fds, sizes) int64 arrays (-errno)."""
+    def _open_blocks(self, ids, flags, keep_open: bool = True):
+        """Open each block beneath its root's space: (fds, sizes) int64 arrays (-errno; 0 for
+        a probe that was closed again)."""
         fds = np.full(len(ids), -errno.ENOENT, dtype=np.int64)
         sizes = np.full(len(ids), -1, dtype=np.int64)
         owner = ids[:, 1] % np.uint64(len(self.roots))
@@ -1131,7 +1119,7 @@ class PosixStore(KVStore):
             sfd = root.open_space(create=False)
             if sfd is None:
                 continue
-            f, s = open_beneath(sfd, self._rel_rows(ids[rows]), flags, keep_open=True, want_sizes=True)
+            f, s = open_beneath(sfd, self._rel_rows(ids[rows]), flags, keep_open=keep_open, want_sizes=True)
             fds[rows], sizes[rows] = f, s
         return fds, sizes
 
