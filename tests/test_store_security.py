@@ -487,3 +487,18 @@ def test_bad_input_is_a_clear_error_and_loses_nothing(store):
     assert empty.ok.shape == (0,) and empty.all_ok
     assert store.wait(store.load([], 0, [])).ok.shape == (0,)
     assert get(store, [1, 2]).all_ok  # nothing lost
+
+
+def test_a_root_of_an_older_ucm_is_adopted_and_recounted(tmp_path):
+    """An older ucm's root (.ucm/ without a marker, blocks in ab/cd/ at the top): adopted, its
+    old blocks neither read nor counted nor deleted, its stale usage figure recounted."""
+    (tmp_path / ".ucm" / "quarantine").mkdir(parents=True)
+    (tmp_path / ".ucm" / "usage").write_text("%-30d\n" % (999 * FILE))
+    old = tmp_path / "ab" / "cd" / ("ab" + "c" * 30 + ".blk")
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"an old block")
+    s = posix(tmp_path, capacity_bytes=8 * FILE)
+    assert s.usage() == 0 and old.exists()
+    put(s, range(4))
+    assert s.usage() == 4 * FILE and get(s, range(4)).all_ok
+    s.close()

@@ -205,7 +205,7 @@ class _Root:
         self.meta = _open_dir(META, self.fd, self.perms, f"{self.path}/{META}", create=False)
         if self.meta is None:
             self._initialise()
-        self._check_marker()
+        made = self._check_marker()
         if not self.read_only:
             try:
                 self.lockfd = self._meta_file("lock")
@@ -220,7 +220,8 @@ class _Root:
             with self.locked():
                 # a dead writer's temporaries may not all have been counted yet (they are
                 # counted right after they are made): remove them and recount exactly
-                if self._dead_writers() or self._read_usage() is None:
+                # and a root just marked (new, or adopted from an older ucm) is counted afresh
+                if made or self._dead_writers() or self._read_usage() is None:
                     self.gc_locked(None)
         self.open_space(create=not self.read_only)
 
@@ -244,7 +245,8 @@ class _Root:
         except PermissionError as exc:
             raise ValueError(f"store.posix.roots: {self.path!r} is not writable ({exc.strerror})") from None
 
-    def _check_marker(self) -> None:
+    def _check_marker(self) -> bool:
+        """Check the root's marker, writing it if it is missing; True when it was written."""
         try:
             fd = os.open("ROOT", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.meta)
         except FileNotFoundError:
@@ -252,7 +254,7 @@ class _Root:
                 raise ValueError(f"store.posix.roots: {self.path!r} is not a ucm root (no {META}/ROOT "
                                  f"marker)") from None
             self._write_marker()
-            return
+            return True
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise ValueError(f"store.posix.roots: {self.path}/{META}/ROOT is a symbolic link") from None
@@ -265,6 +267,7 @@ class _Root:
         if content != MARKER:
             raise ValueError(f"store.posix.roots: {self.path}/{META}/ROOT is not a ucm marker "
                              f"({content[:20]!r})")
+        return False
 
     def _write_marker(self) -> None:
         if any(_HEX2.match(e) for e in os.listdir(self.fd)):
