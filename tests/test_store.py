@@ -590,3 +590,24 @@ def test_borrow_lends_committed_rows_without_copy_and_pins_them(tmp_path):
         got = np.stack([lent.pool[int(k)].numpy() for k in lent.rows])
     assert np.array_equal(got, src)
     pipe.close()
+
+
+def test_commit_while_another_writer_of_the_block_is_in_flight_publishes_it():
+    """Two dumps of one block: the second finds its shards claimed by the first, whose copy is
+    still queued, and its caller commits first. The block is published once the bytes land
+    (a discard here lost write-back blocks on a GPU machine)."""
+    s = memory(buffer_number=8, io_threads=1)
+    gate = threading.Event()
+    s._exec.submit(gate.wait)  # the first writer's copy waits behind this (a slow device)
+    ids = make_ids(1, seed=40)
+    src = payload(ids)
+    first = s.dump(ids, 0, src)
+    second = s.dump(ids, 0, src)
+    s.commit(ids, s.wait(second, timeout=5).ok)
+    assert s.lookup(ids) == [False]  # not yet: the bytes are not there
+    gate.set()
+    s.commit(ids, s.wait(first, timeout=5).ok)
+    assert s.lookup(ids) == [True]
+    dst = np.zeros_like(src)
+    assert s.wait(s.load(ids, 0, dst)).all_ok and np.array_equal(dst, src)
+    s.close()

@@ -27,15 +27,17 @@ log = logging.getLogger("ucm.store.memory")
 
 
 class _Pending:
-    __slots__ = ("slot", "shards", "claimed", "inflight", "failed", "discard")
+    __slots__ = ("key", "slot", "shards", "claimed", "inflight", "failed", "discard", "publish")
 
-    def __init__(self, slot: int, n_shards: int):
+    def __init__(self, key: bytes, slot: int, n_shards: int):
+        self.key = key
         self.slot = slot
         self.shards = np.zeros(n_shards, dtype=bool)   # written
         self.claimed = 0  # bit k: shard k is written or being written (one writer per shard)
         self.inflight = 0
         self.failed = False
         self.discard = False
+        self.publish = False  # committed while a dump of it was in flight: publish when it lands
 
 
 def _cuda_available() -> bool:
@@ -183,7 +185,7 @@ class MemoryStore(KVStore):
                     if slot is None:
                         errors[i] = "memory tier full: every slot is pending or being read"
                         continue
-                    p = self._pending[keys[i]] = _Pending(slot, self.geometry.n_shards)
+                    p = self._pending[keys[i]] = _Pending(keys[i], slot, self.geometry.n_shards)
                 if p.claimed & mask == mask:
                     # these shards are written (or being written) by an earlier row or task:
                     # one writer per byte, so a block never mixes two sources
@@ -219,7 +221,9 @@ class MemoryStore(KVStore):
                     p.shards[shards.start:shards.stop] = True
                 else:
                     p.failed = True
-                if p.discard and p.inflight == 0:
+                if p.inflight == 0 and p.publish:
+                    self._publish_late(p)
+                elif p.discard and p.inflight == 0:
                     self._release(p)
         idx = [i for i, _ in plan]
         self._stats.add(dump_blocks=len(idx) if ok else 0, dump_bytes=len(idx) * nbytes if ok else 0,
@@ -227,11 +231,31 @@ class MemoryStore(KVStore):
         task.finish_part(idx if ok else [], None if ok else {i: err for i in idx},
                          len(idx) * nbytes if ok else 0)
 
+    def _publish_late(self, p: _Pending) -> None:
+        """A block committed while another writer's dump of it was in flight, now landed
+        (caller holds the lock)."""
+        mine = self._pending.get(p.key) is p
+        if mine:
+            del self._pending[p.key]
+        if mine and not p.failed and p.shards.all():
+            self._index.insert(np.frombuffer(p.key, dtype=np.uint64).reshape(1, 2),
+                               np.asarray([p.slot], dtype=np.int64))
+            self._stats.add(commits=1)
+        else:
+            self._release(p)
+            self._stats.add(discards=1)
+
     def commit(self, block_ids, success_flags) -> None:
         ids, flags = self._flags(block_ids, success_flags)
         rows, slots = [], []
         with self._lock:
             for i in range(len(ids)):
+                p = self._pending.get(ids[i].tobytes())
+                if p is not None and flags[i] and p.inflight and not p.failed:
+                    # another writer's dump of these bytes (this caller's own dump found them
+                    # claimed) is still landing: publish when it does, not discard
+                    p.publish = True
+                    continue
                 p = self._pending.pop(ids[i].tobytes(), None)
                 if p is None:
                     continue  # already present (dump skipped), failed at submission, or unknown

@@ -670,8 +670,8 @@ def _lstat(entry):
 
 
 class _Pending:
-    __slots__ = ("root", "hexid", "tmp", "fd", "fd_direct", "checksums", "shards", "claimed",
-                 "inflight", "failed", "discard")
+    __slots__ = ("root", "hexid", "key", "tmp", "fd", "fd_direct", "checksums", "shards", "claimed",
+                 "inflight", "failed", "discard", "publish")
 
     def __init__(self, root: _Root, hexid: str, tmp: str, fd: int, fd_direct, n_shards: int):
         self.root, self.hexid, self.tmp, self.fd, self.fd_direct = root, hexid, tmp, fd, fd_direct
@@ -681,6 +681,8 @@ class _Pending:
         self.inflight = 0
         self.failed: Optional[str] = None
         self.discard = False
+        self.publish = False  # committed while a dump of it was in flight: publish when it lands
+        self.key = bytes.fromhex(hexid)
 
     def close(self) -> None:
         _close(self.fd, self.fd_direct)
@@ -1012,7 +1014,7 @@ class PosixStore(KVStore):
         if len(ops):
             io_batch(ops, self.io_threads, want_checksum=True)
         ok = list(skipped)
-        dropped = []
+        dropped, late = [], []
         with self._lock:
             for n, (i, p) in enumerate(plan):
                 if ops["result"][n] < 0:
@@ -1023,9 +1025,13 @@ class PosixStore(KVStore):
                     p.shards[shards.start:shards.stop] = True
                     ok.append(i)
                 p.inflight -= 1
-                if p.discard and p.inflight == 0:
+                if p.inflight == 0 and p.publish:
+                    if self._pending.get(p.key) is p:
+                        del self._pending[p.key]
+                        (late if not p.failed and p.shards.all() else dropped).append(p)
+                elif p.discard and p.inflight == 0:
                     dropped.append(p)
-        self._drop_counted(dropped)
+        self._publish(late, dropped)
         self._give_back(None if bounce is None else bounce[0])
         written = (len(ok) - len(skipped)) * nbytes
         self._stats.add(dump_blocks=len(ok) - len(skipped), dump_bytes=written,
@@ -1055,6 +1061,12 @@ class PosixStore(KVStore):
         discard: list[_Pending] = []
         with self._lock:
             for i in range(len(ids)):
+                p = self._pending.get(ids[i].tobytes())
+                if p is not None and flags[i] and p.inflight and not p.failed:
+                    # another writer's dump of these bytes (this caller's own dump found them
+                    # claimed) is still landing: publish when it does, not discard
+                    p.publish = True
+                    continue
                 p = self._pending.pop(ids[i].tobytes(), None)
                 if p is None:
                     continue
@@ -1069,6 +1081,11 @@ class PosixStore(KVStore):
                     p.discard = True
                 else:
                     discard.append(p)
+        self._publish(ready, discard)
+
+    def _publish(self, ready: list, discard: list) -> None:
+        """Write the headers of complete blocks and rename them into place; remove the
+        temporaries of ``discard``."""
         by_root: dict[int, list] = {}
         for p in ready:
             try:
