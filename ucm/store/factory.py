@@ -67,10 +67,6 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
     geometry = BlockGeometry(block_bytes, shard_bytes or block_bytes)
     ns = bytes(16) if namespace is None else namespace
     specs = [s.strip() for s in config["store.pipeline"].split("|")]
-    twice = sorted({s for s in specs if specs.count(s) > 1})
-    if twice:
-        raise ValueError(f"config key 'store.pipeline': tier {twice[0]!r} is listed twice "
-                         f"({config['store.pipeline']!r}); each tier may appear once")
     built = []
     try:
         for spec in specs:

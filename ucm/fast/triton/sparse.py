@@ -233,7 +233,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, coun
         done = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
         if done == num_splits - 1:
             # one query head at a time: [SPAD, DPAD] partials in registers (all GROUP heads at
-            # once, as before session 7, held [GP2 * SPAD, DPAD]: 256 floats a thread at 64 slices)
+            # once would hold [GP2 * SPAD, DPAD]: 256 floats a thread at 64 slices)
             sr = tl.arange(0, SPAD)
             smask = sr < num_splits
             for hh in tl.static_range(GROUP):
@@ -290,7 +290,7 @@ PDL = False
 
 #: Programmatic dependent launch for the decode kernels only (the split and merge launches; see
 #: :data:`PDL`): each launch overlaps the end of the one before it. None: on for CUDA devices of
-#: compute capability 9.0 and later (H200, session 6: 1 x 128K attention on the sparse table
+#: compute capability 9.0 and later (H200: 1 x 128K attention on the sparse table
 #: 33.5 -> 32.4 us, ESA stride-8 steps -1.1 us at 1 x 128K and -0.6 us at 8 x 32K; the dense
 #: kernel 127.3 -> 126.0 us, as with PDL on every kernel).
 DECODE_PDL = None
@@ -366,7 +366,7 @@ def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
 
 #: Slices of a decode launch that runs beside other work (``decode(..., beside=True)``), as a share
 #: of the planned ones: ESA's asynchronous retrieval runs beside the attention of the step that
-#: computes it, and leaving it part of the GPU shortens the pair. H200, session 10, ESA stride 8 at
+#: computes it, and leaving it part of the GPU shortens the pair. H200, ESA stride 8 at
 #: 1 x 128K (41 planned slices): 48 / 40 / 32 / 24 / 16 / 8 slices 35.68 / 35.47 / 34.90 / 34.35
 #: / 35.49 / 38.13 us per step (default 35.68); 8 x 32K (6 planned): within 0.7%.
 BESIDE_SHARE = 0.6
@@ -889,7 +889,7 @@ SCORE_WARPS = 4
 SCORE_STAGES = 2
 #: Stages of a software-pipelined loop over the KV heads in the mean / Quest scoring kernel
 #: (:func:`_score_dot_pipe_kernel`); 0: the unrolled loop (:func:`_score_dot_kernel`). H200,
-#: session 7, ESA per-head scores, G = 4 bf16 tables: 8 x 32K 41.7 -> 36.5 us (3 stages),
+#: ESA per-head scores, G = 4 bf16 tables: 8 x 32K 41.7 -> 36.5 us (3 stages),
 #: 1 x 128K 20.8 -> 20.1 (3 stages, 2 programs per multiprocessor: 16-block tiles); 4 stages or
 #: 8 warps lose.
 SCORE_LOOP_STAGES = 3
@@ -914,7 +914,7 @@ SCORE_STATS_GROUP = 32
 #: bounds (``head_stats_scale``), and the histogram selection then skips its own log-sum-exp
 #: launch (:func:`_lse_bounds_kernel`). Only with the pipelined scoring loop
 #: (``SCORE_LOOP_STAGES > 0``), mean or Quest scores, on the fused head-mass path. Off: correct
-#: (H200, session 8: the same selection, mass within 8.4e-8), but the scoring launch with the
+#: (H200: the same selection, mass within 8.4e-8), but the scoring launch with the
 #: statistics took 38.8 us against 20.5 at 1 x 128K (61.7 against 37.1 at 8 x 32K), so the
 #: ESA stride-8 step went 38.3 -> 39.9 us instead of the ~0.4 us gain the saved 3.4-us launch
 #: promised (not measured further: probably each short program's ticket, an acq_rel atomic
@@ -1554,9 +1554,9 @@ def _hist_emit_kernel(s_ptr, ss_b, ss_m, nblk_ptr, budget_ptr, hist_ptr, prm_ptr
 #: fused head mass (:func:`select_head_mass`). Bins (2 ** SELECT_HIST_BITS), blocks per histogram
 #: program, blocks per list / emit program, the most candidates in the threshold's bin that are
 #: ranked pairwise (more: searches over the list, SELECT_HIST_CHUNK entries a step), warps.
-#: H200, session 7 (final run, 1 x 8,192 blocks, with the table): summed scores 16.4 us against
+#: H200 (1 x 8,192 blocks, with the table): summed scores 16.4 us against
 #: 22.7 for the pairwise selection (top-12-bit bins instead of bounded ones: 28.6, the threshold's
-#: bin crowded); head mass 18.1 (bits 12: 16.1; session 6: 24.3). Run 2: 4,096 bins with lists of
+#: bin crowded); head mass 18.1 (bits 12: 16.1; without the histogram: 24.3). Run 2: 4,096 bins with lists of
 #: 64 overflowed into the searches (27.7 us; lists of 128: 13.8; 16,384 bins: 14.0). A first
 #: version in one launch, whose last program (atomic ticket) resolved and wrote the whole row,
 #: took 37.4: a single program's passes over the row are latency-bound (~2 us per 1,024 blocks).
@@ -1858,7 +1858,7 @@ def head_mass(per_head: torch.Tensor, scale: float) -> torch.Tensor:
 #: :func:`_lse_bounds_kernel` launch: elements per step, warps; LSE_SPAN: in the head-mass
 #: selection each head's row is cut into parts of this many entries, one program each (warps
 #: LSE_SPAN_WARPS), combined by the head-mass launch (0: one program per head over its whole row,
-#: as before session 10). H200, session 10 (1 x 128K, int8 tables, ESA stride 8, µs per step):
+#: as the previous layout). H200 (1 x 128K, int8 tables, ESA stride 8, µs per step):
 #: span 0 / 2048 / 1024 / 512 / 256: 37.21 / 37.04 / 36.99 (4 warps) / 37.18 / 37.09.
 LSE_CHUNK = 4096
 LSE_WARPS = 8

@@ -7,7 +7,7 @@ after every read (``SpinCondition.wait`` in ``vllm/distributed/device_communicat
 shm_broadcast.py``). On a GPU that costs a CPU nobody needs. On a CPU engine the worker's compute
 threads are bound to most cores and the rest are where everything else runs, ucm's overlapped
 copy of loaded blocks among it: the spinning engine core takes that CPU for the whole forward
-(session-6 measurement: the background copy took 33-97 ms instead of 13).
+(measured on a 2-core VM: the background copy took 33-97 ms instead of 13; benchmarks/RESULTS.md).
 
 With this patch the reader, inside vLLM's busy window, sleeps ``poll_us`` microseconds per check
 instead of yielding, leaving the CPU to other threads. Outside the busy window vLLM's own code
