@@ -25,7 +25,7 @@ require_vllm_module()
 
 import ucm  # noqa: E402
 from ucm.config import Config  # noqa: E402
-from ucm.integration.vllm import connector as conn  # noqa: E402
+from ucm.integration.vllm import connector as conn, keys  # noqa: E402
 from ucm.store import open_store  # noqa: E402
 
 L, NB, BS, H, D = 4, 12, 8, 2, 16
@@ -47,8 +47,7 @@ def _worker(tmp_path):
     c._shard = c.layout.shard_bytes(0)
     assert c._shard * L == bb
     c._device = torch.device("cpu")
-    c.ns = type("NS", (), {"tp_size": 1})()
-    c._rank = 0
+    c.shape, c._rank = keys.ParallelShape(), 0
     c.store = open_store(c.cfg, block_bytes=bb, shard_bytes=c._shard, namespace=b"save-forward-tst")
     c._async, c._during, c._layerwise = True, True, False
     c._lsave, c._lsave_seen, c._lsave_ok = None, set(), False

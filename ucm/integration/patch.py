@@ -4,6 +4,9 @@
   ``"kv_connector": "UCMConnector"`` works without ``kv_connector_module_path``;
 * installs the sparse-attention hooks when the configuration enables a sparse method (the
   sparse-attention work registers its hook here through :func:`register_patch`);
+* makes vLLM drop blocks whose load failed from its prefix cache under the ``recompute``
+  policy, as it does under ``fail`` (``evict_failed_loads``, see
+  :mod:`ucm.integration.vllm.failed_loads`);
 * on CPU engines, lets the engine core sleep instead of spin while its worker computes
   (``engine_wait``, applied by the connector in its scheduler process; see
   :mod:`ucm.integration.vllm.engine_wait`);
@@ -112,7 +115,8 @@ register_patch("connector_registration", _register_connector, _unregister_connec
 
 # -- patches registered by other modules (they import vLLM) -------------------------------------
 
-_HOOK_MODULES = ("ucm.integration.vllm.sparse_hook", "ucm.integration.vllm.engine_wait")
+_HOOK_MODULES = ("ucm.integration.vllm.sparse_hook", "ucm.integration.vllm.engine_wait",
+                 "ucm.integration.vllm.failed_loads")
 
 
 def _register_hooks() -> None:

@@ -329,6 +329,8 @@ class KVStore(ABC):
     and ``commit``; argument checking happens here, once."""
 
     name = "store"
+    #: blocks live in this process only (another process opening the same config sees none)
+    process_local = False
 
     def __init__(self, geometry: BlockGeometry, wait_timeout_s: float = 30.0,
                  namespace: bytes = bytes(16)):
@@ -341,6 +343,7 @@ class KVStore(ABC):
         self.wait_timeout_s = float(wait_timeout_s)
         self._stats = Stats()
         self._closed = False
+        self._generation = 0
 
     # -- public API ---------------------------------------------------------------------------
     @abstractmethod
@@ -393,6 +396,21 @@ class KVStore(ABC):
 
     def supports_batch_ops(self) -> bool:
         return False
+
+    def generation(self) -> int:
+        """The namespace's generation: a counter that only grows. An engine derives its block
+        ids from it, so raising it (after a weight update, say) makes every block stored
+        before unreachable without deleting anything. This base keeps it in the process;
+        tiers that outlive the process persist it."""
+        return self._generation
+
+    def set_generation(self, value: int) -> int:
+        """Raise the generation to at least ``value``; returns the generation now in force
+        (never lower than before). Raises ``OSError`` when it cannot be persisted."""
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise TypeError(f"generation: expected an int >= 0, got {value!r}")
+        self._generation = max(self._generation, int(value))
+        return self._generation
 
     def prepare(self) -> None:
         """Allocate buffers now (tiers may allocate lazily, on first use)."""

@@ -30,6 +30,11 @@ def tiers() -> list[str]:
     return sorted(_TIERS)
 
 
+def tier_class(spec: str):
+    """The class a pipeline entry names (``"memory"``, ``"package.module:Class"``)."""
+    return _resolve(spec.strip())
+
+
 def _resolve(spec: str):
     target = _TIERS.get(spec, spec if ":" in spec else None)
     if target is None:

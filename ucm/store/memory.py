@@ -50,6 +50,7 @@ def _cuda_available() -> bool:
 
 
 class MemoryStore(KVStore):
+    process_local = True
     name = "memory"
 
     def __init__(self, geometry: BlockGeometry, buffer_number: int, io_threads: int = 4,

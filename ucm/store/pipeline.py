@@ -49,6 +49,18 @@ class PipelineStore(KVStore):
         self._bg = threads.pool(2, "ucm-pipeline")
         self._inflight: set = set()
 
+    @property
+    def process_local(self) -> bool:
+        return all(t.process_local for t in self.tiers)
+
+    def generation(self) -> int:
+        return max(t.generation() for t in self.tiers)
+
+    def set_generation(self, value: int) -> int:
+        """Every tier at one generation (the highest any of them had, at least ``value``)."""
+        target = max(int(value), self.generation())
+        return min(t.set_generation(target) for t in self.tiers)
+
     def _where(self, ids: np.ndarray) -> np.ndarray:
         """Index of the first tier holding each block, or -1."""
         where = np.full(len(ids), -1, dtype=np.int64)

@@ -217,6 +217,20 @@ class PosixStore(KVStore):
         for r in self.roots:
             r.close()
 
+    def generation(self) -> int:
+        """Persisted in each root's metadata (``.ucm/generation.<namespace hex>``), so every
+        engine that opens the root later sees it; the highest of the roots counts."""
+        stored = max(r.read_generation(self.namespace.hex()) for r in self.roots)
+        self._generation = max(self._generation, stored)
+        return self._generation
+
+    def set_generation(self, value: int) -> int:
+        target = max(super().set_generation(value), self.generation())
+        for r in self.roots:
+            r.write_generation(self.namespace.hex(), target)
+        self._generation = target
+        return target
+
     def gc(self, target_bytes: Optional[int] = None) -> int:
         """Collect dead writers' temporaries and old quarantined files and, with a target, evict
         down to it (split over the roots). Returns the bytes in use after collection."""

@@ -261,6 +261,52 @@ class _Root:
             raise
         return fd
 
+    # -- the namespace's generation (see KVStore.generation) -----------------------------------
+    def read_generation(self, ns_hex: str) -> int:
+        name = f"generation.{ns_hex}"
+        what = f"{self.path}/{META}/{name}"
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.meta)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ValueError(f"store.posix.roots: {what} is a symbolic link; ucm follows no "
+                                 f"link under a root") from None
+            raise
+        try:
+            self.perms.check(fd, what, directory=False)
+            raw = os.read(fd, 32).strip()
+        finally:
+            os.close(fd)
+        if not raw.isdigit():
+            raise ValueError(f"store.posix.roots: {what} does not hold a generation ({raw[:20]!r})")
+        return int(raw)
+
+    def write_generation(self, ns_hex: str, value: int) -> int:
+        """Raise the stored generation to ``value`` (atomically: a new file renamed over the
+        old one, synced); returns the generation now stored."""
+        if self.read_only:
+            raise OSError(errno.EROFS, f"{self.path} is opened read-only (store.posix.read_only)")
+        name = f"generation.{ns_hex}"
+        with self.locked():
+            value = max(value, self.read_generation(ns_hex))
+            tmp = f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         self.perms.meta_mode, dir_fd=self.meta)
+            try:
+                self.perms.fix(fd, self.perms.meta_mode)
+                os.write(fd, b"%d\n" % value)
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                _unlink_in(self.meta, tmp)
+                raise
+            os.close(fd)
+            os.rename(tmp, name, src_dir_fd=self.meta, dst_dir_fd=self.meta)
+            os.fsync(self.meta)
+        return value
+
     def _open_writer(self) -> None:
         """This store's writer directory, its lock held (flock) until close."""
         name = f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

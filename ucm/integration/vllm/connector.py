@@ -20,8 +20,12 @@ Scheduler side (pure bookkeeping, no data movement):
   always left to compute. When every full block hits, the prompt's partial last block (its
   "tail", stored under an id of its exact tokens) is looked up too: a repeated prompt then
   computes only its last token instead of up to ``block_size`` tokens
-  (``connector.partial_tail``). Blocks whose saves this scheduler planned in recent steps count
-  as present (their load waits for the save), so a save in flight is never recomputed;
+  (``connector.partial_tail``). A block counts as present only once every rank committed it
+  (a save in flight is not a hit: a failed save would become a failed load). Block ids follow
+  :mod:`ucm.integration.vllm.keys`: LoRA adapter, ``cache_salt``, multimodal items and prompt
+  embeds separate requests exactly as in vLLM's prefix cache, each rank stores its own shard,
+  and ``reset_prefix_cache(reset_connector=True)`` raises the namespace's generation (stored
+  with a posix tier, so it outlives the engine), which retires every block stored before;
 * ``update_state_after_alloc``: remember which vLLM blocks to fill;
 * ``build_connector_meta``: per step, the loads to run and the newly completed blocks to save
   (prompt and, by default, generated tokens), with chunked prefill and preemption handled
@@ -33,7 +37,8 @@ Worker side (data movement):
   views of one allocation included) and open the store;
 * ``start_load_kv``: one batched load into a staging buffer, one scatter into the cache; blocks
   that fail to load are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes
-  them;
+  them (``ucm.integration.patch()`` makes vLLM also drop them, and the blocks computed after
+  them, from its prefix cache, so no other request attends to them);
 * ``wait_for_save``: one gather of the step's new blocks into a staging buffer, one dump,
   commit. With ``connector.async_save`` (the default) the whole save (gather included) runs on
   a background thread and the step returns at once. That is safe because vLLM writes only
@@ -72,6 +77,8 @@ import ucm
 from ucm import threads as ucm_threads
 from ucm.config import Config
 from ucm.ids import Namespace
+from ucm.integration.vllm import failed_loads as _failed_loads  # noqa: F401 (registers its patch)
+from ucm.integration.vllm import keys
 from ucm.reference.hashing import murmur3_x64_128
 
 if TYPE_CHECKING:
@@ -107,9 +114,6 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     idle: bool = False  # the step computes nothing (vLLM polls the connector)
 
 
-_PENDING_STEPS = 64  # planned saves count as present for this many scheduler steps
-
-
 # ---------------------------------------------------------------------------------------------
 # shared pieces
 
@@ -142,7 +146,7 @@ def _namespace(vllm_config, cfg: Config) -> Namespace:
         dtype=str(mc.dtype).replace("torch.", ""),
         block_size=int(cc.block_size),
         kv_layout=f"vllm-{device}-kv:{cache_dtype}",
-        tp_rank=0,  # workers derive their rank's ids from these (see _rank_ids)
+        tp_rank=0,  # each rank stores under its own keys (keys.rank_ids)
         tp_size=int(getattr(pc, "tensor_parallel_size", 1)),
         codec="none",
         tenant_salt=cfg["tenant_salt"],
@@ -156,6 +160,7 @@ class UCMConnector(KVConnectorBase_V1):
         self.cfg = _load_config(vllm_config)
         self.ns = _namespace(vllm_config, self.cfg)
         self.block_size = self.ns.block_size
+        self.shape = keys.ParallelShape.of(vllm_config)
         ktc = self._kv_transfer_config
         self.is_producer = bool(ktc.is_kv_producer)
         self.is_consumer = bool(ktc.is_kv_consumer)
@@ -169,10 +174,19 @@ class UCMConnector(KVConnectorBase_V1):
     # scheduler side
     # =========================================================================================
     def _init_scheduler(self, kv_cache_config) -> None:
+        self._refuse_unreachable_store()
         if self.cfg["connector.load_failure"] == "recompute":
             # Storage faults are cache misses: vLLM must recompute failed blocks, not fail the
-            # request (its default). The scheduler reads this right after creating us.
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            # request (its default). The scheduler reads this right after creating us. vLLM
+            # keeps a failed block in its prefix cache under that policy; the patch drops it.
+            from ucm.integration.patch import apply_patch
+
+            if apply_patch("evict_failed_loads"):
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            else:
+                log.warning("ucm: vLLM could not be patched to drop blocks whose load failed "
+                            "(UCM_DISABLE_PATCHES or an untested vLLM); a failed load fails its "
+                            "request instead of being recomputed")
         self._quiet_engine_wait()
         self._reqs: dict[str, _ReqState] = {}
         self._matched: dict[str, tuple] = {}  # req -> (local tokens, hit blocks, tail id or None)
@@ -183,15 +197,37 @@ class UCMConnector(KVConnectorBase_V1):
         # ids of partial tails live in their own namespace: a tail of t tokens is never
         # mistaken for a full block (and vice versa)
         self._tail_ns = murmur3_x64_128(self.ns.digest() + b"ucm-partial-tail-v1", 0)
-        self._pending: dict[bytes, int] = {}  # id -> scheduler step that planned its save
-        self._step = 0
+        self._generation = 0
         ucm.hash_blocks(np.zeros(self.block_size, np.int64), self.ns)  # compile now, not per request
         try:  # open the store and compile its lookups now: the first request would pay ~0.2 s
             probe = np.zeros((1, 2), dtype=np.uint64)
             self._lookup().lookup(probe)
             self._lookup().lookup_prefix(probe)
+            self._generation = self._lookup().generation()
         except Exception as exc:  # (every lookup then fails the same way: misses, logged)
             log.warning("ucm: the store is not ready for lookups (%r)", exc)
+
+    def _refuse_unreachable_store(self) -> None:
+        """A store whose every tier lives in one process (``memory``) is empty for a scheduler
+        whose workers run elsewhere (vLLM's multiprocess executor, the CPU default): refuse it
+        rather than silently never hit."""
+        from ucm.store.factory import tier_class
+
+        specs = [s for s in self.cfg["store.pipeline"].split("|") if s.strip()]
+        try:
+            local = all(getattr(tier_class(s), "process_local", False) for s in specs)
+        except ValueError:
+            return  # (an unknown tier is reported when the store opens)
+        backend = getattr(self._vllm_config.parallel_config, "distributed_executor_backend", None)
+        beside = backend == "uni" or (backend == "external_launcher" and self.shape.world == 1)
+        if local and not beside:
+            raise ValueError(
+                f"config key 'store.pipeline' = {self.cfg['store.pipeline']!r}: every tier keeps "
+                f"its blocks inside the worker process, and this engine's workers run in other "
+                f"processes (distributed_executor_backend={backend!r}, {self.shape.world} rank(s)), "
+                f"so the scheduler could never see a stored block. Add a shared tier (e.g. "
+                f"'memory|posix' with store.posix.roots) or run one worker in the engine's "
+                f"process (--distributed-executor-backend uni)")
 
     def _quiet_engine_wait(self) -> None:
         """CPU engines: vLLM's engine core (this process) sleeps between checks for the
@@ -221,59 +257,56 @@ class UCMConnector(KVConnectorBase_V1):
         return self._lookup_store
 
     def _present(self, ids: np.ndarray) -> np.ndarray:
-        """Which ids the store holds or a recent step of ours is saving (bool ``[n]``)."""
-        found = np.asarray(self._lookup().lookup(ids), dtype=bool)
-        if self._pending and not found.all():
-            for k in np.flatnonzero(~found):
-                found[k] = ids[k].tobytes() in self._pending
-        return found
+        """Which blocks every rank has committed (bool ``[n]``)."""
+        found = np.asarray(self._lookup().lookup(keys.all_rank_ids(ids, self.shape)), dtype=bool)
+        return found.reshape(self.shape.world, len(ids)).all(axis=0)
 
     def _prefix_hits(self, ids: np.ndarray) -> int:
-        """Length of the leading run of ``ids`` that are stored or being saved."""
-        n = int(self._lookup().lookup_prefix(ids))
-        if n == len(ids) or not self._pending or ids[n].tobytes() not in self._pending:
-            return n
-        rest = self._present(ids[n:])
-        return n + (len(rest) if rest.all() else int(np.argmin(rest)))
+        """Length of the leading run of blocks every rank has committed."""
+        store = self._lookup()
+        n = len(ids)
+        for r in range(self.shape.world):
+            if n == 0:
+                break
+            n = min(n, int(store.lookup_prefix(keys.rank_ids(ids[:n], r, self.shape))))
+        return n
 
     @staticmethod
     def _cacheable(request: "Request") -> bool:
-        return not (getattr(request, "mm_features", None) or getattr(request, "lora_request", None)
-                    or getattr(request, "prompt_embeds", None) is not None)
+        return keys.keyable(request)
 
-    def _state(self, request: "Request") -> "_ReqState":
+    def _state(self, request: "Request") -> Optional["_ReqState"]:
+        """The request's state (None: a request ucm cannot key, neither looked up nor saved)."""
         st = self._reqs.get(request.request_id)
         if st is None:
+            if not self._cacheable(request):
+                return None
             st = self._reqs[request.request_id] = _ReqState(request)
         st.request = request
         return st
 
     def _hashes(self, st: "_ReqState", n_blocks: int) -> np.ndarray:
-        """Chained ids of the request's first ``n_blocks`` full blocks (computed once)."""
-        have = len(st.ids)
-        if n_blocks > have:
-            toks = st.request.all_token_ids
-            new = np.asarray(toks[have * self.block_size:n_blocks * self.block_size], dtype=np.int64)
-            parent = None if have == 0 else st.ids[have - 1]
-            more = ucm.hash_blocks(new, self.ns, parent=parent)
-            st.ids = np.concatenate([st.ids, more]) if have else more
-        return st.ids[:n_blocks]
+        """Ids of the request's first ``n_blocks`` full blocks (computed once)."""
+        if st.chain is None or st.chain.generation != self._generation:
+            st.chain = keys.RequestKeys(st.request, self.ns, self._generation, self._tail_ns)
+        return st.chain.full(st.request, n_blocks)
 
-    def _tail_id(self, st: "_ReqState", n_full: int, t: int) -> tuple[np.ndarray, bool]:
-        """Id of the ``t`` tokens after the request's first ``n_full`` full blocks, and whether
-        it is a partial tail (``t < block_size``) rather than the full block ``n_full``."""
-        bs = self.block_size
-        if t == bs:
-            return self._hashes(st, n_full + 1)[n_full], False
-        toks = np.asarray(st.request.all_token_ids[n_full * bs:n_full * bs + t], dtype=np.int64)
-        parent = None if n_full == 0 else self._hashes(st, n_full)[n_full - 1]
-        return ucm.hash_blocks(toks, self._tail_ns, block_size=t, parent=parent)[0], True
+    def _tail_id(self, st: "_ReqState", n_full: int, t: int) -> Optional[np.ndarray]:
+        """Id of the ``t`` tokens after the request's first ``n_full`` full blocks (the full
+        block ``n_full`` when ``t`` is the block size), or None when the request's partial
+        blocks are not stored."""
+        if t == self.block_size:
+            return self._hashes(st, n_full + 1)[n_full]
+        self._hashes(st, 0)
+        return st.chain.tail(st.request, n_full, t)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[Optional[int], bool]:
-        if not self.is_consumer or not self._cacheable(request):
+        if not self.is_consumer:
             return 0, False
         st = self._state(request)
+        if st is None:
+            return 0, False
         bs = self.block_size
         n_full = (request.num_tokens - 1) // bs  # the last token is always computed
         start = num_computed_tokens // bs
@@ -285,8 +318,8 @@ class UCMConnector(KVConnectorBase_V1):
                 hit = start + self._prefix_hits(self._hashes(st, n_full)[start:])
             t = request.num_tokens - n_full * bs  # tokens in the last block, 1..block_size
             if self._tail and hit == n_full and t >= 2:
-                tid, _partial = self._tail_id(st, n_full, t)
-                if self._present(tid[None])[0]:
+                tid = self._tail_id(st, n_full, t)
+                if tid is not None and self._present(tid[None])[0]:
                     tail = (tid, t)
         except Exception as exc:  # a store fault is a miss, never an engine failure
             log.warning("ucm: lookup failed (%r); treating as a miss", exc)
@@ -303,17 +336,13 @@ class UCMConnector(KVConnectorBase_V1):
         st = self._state(request)
         local, hit, tail = self._matched.pop(request.request_id,
                                              (request.num_computed_tokens, 0, None))
-        if num_external_tokens > 0:
+        if st is not None and num_external_tokens > 0:
             start = local // self.block_size
             end = start + num_external_tokens // self.block_size
             st.load = (start, end, tail[0] if tail and num_external_tokens % self.block_size else None)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = UCMConnectorMetadata()
-        self._step += 1
-        if self._pending and self._step % 16 == 0:
-            old = self._step - _PENDING_STEPS
-            self._pending = {k: v for k, v in self._pending.items() if v >= old}
         meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         # vLLM frees a preempted request's blocks at once and may hand them out in this very
         # step: saves still reading them must finish before the step writes the cache.
@@ -342,8 +371,6 @@ class UCMConnector(KVConnectorBase_V1):
             st = self._reqs.get(t.req_id)
             if st is not None:
                 st.saved = True
-            for row in t.ids:
-                self._pending[row.tobytes()] = self._step
         if meta.loads or meta.saves:
             log.debug("ucm: step plan: load %d blocks, save %d blocks",
                       sum(len(t.blocks) for t in meta.loads), sum(len(t.blocks) for t in meta.saves))
@@ -395,12 +422,43 @@ class UCMConnector(KVConnectorBase_V1):
             t = prompt - nf * bs
             if 2 <= t < bs and len(st.blocks) > nf:
                 try:
-                    tid, _ = self._tail_id(st, nf, t)
-                    if not self._present(tid[None])[0]:
+                    tid = self._tail_id(st, nf, t)
+                    if tid is not None and not self._present(tid[None])[0]:
                         meta.saves.append(Transfer(st.request.request_id, tid[None].copy(),
                                                    [st.blocks[nf]], tail=True))
                 except Exception as exc:
                     log.warning("ucm: tail lookup failed (%r); not saving it", exc)
+
+    def update_connector_output(self, connector_output) -> None:
+        """Blocks whose load failed are recomputed by vLLM: they (and the blocks after them)
+        are no longer known to be stored, so they are saved again once recomputed."""
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad:
+            return
+        for st in self._reqs.values():
+            first = next((k for k, b in enumerate(st.blocks) if b in bad), None)
+            if first is not None:
+                st.known = min(st.known, first)
+                st.tail_done = False  # (the prompt's partial block comes after any full one)
+
+    def reset_cache(self) -> bool:
+        """``reset_prefix_cache(reset_connector=True)``: raise the namespace's generation, so
+        that no block stored before is found again (by this engine or, with a tier that
+        persists the generation, any engine opening the store later). False when the new
+        generation could not be stored (this engine uses it anyway)."""
+        self._generation += 1
+        ok = True
+        try:
+            self._generation = self._lookup().set_generation(self._generation)
+        except Exception as exc:
+            log.error("ucm: reset_cache: the store could not record generation %d (%r); this "
+                      "engine uses it, engines started later would not", self._generation, exc)
+            ok = False
+        for st in self._reqs.values():  # their ids are recomputed under the new generation
+            st.chain, st.known, st.tail_done = None, 0, False
+        self._matched.clear()
+        log.info("ucm: connector cache reset: generation %d", self._generation)
+        return ok
 
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
@@ -468,8 +526,7 @@ class UCMConnector(KVConnectorBase_V1):
         self._ov: Optional[_Overlap] = None
         self._load_executor = None
         self._spare_cpu = False  # (register_kv_caches decides)
-        pc = self._vllm_config.parallel_config
-        self._rank = int(getattr(pc, "rank", 0) or 0) % max(1, self.ns.tp_size)
+        self._rank = keys.worker_rank(self._vllm_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=_layer_order)
@@ -511,11 +568,7 @@ class UCMConnector(KVConnectorBase_V1):
                  self.cfg["store.pipeline"])
 
     def _rank_ids(self, ids: np.ndarray) -> np.ndarray:
-        if self.ns.tp_size <= 1:
-            return ids
-        salt = np.frombuffer(ucm.reference.hashing.murmur3_x64_128(
-            f"ucm-tp-rank-{self._rank}-of-{self.ns.tp_size}".encode()), dtype="<u8").astype(np.uint64)
-        return ids ^ salt
+        return keys.rank_ids(ids, self._rank, self.shape)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         """A staging buffer: on the CPU from ucm's allocator (huge pages, faulted in once, so
@@ -1045,7 +1098,7 @@ class UCMConnector(KVConnectorBase_V1):
 @dataclass
 class _ReqState:
     request: Any
-    ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.uint64))
+    chain: Optional[keys.RequestKeys] = None  # the request's block ids
     blocks: list = field(default_factory=list)
     known: int = 0  # leading blocks known to be stored (saved, loaded or found)
     load: Optional[tuple] = None  # (first block, end of full blocks, tail id or None)
