@@ -69,3 +69,29 @@ def test_version_warning(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="ucm.integration"):
         p.patch()
     assert any("outside the tested range" in r.message for r in caplog.records)
+
+
+def test_evict_failed_loads_wraps_and_reverts_the_scheduler_method():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.__dict__["_handle_invalid_blocks"]
+    state = integ.patch()
+    assert state["patches"]["evict_failed_loads"] == {"applied": True, "wanted": True}
+    assert Scheduler.__dict__["_handle_invalid_blocks"] is not original
+    integ.unpatch()
+    assert Scheduler.__dict__["_handle_invalid_blocks"] is original
+    assert integ.verify_patches()["patches"]["evict_failed_loads"]["applied"] is False
+
+
+def test_without_the_eviction_patch_a_failed_load_fails_its_request(monkeypatch, tmp_path):
+    """UCM_DISABLE_PATCHES=1: vLLM would keep a block whose load failed in its prefix cache
+    under the recompute policy, so the connector leaves vLLM's fail policy in place."""
+    import connector_harness as H
+
+    monkeypatch.setenv("UCM_DISABLE_PATCHES", "1")
+    with H.Engine(H.store_config(tmp_path, "posix")) as e:
+        assert e.scheduler.recompute_kv_load_failures is False
+    monkeypatch.delenv("UCM_DISABLE_PATCHES")
+    with H.Engine(H.store_config(tmp_path, "posix")) as e:
+        assert e.scheduler.recompute_kv_load_failures is True
+        assert integ.verify_patches()["patches"]["evict_failed_loads"]["applied"] is True
