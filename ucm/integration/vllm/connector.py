@@ -131,8 +131,14 @@ def _layer_order(name: str):
 
 
 def _load_config(vllm_config) -> Config:
+    from ucm.integration.patch import log_through_vllm
+
+    log_through_vllm()  # (the plugin does it too; a connector given by module path needs it)
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    return Config.load(extra or None)
+    cfg = Config.load(extra or None)
+    if cfg.source("backend") != "default":  # the engine's ops use the configured backend
+        ucm.set_backend(cfg["backend"])
+    return cfg
 
 
 def _namespace(vllm_config, cfg: Config) -> Namespace:
