@@ -61,7 +61,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from ucm.integration.vllm import connector as ucm_connector
+from ucm.integration.vllm import stores as ucm_stores
 from ucm.integration.vllm.connector import UCMConnector
 
 BLOCK = 16
@@ -391,7 +391,7 @@ class Engine:
         self._idt = _int_dtype(dtype)
         self._mod = (1 << 15) - 19 if self._idt == torch.int16 else (1 << 30) - 35
         _load_plugins()
-        self._stores_before = dict(getattr(ucm_connector, "_STORES", {}))
+        self._stores_before = dict(ucm_stores._STORES)
         self.vllm_config = make_vllm_config(extra, tp=tp, role=role, num_blocks=num_blocks,
                                             max_num_batched_tokens=max_num_batched_tokens,
                                             max_num_seqs=max_num_seqs, dtype=dtype)
@@ -702,9 +702,9 @@ class Engine:
         for r in (range(self.tp) if ranks is None else ranks):
             self.clear_load_faults(r)
             w = self.workers[r]
-            self.faults[r] = InjectedLoadFaults(w.store, w, r, rule, self.tables, once=once)
+            self.faults[r] = InjectedLoadFaults(w.core.store, w, r, rule, self.tables, once=once)
             self.faults[r].failed = self._injected  # one history for the engine
-            w.store = self.faults[r]
+            w.core.store = self.faults[r]
             out.append(self.faults[r])
         return out
 
@@ -712,7 +712,7 @@ class Engine:
         for r in (range(self.tp) if rank is None else [rank]):
             f = self.faults[r]
             if f is not None:
-                self.workers[r].store = f._store
+                self.workers[r].core.store = f._store
                 self.faults[r] = None
 
     def injected(self) -> list:
@@ -735,16 +735,15 @@ class Engine:
                 self.scheduler.shutdown()
             except Exception:
                 self.connector.shutdown()
-            stores = getattr(ucm_connector, "_STORES", None)
-            if stores is not None:
-                with ucm_connector._STORES_LOCK:
-                    for key in [k for k in stores if k not in self._stores_before]:
-                        entry = stores.pop(key)
-                        try:
-                            entry[0].close()
-                        except Exception:
-                            pass
-            ls = getattr(self.connector, "_lookup_store", None)
+            stores = ucm_stores._STORES
+            with ucm_stores._STORES_LOCK:
+                for key in [k for k in stores if k not in self._stores_before]:
+                    entry = stores.pop(key)
+                    try:
+                        entry.store.close()
+                    except Exception:
+                        pass
+            ls = self.connector.sched._lookup_store
             if ls is not None:
                 try:
                     ls.close()
@@ -805,12 +804,12 @@ def assert_scheduler_empty(engine: Engine) -> None:
         (pool.free_block_queue.num_free_blocks, pool.num_gpu_blocks)
     held = [b.block_id for b in pool.blocks if b.ref_cnt]
     assert not held, f"blocks with references: {held}"
-    c = engine.connector
+    c = engine.connector.sched
     for name in ("_reqs", "_matched"):
-        left = getattr(c, name, None)
+        left = getattr(c, name)
         assert not left, f"scheduler connector {name} not empty: {list(left)}"
     assert not engine._send_left and not engine._recv_left
     for r, w in enumerate(engine.workers):
         for name in ("_req_jobs", "_finishing"):
-            left = getattr(w, name, None)
+            left = getattr(w.save_path, name)
             assert not left, f"worker {r} {name} not empty: {left}"

@@ -13,7 +13,7 @@ def test_defaults_and_access():
     c = Config()
     for o in OPTIONS:
         assert c[o.name] == o.default and c.source(o.name) == "default"
-    assert c.compression.bits == c["compression.bits"] == 8
+    assert c.compression.bits == c["compression.bits"] == 8  # (refused when set: no codec yet)
     assert c.store.posix.o_direct is False
     with pytest.raises(AttributeError, match="sparse_ratio"):
         c.sparse_ration
@@ -21,21 +21,30 @@ def test_defaults_and_access():
         c.sparse_ratio = 0.5
 
 
-@pytest.mark.parametrize("name,ratio,buffers", [("realtime_chat", 0.3, 2048), ("batch", 0.2, 4096),
-                                                ("high_quality", 0.5, 2048), ("low_memory", 0.3, 1024)])
-def test_presets(name, ratio, buffers):
-    c = Config(preset=name)
-    assert (c.sparse_ratio, c.buffer_number) == (ratio, buffers)
-    assert c.source("sparse_ratio") == f"preset {name}" and c.preset == name
-    # explicit values beat the preset
-    assert Config({"preset": name, "sparse_ratio": 0.7}).sparse_ratio == 0.7
+@pytest.mark.parametrize("name,promise", [
+    ("realtime_chat", lambda c, d: c.buffer_number > d.buffer_number and c["store.write_back"]
+     and c.retrieval_stride < d.retrieval_stride),
+    ("batch", lambda c, d: c.sparse_ratio < d.sparse_ratio and c["store.io_threads"] > d["store.io_threads"]
+     and not c["connector.save_generated"]),
+    ("high_quality", lambda c, d: c.sparse_ratio > d.sparse_ratio and c.min_blocks > d.min_blocks
+     and c.sparse_dense_layers > d.sparse_dense_layers),
+    ("low_memory", lambda c, d: c.buffer_number < d.buffer_number and c.cache_capacity < d.cache_capacity),
+])
+def test_presets_differ_from_the_defaults_as_their_names_promise(name, promise):
+    c, d = Config(preset=name), Config()
+    assert promise(c, d)
+    changed = [k for k in PRESETS[name] if c[k] != d[k]]
+    assert changed, f"preset {name} changes nothing"
+    assert all(c.source(k) == f"preset {name}" for k in PRESETS[name]) and c.preset == name
+    key = next(iter(PRESETS[name]))  # explicit values beat the preset
+    assert Config({"preset": name, key: d[key]})[key] == d[key]
     assert set(PRESETS) == {"realtime_chat", "batch", "high_quality", "low_memory"}
 
 
 def test_precedence_file_env_dict(tmp_path):
     f = tmp_path / "ucm.yaml"
-    f.write_text("preset: batch\nsparse_ratio: 0.4\nmin_blocks: 32\ncompression:\n  enabled: true\n"
-                 "  bits: 4\nstore:\n  pipeline: memory|posix\n  posix:\n    roots: [/a, /b]\n")
+    f.write_text("preset: batch\nsparse_ratio: 0.4\nmin_blocks: 32\n"
+                 "store:\n  pipeline: memory|posix\n  posix:\n    roots: [/a, /b]\n")
     env = {"UCM_CONFIG_FILE": str(f), "UCM_MIN_BLOCKS": "64", "UCM_STORE_POSIX_FSYNC": "yes",
            "UCM_REQUIRE_NATIVE": "1"}
     c = Config.load(env=env, overrides={"min_blocks": 128})
@@ -43,20 +52,19 @@ def test_precedence_file_env_dict(tmp_path):
     assert c.sparse_ratio == 0.4 and c.source("sparse_ratio").startswith("file")
     assert c.min_blocks == 128 and c.source("min_blocks") == "dict"
     assert c.store.posix.fsync is True and c.source("store.posix.fsync") == "env"
-    assert c.compression.enabled is True and c.compression.bits == 4
     assert c["store.posix.roots"] == ["/a", "/b"]
     c2 = Config.load(str(f), env={"UCM_MIN_BLOCKS": "64"})
     assert c2.min_blocks == 64
-    assert Config.load({"compression": {"bits": 4}}, env={}).compression.bits == 4
+    assert Config.load({"store": {"posix": {"fsync": True}}}, env={}).store.posix.fsync is True
 
 
 def test_env_parsing():
     c = Config(env={"UCM_SPARSE_RATIO": "0.25", "UCM_STORE_POSIX_ROOTS": "/x, /y",
-                    "UCM_CACHE_CAPACITY": "2GiB", "UCM_COMPRESSION_ENABLED": "off",
+                    "UCM_CACHE_CAPACITY": "2GiB",
                     "UCM_PRESET": "low_memory", "PATH": "/bin"})
     assert c.sparse_ratio == 0.25 and c["store.posix.roots"] == ["/x", "/y"]
-    assert c.cache_capacity == 2 * 1024**3 and c.compression.enabled is False
-    assert c.buffer_number == 1024
+    assert c.cache_capacity == 2 * 1024**3
+    assert c.buffer_number == 512
 
 
 @pytest.mark.parametrize("values,match", [
@@ -72,8 +80,10 @@ def test_env_parsing():
     ({"cache_capacity": -5}, r"'cache_capacity'"),
     ({"cache_capacity": "lots"}, r"'cache_capacity'.*64GiB"),
     ({"compression": {"bits": 3}}, r"'compression.bits'.*one of 4, 8"),
-    ({"compression": {"method": "zip"}}, r"'compression.method'.*'per_token', 'per_channel'"),
-    ({"compression": {"enabled": "yes"}}, r"'compression.enabled'.*boolean"),
+    ({"compression": {"enabled": True}}, r"'compression.enabled' \(dict\).*not available yet"),
+    ({"compression": {"bits": 4}}, r"'compression.bits'.*not available yet"),
+    ({"block_size": 16}, r"unknown config key 'block_size'"),  # the engine's block size is used
+    ({"store": {"memory": {"capacity": "lots"}}}, r"'store.memory.capacity'"),
     ({"sparse_method": "esa2"}, r"'sparse_method'.*'esa'"),
     ({"store": {"pipeline": "memory||posix"}}, r"'store.pipeline'.*joined by '\|'"),
     ({"store": {"posix": {"roots": []}}}, r"'store.posix.roots'.*at least one"),
@@ -89,6 +99,8 @@ def test_bad_values_name_the_key(values, match):
 
 @pytest.mark.parametrize("env,match", [
     ({"UCM_SPARSE_RATO": "0.2"}, r"UCM_SPARSE_RATO; did you mean 'UCM_SPARSE_RATIO'"),
+    ({"UCM_DISABLE_PATCH": "1"}, r"did you mean 'UCM_DISABLE_PATCHES'"),
+    ({"UCM_COMPRESSION_ENABLED": "1"}, r"not available yet"),
     ({"UCM_SPARSE_RATIO": "abc"}, r"'sparse_ratio' \(env UCM_SPARSE_RATIO\): expected a number"),
     ({"UCM_STORE_POSIX_FSYNC": "maybe"}, r"boolean"),
     ({"UCM_MIN_BLOCKS": "1.5"}, r"integer"),
@@ -96,6 +108,15 @@ def test_bad_values_name_the_key(values, match):
 def test_bad_env(env, match):
     with pytest.raises(ValueError, match=match):
         Config(env=env)
+
+
+def test_an_unrelated_ucm_variable_only_warns(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="ucm.config"):
+        c = Config(env={"UCM_HOME": "/opt/something-else", "UCM_SPARSE_RATIO": "0.4"})
+    assert c.sparse_ratio == 0.4
+    assert any("UCM_HOME" in r.getMessage() for r in caplog.records)
 
 
 def test_bad_files(tmp_path):
@@ -130,3 +151,36 @@ def test_readme_documents_every_option():
     for name in PRESETS:
         assert name in readme
     assert ucm.Config is Config
+
+
+def test_the_memory_tier_takes_a_byte_size():
+    from ucm.store import open_store
+
+    with open_store({"store": {"pipeline": "memory", "memory": {"capacity": "1MiB"}}},
+                    block_bytes=64 * 1024) as s:
+        assert s.stats()["memory"]["slots"] == 16
+    with open_store({"store": {"pipeline": "memory"}, "buffer_number": 7}, block_bytes=4096) as s:
+        assert s.stats()["memory"]["slots"] == 7
+
+
+def test_the_posix_default_budget_is_bounded_by_free_space_and_logged_once(tmp_path, caplog):
+    import logging
+
+    from ucm.store import factory, open_store
+
+    st = os.statvfs(tmp_path)
+    half_free = st.f_bavail * st.f_frsize // 2
+    cfg = Config({"store": {"pipeline": "posix", "posix": {"roots": [str(tmp_path / "kv")]}}})
+    factory._BUDGET_LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="ucm.store"):
+        budget = factory._posix_budget(cfg, ucm.store.base.BlockGeometry(4096, 4096))
+        factory._posix_budget(cfg, ucm.store.base.BlockGeometry(4096, 4096))
+    assert budget <= 64 * 1024**3 and budget <= max(half_free, 2 * (4096 + (1 << 20)))
+    assert abs(budget - min(64 * 1024**3, half_free)) <= st.f_frsize * 64  # (free space moves)
+    logged = [r.getMessage() for r in caplog.records if "storing up to" in r.getMessage()]
+    assert len(logged) == 1 and str(tmp_path / "kv") in logged[0]
+    explicit = cfg.replace(cache_capacity="1TiB")  # an explicit budget is taken as given
+    assert factory._posix_budget(explicit, ucm.store.base.BlockGeometry(4096, 4096)) == 1024**4
+    (tmp_path / "kv").mkdir()
+    with open_store(cfg, block_bytes=4096) as s:
+        assert s.roots[0].budget <= budget + st.f_frsize * 64

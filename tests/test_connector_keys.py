@@ -189,19 +189,17 @@ def test_generation_file_behind_a_link_is_refused(tmp_path):
 def test_a_process_local_store_is_refused_when_workers_run_elsewhere(tmp_path, pipeline, backend,
                                                                       world, refused):
     from ucm.config import Config
-    from ucm.integration.vllm import connector as conn
+    from ucm.integration.vllm.scheduler import refuse_unreachable_store
 
-    c = object.__new__(conn.UCMConnector)
-    c.cfg = Config({"store.pipeline": pipeline, "store.posix.roots": [str(tmp_path)]})
-    c.shape = keys.ParallelShape(tp=world)
+    cfg = Config({"store.pipeline": pipeline, "store.posix.roots": [str(tmp_path)]})
+    shape = keys.ParallelShape(tp=world)
 
     class VC:
         class parallel_config:
             distributed_executor_backend = backend
 
-    c._vllm_config = VC()
     if refused:
         with pytest.raises(ValueError, match=r"'store\.pipeline'.*'memory\|posix'"):
-            c._refuse_unreachable_store()
+            refuse_unreachable_store(cfg, VC(), shape)
     else:
-        c._refuse_unreachable_store()
+        refuse_unreachable_store(cfg, VC(), shape)

@@ -1,10 +1,11 @@
-"""Overlapped loads of the vLLM connector (``connector.overlap_load``), worker side, no engine.
+"""Overlapped loads of the vLLM connector (``connector.overlap_load``): the worker's load path
+(:class:`ucm.integration.vllm.worker_load.WorkerLoad`), no engine and no vLLM.
 
 The copy of a step's loaded blocks into the paged cache runs layer by layer on the load thread;
-``wait_for_layer_load(layer)`` must return only once that layer's blocks are in the cache. The
-copy thread is slowed down here (a delay before each layer's copy: timing cannot be forced
-otherwise, so this is the one simulated part) so that a missing wait fails deterministically.
-Real parts: the connector's worker methods, real CPU caches in vLLM-CPU's layout, the real
+``wait_layer(k)`` (vLLM's ``wait_for_layer_load``) must return only once that layer's blocks are
+in the cache. The copy thread is slowed down here (a delay before each layer's copy: timing
+cannot be forced otherwise, so this is the one simulated part) so that a missing wait fails
+deterministically. Real parts: the load path over real CPU caches in vLLM-CPU's layout, the real
 native/reference copies, a real background thread. The engine-level check (token-identical
 outputs with overlapped loads, counters) is in ``test_vllm_e2e.py``.
 """
@@ -12,44 +13,34 @@ import threading
 import time
 
 import numpy as np
-import pytest
 import torch
 
-from conftest import require_vllm_module
-
-pytestmark = [pytest.mark.vllm]
-
-require_vllm_module()
-
-import ucm  # noqa: E402
-from ucm.integration.vllm import connector as conn  # noqa: E402
+import ucm
+from ucm.integration.vllm.worker_core import WorkerCore
+from ucm.integration.vllm.worker_load import WorkerLoad
 
 L, NB, BS, H, D = 4, 10, 8, 2, 16
 DELAY = 0.03
 
 
 def _worker(monkeypatch, hook_seen=True):
-    """A connector's worker half over real caches (vLLM-CPU layout [2, blocks, heads, bs, d]),
-    without an engine: only the state the load path reads."""
+    """A worker's load path over real caches (vLLM-CPU layout [2, blocks, heads, bs, d]), no
+    store (the tests hand it staged rows), as register_kv_caches would build it."""
     caches = {f"model.layers.{k}.self_attn.attn": torch.zeros(2, NB, H, BS, D, dtype=torch.bfloat16)
               for k in range(L)}
-    c = object.__new__(conn.UCMConnector)
-    c._layer_names = list(caches)
-    c._layer_index = {n: k for k, n in enumerate(c._layer_names)}
-    c.layout = _layout([caches[n] for n in c._layer_names])
-    c._device = torch.device("cpu")
-    c._overlap, c._hook_ok, c._hooked, c._spare_cpu = True, hook_seen, set(), True
-    c._ov, c._load_executor, c._layer_tasks = None, None, {}
-    c._counters = {"overlapped_load_blocks": 0, "scatter_s": 0.0, "scatter_wait_s": 0.0}
-    real = conn.UCMConnector._scatter_layer
+    names = list(caches)
+    core = WorkerCore(_layout([caches[n] for n in names]), None, "cpu")
+    load = WorkerLoad(core, overlap=True, spare_cpu=True)
+    load.hook_ok = hook_seen
+    real = WorkerLoad._scatter_layer
 
     def slow(self, ov, k):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(DELAY)  # the copy thread lags behind the forward
         return real(self, ov, k)
 
-    monkeypatch.setattr(conn.UCMConnector, "_scatter_layer", slow)
-    return c, caches
+    monkeypatch.setattr(WorkerLoad, "_scatter_layer", slow)
+    return load, caches, names
 
 
 def _same(a, b):
@@ -75,32 +66,31 @@ def _expected(layout, src, idx):
 
 
 def test_each_layer_is_in_the_cache_when_its_wait_returns(monkeypatch):
-    c, caches = _worker(monkeypatch)
+    c, caches, names = _worker(monkeypatch)
     src = _rows(5)
     idx = torch.tensor([7, 2, -1, 4, 9])
     tails = np.array([False, False, False, False, True])  # the last row: a partial tail block
-    assert src.shape[1] == c.layout.block_bytes
-    want = _expected(c.layout, src, idx)
+    assert src.shape[1] == c.core.layout.block_bytes
+    want = _expected(c.core.layout, src, idx)
     released = []
     assert c._scatter_overlapped(src, idx, tails, lambda: released.append(1))
-    names = c._layer_names
     # the tail block is complete in every layer before the forward starts (vLLM writes the
     # step's new token into it before the attention's wait)
     for k in range(L):
         assert _same(caches[names[k]][:, 9], want[k][:, 9]), k
     for k in range(L):
-        c.wait_for_layer_load(names[k])
+        c.wait_layer(k)
         assert _same(caches[names[k]], want[k]), f"layer {k} read before its copy ended"
     assert not released  # the source (memory-tier rows) stays held until the step ends
-    c._finish_overlap()
+    c.finish_overlap()
     assert released == [1] and c._ov is None
-    assert c._counters["overlapped_load_blocks"] == 3  # 4 blocks, the tail copied at once
-    c._load_executor.shutdown(wait=True)
+    assert c.core.counters["overlapped_load_blocks"] == 3  # 4 blocks, the tail copied at once
+    c.shutdown()
 
 
 def test_a_failed_background_copy_is_redone_before_the_layer_is_read(monkeypatch):
-    c, caches = _worker(monkeypatch)
-    real = conn.UCMConnector._scatter_layer
+    c, caches, names = _worker(monkeypatch)
+    real = WorkerLoad._scatter_layer
     calls = []
 
     def flaky(self, ov, k):
@@ -109,46 +99,46 @@ def test_a_failed_background_copy_is_redone_before_the_layer_is_read(monkeypatch
             raise RuntimeError("copy failed")  # simulated: a memcpy does not fail on its own
         return real(self, ov, k)
 
-    monkeypatch.setattr(conn.UCMConnector, "_scatter_layer", flaky)
+    monkeypatch.setattr(WorkerLoad, "_scatter_layer", flaky)
     src, idx = _rows(3), torch.tensor([1, 5, 3])
-    want = _expected(c.layout, src, idx)
+    want = _expected(c.core.layout, src, idx)
     assert c._scatter_overlapped(src, idx, np.zeros(3, dtype=bool), None)
-    for k, name in enumerate(c._layer_names):
-        c.wait_for_layer_load(name)
+    for k, name in enumerate(names):
+        c.wait_layer(k)
         assert _same(caches[name], want[k])
-    c._finish_overlap()
+    c.finish_overlap()
     assert (True, 2) in calls  # redone on the engine's thread
-    c._load_executor.shutdown(wait=True)
+    c.shutdown()
 
 
 def test_an_unknown_layer_waits_for_every_layer_and_the_step_end_waits_for_the_rest(monkeypatch):
-    c, caches = _worker(monkeypatch)
+    c, caches, names = _worker(monkeypatch)
     src, idx = _rows(2), torch.tensor([0, 6])
-    want = _expected(c.layout, src, idx)
+    want = _expected(c.core.layout, src, idx)
     assert c._scatter_overlapped(src, idx, np.zeros(2, dtype=bool), None)
-    c.wait_for_layer_load("model.layers.99.cross_attn")
-    for k, name in enumerate(c._layer_names):
+    c.wait_layer(None)  # a layer the caches do not know ("model.layers.99.cross_attn")
+    for k, name in enumerate(names):
         assert _same(caches[name], want[k])
-    c._finish_overlap()
+    c.finish_overlap()
     # a step whose forward waited for no layer at all: the step end still completes the copy,
     # and the connector stops overlapping (the engine no longer calls the hook)
     assert c._scatter_overlapped(_rows(2), torch.tensor([3, 8]), np.zeros(2, dtype=bool), None)
-    c._finish_overlap()
-    assert c._overlap is False
+    c.finish_overlap()
+    assert c.overlap is False
     assert not c._scatter_overlapped(_rows(2), torch.tensor([3, 8]), np.zeros(2, dtype=bool), None)
-    c._load_executor.shutdown(wait=True)
+    c.shutdown()
 
 
 def test_no_overlap_before_the_engine_was_seen_waiting_per_layer(monkeypatch):
-    c, _ = _worker(monkeypatch, hook_seen=False)
+    c, _, _ = _worker(monkeypatch, hook_seen=False)
     assert not c._scatter_overlapped(_rows(1), torch.tensor([1]), np.zeros(1, dtype=bool), None)
-    assert c._ov is None and c._load_executor is None
+    assert c._ov is None and c._executor is None
 
 
 def test_no_overlap_without_a_cpu_beside_the_compute(monkeypatch):
     """With every CPU computing (no reserved CPU), the copy would take the forward's cores."""
-    c, _ = _worker(monkeypatch)
-    c._spare_cpu = False
+    c, _, _ = _worker(monkeypatch)
+    c.spare_cpu = False
     assert not c._scatter_overlapped(_rows(1), torch.tensor([1]), np.zeros(1, dtype=bool), None)
     from ucm import threads
     busy = threads.compute_cpus(threads.allowed_cpus())

@@ -15,7 +15,7 @@ require_vllm_module()
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition  # noqa: E402
 
 import ucm.integration as integ  # noqa: E402
-from ucm.integration.vllm import connector as conn  # noqa: E402
+from ucm.integration.vllm.scheduler import quiet_engine_wait  # noqa: E402
 from ucm.integration.vllm import engine_wait  # noqa: E402
 
 ORIGINAL = SpinCondition.wait
@@ -114,8 +114,6 @@ def test_verify_unpatch_and_disable(monkeypatch):
 @pytest.mark.parametrize("device,poll_us,applied", [("cpu", 100.0, True), ("cpu", 0.0, False),
                                                     ("cuda", 100.0, False)])
 def test_the_connector_applies_it_on_cpu_engines_only(device, poll_us, applied):
-    c = object.__new__(conn.UCMConnector)
-    c.cfg = {"connector.engine_poll_us": poll_us}
-    c._vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type=device))
-    c._quiet_engine_wait()
+    quiet_engine_wait({"connector.engine_poll_us": poll_us},
+                      SimpleNamespace(device_config=SimpleNamespace(device_type=device)))
     assert (SpinCondition.wait is engine_wait._quiet_wait) is applied

@@ -95,3 +95,36 @@ def test_without_the_eviction_patch_a_failed_load_fails_its_request(monkeypatch,
     with H.Engine(H.store_config(tmp_path, "posix")) as e:
         assert e.scheduler.recompute_kv_load_failures is True
         assert integ.verify_patches()["patches"]["evict_failed_loads"]["applied"] is True
+
+
+def test_inside_vllm_ucm_logs_through_vllm_and_config_errors_stop_the_engine():
+    """A fresh vLLM process: after vLLM's plugins load, a ucm warning appears in vLLM's log
+    format with no extra variable; a near miss of an option name stops the plugin loading (vLLM
+    would not start) instead of leaving sparse attention silently off; an unrelated UCM_
+    variable does not."""
+    code = ("import logging; from vllm.plugins import load_general_plugins; load_general_plugins();"
+            "from vllm.config.logging import LoggingConfig; from vllm.logger import configure_logging;"
+            "configure_logging(LoggingConfig());"  # what each vLLM engine process does
+            "logging.getLogger('ucm.test').warning('ucm-visible-%d', 42)")
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if "ucm-visible-42" in ln)
+    assert "WARNING" in line and line.strip() != "ucm-visible-42"  # vLLM's format, not bare
+    r = run_python(code, env={"UCM_SPARSE_RATO": "0.3"})
+    assert r.returncode != 0 and "UCM_SPARSE_RATIO" in r.stderr
+    r = run_python(code, env={"UCM_HOME": "/somewhere"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "UCM_HOME" in r.stdout + r.stderr  # the warning, in vLLM's log
+
+
+def test_the_connectors_backend_option_applies(tmp_path):
+    import connector_harness as H
+    import ucm
+
+    before = ucm.get_backend()
+    try:
+        with H.Engine({**H.store_config(tmp_path, "posix"), "backend": "reference"}):
+            assert ucm.get_backend() == "reference"
+            assert ucm.backend_info()["ops"]["hash_blocks"]["selected"] == "reference"
+    finally:
+        ucm.set_backend(before)

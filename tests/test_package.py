@@ -75,3 +75,41 @@ def test_cli_commands():
     r = subprocess.run([sys.executable, "-m", "ucm", "config", "--preset", "nope"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "'preset'" in r.stderr
+
+
+def test_version_is_written_once_and_printed():
+    r = subprocess.run([sys.executable, "-m", "ucm", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == f"ucm {ucm.__version__}"
+    from importlib.metadata import version
+
+    assert version("ucm") == ucm.__version__  # pyproject.toml reads ucm/_version.py
+    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
+        assert ucm.__version__ not in f.read()
+
+
+def test_sdist_and_wheel_build_and_the_wheel_imports_with_its_native_engine(tmp_path):
+    """``python -m build`` makes the sdist, then the wheel from the sdist (so the sdist holds
+    every file the native build needs); the wheel, installed alone into an empty folder, imports
+    with a current native engine. (No isolation: the build requirements come from this
+    environment, so the test needs no package index.)"""
+    dist = tmp_path / "dist"
+    src = tmp_path / "src"  # a clean copy of the tracked files: no build products of the checkout
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        if os.path.isfile(os.path.join(REPO, name)):
+            os.makedirs(os.path.dirname(src / name), exist_ok=True)
+            shutil.copy2(os.path.join(REPO, name), src / name)
+    r = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    sdists, wheels = list(dist.glob("ucm-*.tar.gz")), list(dist.glob("ucm-*.whl"))
+    assert len(sdists) == 1 and len(wheels) == 1, os.listdir(dist)
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
+                        "--target", str(target), str(wheels[0])], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_python(PROBE + "; print(ucm.__file__)", env={"PYTHONPATH": str(target), "UCM_REQUIRE_NATIVE": "1"},
+                   cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.strip().splitlines()
+    assert out[-2] == "native" and out[-1].startswith(str(target)), out

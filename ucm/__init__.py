@@ -1,7 +1,8 @@
 """ucm — Unified Cache Management for LLM inference engines.
 
-Persist KV blocks in storage tiers and reuse them, attend sparsely during long decodes, compress
-and blend KV; integrate with vLLM through its KV-connector API. Every compute op has a readable
+Persist KV blocks in storage tiers (pinned memory, local or shared filesystems) and reuse them,
+attend sparsely during long decodes; integrate with vLLM through its KV-connector API. Every
+compute op has a readable
 reference and a fast implementation chosen by one dispatcher (``backend="fast"|"reference"``,
 ``ucm.set_backend``, ``UCM_BACKEND``); ``ucm.backend_info()`` says which runs and why.
 """
@@ -18,7 +19,7 @@ from ucm.ids import Namespace, as_ids, id_bytes, id_hex
 from ucm.ops import BlockIndex, alloc_aligned, copy_ranges, copy_segments, hash_blocks
 from ucm.transfer import KVLayout, gather_blocks, scatter_blocks
 
-__version__ = "0.1.0"
+from ucm._version import __version__
 
 __all__ = [
     "BackendUnavailableError", "BlockIndex", "Config", "Namespace", "OPTIONS", "PRESETS",

@@ -101,6 +101,9 @@ def _hashing_demo(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ucm", description=__doc__)
+    from ucm._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"ucm {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="platform and the implementation each op uses")
     p.add_argument("--json", action="store_true")

@@ -9,18 +9,29 @@ doc, constraint). A :class:`Config` is built from, in increasing precedence:
 4. ``UCM_*`` environment variables (``store.posix.roots`` → ``UCM_STORE_POSIX_ROOTS``),
 5. an explicit dict (code, or vLLM's ``kv_connector_extra_config``).
 
-Nested mappings are flattened with dots (``{"compression": {"bits": 4}}`` is
-``compression.bits``). Unknown keys, wrong types and out-of-range values raise ``ValueError``
-naming the key, the source, the accepted values and, for a typo, the closest valid key.
+Nested mappings are flattened with dots (``{"store": {"posix": {"fsync": True}}}`` is
+``store.posix.fsync``). Unknown keys, wrong types and out-of-range values raise
+:class:`ConfigError` (a ``ValueError``) naming the key, the source, the accepted values and, for
+a typo, the closest valid key. An environment variable ``UCM_*`` that is neither an option nor
+one of :data:`RESERVED_ENV` is an error when it is a near miss of one (``UCM_SPARSE_RATO``) and
+only a warning otherwise (``UCM_HOME``, set for something else).
 """
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
+
+log = logging.getLogger("ucm.config")
+
+
+class ConfigError(ValueError):
+    """A configuration value or name that ucm refuses (it names the key and what is accepted)."""
+
 
 # Environment variables with the UCM_ prefix that are not config options.
 RESERVED_ENV = {
@@ -152,7 +163,7 @@ class Option:
 
     def parse(self, raw, source: str, text: bool = False):
         def fail(what):
-            return ValueError(f"config key {self.name!r} ({source}): expected {what}, got {raw!r}")
+            return ConfigError(f"config key {self.name!r} ({source}): expected {what}, got {raw!r}")
 
         try:
             value = _PARSERS[self.type](raw, text)
@@ -200,7 +211,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("backend", "str", "auto", "Implementation choice for every op: auto, reference, fast "
            "or one implementation (numba, native, triton).",
            choices=("auto", "reference", "fast", "numba", "native", "triton")),
-    Option("block_size", "int", 16, "Tokens per KV block (must match the engine).", min=1),
     Option("tenant_salt", "str", "", "Secret salt mixed into the namespace: tenants with different "
            "salts never share blocks."),
     # sparse attention
@@ -243,13 +253,19 @@ OPTIONS: tuple[Option, ...] = (
     # host buffers and capacity
     Option("buffer_number", "int", 2048, "Slots of the pinned host buffer pool (memory tier), one "
            "KV block each.", min=1),
-    Option("cache_capacity", "size", 64 * 1024**3, "Byte budget of the persistent tiers "
-           "(int or '64GiB').", min=0),
-    # compression
-    Option("compression.enabled", "bool", False, "Quantize KV blocks before storing them."),
-    Option("compression.method", "str", "per_token", "Quantization grouping.",
+    Option("cache_capacity", "size", 64 * 1024**3, "Byte budget of the posix tier over its "
+           "roots (int or '64GiB'). Left at its default, the budget is also at most half the "
+           "free space of the first root when the store opens (logged once).", min=0),
+    Option("store.memory.capacity", "size", 0, "Byte size of the memory tier's pinned pool "
+           "(int or '8GiB'; rounded down to whole blocks, at least one); 0 = buffer_number "
+           "blocks.", min=0),
+    # compression (no codec yet: any explicit value is refused, see Config._cross_check)
+    Option("compression.enabled", "bool", False, "Quantize KV blocks before storing them. Not "
+           "available yet: setting any compression key is an error."),
+    Option("compression.method", "str", "per_token", "Quantization grouping (not available yet).",
            choices=("per_token", "per_channel")),
-    Option("compression.bits", "int", 8, "Bits per quantized value.", choices=(4, 8)),
+    Option("compression.bits", "int", 8, "Bits per quantized value (not available yet).",
+           choices=(4, 8)),
     # store
     Option("store.pipeline", "str", "memory|posix", "Tiers from fastest to slowest, joined by '|'; "
            "a name from the factory or 'package.module:Class'.", check=_check_pipeline),
@@ -309,10 +325,19 @@ OPTIONS: tuple[Option, ...] = (
 OPTION_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "realtime_chat": {"sparse_ratio": 0.3, "buffer_number": 2048},
-    "batch": {"sparse_ratio": 0.2, "buffer_number": 4096},
-    "high_quality": {"sparse_ratio": 0.5, "buffer_number": 2048},
-    "low_memory": {"sparse_ratio": 0.3, "buffer_number": 1024},
+    # interactive multi-turn chat: the last turns stay in memory, saves never wait for disk,
+    # sparse selections follow the conversation closely
+    "realtime_chat": {"buffer_number": 4096, "store.write_back": True,
+                      "connector.save_generated": True, "retrieval_stride": 4},
+    # offline batches: throughput first (sparser decode, more I/O threads); outputs are rarely
+    # prompts again, so generated blocks are not stored
+    "batch": {"sparse_ratio": 0.2, "buffer_number": 4096, "store.io_threads": 8,
+              "connector.save_generated": False},
+    # accuracy first: denser sparse decode, longer requests stay dense, the first layers dense
+    "high_quality": {"sparse_ratio": 0.5, "min_blocks": 32, "local_window": 4,
+                     "sparse_dense_layers": 2},
+    # small hosts: a small pinned pool, a small disk budget, int8 block summaries
+    "low_memory": {"buffer_number": 512, "cache_capacity": 8 * 1024**3, "sparse_repr_dtype": "int8"},
 }
 
 
@@ -326,11 +351,11 @@ def _suggest(key: str, candidates) -> str:
 
 def _flatten(d: Mapping, source: str, prefix: str = "") -> dict:
     if not isinstance(d, Mapping):
-        raise ValueError(f"config ({source}): expected a mapping, got {type(d).__name__}")
+        raise ConfigError(f"config ({source}): expected a mapping, got {type(d).__name__}")
     out = {}
     for key, value in d.items():
         if not isinstance(key, str):
-            raise ValueError(f"config ({source}): keys must be strings, got {key!r}")
+            raise ConfigError(f"config ({source}): keys must be strings, got {key!r}")
         full = prefix + key
         if isinstance(value, Mapping) and full not in OPTION_BY_NAME:
             out.update(_flatten(value, source, full + "."))
@@ -339,15 +364,15 @@ def _flatten(d: Mapping, source: str, prefix: str = "") -> dict:
     return out
 
 
-def _unknown(key: str, source: str) -> ValueError:
+def _unknown(key: str, source: str) -> ConfigError:
     valid = ["preset"] + sorted(OPTION_BY_NAME)
-    return ValueError(f"unknown config key {key!r} ({source}){_suggest(key, valid)} "
+    return ConfigError(f"unknown config key {key!r} ({source}){_suggest(key, valid)} "
                       f"Valid keys: {', '.join(valid)}")
 
 
 def _check_preset(name, source: str) -> str:
     if name not in PRESETS:
-        raise ValueError(f"config key 'preset' ({source}): expected one of {sorted(PRESETS)}, "
+        raise ConfigError(f"config key 'preset' ({source}): expected one of {sorted(PRESETS)}, "
                          f"got {name!r}{_suggest(str(name), PRESETS)}")
     return name
 
@@ -363,11 +388,25 @@ def _env_settings(env: Mapping[str, str]) -> dict:
             continue
         opt = by_env.get(var)
         if opt is None:
-            raise ValueError(f"unknown environment variable {var}{_suggest(var, list(by_env) + ['UCM_PRESET'])} "
-                             f"(config variables: {', '.join(sorted(by_env))}; other UCM_ variables: "
-                             f"{', '.join(sorted(RESERVED_ENV))})")
+            known = list(by_env) + ["UCM_PRESET"] + list(RESERVED_ENV)
+            hint = _suggest(var, known)
+            text = (f"unknown environment variable {var}{hint} (config variables: "
+                    f"{', '.join(sorted(by_env))}; other UCM_ variables: {', '.join(sorted(RESERVED_ENV))})")
+            if difflib.get_close_matches(var, known, n=1, cutoff=0.85):
+                raise ConfigError(text)  # a near miss of a real name: meant to configure ucm
+            _warn_once(var, "ucm: ignoring " + text)
+            continue
         out[opt.name] = opt.parse(raw, f"env {var}", text=True)
     return out
+
+
+_warned: set = set()
+
+
+def _warn_once(key: str, text: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", text)
 
 
 def _read_yaml(path: str) -> dict:
@@ -377,9 +416,9 @@ def _read_yaml(path: str) -> dict:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except OSError as exc:
-        raise ValueError(f"config file {path!r} cannot be read: {exc}") from None
+        raise ConfigError(f"config file {path!r} cannot be read: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ValueError(f"config file {path!r} is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
     return {} if data is None else data
 
 
@@ -440,15 +479,21 @@ class Config:
         elif isinstance(source, Mapping):
             values = {**_flatten(source, "dict"), **_flatten(values, "dict")}
         elif source is not None:
-            raise ValueError(f"Config.load: source must be a YAML path, a dict or None, got "
+            raise ConfigError(f"Config.load: source must be a YAML path, a dict or None, got "
                              f"{type(source).__name__}")
         if file is None and env.get("UCM_CONFIG_FILE"):
             file = env["UCM_CONFIG_FILE"]
         return cls(values or None, preset=preset, env=env, file=file)
 
     def _cross_check(self) -> None:
+        explicit = sorted(k for k in self._values if k.startswith("compression.")
+                          and self._sources[k] != "default")
+        if explicit:
+            raise ConfigError(f"config key {explicit[0]!r} ({self._sources[explicit[0]]}): KV "
+                              f"compression (INT8/INT4 codecs) is not available yet; remove the "
+                              f"compression keys")
         if self["init_window"] + self["local_window"] > self["min_blocks"]:
-            raise ValueError(
+            raise ConfigError(
                 f"config keys 'init_window' ({self['init_window']}) + 'local_window' "
                 f"({self['local_window']}) must not exceed 'min_blocks' ({self['min_blocks']}): "
                 f"requests shorter than min_blocks stay dense")

@@ -180,9 +180,44 @@ def verify_patches() -> dict:
     return out
 
 
+class _ToVllmLog(logging.Handler):
+    """Hands ucm's records to vLLM's ``vllm`` logger, whose handlers vLLM (re)configures in each
+    of its processes (``vllm.logger.configure_logging``): ucm's lines then appear in vLLM's log,
+    in its format and at its level. Before vLLM has configured its log (plugins load first),
+    warnings and errors go to stderr as Python prints unhandled records."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("vllm")
+        if target.handlers:
+            target.handle(record)
+        elif record.levelno >= logging.WARNING and logging.lastResort is not None:
+            logging.lastResort.handle(record)
+
+
+def log_through_vllm() -> None:
+    """Route the ``ucm`` logger into vLLM's log (at INFO), unless the user configured the
+    ``ucm`` logger (a handler of their own, or ``UCM_LOG_LEVEL``). Idempotent."""
+    ucm_log = logging.getLogger("ucm")
+    if os.environ.get("UCM_LOG_LEVEL") or any(
+            not isinstance(h, (logging.NullHandler, _ToVllmLog)) for h in ucm_log.handlers):
+        return
+    if not any(isinstance(h, _ToVllmLog) for h in ucm_log.handlers):
+        ucm_log.addHandler(_ToVllmLog())
+    if ucm_log.level == logging.NOTSET:
+        ucm_log.setLevel(logging.INFO)
+    ucm_log.propagate = False  # (vLLM's handlers print it; the root logger would again)
+
+
 def vllm_plugin() -> None:
-    """Entry point for vLLM's ``vllm.general_plugins`` group: runs in every vLLM process."""
+    """Entry point for vLLM's ``vllm.general_plugins`` group: runs in every vLLM process. A
+    configuration error (an invalid value, a near miss of an option name) stops the engine
+    with its message; any other failure to patch is logged and leaves vLLM as it is."""
+    from ucm.config import ConfigError
+
+    log_through_vllm()
     try:
         patch()
-    except Exception as exc:  # never break vLLM's start-up
+    except ConfigError:
+        raise
+    except Exception as exc:  # never break vLLM's start-up for an optional patch
         log.warning("ucm: patching vLLM failed: %r", exc)

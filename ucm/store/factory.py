@@ -7,11 +7,14 @@ pipeline entry may also name ``"package.module:Class"`` directly. A tier class i
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from typing import Optional, Union
 
 from ucm.config import Config
 from ucm.store.base import BlockGeometry, KVStore
+
+log = logging.getLogger("ucm.store")
 
 _TIERS: dict[str, object] = {
     "memory": "ucm.store.memory:MemoryStore",
@@ -88,13 +91,47 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
 
 
 def _memory_from_config(cls, geometry, config, namespace):
-    return cls(geometry, buffer_number=config["buffer_number"], io_threads=config["store.io_threads"],
+    capacity = config["store.memory.capacity"]
+    slots = max(1, capacity // geometry.block_bytes) if capacity else config["buffer_number"]
+    return cls(geometry, buffer_number=slots, io_threads=config["store.io_threads"],
                wait_timeout_s=config["store.wait_timeout_s"], namespace=namespace)
+
+
+_BUDGET_LOGGED: set = set()
+
+
+def _posix_budget(config, geometry) -> int:
+    """``cache_capacity``; left at its default, also at most half the free space of the first
+    root (a default must not fill a disk; never below two blocks per root, so a full disk means
+    failed saves, not an engine that cannot start). Where the tier writes, and how much, is
+    logged once per process and roots."""
+    budget = config["cache_capacity"]
+    roots = [os.path.expanduser(r) for r in config["store.posix.roots"]]
+    why = "cache_capacity"
+    if config.source("cache_capacity") == "default":
+        probe = roots[0]
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        try:
+            st = os.statvfs(probe)
+            half_free = st.f_bavail * st.f_frsize // 2
+            if half_free < budget:
+                floor = 2 * len(roots) * (geometry.block_bytes + (1 << 20))
+                budget = max(half_free, floor)
+                why = "half the free space of the first root (default budget)"
+        except OSError:
+            pass
+    key = (tuple(roots), budget)
+    if key not in _BUDGET_LOGGED:
+        _BUDGET_LOGGED.add(key)
+        log.info("ucm posix tier: storing up to %.1f GiB (%s) under %s", budget / 2**30, why,
+                 ", ".join(roots))
+    return budget
 
 
 def _posix_from_config(cls, geometry, config, namespace):
     return cls(geometry, roots=config["store.posix.roots"], namespace=namespace,
-               capacity_bytes=config["cache_capacity"], o_direct=config["store.posix.o_direct"],
+               capacity_bytes=_posix_budget(config, geometry), o_direct=config["store.posix.o_direct"],
                fsync=config["store.posix.fsync"], io_threads=config["store.io_threads"],
                wait_timeout_s=config["store.wait_timeout_s"], read_only=config["store.posix.read_only"],
                group=config["store.posix.group"] or None)

@@ -1,0 +1,351 @@
+"""The connector's scheduler side: pure bookkeeping, no data movement.
+
+* ``get_num_new_matched_tokens``: hash the request's full blocks (chained, cached per request),
+  ask the store how many blocks after vLLM's own prefix hit it holds; the last prompt token is
+  always left to compute. When every full block hits, the prompt's partial last block (its
+  "tail", stored under an id of its exact tokens) is looked up too: a repeated prompt then
+  computes only its last token instead of up to ``block_size`` tokens
+  (``connector.partial_tail``). A block counts as present only once every rank committed it
+  (a save in flight is not a hit: a failed save would become a failed load). Block ids follow
+  :mod:`ucm.integration.vllm.keys`: LoRA adapter, ``cache_salt``, multimodal items and prompt
+  embeds separate requests exactly as in vLLM's prefix cache, each rank stores its own shard,
+  and ``reset_prefix_cache(reset_connector=True)`` raises the namespace's generation (stored
+  with a posix tier, so it outlives the engine), which retires every block stored before;
+* ``update_state_after_alloc``: remember which vLLM blocks to fill;
+* ``build_connector_meta``: per step, the loads to run and the newly completed blocks to save
+  (prompt and, by default, generated tokens), with chunked prefill and preemption handled
+  through vLLM's per-step block tables;
+* ``update_connector_output``: blocks whose load failed are saved again once recomputed;
+* ``request_finished``: with background saves, vLLM keeps a finished request's blocks until the
+  worker reports its saves done (see :mod:`ucm.integration.vllm.worker_save`).
+
+:class:`ConnectorScheduler` takes vLLM's objects (requests, scheduler output) as they are; the
+adapter :class:`ucm.integration.vllm.connector.UCMConnector` only forwards to it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+import ucm
+from ucm.config import Config
+from ucm.ids import Namespace
+from ucm.integration.vllm import keys, stores
+from ucm.integration.vllm.records import Match, PlannedLoad, ReqState, Transfer
+from ucm.reference.hashing import murmur3_x64_128
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("ucm.integration.vllm")
+
+
+def refuse_unreachable_store(cfg: Config, vllm_config, shape: keys.ParallelShape) -> None:
+    """A store whose every tier lives in one process (``memory``) is empty for a scheduler
+    whose workers run elsewhere (vLLM's multiprocess executor, the CPU default): refuse it
+    rather than silently never hit."""
+    from ucm.store.factory import tier_class
+
+    specs = [s for s in cfg["store.pipeline"].split("|") if s.strip()]
+    try:
+        local = all(getattr(tier_class(s), "process_local", False) for s in specs)
+    except ValueError:
+        return  # (an unknown tier is reported when the store opens)
+    backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
+    beside = backend == "uni" or (backend == "external_launcher" and shape.world == 1)
+    if local and not beside:
+        raise ValueError(
+            f"config key 'store.pipeline' = {cfg['store.pipeline']!r}: every tier keeps "
+            f"its blocks inside the worker process, and this engine's workers run in other "
+            f"processes (distributed_executor_backend={backend!r}, {shape.world} rank(s)), "
+            f"so the scheduler could never see a stored block. Add a shared tier (e.g. "
+            f"'memory|posix' with store.posix.roots) or run one worker in the engine's "
+            f"process (--distributed-executor-backend uni)")
+
+
+def quiet_engine_wait(cfg, vllm_config) -> None:
+    """CPU engines: vLLM's engine core (this process) sleeps between checks for the
+    worker's step result instead of spinning on the CPU ucm's background threads use."""
+    poll_us = float(cfg["connector.engine_poll_us"])
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    if device != "cpu":
+        return
+    try:
+        from ucm.integration.vllm import engine_wait
+
+        if engine_wait.enable(poll_us):
+            log.info("ucm: engine core polls its worker every %g us (pid %d)", poll_us, os.getpid())
+    except Exception as exc:  # an optimisation only: never fail the engine for it
+        log.warning("ucm: engine wait patch not applied (%r)", exc)
+
+
+class ConnectorScheduler:
+    """The scheduler side of one engine's connector (see the module doc).
+
+    ``kv_transfer_config``: vLLM's, whose ``kv_load_failure_policy`` is set to ``recompute`` when
+    ``connector.load_failure`` asks for it and vLLM could be patched."""
+
+    def __init__(self, cfg: Config, ns: Namespace, shape: keys.ParallelShape, vllm_config,
+                 kv_cache_config, kv_transfer_config, *, is_producer: bool, is_consumer: bool):
+        self.cfg, self.ns, self.shape = cfg, ns, shape
+        self.block_size = ns.block_size
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        refuse_unreachable_store(cfg, vllm_config, shape)
+        if cfg["connector.load_failure"] == "recompute":
+            # Storage faults are cache misses: vLLM must recompute failed blocks, not fail the
+            # request (its default). The scheduler reads this right after creating us. vLLM
+            # keeps a failed block in its prefix cache under that policy; the patch drops it.
+            from ucm.integration.patch import apply_patch
+
+            if apply_patch("evict_failed_loads"):
+                kv_transfer_config.kv_load_failure_policy = "recompute"
+            else:
+                log.warning("ucm: vLLM could not be patched to drop blocks whose load failed "
+                            "(UCM_DISABLE_PATCHES or an untested vLLM); a failed load fails its "
+                            "request instead of being recomputed")
+        quiet_engine_wait(cfg, vllm_config)
+        self._reqs: dict[str, ReqState] = {}
+        self._matched: dict[str, Match] = {}
+        self._lookup_store = None
+        self._block_bytes = stores.block_bytes_from_spec(kv_cache_config)
+        self._async = bool(cfg["connector.async_save"]) and not cfg["connector.layerwise"]
+        self._tail = bool(cfg["connector.partial_tail"])
+        # ids of partial tails live in their own namespace: a tail of t tokens is never
+        # mistaken for a full block (and vice versa)
+        self._tail_ns = murmur3_x64_128(ns.digest() + b"ucm-partial-tail-v1", 0)
+        self._generation = 0
+        ucm.hash_blocks(np.zeros(self.block_size, np.int64), ns)  # compile now, not per request
+        try:  # open the store and compile its lookups now: the first request would pay ~0.2 s
+            probe = np.zeros((1, 2), dtype=np.uint64)
+            self._lookup().lookup(probe)
+            self._lookup().lookup_prefix(probe)
+            self._generation = self._lookup().generation()
+        except Exception as exc:  # (every lookup then fails the same way: misses, logged)
+            log.warning("ucm: the store is not ready for lookups (%r)", exc)
+
+    # lookups ----------------------------------------------------------------------------------
+    def _lookup(self):
+        """The store as seen from the scheduler: the one an in-process worker uses (so lookups
+        see its memory tier), else this process's own view of the shared tiers."""
+        store = stores.in_process(self.cfg, self.ns)
+        if store is not None:
+            return store
+        if self._lookup_store is None:
+            bb, shard = self._block_bytes
+            self._lookup_store = stores.acquire(self.cfg, self.ns, bb, shard)
+        return self._lookup_store
+
+    def _present(self, ids: np.ndarray) -> np.ndarray:
+        """Which blocks every rank has committed (bool ``[n]``)."""
+        found = np.asarray(self._lookup().lookup(keys.all_rank_ids(ids, self.shape)), dtype=bool)
+        return found.reshape(self.shape.world, len(ids)).all(axis=0)
+
+    def _prefix_hits(self, ids: np.ndarray) -> int:
+        """Length of the leading run of blocks every rank has committed."""
+        store = self._lookup()
+        n = len(ids)
+        for r in range(self.shape.world):
+            if n == 0:
+                break
+            n = min(n, int(store.lookup_prefix(keys.rank_ids(ids[:n], r, self.shape))))
+        return n
+
+    # requests ---------------------------------------------------------------------------------
+    def _state(self, request: "Request") -> Optional[ReqState]:
+        """The request's state (None: a request ucm cannot key, neither looked up nor saved)."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            if not keys.keyable(request):
+                return None
+            st = self._reqs[request.request_id] = ReqState(request)
+        st.request = request
+        return st
+
+    def _hashes(self, st: ReqState, n_blocks: int) -> np.ndarray:
+        """Ids of the request's first ``n_blocks`` full blocks (computed once)."""
+        if st.chain is None or st.chain.generation != self._generation:
+            st.chain = keys.RequestKeys(st.request, self.ns, self._generation, self._tail_ns)
+        return st.chain.full(st.request, n_blocks)
+
+    def _tail_id(self, st: ReqState, n_full: int, t: int) -> Optional[np.ndarray]:
+        """Id of the ``t`` tokens after the request's first ``n_full`` full blocks (the full
+        block ``n_full`` when ``t`` is the block size), or None when the request's partial
+        blocks are not stored."""
+        if t == self.block_size:
+            return self._hashes(st, n_full + 1)[n_full]
+        self._hashes(st, 0)
+        return st.chain.tail(st.request, n_full, t)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> tuple[Optional[int], bool]:
+        if not self.is_consumer:
+            return 0, False
+        st = self._state(request)
+        if st is None:
+            return 0, False
+        bs = self.block_size
+        n_full = (request.num_tokens - 1) // bs  # the last token is always computed
+        start = num_computed_tokens // bs
+        if n_full < start:
+            return 0, False
+        hit, tail = start, None
+        try:
+            if n_full > start:
+                hit = start + self._prefix_hits(self._hashes(st, n_full)[start:])
+            t = request.num_tokens - n_full * bs  # tokens in the last block, 1..block_size
+            if self._tail and hit == n_full and t >= 2:
+                tid = self._tail_id(st, n_full, t)
+                if tid is not None and self._present(tid[None])[0]:
+                    tail = (tid, t)
+        except Exception as exc:  # a store fault is a miss, never an engine failure
+            log.warning("ucm: lookup failed (%r); treating as a miss", exc)
+            hit, tail = start, None
+        self._matched[request.request_id] = Match(num_computed_tokens, hit, tail)
+        ext = (hit - start) * bs + (tail[1] - 1 if tail else 0)
+        log.debug("ucm: %s: %d tokens, %d local, store hit %d of %d blocks, tail %s",
+                  request.request_id, request.num_tokens, num_computed_tokens, hit, n_full,
+                  tail is not None)
+        return ext, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        st = self._state(request)
+        m = self._matched.pop(request.request_id, None) or Match(request.num_computed_tokens, 0)
+        if st is not None and num_external_tokens > 0:
+            start = m.local // self.block_size
+            end = start + num_external_tokens // self.block_size
+            partial = m.tail is not None and num_external_tokens % self.block_size
+            st.load = PlannedLoad(start, end, m.tail[0] if partial else None)
+
+    # per step ---------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput", meta):
+        """Fill ``meta`` (a fresh ``UCMConnectorMetadata``) with the step's plan and return it."""
+        meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        # vLLM frees a preempted request's blocks at once and may hand them out in this very
+        # step: saves still reading them must finish before the step writes the cache.
+        meta.barrier = self._async and bool(getattr(scheduler_output, "preempted_req_ids", None))
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue  # not cacheable or not seen by get_num_new_matched_tokens
+            st.blocks = list(new.block_ids[0])
+            st.known = max(st.known, new.num_computed_tokens // self.block_size)
+            self._plan(st, meta, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after preemption: a whole new block table
+                st.blocks = list(new_blocks[0]) if new_blocks else []
+                meta.resumed.append(req_id)
+            elif new_blocks:
+                st.blocks.extend(new_blocks[0])
+            self._plan(st, meta, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        for t in meta.saves:
+            st = self._reqs.get(t.req_id)
+            if st is not None:
+                st.saved = True
+        if meta.loads or meta.saves:
+            log.debug("ucm: step plan: load %d blocks, save %d blocks",
+                      sum(len(t.blocks) for t in meta.loads), sum(len(t.blocks) for t in meta.saves))
+        return meta
+
+    def _plan(self, st: ReqState, meta, computed_after: int) -> None:
+        bs = self.block_size
+        if st.load is not None:
+            a, b, tail = st.load.first, st.load.end, st.load.tail_id
+            st.load = None
+            ids = self._hashes(st, b)[a:b].copy() if b > a and len(st.blocks) >= b \
+                else np.zeros((0, 2), np.uint64)
+            blocks = st.blocks[a:b] if len(ids) else []
+            if len(ids):
+                st.known = max(st.known, b)
+            is_tail = False
+            if tail is not None and len(ids) == b - a and len(st.blocks) > b:
+                is_tail = st.request.num_tokens - b * bs < bs  # else the full block b (see _tail_id)
+                ids = np.concatenate([ids, tail[None]])
+                blocks = blocks + [st.blocks[b]]
+                if is_tail:
+                    st.tail_done = True
+                else:
+                    st.known = max(st.known, b + 1)
+            if len(ids):
+                meta.loads.append(Transfer(st.request.request_id, ids, blocks, tail=is_tail))
+        if not self.is_producer:
+            return
+        limit = st.request.num_tokens if self.cfg["connector.save_generated"] \
+            else st.request.num_prompt_tokens
+        n_full = min(computed_after, limit) // bs
+        n_full = min(n_full, len(st.blocks))
+        if n_full > st.known:
+            ids = self._hashes(st, n_full)
+            todo = np.arange(st.known, n_full)
+            try:
+                present = self._present(ids[todo])
+            except Exception:
+                present = np.zeros(len(todo), dtype=bool)
+            todo = todo[~present]
+            if len(todo):
+                meta.saves.append(Transfer(st.request.request_id, ids[todo].copy(),
+                                           [st.blocks[k] for k in todo]))
+            st.known = n_full
+        prompt = st.request.num_prompt_tokens
+        if self._tail and not st.tail_done and computed_after >= prompt:
+            st.tail_done = True  # the prompt's partial last block, once its tokens are computed
+            nf = (prompt - 1) // bs
+            t = prompt - nf * bs
+            if 2 <= t < bs and len(st.blocks) > nf:
+                try:
+                    tid = self._tail_id(st, nf, t)
+                    if tid is not None and not self._present(tid[None])[0]:
+                        meta.saves.append(Transfer(st.request.request_id, tid[None].copy(),
+                                                   [st.blocks[nf]], tail=True))
+                except Exception as exc:
+                    log.warning("ucm: tail lookup failed (%r); not saving it", exc)
+
+    def update_connector_output(self, connector_output) -> None:
+        """Blocks whose load failed are recomputed by vLLM: they (and the blocks after them)
+        are no longer known to be stored, so they are saved again once recomputed."""
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad:
+            return
+        for st in self._reqs.values():
+            first = next((k for k, b in enumerate(st.blocks) if b in bad), None)
+            if first is not None:
+                st.known = min(st.known, first)
+                st.tail_done = False  # (the prompt's partial block comes after any full one)
+
+    def reset_cache(self) -> bool:
+        """``reset_prefix_cache(reset_connector=True)``: raise the namespace's generation, so
+        that no block stored before is found again (by this engine or, with a tier that
+        persists the generation, any engine opening the store later). False when the new
+        generation could not be stored (this engine uses it anyway)."""
+        self._generation += 1
+        ok = True
+        try:
+            self._generation = self._lookup().set_generation(self._generation)
+        except Exception as exc:
+            log.error("ucm: reset_cache: the store could not record generation %d (%r); this "
+                      "engine uses it, engines started later would not", self._generation, exc)
+            ok = False
+        for st in self._reqs.values():  # their ids are recomputed under the new generation
+            st.chain, st.known, st.tail_done = None, 0, False
+        self._matched.clear()
+        log.info("ucm: connector cache reset: generation %d", self._generation)
+        return ok
+
+    def request_finished(self, request: "Request", block_ids: list[int]
+                         ) -> tuple[bool, Optional[dict[str, Any]]]:
+        st = self._reqs.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        # With background saves vLLM keeps the blocks until the worker reports the request's
+        # saves done (get_finished); the worker tracks exactly the requests it got saves for.
+        return bool(self._async and st is not None and st.saved), None
