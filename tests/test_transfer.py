@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import ucm  # noqa: E402
 from ucm import dispatch  # noqa: E402
-from ucm.transfer import MAX_RUNS_PER_VIEW, KVLayout  # noqa: E402
+from ucm.layout import MAX_RUNS_PER_VIEW, KVLayout  # noqa: E402
 
 SENTINEL = 0xA5
 HAS_CUDA = torch.cuda.is_available()
