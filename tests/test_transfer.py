@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import ucm  # noqa: E402
 from ucm import dispatch  # noqa: E402
-from ucm.transfer import MAX_RUNS_PER_VIEW, KVLayout  # noqa: E402
+from ucm.layout import MAX_RUNS_PER_VIEW, KVLayout  # noqa: E402
 
 SENTINEL = 0xA5
 HAS_CUDA = torch.cuda.is_available()
@@ -31,7 +31,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 def _impl_params():
     out = []
     for impl in ("reference", "native", "triton"):
-        out.append(pytest.param(impl, "cpu", id=f"{impl}-cpu"))
+        marks = [pytest.mark.triton_interpreter] if impl == "triton" else []
+        out.append(pytest.param(impl, "cpu", id=f"{impl}-cpu", marks=marks))
     if HAS_CUDA:
         for impl in ("reference", "triton"):
             out.append(pytest.param(impl, "cuda", id=f"{impl}-cuda"))

@@ -26,6 +26,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from ucm import dispatch
+from ucm.threads import default_threads
 from ucm.ids import ID_BYTES, ZERO_ID, Namespace, _check_block_size, as_ids
 
 # ---------------------------------------------------------------------------------------------
@@ -218,10 +219,6 @@ def _as_u64_vector(value, name: str, n: Optional[int] = None) -> np.ndarray:
     if n is not None and arr.shape[0] != n:
         raise ValueError(f"{name}: expected {n} entries, got {arr.shape[0]}")
     return np.ascontiguousarray(arr, dtype=np.uint64)
-
-
-def default_threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 16))
 
 
 def copy_segments(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], lengths: Sequence[int],

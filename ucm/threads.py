@@ -136,3 +136,8 @@ def _apply() -> None:
 def pool(n: int, name: str) -> ThreadPoolExecutor:
     """A thread pool whose threads take the background placement when they start."""
     return ThreadPoolExecutor(max(1, int(n)), thread_name_prefix=name, initializer=_apply)
+
+
+def default_threads() -> int:
+    """Threads of one native copy call: the core count, at most 16."""
+    return max(1, min(os.cpu_count() or 1, 16))

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ucm import dispatch
-from ucm.transfer import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
+from ucm.fast import native
+from ucm.threads import default_threads
+from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
 
 
 def _segments(layout: KVLayout, block_indices, staging, layers):
@@ -29,9 +30,7 @@ def _segments(layout: KVLayout, block_indices, staging, layers):
 
 def _copy(src, dst, lengths) -> None:
     if len(lengths):
-        from ucm.ops import default_threads
-
-        dispatch.call("copy_segments", src, dst, lengths, default_threads(), backend="native")
+        native.copy_segments(src, dst, lengths, default_threads())
 
 
 def gather_blocks(layout: KVLayout, block_indices, staging, layers: tuple) -> None:

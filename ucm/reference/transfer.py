@@ -5,7 +5,7 @@ inputs are validated by :mod:`ucm.transfer` (layout built, ``block_indices`` an 
 with values in ``[-1, num_blocks)``, ``staging`` a contiguous ``uint8 [n, row_bytes]`` on the
 cache's device, ``layers`` a tuple of layer ids).
 
-For each byte run of each view (see :class:`ucm.transfer.KVLayout`), the run of every block is a
+For each byte run of each view (see :class:`ucm.layout.KVLayout`), the run of every block is a
 ``uint8 [num_blocks, run_length]`` strided view of the view's storage (row stride = the view's
 block stride in bytes); a gather is then ``staging[rows, cols] = runs[blocks]`` and a scatter the
 other way round.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ucm.transfer import COL_LENGTH, COL_OFFSET, COL_STAGING, COL_VIEW, KVLayout
+from ucm.layout import COL_LENGTH, COL_OFFSET, COL_STAGING, COL_VIEW, KVLayout
 
 
 def _bytes_of(view: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Same names and signatures as :mod:`ucm.reference.transfer`; inputs validated by
 :mod:`ucm.transfer`.
 
-Every byte run of the selected views (see :class:`ucm.transfer.KVLayout`) is cut into pieces of at
+Every byte run of the selected views (see :class:`ucm.layout.KVLayout`) is cut into pieces of at
 most ``PIECE_BYTES``; a small int64 table on the device holds, per piece and in copy words, the
 view's base address, its block stride, the piece's offset in a block, its length and its offset in
 a staged row. Program ``(piece, row)`` copies that piece of block ``block_indices[row]`` (nothing
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ucm.fast.triton import interpreting
-from ucm.transfer import (COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING,
+from ucm.layout import (COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING,
                           KVLayout)
 
 #: Bytes one program copies at most (a run longer than this is split across programs).
