@@ -51,6 +51,8 @@ def test_unknown_backend_names_are_errors(monkeypatch):
 
 
 def _register_toy(monkeypatch, probe_ok: bool, verifier=None):
+    """A toy op on a CPU platform (forced: on a GPU machine `gpuonly` would be available)."""
+    monkeypatch.setattr(dispatch, "_platform", "cpu")
     monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
     dispatch.register("toy", "reference", "numpy:add")
     dispatch.register("toy", "gpuonly", "numpy:multiply", platforms={"cuda"}, priority=20)

@@ -80,9 +80,12 @@ def test_cli_commands():
 def test_version_is_written_once_and_printed():
     r = subprocess.run([sys.executable, "-m", "ucm", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == f"ucm {ucm.__version__}"
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    assert version("ucm") == ucm.__version__  # pyproject.toml reads ucm/_version.py
+    try:  # (a source tree used without installing it has no metadata)
+        assert version("ucm") == ucm.__version__  # pyproject.toml reads ucm/VERSION
+    except PackageNotFoundError:
+        pass
     with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
         assert ucm.__version__ not in f.read()
 
@@ -92,6 +95,7 @@ def test_sdist_and_wheel_build_and_the_wheel_imports_with_its_native_engine(tmp_
     every file the native build needs); the wheel, installed alone into an empty folder, imports
     with a current native engine. (No isolation: the build requirements come from this
     environment, so the test needs no package index.)"""
+    pytest.importorskip("build", reason="python -m build: the test extra installs it")
     dist = tmp_path / "dist"
     src = tmp_path / "src"  # a clean copy of the tracked files: no build products of the checkout
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 import ucm  # noqa: E402
 from ucm import dispatch  # noqa: E402
+from conftest import INTERPRETER_PROCESS  # noqa: E402
 from ucm.layout import MAX_RUNS_PER_VIEW, KVLayout  # noqa: E402
 
 SENTINEL = 0xA5
@@ -51,6 +52,8 @@ def use_impl(monkeypatch):
             if not HAS_TRITON:
                 pytest.skip("triton is not installed")
             if device == "cpu":
+                if not INTERPRETER_PROCESS:  # (a test not marked triton_interpreter: see conftest)
+                    pytest.skip("Triton on CPU tensors runs in the Triton-interpreter process")
                 monkeypatch.setenv("TRITON_INTERPRET", "1")
             dispatch._reset_for_tests()
         [entry] = [i for i in dispatch.implementations("gather_blocks") if i.name == impl]
@@ -388,7 +391,8 @@ def test_triton_small_pieces_and_odd_alignment(use_impl, monkeypatch, gen):
                     bool((got == SENTINEL).all())
 
 
-@pytest.mark.parametrize("impl", ["reference", "native", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "native",
+                                  pytest.param("triton", marks=pytest.mark.triton_interpreter)])
 def test_offsets_beyond_4gib(impl, use_impl, gen):
     """Block offsets past 2**32 bytes: a 5 GB virtual cache (only touched pages are committed)."""
     backend = use_impl(impl, "cpu")

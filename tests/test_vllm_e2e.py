@@ -16,21 +16,12 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, require_vllm_module
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 
-def _require_vllm():
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # pragma: no cover - depends on the machine
-        if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
-            pytest.fail(f"vLLM is required here (UCM_REQUIRE_SERVICES=1): {exc!r}")
-        pytest.skip(f"vLLM not installed: {exc!r}")
-
-
-_require_vllm()
+require_vllm_module()
 
 BS = 128  # vLLM-CPU's block size, set explicitly in every engine spec
 
