@@ -266,6 +266,8 @@ class UCMConnector(KVConnectorBase_V1):
         return self.core.stats() if self.core is not None else {}
 
     def shutdown(self) -> None:
+        if getattr(self, "sched", None) is not None:
+            self.sched.close()
         if self.load_path is not None:
             self.load_path.shutdown()
         if self.save_path is not None:

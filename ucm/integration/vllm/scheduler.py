@@ -128,6 +128,12 @@ class ConnectorScheduler:
         except Exception as exc:  # (every lookup then fails the same way: misses, logged)
             log.warning("ucm: the store is not ready for lookups (%r)", exc)
 
+    def close(self) -> None:
+        """Release the store this scheduler opened for its own lookups (if any)."""
+        store, self._lookup_store = self._lookup_store, None
+        if store is not None:
+            stores.release(store)
+
     # lookups ----------------------------------------------------------------------------------
     def _lookup(self):
         """The store as seen from the scheduler: the one an in-process worker uses (so lookups
