@@ -5,7 +5,7 @@ q_d kmax_d)`` bounds every ``q . k`` in the block from above. Blocks are selecte
 that bound, combined over query heads as shares of attention (:meth:`SparseMethod.head_mass`:
 per-head softmax over blocks, averaged; on SmolLM2 this lost less perplexity than summing the
 bounds over heads). The bounds are kept per ``sparse_repr_group`` sub-block (default 4 tokens) and
-a block scores as its best sub-block: a tighter bound (``benchmarks/RESULTS.md``, "Scoring
+a block scores as its best sub-block: a tighter bound (``benchmarks/RESULTS-archive.md``, "Scoring
 improvements").
 
 ``sparse_per_kv_head: true`` (or the constructor keyword ``per_kv_head=True``, which wins): each
