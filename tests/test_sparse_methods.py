@@ -542,10 +542,10 @@ def test_bad_input_names_the_argument():
 
 
 # ---------------------------------------------------------------------------------------------
-# the harness model (benchmarks/sparse_model.py), with small random weights
+# the harness model (evals/sparse_model.py), with small random weights
 
 def tiny_model():
-    from benchmarks.sparse_model import SmolLM2
+    from evals.sparse_model import SmolLM2
 
     g = torch.Generator().manual_seed(0)
     H, I, V, L = 48, 64, 97, 2
@@ -567,7 +567,7 @@ def tiny_model():
 
 
 def test_model_paged_attention_matches_the_op():
-    from benchmarks.sparse_model import paged_attention
+    from evals.sparse_model import paged_attention
 
     k, v = cache(seed=7), cache(seed=8)
     table, lens = tables([30 * BS + 3, 12 * BS])
@@ -585,7 +585,7 @@ def test_model_paged_attention_matches_the_op():
 
 
 def test_model_decode_matches_prefill_and_runs_methods():
-    from benchmarks.sparse_model import run_continuation
+    from evals.sparse_model import run_continuation
 
     model = tiny_model()
     g = torch.Generator().manual_seed(1)

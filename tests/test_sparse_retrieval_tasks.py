@@ -1,4 +1,4 @@
-"""The RULER-style retrieval task generators (benchmarks/retrieval_tasks.py): needle depth,
+"""The RULER-style retrieval task generators (evals/retrieval_tasks.py): needle depth,
 answer uniqueness among distractors, length, determinism, errors. Seconds, no model needed."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
+                                "evals"))
 import retrieval_tasks as rt  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """A small, readable pure-PyTorch SmolLM2 (Llama) forward with a paged KV cache, for the sparse
-attention harnesses (``benchmarks/sparse_quality.py``, ``benchmarks/sparse_retrieval.py``).
+attention harnesses (``evals/sparse_quality.py``, ``evals/sparse_retrieval.py``).
 
 Float32 on CPU. Weights are read from the ``model.safetensors`` of the folder
 :func:`ucm.models.ensure_smollm2` returns, parsed with plain ``torch`` (no ``safetensors``
@@ -8,7 +8,7 @@ SiLU-gated MLP), final RMSNorm, LM head tied to the embedding.
 
 Stable API (other harnesses rely on it)::
 
-    from benchmarks.sparse_model import SmolLM2, run_continuation
+    from evals.sparse_model import SmolLM2, run_continuation
 
     model = SmolLM2.load()                       # or SmolLM2.load(path); float32, CPU
     model.num_layers, model.num_q_heads, model.num_kv_heads, model.head_dim, model.vocab_size

@@ -1,9 +1,9 @@
 """RULER-style retrieval accuracy of every sparse attention method against its budget.
 
-For each task x length x depth (``benchmarks/retrieval_tasks.py``: pass key, multi-key needle
+For each task x length x depth (``evals/retrieval_tasks.py``: pass key, multi-key needle
 with distractors, key-value recall) the prompt (question included) is prefilled densely except
 its last token; that token and the answer tokens are then fed as decode steps
-(``benchmarks/sparse_model.py``, paged cache, block size 16), one batch row per method and
+(``evals/sparse_model.py``, paged cache, block size 16), one batch row per method and
 ``sparse_ratio`` plus one dense row, each method choosing the blocks every layer attends to at
 every step (``ucm.sparse.create``). So *every* answer token is predicted under sparse attention
 (in vLLM the first answer token would come from the dense prefill: this is stricter). An
@@ -20,8 +20,8 @@ The model is SmolLM2-135M by default (``ucm.models.ensure_smollm2``); ``--model 
 Llama-architecture Hugging Face folder with a ``tokenizer.json``. Run with the vLLM environment
 (it has ``tokenizers``)::
 
-    /work/vllm-venv/bin/python benchmarks/sparse_retrieval.py --json benchmarks/results/sparse_retrieval.json
-    /work/vllm-venv/bin/python benchmarks/sparse_retrieval.py --quick     # about a minute
+    /work/vllm-venv/bin/python evals/sparse_retrieval.py --json benchmarks/results/sparse_retrieval.json
+    /work/vllm-venv/bin/python evals/sparse_retrieval.py --quick     # about a minute
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import retrieval_tasks as rt  # noqa: E402
-from benchmarks.sparse_model import SmolLM2, method_variant, run_continuation  # noqa: E402
+from evals.sparse_model import SmolLM2, method_variant, run_continuation  # noqa: E402
 
 METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
 RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5)

@@ -4,7 +4,7 @@ mass of every sparse method against dense attention, on real text.
 Contexts of 2K, 4K and 8K tokens of Python documentation (CPython's ``pydoc_data.topics``, the
 text the vLLM benchmarks use), several documents each (distinct offsets in the text); each
 context is prefilled densely, then ``T`` continuation tokens are teacher-forced one decode step at
-a time (``benchmarks/sparse_model.py``), each method choosing the blocks every layer attends to
+a time (``evals/sparse_model.py``), each method choosing the blocks every layer attends to
 at every step, for every ``sparse_ratio``. Per method and ratio, pooled over the documents of a
 context length:
 
@@ -22,9 +22,9 @@ model is checked against ``transformers`` at start when it is installed.
 
 Run with the vLLM environment (it has ``tokenizers``)::
 
-    /work/vllm-venv/bin/python benchmarks/sparse_quality.py --json benchmarks/results/sparse_quality.json \\
+    /work/vllm-venv/bin/python evals/sparse_quality.py --json benchmarks/results/sparse_quality.json \\
         --markdown benchmarks/results/sparse_quality.md
-    /work/vllm-venv/bin/python benchmarks/sparse_quality.py --quick      # about a minute
+    /work/vllm-venv/bin/python evals/sparse_quality.py --quick      # about a minute
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.sparse_model import SmolLM2, method_variant, run_continuation  # noqa: E402
+from evals.sparse_model import SmolLM2, method_variant, run_continuation  # noqa: E402
 
 METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
 RATIOS = (0.7, 0.5, 0.3, 0.2)
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     print(f"total {time.time() - t0:.0f} s")
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch "
             f"{torch.__version__}, float32", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "python benchmarks/sparse_quality.py " + " ".join(argv or sys.argv[1:]),
+            "command": "python evals/sparse_quality.py " + " ".join(argv or sys.argv[1:]),
             "contexts": contexts, "docs": docs, "tokens": args.tokens, "ratios": ratios,
             "methods": methods, "options": base_cfg, "self_check": check,
             "decode_vs_prefill_max_logit_diff": max(decode_checks), "seconds": time.time() - t0}

@@ -16,17 +16,17 @@ What it does, all deterministic for a given ``--seed``:
    filler text and on key-value strings shaped like the tasks';
 2. builds a ``transformers.LlamaForCausalLM`` (GQA, head dim 64, tied embeddings);
 3. trains it for ``--minutes`` of wall-clock time on instances from
-   ``benchmarks/retrieval_tasks.py`` (the very generator the benchmark uses, random depths and
+   ``evals/retrieval_tasks.py`` (the very generator the benchmark uses, random depths and
    lengths from ``--min-len`` to ``--max-len``), cross-entropy on the answer tokens plus
    ``--aux-weight`` times the language-model loss on the other tokens;
 4. evaluates greedy exact match (teacher-forced: every answer token must be the argmax) per
    task x length x depth on fresh seeds and writes ``eval.json``;
 5. saves a Hugging Face folder (``model.safetensors`` in bfloat16, ``config.json``, tokenizer)
-   that ``transformers``, vLLM and ``benchmarks/sparse_model.py`` load.
+   that ``transformers``, vLLM and ``evals/sparse_model.py`` load.
 
 Run on a GPU (about 6 minutes on one H200, including start-up and evaluation)::
 
-    python benchmarks/train_retrieval_model.py --out DIR --minutes 5.5
+    python evals/train_retrieval_model.py --out DIR --minutes 5.5
 
 A CPU smoke run: ``--device cpu --minutes 0.5 --layers 2 --max-len 512 --eval-lengths 512``.
 """

@@ -3,8 +3,8 @@ small budget.
 
 A quick, comparable setting (default: 2K context, two documents x 24 teacher-forced tokens,
 ``sparse_ratio`` 0.2), every variant one batch row of the same
-:func:`benchmarks.sparse_model.run_continuation` run (they share the dense prefill), pooled over
-the documents with :func:`benchmarks.sparse_quality.summarize`. Variants:
+:func:`evals.sparse_model.run_continuation` run (they share the dense prefill), pooled over
+the documents with :func:`evals.sparse_quality.summarize`. Variants:
 
 * ``quest`` / ``esa1`` (ESA re-selecting every step, to isolate its scoring) / ``kvstar`` /
   ``esa``, with ``sparse_repr_group`` 0 (no suffix: one summary per block) or ``:g8`` / ``:g4`` /
@@ -25,7 +25,7 @@ the documents with :func:`benchmarks.sparse_quality.summarize`. Variants:
 
 Run with the vLLM environment (it has ``tokenizers``)::
 
-    /work/vllm-venv/bin/python benchmarks/sparse_explore.py [--ratio 0.2] [--variants a,b,...]
+    /work/vllm-venv/bin/python evals/sparse_explore.py [--ratio 0.2] [--variants a,b,...]
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import sparse_model  # noqa: E402
-from benchmarks.sparse_model import SmolLM2, run_continuation  # noqa: E402
-from benchmarks.sparse_quality import corpus_ids, documents, markdown, summarize  # noqa: E402
+from evals import sparse_model  # noqa: E402
+from evals.sparse_model import SmolLM2, run_continuation  # noqa: E402
+from evals.sparse_quality import corpus_ids, documents, markdown, summarize  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
 from ucm.sparse.quest import Quest  # noqa: E402
 
