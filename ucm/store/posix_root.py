@@ -202,23 +202,13 @@ class _Root:
 
     def _check_marker(self) -> bool:
         """Check the root's marker, writing it if it is missing; True when it was written."""
-        try:
-            fd = os.open("ROOT", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.meta)
-        except FileNotFoundError:
+        content = self._read_meta("ROOT", 64)
+        if content is None:
             if self.read_only:
                 raise ValueError(f"store.posix.roots: {self.path!r} is not a ucm root (no {META}/ROOT "
-                                 f"marker)") from None
+                                 f"marker)")
             self._write_marker()
             return True
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise ValueError(f"store.posix.roots: {self.path}/{META}/ROOT is a symbolic link") from None
-            raise
-        try:
-            self.perms.check(fd, f"{self.path}/{META}/ROOT", directory=False)
-            content = os.read(fd, 64)
-        finally:
-            os.close(fd)
         if content != MARKER:
             raise ValueError(f"store.posix.roots: {self.path}/{META}/ROOT is not a ucm marker "
                              f"({content[:20]!r})")
@@ -228,30 +218,52 @@ class _Root:
         if any(_HEX2.match(e) for e in os.listdir(self.fd)):
             log.warning("ucm posix tier: %s holds blocks of an older ucm layout (%s/ab/...); they "
                         "are no longer read or counted and may be deleted", self.path, self.path)
-        tmp = f"ROOT.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         self.perms.file_mode, dir_fd=self.meta)
+            self._replace_meta("ROOT", MARKER, self.perms.file_mode)
         except PermissionError as exc:
             raise ValueError(f"store.posix.roots: {self.path!r} is not writable ({exc.strerror})") from None
+
+    # -- metadata files: opened relative to .ucm, never through a link -------------------------
+    def _open_meta(self, name: str, flags: int, mode: int = 0) -> int:
         try:
-            self.perms.fix(fd, self.perms.file_mode)
-            os.write(fd, MARKER)
-            os.fsync(fd)
+            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.meta)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ValueError(f"store.posix.roots: {self.path}/{META}/{name} is a symbolic link; "
+                                 f"ucm follows no link under a root") from None
+            raise
+
+    def _read_meta(self, name: str, limit: int) -> Optional[bytes]:
+        """The first ``limit`` bytes of a metadata file (its owner checked), None if missing."""
+        try:
+            fd = self._open_meta(name, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            self.perms.check(fd, f"{self.path}/{META}/{name}", directory=False)
+            return os.read(fd, limit)
         finally:
             os.close(fd)
-        os.rename(tmp, "ROOT", src_dir_fd=self.meta, dst_dir_fd=self.meta)
+
+    def _replace_meta(self, name: str, data: bytes, mode: int) -> None:
+        """Write a metadata file atomically: a synced new file renamed over the old one."""
+        tmp = f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        fd = self._open_meta(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            self.perms.fix(fd, mode)
+            os.write(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_in(self.meta, tmp)
+            raise
+        os.close(fd)
+        os.rename(tmp, name, src_dir_fd=self.meta, dst_dir_fd=self.meta)
+        os.fsync(self.meta)
 
     def _meta_file(self, name: str) -> int:
         what = f"{self.path}/{META}/{name}"
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         self.perms.meta_mode, dir_fd=self.meta)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise ValueError(f"store.posix.roots: {what} is a symbolic link; ucm follows no "
-                                 f"link under a root") from None
-            raise
+        fd = self._open_meta(name, os.O_RDWR | os.O_CREAT, self.perms.meta_mode)
         try:
             self.perms.check(fd, what, directory=False)
             if os.fstat(fd).st_uid == os.geteuid():
@@ -263,48 +275,21 @@ class _Root:
 
     # -- the namespace's generation (see KVStore.generation) -----------------------------------
     def read_generation(self, ns_hex: str) -> int:
-        name = f"generation.{ns_hex}"
-        what = f"{self.path}/{META}/{name}"
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.meta)
-        except FileNotFoundError:
+        raw = self._read_meta(f"generation.{ns_hex}", 32)
+        if raw is None:
             return 0
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise ValueError(f"store.posix.roots: {what} is a symbolic link; ucm follows no "
-                                 f"link under a root") from None
-            raise
-        try:
-            self.perms.check(fd, what, directory=False)
-            raw = os.read(fd, 32).strip()
-        finally:
-            os.close(fd)
-        if not raw.isdigit():
-            raise ValueError(f"store.posix.roots: {what} does not hold a generation ({raw[:20]!r})")
+        if not raw.strip().isdigit():
+            raise ValueError(f"store.posix.roots: {self.path}/{META}/generation.{ns_hex} does not "
+                             f"hold a generation ({raw[:20]!r})")
         return int(raw)
 
     def write_generation(self, ns_hex: str, value: int) -> int:
-        """Raise the stored generation to ``value`` (atomically: a new file renamed over the
-        old one, synced); returns the generation now stored."""
+        """Raise the stored generation to ``value`` (atomically); returns the one now stored."""
         if self.read_only:
             raise OSError(errno.EROFS, f"{self.path} is opened read-only (store.posix.read_only)")
-        name = f"generation.{ns_hex}"
         with self.locked():
             value = max(value, self.read_generation(ns_hex))
-            tmp = f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         self.perms.meta_mode, dir_fd=self.meta)
-            try:
-                self.perms.fix(fd, self.perms.meta_mode)
-                os.write(fd, b"%d\n" % value)
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                _unlink_in(self.meta, tmp)
-                raise
-            os.close(fd)
-            os.rename(tmp, name, src_dir_fd=self.meta, dst_dir_fd=self.meta)
-            os.fsync(self.meta)
+            self._replace_meta(f"generation.{ns_hex}", b"%d\n" % value, self.perms.meta_mode)
         return value
 
     def _open_writer(self) -> None:

@@ -1562,8 +1562,7 @@ def _hist_emit_kernel(s_ptr, ss_b, ss_m, nblk_ptr, budget_ptr, hist_ptr, prm_ptr
 #: took 37.4: a single program's passes over the row are latency-bound (~2 us per 1,024 blocks).
 SELECT_HIST_MIN_BLOCKS = 4096
 SELECT_HIST_MAX_ROWS = 1
-#: Session 10 (H200, 1 x 128K, ESA stride 8 on int8 tables): 4,096 bins 0.2 us per step faster
-#: than 16,384 (36.32 against 36.52 serial, 35.72 against 35.98 with the asynchronous retrieval).
+#: 4,096 bins: measured faster per step than 16,384 on the H200 (benchmarks/RESULTS-archive.md).
 #: The bins split the row's [lo, hi] (its extremes), so only a row whose blocks crowd a sliver of a
 #: wide range overflows the list into the searches (slower, still exact).
 SELECT_HIST_BITS = 12
