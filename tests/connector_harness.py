@@ -44,6 +44,7 @@ import pickle
 import shutil
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
@@ -108,8 +109,10 @@ _CONFIGS: dict = {}
 
 def make_vllm_config(extra: dict, *, tp: int = 1, role: str = "kv_both",
                      max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
-                     num_blocks: int = 100, dtype: torch.dtype = torch.float32) -> VllmConfig:
-    """VllmConfig on the CPU: the tiny model, block size 16, prefix caching, chunked prefill,
+                     num_blocks: int = 100, dtype: torch.dtype = torch.float32,
+                     prefix_caching: bool = True) -> VllmConfig:
+    """VllmConfig on the CPU: the tiny model, block size 16, prefix caching (unless
+    ``prefix_caching`` is False), chunked prefill,
     UCMConnector with ``extra`` as its ucm config, ``tp`` tensor-parallel ranks."""
     name = str(dtype).replace("torch.", "")
     mc = _CONFIGS.get(name)
@@ -122,7 +125,7 @@ def make_vllm_config(extra: dict, *, tp: int = 1, role: str = "kv_both",
                                          max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=4096, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(kv_connector="UCMConnector",
                                             kv_connector_module_path="ucm.integration.vllm",
                                             kv_role=role, kv_connector_extra_config=extra),
@@ -334,6 +337,22 @@ class InjectedLoadFaults:
         return res
 
 
+class SlowCommits:
+    """A proxy around a worker connector's store whose ``commit`` first sleeps ``seconds``:
+    blocks become visible to lookups several scheduler steps after their save was planned, as
+    with a slow or remote tier (simulated: a tier that slow on cue cannot be had for real)."""
+
+    def __init__(self, store, seconds: float):
+        self._store, self._seconds = store, seconds
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def commit(self, ids, ok):
+        time.sleep(self._seconds)
+        return self._store.commit(ids, ok)
+
+
 # ---------------------------------------------------------------------------------------------
 # the engine
 
@@ -385,7 +404,7 @@ class Engine:
                  num_blocks: int = 100, max_num_batched_tokens: int = 64,
                  max_num_seqs: int = 16, layers: int = 2,
                  heads: int = 2, head_dim: int = 8, dtype: torch.dtype = torch.float32,
-                 max_steps: int = 2000, encoder_budget: int = 0):
+                 max_steps: int = 2000, encoder_budget: int = 0, prefix_caching: bool = True):
         self.tp, self.num_blocks, self.max_steps = tp, num_blocks, max_steps
         self.layers, self.heads, self.head_dim, self.dtype = layers, heads, head_dim, dtype
         self._idt = _int_dtype(dtype)
@@ -394,7 +413,8 @@ class Engine:
         self._stores_before = dict(ucm_stores._STORES)
         self.vllm_config = make_vllm_config(extra, tp=tp, role=role, num_blocks=num_blocks,
                                             max_num_batched_tokens=max_num_batched_tokens,
-                                            max_num_seqs=max_num_seqs, dtype=dtype)
+                                            max_num_seqs=max_num_seqs, dtype=dtype,
+                                            prefix_caching=prefix_caching)
         self.layer_names = [f"model.layers.{k}.self_attn.attn" for k in range(layers)]
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
@@ -446,6 +466,7 @@ class Engine:
         self._send_left: dict = {}
         self._recv_left: dict = {}
         self.steps = 0
+        self.planned_saves: Counter = Counter()  # block id -> times a step planned its save
         self.checked_reads = 0
         self._n = 0
         self._closed = False
@@ -562,6 +583,9 @@ class Engine:
         s = self.scheduler
         so = s.schedule()
         self.steps += 1
+        for t in getattr(so.kv_connector_metadata, "saves", None) or ():
+            for row in np.asarray(t.ids):
+                self.planned_saves[tuple(int(x) for x in row)] += 1
         # the model runner's view: block tables from the scheduler output
         for rid in so.finished_req_ids:
             self.tables.pop(rid, None)
@@ -715,6 +739,11 @@ class Engine:
                 self.workers[r].core.store = f._store
                 self.faults[r] = None
 
+    def slow_commits(self, seconds: float) -> None:
+        """Wrap every worker's store in :class:`SlowCommits`."""
+        for w in self.workers:
+            w.core.store = SlowCommits(w.core.store, seconds)
+
     def injected(self) -> list:
         """Every failure injected in this engine so far (:class:`LoadRow`)."""
         return list(self._injected)
@@ -727,6 +756,9 @@ class Engine:
             return
         self._closed = True
         self.clear_load_faults()
+        for w in self.workers:
+            while isinstance(w.core.store, SlowCommits):
+                w.core.store = w.core.store._store
         try:
             for w in self.workers:
                 w.shutdown()

@@ -152,6 +152,32 @@ def test_preemption_in_a_small_cache(root, tp):
     H.assert_stored(H.store_config(root, "memory|posix"), prompts, tp=tp)
 
 
+@pytest.mark.parametrize("prefix_caching", [pytest.param(True, id="prefix-cache"),
+                                            pytest.param(False, id="no-prefix-cache")])
+@pytest.mark.parametrize("tp", TPS)
+def test_saves_landing_late_store_each_block_once(root, tp, prefix_caching):
+    """Saves that land several steps after they were planned (a slow tier): a request reaching
+    blocks whose save is still in flight (vLLM's prefix cache off or evicted, a preempted request
+    recomputing) computes them, as it must (a save in flight is not a hit), but does not plan
+    them again. Requests arrive one per step, so no two share the step that first saves a block."""
+    a, c = _prompt(25, 8 * BLOCK), _prompt(26, 30 * BLOCK)
+    prompts = [a[:8 * BLOCK - 4], a[:7 * BLOCK] + c[:BLOCK - 4], a[:5 * BLOCK + 3],
+               c[10 * BLOCK:18 * BLOCK - 9]]
+    with _engine(root, tp, num_blocks=20, prefix_caching=prefix_caching) as e:
+        e.slow_commits(0.05)
+        reqs = []
+        for p in prompts:
+            reqs.append(e.add(p, max_tokens=12))
+            e.step()
+        e.run()
+        assert all(_finished(r) and len(r.output) == 12 for r in reqs)
+        twice = {k: n for k, n in e.planned_saves.items() if n > 1}
+        assert not twice, f"{len(twice)} blocks planned for saving more than once"
+        assert len(e.planned_saves) >= 7 + 7 + 4  # (a's and c's full prompt blocks, 4 tails)
+        assert_scheduler_empty(e)
+    H.assert_stored(H.store_config(root, "memory|posix"), prompts, tp=tp)
+
+
 @pytest.mark.parametrize("tp", TPS)
 def test_abort_right_after_the_load_step(root, tp):
     p = _prompt(30, 70)

@@ -6,7 +6,9 @@
   "tail", stored under an id of its exact tokens) is looked up too: a repeated prompt then
   computes only its last token instead of up to ``block_size`` tokens
   (``connector.partial_tail``). A block counts as present only once every rank committed it
-  (a save in flight is not a hit: a failed save would become a failed load). Block ids follow
+  (a save in flight is not a hit: a failed save would become a failed load, but it is not
+  planned again either: another request reaching the same blocks before the first save lands,
+  e.g. after vLLM evicted or preempted them, does not store them twice). Block ids follow
   :mod:`ucm.integration.vllm.keys`: LoRA adapter, ``cache_salt``, multimodal items and prompt
   embeds separate requests exactly as in vLLM's prefix cache, each rank stores its own shard,
   and ``reset_prefix_cache(reset_connector=True)`` raises the namespace's generation (stored
@@ -43,6 +45,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("ucm.integration.vllm")
+
+# A planned save is taken as landing for this many scheduler steps: within them no request plans
+# the same block again; after them a block the store still lacks (its save failed) may be saved
+# again. Saves land within a few steps (the barrier after preemption, the async drain at finish).
+SAVING_STEPS = 64
 
 
 def refuse_unreachable_store(cfg: Config, vllm_config, shape: keys.ParallelShape) -> None:
@@ -119,6 +126,8 @@ class ConnectorScheduler:
         # mistaken for a full block (and vice versa)
         self._tail_ns = murmur3_x64_128(ns.digest() + b"ucm-partial-tail-v1", 0)
         self._generation = 0
+        self._saving: dict[bytes, int] = {}  # id of a planned save -> the step that planned it
+        self._step = 0
         ucm.hash_blocks(np.zeros(self.block_size, np.int64), ns)  # compile now, not per request
         try:  # open the store and compile its lookups now: the first request would pay ~0.2 s
             probe = np.zeros((1, 2), dtype=np.uint64)
@@ -231,6 +240,10 @@ class ConnectorScheduler:
     # per step ---------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput", meta):
         """Fill ``meta`` (a fresh ``UCMConnectorMetadata``) with the step's plan and return it."""
+        self._step += 1
+        if self._saving and self._step % 16 == 0:
+            old = self._step - SAVING_STEPS
+            self._saving = {k: v for k, v in self._saving.items() if v >= old}
         meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         # vLLM frees a preempted request's blocks at once and may hand them out in this very
         # step: saves still reading them must finish before the step writes the cache.
@@ -294,14 +307,16 @@ class ConnectorScheduler:
         if n_full > st.known:
             ids = self._hashes(st, n_full)
             todo = np.arange(st.known, n_full)
+            todo = todo[~self._planned(ids[todo])]
             try:
-                present = self._present(ids[todo])
+                present = self._present(ids[todo]) if len(todo) else np.zeros(0, dtype=bool)
             except Exception:
                 present = np.zeros(len(todo), dtype=bool)
             todo = todo[~present]
             if len(todo):
                 meta.saves.append(Transfer(st.request.request_id, ids[todo].copy(),
                                            [st.blocks[k] for k in todo]))
+                self._mark_planned(ids[todo])
             st.known = n_full
         prompt = st.request.num_prompt_tokens
         if self._tail and not st.tail_done and computed_after >= prompt:
@@ -311,11 +326,24 @@ class ConnectorScheduler:
             if 2 <= t < bs and len(st.blocks) > nf:
                 try:
                     tid = self._tail_id(st, nf, t)
-                    if tid is not None and not self._present(tid[None])[0]:
+                    if tid is not None and not self._planned(tid[None])[0] \
+                            and not self._present(tid[None])[0]:
                         meta.saves.append(Transfer(st.request.request_id, tid[None].copy(),
                                                    [st.blocks[nf]], tail=True))
+                        self._mark_planned(tid[None])
                 except Exception as exc:
                     log.warning("ucm: tail lookup failed (%r); not saving it", exc)
+
+    def _mark_planned(self, ids: np.ndarray) -> None:
+        for row in ids:
+            self._saving[row.tobytes()] = self._step
+
+    def _planned(self, ids: np.ndarray) -> np.ndarray:
+        """Which ids a recent step planned to save (bool ``[n]``)."""
+        if not self._saving:
+            return np.zeros(len(ids), dtype=bool)
+        return np.fromiter((row.tobytes() in self._saving for row in ids), dtype=bool,
+                           count=len(ids))
 
     def update_connector_output(self, connector_output) -> None:
         """Blocks whose load failed are recomputed by vLLM: they (and the blocks after them)
@@ -326,6 +354,9 @@ class ConnectorScheduler:
         for st in self._reqs.values():
             first = next((k for k, b in enumerate(st.blocks) if b in bad), None)
             if first is not None:
+                if st.chain is not None and st.known > first:
+                    for row in self._hashes(st, st.known)[first:]:
+                        self._saving.pop(row.tobytes(), None)
                 st.known = min(st.known, first)
                 st.tail_done = False  # (the prompt's partial block comes after any full one)
 
@@ -345,6 +376,7 @@ class ConnectorScheduler:
         for st in self._reqs.values():  # their ids are recomputed under the new generation
             st.chain, st.known, st.tail_done = None, 0, False
         self._matched.clear()
+        self._saving.clear()
         log.info("ucm: connector cache reset: generation %d", self._generation)
         return ok
 
