@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ucm
-from ucm.reference.hashing import murmur3_x64_128
+from ucm.murmur import murmur3_x64_128
 from conftest import impls_of, run_python
 
 VECTORS = json.load(open(os.path.join(os.path.dirname(__file__), "vectors", "hashing.json")))

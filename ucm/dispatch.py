@@ -95,6 +95,26 @@ def register(op: str, name: str, target: str, *, platforms=ALL_PLATFORMS, priori
         _REGISTRY[op] = impls
 
 
+@dataclass(frozen=True)
+class ImplSpec:
+    """One row of an op family's table of implementations: ``target`` names the callable as
+    ``"package.module:attr"``, where ``{op}`` stands for the op's name."""
+    name: str
+    target: str
+    priority: int = 0
+    platforms: frozenset = ALL_PLATFORMS
+    probe: Optional[Probe] = None
+    verifier: Optional[Verifier] = None
+
+
+def register_table(ops: "tuple[str, ...] | list[str]", table) -> None:
+    """Register every row of ``table`` (:class:`ImplSpec`) for every op of ``ops``."""
+    for op in ops:
+        for spec in table:
+            register(op, spec.name, spec.target.format(op=op), platforms=spec.platforms,
+                     priority=spec.priority, probe=spec.probe, verifier=spec.verifier)
+
+
 def ops() -> list[str]:
     return sorted(_REGISTRY)
 

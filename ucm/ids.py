@@ -21,7 +21,7 @@ from typing import Iterable, Sequence, Union
 
 import numpy as np
 
-from ucm.reference.hashing import murmur3_x64_128
+from ucm.murmur import murmur3_x64_128
 
 ID_BYTES = 16
 ZERO_ID = np.zeros(2, dtype=np.uint64)

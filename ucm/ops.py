@@ -13,76 +13,46 @@ alloc_aligned   ucm.reference.copy (numpy)                 ucm.fast.native (posi
 checksum        ucm.reference.fileio (numpy)               ucm.fast.native
 io_batch        ucm.reference.fileio (os.pread/pwrite)     ucm.fast.native (C threads)
 open_beneath    ucm.reference.fileio (O_NOFOLLOW walk)     ucm.fast.native (openat2)
-gather_blocks   ucm.reference.transfer (torch indexing)    ucm.fast.triton.transfer (GPU)
-scatter_blocks  (same)                                     ucm.fast.native_transfer (CPU)
 ==============  =========================================  ==============================
+
+The KV transfer ops (``gather_blocks``, ``scatter_blocks``) live in :mod:`ucm.transfer`, the
+sparse-attention ops in :mod:`ucm.sparse.ops`; each family module validates its inputs and holds
+its own table of implementations.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ucm import dispatch
+from ucm import dispatch, fast
+from ucm.dispatch import ImplSpec
 from ucm.threads import default_threads
 from ucm.ids import ID_BYTES, ZERO_ID, Namespace, _check_block_size, as_ids
 
 # ---------------------------------------------------------------------------------------------
-# registry
+# implementations: the reference first, then the fast path (see ucm.fast for the probes)
 
-
-def _numba_probe():
-    if importlib.util.find_spec("numba") is None:
-        return False, "numba is not installed"
-    import numba
-
-    jit = "JIT disabled by NUMBA_DISABLE_JIT" if os.environ.get("NUMBA_DISABLE_JIT") == "1" else "jit"
-    return True, f"numba {numba.__version__} ({jit})"
-
-
-def _native_probe():
-    from ucm.fast import native
-
-    return native.status()
-
-
-_REF = "reference"
-for _op, _ref, _fast, _name, _probe in (
-    ("hash_blocks", "ucm.reference.hashing:hash_blocks", "ucm.fast.numba.hashing:hash_blocks",
-     "numba", _numba_probe),
-    ("block_index", "ucm.reference.index:BlockIndex", "ucm.fast.numba.index:BlockIndex",
-     "numba", _numba_probe),
-    ("copy_segments", "ucm.reference.copy:copy_segments", "ucm.fast.native:copy_segments",
-     "native", _native_probe),
-    ("alloc_aligned", "ucm.reference.copy:alloc_aligned", "ucm.fast.native:alloc_aligned",
-     "native", _native_probe),
-    ("checksum", "ucm.reference.fileio:checksum", "ucm.fast.native:checksum", "native", _native_probe),
-    ("io_batch", "ucm.reference.fileio:io_batch", "ucm.fast.native:io_batch", "native", _native_probe),
-    ("open_beneath", "ucm.reference.fileio:open_beneath", "ucm.fast.native:open_beneath", "native",
-     _native_probe),
-):
-    dispatch.register(_op, _REF, _ref, priority=0)
-    dispatch.register(_op, _name, _fast, priority=10, probe=_probe)
-
-# KV transfer (public functions and validation in ucm.transfer): reference = PyTorch indexing,
-# native = CPU tensors through copy_segments, triton = CUDA tensors (or the Triton interpreter).
-from ucm import transfer as _transfer  # noqa: E402
-
-
-def _triton_probe():
-    from ucm.fast import triton as _triton_pkg
-
-    return _triton_pkg.status()
-
-
-for _op in ("gather_blocks", "scatter_blocks"):
-    dispatch.register(_op, _REF, f"ucm.reference.transfer:{_op}", priority=0)
-    dispatch.register(_op, "native", f"ucm.fast.native_transfer:{_op}", priority=10,
-                      platforms={"cpu", "cuda"}, probe=_native_probe, verifier=_transfer.on_cpu)
-    dispatch.register(_op, "triton", f"ucm.fast.triton.transfer:{_op}", priority=20,
-                      platforms={"cuda", "cpu"}, probe=_triton_probe, verifier=_transfer.on_cuda)
+_NUMBA = dict(priority=10, probe=fast.numba_status)
+_NATIVE = dict(priority=10, probe=fast.native_status)
+IMPLEMENTATIONS = {
+    "hash_blocks": (ImplSpec("reference", "ucm.reference.hashing:hash_blocks"),
+                    ImplSpec("numba", "ucm.fast.numba.hashing:hash_blocks", **_NUMBA)),
+    "block_index": (ImplSpec("reference", "ucm.reference.index:BlockIndex"),
+                    ImplSpec("numba", "ucm.fast.numba.index:BlockIndex", **_NUMBA)),
+    "copy_segments": (ImplSpec("reference", "ucm.reference.copy:copy_segments"),
+                      ImplSpec("native", "ucm.fast.native:copy_segments", **_NATIVE)),
+    "alloc_aligned": (ImplSpec("reference", "ucm.reference.copy:alloc_aligned"),
+                      ImplSpec("native", "ucm.fast.native:alloc_aligned", **_NATIVE)),
+    "checksum": (ImplSpec("reference", "ucm.reference.fileio:checksum"),
+                 ImplSpec("native", "ucm.fast.native:checksum", **_NATIVE)),
+    "io_batch": (ImplSpec("reference", "ucm.reference.fileio:io_batch"),
+                 ImplSpec("native", "ucm.fast.native:io_batch", **_NATIVE)),
+    "open_beneath": (ImplSpec("reference", "ucm.reference.fileio:open_beneath"),
+                     ImplSpec("native", "ucm.fast.native:open_beneath", **_NATIVE)),
+}
+for _op, _table in IMPLEMENTATIONS.items():
+    dispatch.register_table((_op,), _table)
 
 # ---------------------------------------------------------------------------------------------
 # hashing

@@ -29,7 +29,8 @@ from typing import Optional
 
 import numpy as np
 
-from ucm import dispatch
+from ucm import dispatch, fast
+from ucm.dispatch import ImplSpec
 from ucm.layout import (COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET,  # noqa: F401
                         COL_STAGING, COL_VIEW, MAX_RUNS_PER_VIEW, KVLayout, _torch)
 
@@ -135,7 +136,7 @@ def scatter_blocks(layout: KVLayout, staging, block_indices, layers=None, *,
 
 
 # ---------------------------------------------------------------------------------------------
-# per-call verifiers (used by the registry in ucm.ops)
+# implementations
 
 def _device_of(args, kwargs):
     layout = args[0] if args else kwargs.get("layout")
@@ -143,18 +144,19 @@ def _device_of(args, kwargs):
 
 
 def on_cpu(*args, **kwargs):
-    dev = _device_of(args, kwargs)
-    if dev is not None and dev.type == "cpu":
-        return True, "CPU tensors"
-    return False, f"tensors on {dev} (this implementation moves CPU tensors only)"
+    return fast.cpu_takes(_device_of(args, kwargs))
 
 
 def on_cuda(*args, **kwargs):
-    import os
+    return fast.triton_takes(_device_of(args, kwargs))
 
-    dev = _device_of(args, kwargs)
-    if dev is not None and dev.type == "cuda":
-        return True, "CUDA tensors"
-    if dev is not None and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "CPU tensors through the Triton interpreter (TRITON_INTERPRET=1)"
-    return False, f"tensors on {dev} (the Triton kernels move CUDA tensors)"
+
+OPS = ("gather_blocks", "scatter_blocks")
+IMPLEMENTATIONS = (
+    ImplSpec("reference", "ucm.reference.transfer:{op}"),
+    ImplSpec("native", "ucm.fast.native_transfer:{op}", 10, frozenset({"cpu", "cuda"}),
+             fast.native_status, on_cpu),
+    ImplSpec("triton", "ucm.fast.triton.transfer:{op}", 20, frozenset({"cuda", "cpu"}),
+             fast.triton_status, on_cuda),
+)
+dispatch.register_table(OPS, IMPLEMENTATIONS)

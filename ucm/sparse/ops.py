@@ -31,12 +31,12 @@ implementations in :mod:`ucm.fast.triton.sparse` directly.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Union
 
 import torch
 
-from ucm import dispatch
+from ucm import dispatch, fast
+from ucm.dispatch import ImplSpec
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Dtypes of the mean / kmin / kmax tables (bfloat16 halves what scoring reads).
@@ -46,12 +46,6 @@ REDUCES = ("sum", "none")
 
 # ---------------------------------------------------------------------------------------------
 # registry
-
-
-def _triton_probe():
-    from ucm.fast import triton as _triton_pkg
-
-    return _triton_pkg.status()
 
 
 def _first_tensor(args, kwargs) -> Optional[torch.Tensor]:
@@ -64,22 +58,21 @@ def _first_tensor(args, kwargs) -> Optional[torch.Tensor]:
 def on_triton_device(*args, **kwargs):
     """Verifier: the Triton kernels take CUDA tensors (CPU tensors through the interpreter)."""
     t = _first_tensor(args, kwargs)
-    dev = None if t is None else t.device
-    if dev is not None and dev.type == "cuda":
-        return True, "CUDA tensors"
-    if dev is not None and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "CPU tensors through the Triton interpreter (TRITON_INTERPRET=1)"
-    return False, f"tensors on {dev} (the Triton kernels take CUDA tensors)"
+    return fast.triton_takes(None if t is None else t.device)
 
 
-_TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
-               "select_head_mass", "score_select_head_mass", "sparse_block_table",
-               "paged_decode_attention")
-for _op in _TRITON_OPS + ("block_attention_mass", "quantize_rows"):
-    dispatch.register(_op, "reference", f"ucm.reference.sparse:{_op}", priority=0)
-for _op in _TRITON_OPS:
-    dispatch.register(_op, "triton", f"ucm.fast.triton.sparse:{_op}", priority=20,
-                      platforms={"cuda", "cpu"}, probe=_triton_probe, verifier=on_triton_device)
+TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
+              "select_head_mass", "score_select_head_mass", "sparse_block_table",
+              "paged_decode_attention")
+REFERENCE_ONLY_OPS = ("block_attention_mass", "quantize_rows")
+REFERENCE = ImplSpec("reference", "ucm.reference.sparse:{op}")
+IMPLEMENTATIONS = (
+    REFERENCE,
+    ImplSpec("triton", "ucm.fast.triton.sparse:{op}", 20, frozenset({"cuda", "cpu"}),
+             fast.triton_status, on_triton_device),
+)
+dispatch.register_table(TRITON_OPS, IMPLEMENTATIONS)
+dispatch.register_table(REFERENCE_ONLY_OPS, (REFERENCE,))
 
 # ---------------------------------------------------------------------------------------------
 # validation helpers

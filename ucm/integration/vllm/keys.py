@@ -27,7 +27,7 @@ import numpy as np
 
 import ucm
 from ucm.ids import Namespace
-from ucm.reference.hashing import murmur3_x64_128
+from ucm.murmur import murmur3_x64_128
 
 log = logging.getLogger("ucm.integration.vllm")
 

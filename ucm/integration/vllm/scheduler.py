@@ -37,7 +37,7 @@ from ucm.config import Config
 from ucm.ids import Namespace
 from ucm.integration.vllm import keys, stores
 from ucm.integration.vllm.records import Match, PlannedLoad, ReqState, Transfer
-from ucm.reference.hashing import murmur3_x64_128
+from ucm.murmur import murmur3_x64_128
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
