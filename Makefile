@@ -29,8 +29,13 @@ test-gpu:
 	$(PYTHON) -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)
 	UCM_TEST_TRITON_INTERPRETER=1 $(PYTHON) -m pytest tests -p no:cacheprovider -m triton_interpreter $(PYTEST_ARGS)
 
+# Benchmarks (benchmarks/RESULTS.md): the foundation ratios of one run into
+# benchmarks/results/bench_foundation_$(BENCH_MACHINE).json, then every pytest-benchmark group.
+# The long scripts (store tiers/ab/threads, transfer cuda, vLLM warm/miss) take their commands
+# from RESULTS.md.
+BENCH_MACHINE ?= cpu
 bench: $(STAMP)
-	$(PY) benchmarks/foundation.py --json benchmarks/foundation.json
+	$(PY) benchmarks/bench_foundation.py --json benchmarks/results/bench_foundation_$(BENCH_MACHINE).json
 	$(PY) -m pytest benchmarks --benchmark-only --benchmark-columns=min,median,rounds
 
 demo: $(STAMP)

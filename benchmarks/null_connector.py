@@ -1,5 +1,5 @@
 """A KV connector that does nothing: vLLM's per-step and per-layer connector machinery with no
-work behind it. ``bench_vllm_live.py miss --null`` runs it as one more arm, to tell vLLM's own
+work behind it. ``bench_vllm.py miss --null`` runs it as one more arm, to tell vLLM's own
 cost of having a connector from ucm's."""
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ RESERVED_ENV = {
     "UCM_LOG_LEVEL": "logging level of the `ucm` logger (also adds a stderr handler)",
     "UCM_MODEL_CACHE": "folder of the converted SmolLM2 model (ucm.models)",
     "UCM_NATIVE_SIMD": "force the native checksum path: scalar or avx2 (tests)",
-    "UCM_VLLM_PYTHON": "interpreter with vLLM for benchmarks/foundation.py",
+    "UCM_VLLM_PYTHON": "interpreter with vLLM for benchmarks/bench_foundation.py",
     "UCM_BACKGROUND_CPUS": "CPUs of ucm's background threads (ucm/threads.py): e.g. 3,5-7, or none",
 }
 
