@@ -339,7 +339,7 @@ def vllm_peer(python: str | None, n_tokens: int, block_size: int) -> dict:
 def main(argv=None) -> int:
     import platform
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(description="Foundation ops: fast implementation vs reference, peer and ceiling, ratios of one run.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--vllm-python", help="interpreter with vLLM installed (default: search)")
     p.add_argument("--tokens", type=int, default=N_TOKENS)

@@ -565,7 +565,7 @@ def main(argv=None) -> int:
         return 3 if r["wrong"] else 0
     if not argv or argv[0] not in ("tiers", "ab", "threads", "-h", "--help"):
         argv.insert(0, "tiers")
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(description="Store tiers against dd and memcpy (tiers), a base revision (ab), threads (threads).",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("tiers", help="posix and memory tiers vs dd and memcpy (default)")

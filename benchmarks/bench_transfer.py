@@ -701,17 +701,18 @@ def main_cpu(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1],
+    p = argparse.ArgumentParser(description="KV transfer: gather/scatter against the reference and the ceiling (cpu), the H200 figure (cuda).",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     c = sub.add_parser("cpu", help="reference vs native vs a contiguous copy, CPU tensors")
-    c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--repeats", type=int, default=5, help="timed runs per provider (best reported)")
     g = sub.add_parser("cuda", help="the H200 figure: Triton + pinned copies + memory tier vs the "
                        "pinned-copy ceiling (formerly bench_transfer_gpu.py)")
-    g.add_argument("--repeats", type=int, default=5)
-    g.add_argument("--naive-repeats", type=int, default=2)
-    g.add_argument("--chunks", type=int, nargs="+", default=[32, 64, 128, 256])
-    g.add_argument("--store-chunk", type=int, default=128)
+    g.add_argument("--repeats", type=int, default=5, help="timed runs per path (median reported)")
+    g.add_argument("--naive-repeats", type=int, default=2, help="timed runs of the naive per-block copies")
+    g.add_argument("--chunks", type=int, nargs="+", default=[32, 64, 128, 256],
+                   help="blocks per staging chunk of the pipelined copies (the best is reported)")
+    g.add_argument("--store-chunk", type=int, default=128, help="blocks per store.dump/load of the memory tier")
     for sp in (c, g):
         sp.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)

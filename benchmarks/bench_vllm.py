@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["_child"]:
         _child(argv[1])
         return 0
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(description="vLLM-CPU connector figures: warm TTFT (warm) and the miss path (miss), ratios of one run.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     w = sub.add_parser("warm", help="warm TTFT: ucm vs ExampleConnector vs vLLM's prefix cache, restarted engines")
