@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 
 import numpy as np
 
@@ -22,8 +23,8 @@ def checksum(data: np.ndarray, word0: int) -> int:
     raw = data.tobytes()
     pad = (-len(raw)) % 8
     words = np.frombuffer(raw + b"\0" * pad, dtype="<u8").astype(np.uint64)
-    j = np.arange(word0, word0 + len(words), dtype=np.uint64)
     with np.errstate(over="ignore"):
+        j = np.uint64(word0) + np.arange(len(words), dtype=np.uint64)   # word numbers wrap at 2**64
         x = words ^ (j * PHI)
         x ^= x >> S32
         x *= MIX
@@ -83,6 +84,13 @@ def io_batch(ops: np.ndarray, n_threads: int, want_checksum: bool) -> int:
     return failed
 
 
+def _is_link(name: str, dirfd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def _open_walk(dirfd: int, path: str, flags: int, mode: int) -> int:
     parts = path.split("/")
     if path.startswith("/") or any(part in ("", "..") for part in parts):
@@ -96,7 +104,9 @@ def _open_walk(dirfd: int, path: str, flags: int, mode: int) -> int:
                              | os.O_CLOEXEC, mode if last else 0, dir_fd=cur)
             except OSError as exc:
                 code = exc.errno or errno.EIO
-                return -(errno.ELOOP if code == errno.ENOTDIR and not last else code)
+                if code == errno.ENOTDIR and not last and _is_link(part, cur):
+                    code = errno.ELOOP   # a symbolic link where a directory is walked through
+                return -code
             if cur != dirfd:
                 os.close(cur)
             cur = fd
