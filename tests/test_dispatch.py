@@ -9,6 +9,12 @@ from ucm import dispatch
 from conftest import run_python
 
 
+@pytest.fixture(autouse=True)
+def _auto_selection(monkeypatch):
+    """These tests set the selection environment they test: none unless they say so."""
+    monkeypatch.delenv("UCM_BACKEND", raising=False)
+
+
 def test_auto_picks_fast_on_this_machine():
     info = ucm.backend_info()
     assert info["platform"] in ("cpu", "cuda", "npu")

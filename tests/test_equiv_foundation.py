@@ -14,7 +14,7 @@ import pytest
 import ucm
 import ucm.ops as ops
 from equivalence import (assert_equivalent, compare, dirty_heap, implementation_params,
-                         poisoned, runnable)
+                         runnable)
 
 SENTINEL = 0xA5
 
