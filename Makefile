@@ -17,8 +17,16 @@ $(STAMP): pyproject.toml setup.py native/build_native.py native/ucm_native.c nat
 
 install: $(STAMP)
 
+# The suite runs the fast paths (auto selection); then the op tests whose calls leave out
+# backend= run again on the reference implementations (UCM_BACKEND=reference): those modules
+# call the ops, and the store on top of them, through automatic selection (about 15 s on two
+# cores). Tests that name their implementation (test_equiv_* among them) would only repeat
+# themselves.
+REFERENCE_TESTS := tests/test_hashing.py tests/test_copy.py tests/test_fileio.py tests/test_store.py
+
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+	UCM_BACKEND=reference $(PY) -m pytest $(REFERENCE_TESTS) $(PYTEST_ARGS)
 	$(PY) -m pytest benchmarks --benchmark-disable -q
 
 # A CUDA machine (vLLM not needed; its tests skip there): every GPU-capable test natively in one
