@@ -125,8 +125,18 @@ def test_block_index_log(impl, capacity, pool_size, n_ops, monkeypatch):
         n_ops //= 10
     log = list(_log(capacity, n_ops, pool_size, capacity, garbage=capacity < 300))
 
+    def same(g, w):   # a quick exact test; assert_equivalent explains the first difference
+        if isinstance(w, tuple):
+            return isinstance(g, tuple) and len(g) == len(w) and all(map(same, g, w))
+        if isinstance(w, np.ndarray):
+            return isinstance(g, np.ndarray) and g.dtype == w.dtype and np.array_equal(g, w)
+        return type(g) is type(w) and g == w
+
     def check(got, want):
+        assert len(got) == len(want)
         for step, (g, w) in enumerate(zip(got, want)):
+            if same(g, w):
+                continue
             kind = log[step][0] if step < len(log) else "entries (final)"
             dtype = w.dtype if isinstance(w, np.ndarray) else \
                 w[0].dtype if isinstance(w, tuple) and isinstance(w[0], np.ndarray) else "int64"
