@@ -220,7 +220,8 @@ def _compare_arrays(op: str, got, want, dtype, what: str) -> None:
     nan = np.isnan(g64) | np.isnan(w64)
     inf_mismatch = (np.isinf(g64) | np.isinf(w64)) & ~(g64 == w64)
     finite = np.isfinite(g64) & np.isfinite(w64)
-    diff = np.where(finite, np.abs(g64 - w64), 0.0)
+    with np.errstate(invalid="ignore"):                       # inf - inf where not finite
+        diff = np.where(finite, np.abs(g64 - w64), 0.0)
     limit = atol + rtol * np.abs(np.where(finite, w64, 0.0))
     over = finite & (diff > limit)
     bad = nan | inf_mismatch | over
@@ -299,7 +300,7 @@ class Poison:
             elif x.dtype == torch.bool:
                 x.fill_(bool(self.byte & 1))
             elif x.is_contiguous():
-                x.view(torch.uint8).fill_(self.byte)
+                x.view(-1).view(torch.uint8).fill_(self.byte)
             else:
                 x.fill_(int.from_bytes(bytes([self.byte]) * x.element_size(), "little",
                                        signed=x.dtype.is_signed))
@@ -310,17 +311,11 @@ class Poison:
             x.fill(np.nan)
         elif x.dtype.kind == "b":
             x.fill(bool(self.byte & 1))
-        else:
+        elif x.flags.c_contiguous:
             x.reshape(-1).view(np.uint8).fill(self.byte)
+        else:
+            x[...] = np.frombuffer(bytes([self.byte]) * x.dtype.itemsize, dtype=x.dtype)[0]
         return x
-
-    def empty(self, *shape, dtype, device=None):
-        """A poisoned tensor (``device`` given or dtype a torch dtype) or numpy array."""
-        if device is not None or type(dtype).__module__.startswith("torch"):
-            import torch
-
-            return self.fill(_ORIG["torch.empty"](*shape, dtype=dtype, device=device or "cpu"))
-        return self.fill(_ORIG["np.empty"](shape, dtype=dtype))
 
 
 WANT, GOT = Poison(0xA5), Poison(0x5A)
