@@ -104,28 +104,28 @@ def _check_tables(op):
 def test_update_block_reprs(impl, dtype, layout, monkeypatch):
     backend, dev = runnable("update_block_reprs", impl, monkeypatch)
     g = gen(2)
-    bs, Hkv, D, n = 8, 2, 16, 12
+    bs, Hkv, D, n = 12, 2, 16, 12
     k, _ = kv_cache(g, n, bs, Hkv, D, dtype, layout, dev)
     proj = rand((D, 64), g, device=dev)
     # full and partial blocks, one token, int32 and int64 ids / counts, one block, none
-    cases = [(torch.tensor([5, 0, 11, 3], dtype=torch.int64), torch.tensor([8, 1, 5, 7])),
+    cases = [(torch.tensor([5, 0, 11, 3], dtype=torch.int64), torch.tensor([12, 1, 5, 10])),
              (torch.tensor([9], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)),
              (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))]
-    # (ids, counts, [(G, table dtype)]): 3-D and sub-block tables, float32 and bfloat16; int8
-    # means (G = 2) with their scales after them
-    plans = [(*cases[0], [(1, torch.float32), (4, torch.bfloat16), (2, torch.int8)]),
-             (*cases[1], [(2, torch.float32)]), (*cases[2], [(1, torch.float32)])]
+    every = ("mean", "kmin", "kmax", "codes")
+    # (ids, counts, [(G, table dtype, tables)]): 3-D tables (G = 1) and sub-block ones (G = 3:
+    # not a power of two), float32 and bfloat16, one table alone; int8 means with their scales
+    plans = [(*cases[0], [(1, torch.float32, every), (4, torch.bfloat16, every),
+                          (2, torch.int8, ("mean",))]),
+             (*cases[1], [(3, torch.float32, every), (2, torch.float32, ("kmax",))]),
+             (*cases[2], [(1, torch.float32, every)])]
     for ids, ntok, tables in plans:
         ids, ntok = ids.to(dev), ntok.to(dev)
-        for G, tdtype in tables:
+        for G, tdtype, names in tables:
             sub = (n, G, Hkv) if G > 1 else (n, Hkv)
-            if tdtype == torch.int8:
-                run = _reprs_run(k, ids, ntok, {"mean": (sub + (D,), tdtype)}, None, sub)
-            else:
-                run = _reprs_run(k, ids, ntok, {"mean": (sub + (D,), tdtype),
-                                                "kmin": (sub + (D,), tdtype),
-                                                "kmax": (sub + (D,), tdtype),
-                                                "codes": (sub + (2,), torch.int32)}, proj)
+            shapes = {name: (sub + (2,), torch.int32) if name == "codes" else (sub + (D,), tdtype)
+                      for name in names}
+            run = _reprs_run(k, ids, ntok, shapes, proj,
+                             sub if tdtype == torch.int8 else None)
             compare("update_block_reprs", run, backend, None,
                     check=_check_tables("update_block_reprs"))
 
@@ -300,8 +300,9 @@ def test_paged_decode_attention(impl, dtype, layout, monkeypatch):
     q = rand((3, 4, D), g, dtype, dev)                        # GQA: 2 query heads per KV head
     compare("paged_decode_attention", lambda b: ops.paged_decode_attention(
         q, k, v, table, seq, backend=b), backend, dtype)
-    # one query head per KV head, a scale, out= starting as NaN (every element must be written)
-    q2 = rand((3, 2, D), g, dtype, dev)
+    # a strided query, one head per KV head, a scale, out= starting as NaN (every element
+    # must be written)
+    q2 = rand((3, 2, 2 * D), g, dtype, dev)[..., ::2]          # a channel stride of 2
     compare("paged_decode_attention", lambda b: ops.paged_decode_attention(
         q2, k, v, table, seq, scale=0.3, out=NAN.fill(torch.empty_like(q2)), backend=b),
         backend, dtype)
