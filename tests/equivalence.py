@@ -48,15 +48,16 @@ def _env(name: str, value: Optional[str]):
             os.environ[name] = saved
 
 
-def _takes(impl: dispatch.Impl, sample: Optional[Callable], device: str) -> Optional[bool]:
-    """Whether ``impl`` takes arguments on ``device``: False/True (True: natively), "interpreter"
-    when only through the Triton interpreter (CPU tensors with TRITON_INTERPRET=1), None: no."""
+def _takes(impl: dispatch.Impl, sample: Optional[Callable], device: str) -> Optional[str]:
+    """How ``impl`` takes arguments on ``device`` (its per-call verifier asked with ``sample``'s):
+    "natively", "interpreter" (only through the Triton interpreter: CPU tensors with
+    TRITON_INTERPRET=1), or None (not at all)."""
     if impl.verifier is None:
-        return True
+        return "natively"
     args = sample(device) if sample else ()
     with _env(_INTERPRET, None):
         if impl.verifier(*args)[0]:
-            return True
+            return "natively"
     if device == "cpu":
         with _env(_INTERPRET, "1"):
             if impl.verifier(*args)[0]:
@@ -79,10 +80,11 @@ def devices() -> list[str]:
 
 def implementation_params(op: str, sample: Optional[Callable[[str], tuple]] = None,
                           on: Iterable[str] = ("cpu",)) -> list:
-    """pytest params ``(implementation name, device)`` for every registered implementation of
-    ``op`` and every device in ``on`` whose arguments its per-call verifier accepts (``sample``
-    builds arguments on a device for the verifier). An implementation that takes CPU tensors
-    only through the Triton interpreter is marked ``triton_interpreter`` (see conftest)."""
+    """pytest params ``(implementation name, device, interpreted)``, ids ``name-device``, for
+    every registered implementation of ``op`` and every device in ``on`` whose arguments its
+    per-call verifier accepts (``sample(device)`` builds arguments for the verifier). One that
+    takes CPU tensors only through the Triton interpreter is ``interpreted`` and marked
+    ``triton_interpreter`` (see conftest). Pass the param to :func:`runnable`."""
     params = []
     for impl in dispatch.implementations(op):
         for device in on:
@@ -130,12 +132,14 @@ BF16_STEP = 2.0 ** -7     # one bfloat16 rounding step, relative
 #: the dtype of the compared output (a name: "float32", "uint64", ...). Ops that move or hash
 #: bytes, index or select are exact; float kernels that sum in another order are not.
 TOLERANCES = {
-    **{("hash_blocks", "uint64"): EXACT, ("block_index", "int64"): EXACT,
-       ("block_index", "uint64"): EXACT, ("block_index", "uint8"): EXACT,
-       ("copy_segments", "uint8"): EXACT, ("alloc_aligned", "uint8"): EXACT,
-       ("checksum", "uint64"): EXACT, ("io_batch", "int64"): EXACT,
-       ("io_batch", "uint64"): EXACT, ("io_batch", "uint8"): EXACT,
-       ("open_beneath", "int64"): EXACT},
+    ("hash_blocks", "uint64"): EXACT,
+    ("block_index", "int64"): EXACT, ("block_index", "uint64"): EXACT,
+    ("block_index", "uint8"): EXACT,
+    ("copy_segments", "uint8"): EXACT,
+    ("alloc_aligned", "uint8"): EXACT,
+    ("checksum", "uint64"): EXACT,
+    ("io_batch", "int64"): EXACT, ("io_batch", "uint64"): EXACT, ("io_batch", "uint8"): EXACT,
+    ("open_beneath", "int64"): EXACT,
     ("gather_blocks", "uint8"): EXACT,
     ("scatter_blocks", "uint8"): EXACT,
     ("hash_codes", "int32"): EXACT,
