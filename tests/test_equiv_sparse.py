@@ -171,7 +171,8 @@ def test_score_blocks(impl, dtype, tables, monkeypatch):
                  (2, "mean", dict(mean=reprs[2]["mean"], channel_mask=mask)),
                  (2, "quest", dict(kmin=reprs[2]["kmin"], kmax=reprs[2]["kmax"])),
                  (1, "quest", dict(kmin=reprs[1]["kmin"], kmax=reprs[1]["kmax"])),
-                 (2, "hamming", dict(codes=reprs[2]["codes"], proj=proj))]
+                 (2, "hamming", dict(codes=reprs[2]["codes"], proj=proj)),
+                 (1, "hamming", dict(codes=reprs[1]["codes"], proj=proj))]
     for i, (G, kind, kw) in enumerate(kinds):
         reduce = ("sum", "none")[i % 2]
         compare("score_blocks", lambda b: ops.score_blocks(
