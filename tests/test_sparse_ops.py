@@ -10,6 +10,10 @@ sparse tables through attention over exactly the selected tokens.
 Triton runs natively on CUDA tensors when a GPU is present; otherwise on CPU tensors through the
 Triton interpreter, which must be active when triton is imported (its standard library is
 jitted at import), so this module imports triton under ``TRITON_INTERPRET=1`` on such machines.
+The interpreter is slow: where a test loops over many input combinations, it runs them all on a
+GPU and, under the interpreter, a subset that still meets every code path and input kind. Launch
+constants that gate a path (the histogram selection's thresholds, tile sizes) are passed as an
+explicit ``LaunchConfig`` so that small shapes reach every path.
 """
 import importlib.util
 import itertools

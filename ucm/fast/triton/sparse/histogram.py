@@ -349,9 +349,10 @@ def scratch_zeroed() -> bool:
 
 
 def lse_bounds(x: torch.Tensor, scale_log2: float, launch: LaunchConfig, parts: bool = True):
-    """Per-row statistics of contiguous ``x [rows..., M]`` at scale ``scale_log2``: ``[*rows, P, 3]``
-    (log2-sum-exp, max, min above ``-inf``) in ``P`` parts of ``launch.lse_span`` entries (one
-    part when ``parts`` is false or the row fits in one span), each part one program."""
+    """Per-row statistics of contiguous ``x [rows..., M]`` at scale ``scale_log2``:
+    ``[*rows, P, 3]`` (log2-sum-exp, max, min above ``-inf``) in ``P`` parts of
+    ``launch.lse_span`` entries (one part when ``parts`` is false or the row fits in one span),
+    each part one program."""
     M = x.shape[-1]
     rows = x.numel() // M
     span = launch.lse_span if parts and 0 < launch.lse_span < M else 0

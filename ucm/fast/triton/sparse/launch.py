@@ -143,7 +143,8 @@ def sm_count(device: torch.device) -> int:
         return 4
     n = _sm_counts.get(device.index)
     if n is None:
-        n = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        props = torch.cuda.get_device_properties(device)
+        n = _sm_counts[device.index] = props.multi_processor_count
     return n
 
 

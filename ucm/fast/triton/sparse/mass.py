@@ -63,7 +63,8 @@ def head_mass(per_head: torch.Tensor, scale: float, *,
     jit(_lse_kernel)[(B * H,)](x, lse, M, scale * LOG2E,
                                CHUNK=min(launch.head_mass_chunk, pow2(M, 16)), num_warps=4)
     tile = min(launch.head_mass_tile, pow2(M, 16))
-    while tile > 16 and B * triton.cdiv(M, tile) < launch.head_mass_programs_per_sm * sm_count(x.device):
+    enough = launch.head_mass_programs_per_sm * sm_count(x.device)
+    while tile > 16 and B * triton.cdiv(M, tile) < enough:
         tile //= 2
     jit(_mass_kernel)[(B, triton.cdiv(M, tile))](x, lse, out, M, scale * LOG2E, NUM_HEADS=H,
                                                  TILE=tile, num_warps=4)

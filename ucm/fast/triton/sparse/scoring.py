@@ -167,7 +167,8 @@ def score_tile(B: int, M: int, groups_padded: int, device: torch.device,
     ``score_programs_per_sm`` programs per multiprocessor."""
     least = max(1, 16 // groups_padded)
     tile = max(least, min(pow2(M), launch.score_rows // groups_padded))
-    while tile > least and B * triton.cdiv(M, tile) < launch.score_programs_per_sm * sm_count(device):
+    enough = launch.score_programs_per_sm * sm_count(device)
+    while tile > least and B * triton.cdiv(M, tile) < enough:
         tile //= 2
     return tile
 
