@@ -10,6 +10,10 @@ sparse tables through attention over exactly the selected tokens.
 Triton runs natively on CUDA tensors when a GPU is present; otherwise on CPU tensors through the
 Triton interpreter, which must be active when triton is imported (its standard library is
 jitted at import), so this module imports triton under ``TRITON_INTERPRET=1`` on such machines.
+The interpreter is slow: where a test loops over many input combinations, it runs them all on a
+GPU and, under the interpreter, a subset that still meets every code path and input kind. Launch
+constants that gate a path (the histogram selection's thresholds, tile sizes) are passed as an
+explicit ``LaunchConfig`` so that small shapes reach every path.
 """
 import importlib.util
 import itertools
@@ -61,15 +65,29 @@ def triton_ready(monkeypatch):
     return "triton"
 
 
-@pytest.fixture
-def small_splits(monkeypatch):
-    """Force the split-K path to cut short sequences into many slices."""
+def tri_modules():
+    """The Triton implementations' package and its histogram module (imported once the
+    interpreter setting above is in place)."""
     from ucm.fast.triton import sparse as tri
+    from ucm.fast.triton.sparse import histogram
 
-    monkeypatch.setattr(tri, "BLOCK_N", 16)
-    monkeypatch.setattr(tri, "MIN_SPLIT_TOKENS", 16)
-    monkeypatch.setattr(tri, "PROGRAMS_PER_SM", 8)
-    return tri
+    return tri, histogram
+
+
+def launch(**changes):
+    """The default launch configuration with ``changes``."""
+    from ucm.fast.triton.sparse import LAUNCH
+
+    return LAUNCH.replace(**changes)
+
+
+#: The split-K attention cut short sequences into many slices: 16-token tiles and slices,
+#: up to 8 programs per (interpreter) multiprocessor.
+SMALL_SPLITS = dict(decode_block_n=16, decode_min_split_tokens=16, decode_programs_per_sm=8)
+#: The histogram selection and the fused head-mass selection at every batch and row length,
+#: with programs and search steps of 16 blocks.
+HIST = dict(hist_min_blocks=0, hist_max_rows=1 << 20, mass_hist_min_blocks=0,
+            mass_hist_max_rows=1 << 20, hist_tile=16, hist_span=16, hist_chunk=16)
 
 
 def gen(seed):
@@ -146,13 +164,16 @@ def test_reference_attention_matches_sdpa(dtype, heads):
     (torch.bfloat16, (3, 3), "strided", 5, 24),
     (torch.float32, (8, 1), "vllm_cpu", 16, 32),
 ])
-def test_triton_attention_matches_reference(triton_ready, small_splits, dtype, heads, layout, bs, D):
+def test_triton_attention_matches_reference(triton_ready, dtype, heads, layout, bs, D):
+    """Many slices per request (16-token slices), ragged lengths, every layout and dtype."""
+    tri, _ = tri_modules()
     g = gen(2)
     q, k, v, table, lens = paged_case(g, Hq=heads[0], Hkv=heads[1], D=D, bs=bs, M=7, dtype=dtype,
                                       layout=layout, lens=[7 * bs, 1, 3 * bs + 2])
     want = ops.paged_decode_attention(q, k, v, table, lens, backend="reference")
     out = torch.full_like(q, float("nan"))
-    got = ops.paged_decode_attention(q, k, v, table, lens, out=out, backend="triton")
+    got = tri.paged_decode_attention(q, k, v, table, lens, scale=D ** -0.5, out=out,
+                                     launch=launch(**SMALL_SPLITS))
     assert got is out and not torch.isnan(out).any()
     assert rel(out, want) < TOL[dtype]
     assert rel(out, sdpa_oracle(q, k, v, table, lens)) < TOL[dtype]
@@ -301,11 +322,9 @@ def test_scores_reference_independent():
 
 @pytest.mark.parametrize("kind", ["mean", "quest", "hamming"])
 @pytest.mark.parametrize("tile_elems", [None, 64], ids=["one_tile", "tiles_of_2"])
-def test_scores_triton_match_reference(triton_ready, monkeypatch, kind, tile_elems):
-    if tile_elems:
-        from ucm.fast.triton import sparse as tri
-
-        monkeypatch.setattr(tri, "SCORE_TILE_ELEMS", tile_elems)
+def test_scores_triton_match_reference(triton_ready, kind, tile_elems):
+    tri, _ = tri_modules()
+    cfg = launch(hamming_tile_elems=tile_elems) if tile_elems else launch()
     q, k, table, nblk, t, proj, mask = scoring_case(9, Hq=8, Hkv=2)
     kw = dict(mean=t["mean"]) if kind == "mean" else dict(kmin=t["kmin"], kmax=t["kmax"]) \
         if kind == "quest" else dict(codes=t["codes"], proj=proj)
@@ -314,7 +333,8 @@ def test_scores_triton_match_reference(triton_ready, monkeypatch, kind, tile_ele
         for reduce in ("sum", "none"):
             args = dict(kind=kind, reduce=reduce, channel_mask=channel_mask, **kw)
             want = ops.score_blocks(q, table, nblk, backend="reference", **args)
-            got = ops.score_blocks(q, table, nblk, backend="triton", **args)
+            got = ops.score_blocks(q, table, nblk, backend="triton", **args) if not tile_elems \
+                else tri.score_blocks(q, table, nblk, launch=cfg, **args)
             assert got.shape == want.shape and got.dtype == torch.float32
             assert torch.equal(torch.isinf(got), torch.isinf(want))
             fin = torch.isfinite(want)
@@ -372,101 +392,101 @@ def test_select_reference_invariants(budget, windows):
     check_selection(scores.cpu(), nblk.cpu(), budget, *windows, sel.cpu(), count.cpu())
 
 
-def test_select_triton_identical(triton_ready, monkeypatch):
-    from ucm.fast.triton import sparse as tri
+def tri_select(s, nblk, budget, cfg, *, init_window, local_window, table=None, lens=None,
+               block_size=None):
+    """The Triton selection (with the sparse table folded in when ``table`` is given) under the
+    launch configuration ``cfg``, on inputs validated as ops.select_blocks validates them."""
+    tri, _ = tri_modules()
+    bud = budget if isinstance(budget, torch.Tensor) else torch.full_like(nblk, budget)
+    width = ops.select_width(s.shape[1], int(bud.max()), init_window, local_window)
+    kw = dict(init_window=init_window, local_window=local_window, width=width, launch=cfg)
+    if table is None:
+        return tri.select_blocks(s, nblk, bud, **kw)
+    return tri.select_sparse_table(s, nblk, bud, table, lens, block_size=block_size, **kw)
 
+
+def test_select_triton_identical(triton_ready):
+    """The single-program selection and, past select_kernel_max_blocks, the top-k glue ==
+    the reference: ties, NaN, +-0, +-inf, scores spanning 70 decades, per-row budgets."""
     scores, nblk = selection_cases(11)
     g = gen(12)
     continuous = torch.randn(3, 40, generator=g).to(DEV)
     cont_n = torch.tensor([40, 12, 1], dtype=torch.int32, device=DEV)
     wide = (torch.randn(3, 40, generator=g) * 10.0 ** torch.randint(-35, 35, (3, 40), generator=g)).to(DEV)
     per_row = torch.arange(2, 5, dtype=torch.int32, device=DEV) * 3
-    runs = [("4-ary", data, budget) for data in ((scores, nblk), (continuous, cont_n), (wide, cont_n))
+    runs = [("kernel", data, budget) for data in ((scores, nblk), (continuous, cont_n), (wide, cont_n))
             for budget in (1, 5, 12)]
-    runs += [("4-ary", (continuous, cont_n), per_row), ("topk", (scores, nblk), 5),
-             ("topk", (wide, cont_n), per_row), ("radix", (scores, nblk), 5),
-             ("radix", (wide, cont_n), 12), ("radix", (continuous, cont_n), per_row)]
-    runs += [("pairs", data, budget) for data in ((scores, nblk), (continuous, cont_n),
-                                                  (wide, cont_n))
-             for budget in (1, 5, 12, per_row if data[0].shape[0] == 3 else 7)]
+    runs += [("kernel", (continuous, cont_n), per_row), ("topk", (scores, nblk), 5),
+             ("topk", (wide, cont_n), per_row)]
     for path, (s, n), budget in runs:
-        monkeypatch.setattr(tri, "SELECT_KERNEL_MAX_BLOCKS", 0 if path == "topk" else 1 << 20)
-        monkeypatch.setattr(tri, "SELECT_RADIX", path == "radix")
-        # pairwise ranks: programs of 8 blocks reading the row in chunks of 16 (chunks before
-        # and after each program's own) and compaction in chunks of 16
-        monkeypatch.setattr(tri, "SELECT_PAIRS_MIN_BLOCKS", 0 if path == "pairs" else None)
-        monkeypatch.setattr(tri, "SELECT_PAIRS_MAX_ROWS", 1 << 20)
-        monkeypatch.setattr(tri, "SELECT_PAIRS_TILE", 8)
-        monkeypatch.setattr(tri, "SELECT_PAIRS_COLS", 16)
-        monkeypatch.setattr(tri, "SELECT_COMPACT_TILE", 16)
+        cfg = launch(select_kernel_max_blocks=0 if path == "topk" else 1 << 20)
         kw = dict(init_window=1, local_window=2)
         want = ops.select_blocks(s, n, budget, backend="reference", **kw)
-        got = ops.select_blocks(s, n, budget, backend="triton", **kw)
+        got = tri_select(s, n, budget, cfg, **kw)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (path, budget)
+    # the public op, default launch
+    want = ops.select_blocks(scores, nblk, 5, init_window=1, local_window=2, backend="reference")
+    got = ops.select_blocks(scores, nblk, 5, init_window=1, local_window=2, backend="triton")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-HIST_KNOBS = dict(SELECT_HIST_MIN_BLOCKS=0, SELECT_HIST_MAX_ROWS=1 << 20, MASS_HIST_MIN_BLOCKS=0,
-                  MASS_HIST_MAX_ROWS=1 << 20, SELECT_HIST_TILE=16, SELECT_HIST_SPAN=16,
-                  SELECT_HIST_CHUNK=16)
+def _hist_cases(full: bool):
+    """(scores, budget, windows) cases of the histogram selection tests: on a GPU every
+    combination; under the interpreter (CPU) a subset that still meets every data kind, budget
+    kind and window setting, and both list outcomes (pairwise ranks or searches)."""
+    budgets = ("one", "five", "thirty", "per_row")
+    windows = ((1, 2), (3, 0))
+    data = ("ties", "continuous", "wide")
+    if full:
+        return list(itertools.product(data, budgets, windows))
+    return [("ties", "five", (1, 2)), ("ties", "per_row", (3, 0)), ("continuous", "one", (3, 0)),
+            ("continuous", "thirty", (1, 2)), ("wide", "per_row", (1, 2)), ("wide", "five", (3, 0))]
 
 
-def _hist_scratch_zeroed(tri):
-    """The histogram selection leaves its shared scratch (histograms, tickets, list counters)
-    zeroed for the next call."""
-    return all(bool((buf == 0).all()) for buf in tri._hist_bufs.values())
-
-
-@pytest.mark.parametrize("bins,listed,bounded", [(2, 16, True), (4, 0, True), (4, 1, True),
-                                                 (12, 64, True), (4, 16, False), (4, 0, False)],
-                         ids=["bins4-list", "bins16-search", "bins16-list1", "bins4096-list",
-                              "bins16-top-bits-list", "bins16-top-bits-search"])
-def test_select_hist_triton_identical(triton_ready, monkeypatch, bins, listed, bounded):
-    """The histogram selection (three launches: histogram atomics; the threshold bin's
+@pytest.mark.parametrize("bins,listed", [(2, 16), (4, 0), (4, 1), (12, 64)],
+                         ids=["bins4-list", "bins16-search", "bins16-list1", "bins4096-list"])
+def test_select_hist_triton_identical(triton_ready, bins, listed):
+    """The histogram selection (the row's bounds; histogram atomics; the threshold bin's
     candidates listed; every program resolving the list, by pairwise ranks or searches, and
     writing its chunk) == the reference: ties, NaN, +-0, +-inf, per-row budgets, short rows;
     programs and search steps of 16 blocks; the table folded in."""
-    from ucm.fast.triton import sparse as tri
-
-    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed,
-                            SELECT_HIST_BOUNDED=bounded).items():
-        monkeypatch.setattr(tri, name, value)
+    _, histogram = tri_modules()
+    cfg = launch(**HIST, hist_bits=bins, hist_list=listed)
     scores, nblk = selection_cases(31)
     g = gen(32)
     M = scores.shape[1]
-    continuous = rand((4, M), g)
-    wide = (torch.randn(4, M, generator=g) * 10.0 ** torch.randint(-35, 35, (4, M), generator=g)).to(DEV)
-    per_row = torch.tensor([3, 1, 9, 6], dtype=torch.int32, device=DEV)
+    rows = dict(ties=scores, continuous=rand((4, M), g),
+                wide=(torch.randn(4, M, generator=g)
+                      * 10.0 ** torch.randint(-35, 35, (4, M), generator=g)).to(DEV))
+    budgets = dict(one=1, five=5, thirty=30,
+                   per_row=torch.tensor([3, 1, 9, 6], dtype=torch.int32, device=DEV))
     _, _, _, table, lens = paged_case(g, B=4, M=M, bs=4, lens=[92, 2, 33, 66])
-    for s, budget, windows in itertools.product((scores, continuous, wide), (1, 5, 30, per_row),
-                                                ((1, 2), (3, 0))):
+    for data, budget, windows in _hist_cases(HAS_CUDA):
+        s, budget = rows[data], budgets[budget]
         kw = dict(init_window=windows[0], local_window=windows[1])
         want = ops.select_blocks(s, nblk, budget, backend="reference", **kw)
-        got = ops.select_blocks(s, nblk, budget, backend="triton", **kw)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (budget, windows)
-        bud = budget if isinstance(budget, torch.Tensor) else torch.full_like(nblk, budget)
-        width = ops.select_width(M, int(bud.max()), *windows)
-        folded = tri.select_sparse_table(s, nblk, bud, table, lens, width=width, block_size=4, **kw)
+        got = tri_select(s, nblk, budget, cfg, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (data, budget)
+        folded = tri_select(s, nblk, budget, cfg, table=table, lens=lens, block_size=4, **kw)
         want_t = ops.sparse_block_table(table, lens, *want, 4, backend="reference")
         for a, b in zip(folded, want + want_t):
-            assert torch.equal(a, b), (budget, windows)
-    assert _hist_scratch_zeroed(tri)
+            assert torch.equal(a, b), (data, budget, windows)
+    assert histogram.scratch_zeroed()
 
 
 @pytest.mark.parametrize("bins,listed,span", [(4, 16, 0), (4, 0, 0), (12, 64, 0), (4, 16, 16),
                                               (12, 64, 8)],
                          ids=["bins16-list", "bins16-search", "bins4096-list",
                               "bins16-list-parts16", "bins4096-list-parts8"])
-def test_select_head_mass_triton(triton_ready, monkeypatch, bins, listed, span):
+def test_select_head_mass_triton(triton_ready, bins, listed, span):
     """The fused head mass + histogram selection: the mass it writes == softmax over blocks per
     head, averaged (float32 rounding), and its selection == the reference's on that mass; with
     integer-spaced per-head scores (many equal masses) == the reference op end to end. With
-    LSE_SPAN the per-head statistics come in parts (some of them all -inf past a short row's
-    end) that the head-mass launch combines."""
-    from ucm.fast.triton import sparse as tri
-
-    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=bins, SELECT_HIST_LIST=listed,
-                            LSE_SPAN=span, LSE_CHUNK=8).items():
-        monkeypatch.setattr(tri, name, value)
+    lse_span the per-head statistics come in parts (some of them all -inf past a short row's
+    end) that the head-mass launch combines. On a GPU every budget and window setting; under
+    the interpreter a subset meeting each budget and window setting once."""
+    tri, histogram = tri_modules()
+    cfg = launch(**HIST, hist_bits=bins, hist_list=listed, lse_span=span, lse_chunk=8)
     g = gen(33)
     B, H, M = 3, 6, 45
     nblk = torch.tensor([45, 20, 1], dtype=torch.int32, device=DEV)
@@ -476,25 +496,29 @@ def test_select_head_mass_triton(triton_ready, monkeypatch, bins, listed, span):
         x[1, :, 20:] = float("-inf")
         x[2, :, 1:] = float("-inf")
     _, _, _, table, lens = paged_case(g, B=B, M=M, bs=4, lens=[180, 77, 3])
-    for x, budget, windows in itertools.product((smooth, coarse), (1, 7, 30),
-                                                ((1, 4), (0, 0))):
+    cases = list(itertools.product((smooth, coarse), (1, 7, 30), ((1, 4), (0, 0))))
+    if not HAS_CUDA:
+        cases = [(smooth, 7, (1, 4)), (smooth, 30, (0, 0)), (coarse, 1, (0, 0)),
+                 (coarse, 7, (1, 4))]
+    for x, budget, windows in cases:
         kw = dict(init_window=windows[0], local_window=windows[1])
         bud = torch.full_like(nblk, budget)
         width = ops.select_width(M, budget, *windows)
         sel, count, t, n, mass = tri.select_head_mass(x, nblk, bud, scale=0.5, width=width,
                                                       block_table=table, seq_lens=lens,
-                                                      block_size=4, return_mass=True, **kw)
+                                                      block_size=4, return_mass=True,
+                                                      launch=cfg, **kw)
         want_mass = torch.softmax(x * 0.5, dim=-1).mean(1)
         assert torch.allclose(mass, want_mass, rtol=1e-5, atol=1e-9)
         want = ops.select_blocks(mass, nblk, budget, backend="reference", **kw)
         want_t = ops.sparse_block_table(table, lens, *want, 4, backend="reference")
         for a, b in zip((sel, count, t, n), want + want_t):
             assert torch.equal(a, b), (budget, windows)
-        if x is coarse:  # equal masses stay equal: the public op == the reference op
-            got = ops.select_head_mass(x, nblk, budget, scale=0.5, backend="triton", **kw)
+        if x is coarse:  # equal masses stay equal: the Triton selection == the reference op
+            got = tri.select_head_mass(x, nblk, bud, scale=0.5, width=width, launch=cfg, **kw)
             ref_op = ops.select_head_mass(x, nblk, budget, scale=0.5, backend="reference", **kw)
             assert torch.equal(got[0], ref_op[0]) and torch.equal(got[1], ref_op[1])
-    assert _hist_scratch_zeroed(tri)
+    assert histogram.scratch_zeroed()
 
 
 def test_sparse_block_table_attends_to_selected_tokens():
@@ -531,8 +555,9 @@ def test_sparse_block_table_triton(triton_ready):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_decode_selected_triton(triton_ready, small_splits):
+def test_decode_selected_triton(triton_ready):
     """The sparse table folded into the attention kernel == sparse table + attention."""
+    tri, _ = tri_modules()
     g = gen(21)
     bs = 4
     for dtype in (torch.float32, torch.bfloat16):
@@ -543,45 +568,44 @@ def test_decode_selected_triton(triton_ready, small_splits):
         want = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
                                           backend="reference")
         out = torch.full_like(q, float("nan"))
-        got = small_splits.decode_selected(q, k, v, table, lens, sel, count, scale=16 ** -0.5,
-                                           out=out)
+        got = tri.decode_selected(q, k, v, table, lens, sel, count, scale=16 ** -0.5, out=out,
+                                  launch=launch(**SMALL_SPLITS))
         assert got is out and not torch.isnan(out).any()
         assert rel(got, want) < TOL[dtype], dtype
 
 
-@pytest.mark.parametrize("prefetch,static", [(False, False), (True, False), (False, True),
-                                             (True, True)])
-def test_decode_table_loads_triton(triton_ready, small_splits, prefetch, static):
-    """Table entries loaded one tile ahead and / or the loop over the slice's full tile count
-    (masked past the length): the same attention, dense (ragged lengths, a table wider than
-    the lengths, empty slices), on a sparse table and on a folded selection."""
+def test_decode_table_loads_triton(triton_ready):
+    """Table entries loaded one tile ahead: the same attention with one or two tiles per slice,
+    dense (ragged lengths, a table wider than the lengths, empty slices), on a sparse table and
+    on a folded selection."""
+    tri, _ = tri_modules()
     g = gen(27)
     bs = 4
     q, k, v, table, lens = paged_case(g, B=3, M=9, bs=bs, dtype=torch.bfloat16, lens=[35, 3, 22])
     nblk = ((lens + bs - 1) // bs).int()
     sel, count = ops.select_blocks(rand((3, 9), g), nblk, 4, init_window=1, local_window=1)
     stab, slens = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
-    kw = dict(prefetch=prefetch, static_loop=static)
-    for args, want_args in (((table, lens), (table, lens)), ((stab, slens), (stab, slens))):
-        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), *want_args,
+    for args in ((table, lens), (stab, slens)):
+        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), *args,
                                           backend="reference")
         for block_n in (16, 32):          # 1 / 2 tiles per slice at 16-token slices
             out = torch.full_like(q, float("nan"))
-            small_splits.decode(q, k, v, *args, 16 ** -0.5, out, block_n=block_n, **kw)
-            assert rel(out, want) < TOL[torch.bfloat16], (args is table, block_n)
+            tri.decode(q, k, v, *args, 16 ** -0.5, out,
+                       launch=launch(**dict(SMALL_SPLITS, decode_block_n=block_n)))
+            assert rel(out, want) < TOL[torch.bfloat16], (args[0] is table, block_n)
     want = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
                                       backend="reference")
-    out = small_splits.decode(q, k, v, table, lens, 16 ** -0.5, sel=sel, count=count, **kw)
+    out = tri.decode(q, k, v, table, lens, 16 ** -0.5, sel=sel, count=count,
+                     launch=launch(**SMALL_SPLITS))
     assert rel(out, want) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("grain,v_early", [("block", False), ("block", True), ("tile", True)])
-def test_decode_split_grain_v_early_triton(triton_ready, small_splits, monkeypatch, grain,
-                                           v_early):
-    """Slices of whole KV blocks (a slice's last tile partial, slices starting inside a tile)
-    and V loaded with K: the same attention as the reference, dense (ragged lengths) and on a
-    sparse table, for several slice counts."""
-    monkeypatch.setattr(small_splits, "SPLIT_GRAIN", grain)
+def test_decode_slice_counts_triton(triton_ready):
+    """Explicit slice counts (slices of whole token tiles, empty slices past short requests):
+    the same attention as the reference, dense (ragged lengths) and on a sparse table."""
+    tri, _ = tri_modules()
+    from ucm.fast.triton.sparse.attention import split_length
+
     g = gen(29)
     bs = 4
     q, k, v, table, lens = paged_case(g, B=3, M=12, bs=bs, dtype=torch.bfloat16,
@@ -594,105 +618,80 @@ def test_decode_split_grain_v_early_triton(triton_ready, small_splits, monkeypat
                                           backend="reference")
         for splits in (None, 2, 3, 5):
             out = torch.full_like(q, float("nan"))
-            small_splits.decode(q, k, v, *args, 16 ** -0.5, out, block_n=16,
-                                num_splits=splits, v_early=v_early)
+            tri.decode(q, k, v, *args, 16 ** -0.5, out, num_splits=splits,
+                       launch=launch(**SMALL_SPLITS))
             assert rel(out, want) < TOL[torch.bfloat16], (args[0] is table, splits)
-    if grain == "block":
-        # about 3 slices of 47 tokens: 16 tokens (4 blocks, one tile); about 5: 12 tokens (3
-        # blocks, less than a tile), 4 slices
-        assert small_splits._split_len(47, 3, 16, 4) == (3, 16)
-        assert small_splits._split_len(47, 5, 16, 4) == (4, 12)
+    # about 3 slices of 47 tokens: 16 tokens (one tile) each; about 5: still 16 (whole tiles), 3
+    assert split_length(47, 3, 16) == (3, 16) and split_length(47, 5, 16) == (3, 16)
+    assert split_length(48, 2, 16) == (2, 32)
 
 
-def test_decode_beside_triton(triton_ready, small_splits, monkeypatch):
+def test_decode_beside_triton(triton_ready, monkeypatch):
     """decode(beside=True) (a launch sharing the GPU with ESA's asynchronous retrieval): fewer
-    slices than planned, BESIDE_SHARE of them, and the same attention as the reference."""
+    slices than planned, beside_share of them, and the same attention as the reference."""
+    tri, _ = tri_modules()
+    from ucm.fast.triton.sparse import attention
+
     g = gen(31)
     q, k, v, table, lens = paged_case(g, B=2, M=12, bs=4, dtype=torch.bfloat16, lens=[47, 30])
     want = ops.paged_decode_attention(q.float(), k.float(), v.float(), table, lens,
                                       backend="reference")
     seen = []
-    real = small_splits._split_len
+    real = attention.split_length
 
-    def spy(max_tokens, splits, tile, block_size):
+    def spy(max_tokens, splits, tile):
         seen.append(splits)
-        return real(max_tokens, splits, tile, block_size)
-    monkeypatch.setattr(small_splits, "_split_len", spy)
+        return real(max_tokens, splits, tile)
+    monkeypatch.setattr(attention, "split_length", spy)
+    cfg = launch(**SMALL_SPLITS)
     for beside in (False, True):
-        out = small_splits.decode(q, k, v, table, lens, 16 ** -0.5, block_n=16, beside=beside)
+        out = tri.decode(q, k, v, table, lens, 16 ** -0.5, beside=beside, launch=cfg)
         assert rel(out, want) < TOL[torch.bfloat16], beside
     planned = seen[0]
-    assert planned > 1 and seen[-1] == max(1, round(planned * small_splits.BESIDE_SHARE))
+    assert planned > 1 and seen[-1] == max(1, round(planned * cfg.beside_share))
     assert seen[-1] < planned
 
 
-def test_decode_fused_merge_triton(triton_ready, small_splits):
-    """The slices merged by the split kernel's last program (atomic counter) == the separate merge
-    launch, dense and on a selection, for repeated calls (the counters are left at zero)."""
+def test_decode_merge_channels_triton(triton_ready):
+    """The merge launch over chunks of channels (16: 4 chunks of a 64-channel head) or all of
+    them in one program: the same attention as the reference."""
+    tri, _ = tri_modules()
     g = gen(23)
-    bs = 4
     for dtype in (torch.float32, torch.bfloat16):
-        q, k, v, table, lens = paged_case(g, B=3, M=9, bs=bs, dtype=dtype, lens=[35, 3, 22])
-        want = ops.paged_decode_attention(q.float(), k.float(), v.float(), table, lens,
-                                          backend="reference")
-        nblk = ((lens + bs - 1) // bs).int()
-        sel, count = ops.select_blocks(rand((3, 9), g), nblk, 4, init_window=1, local_window=1)
-        stab, slens = ops.sparse_block_table(table, lens, sel, count, bs, backend="reference")
-        want_sel = ops.paged_decode_attention(q.float(), k.float(), v.float(), stab, slens,
-                                              backend="reference")
-        for _ in range(2):
-            for kw, ref in ((dict(), want), (dict(sel=sel, count=count), want_sel)):
-                two = small_splits.decode(q, k, v, table, lens, 16 ** -0.5, fused_merge=False, **kw)
-                out = torch.full_like(q, float("nan"))
-                one = small_splits.decode(q, k, v, table, lens, 16 ** -0.5, out=out,
-                                          fused_merge=True, **kw)
-                assert one is out and not torch.isnan(out).any()
-                assert rel(one, ref) < TOL[dtype] and rel(one, two) < 1e-6, dtype
-        assert (small_splits._counters(q.device, 9)[:9] == 0).all()
         q, k, v, table, lens = paged_case(g, B=2, M=5, bs=4, D=64, dtype=dtype, lens=[19, 7])
         want = ops.paged_decode_attention(q.float(), k.float(), v.float(), table, lens,
                                           backend="reference")
-        for chunk in (16, None):                             # 4 channel chunks, or all
-            saved, small_splits.REDUCE_CHUNK = small_splits.REDUCE_CHUNK, chunk
-            try:
-                chunked = small_splits.decode(q, k, v, table, lens, 0.125, fused_merge=False)
-            finally:
-                small_splits.REDUCE_CHUNK = saved
-            assert rel(chunked, want) < TOL[dtype], chunk
+        for channels in (16, 64):
+            got = tri.decode(q, k, v, table, lens, 0.125,
+                             launch=launch(**SMALL_SPLITS, merge_channels=channels))
+            assert rel(got, want) < TOL[dtype], (dtype, channels)
 
 
 def test_select_sparse_table_triton(triton_ready):
     """Selection with the sparse table folded in == select_blocks then sparse_block_table."""
-    from ucm.fast.triton import sparse as tri
-
+    tri, _ = tri_modules()
     g = gen(24)
     bs = 5
     _, _, _, table, lens = paged_case(g, B=4, M=11, bs=bs, lens=[55, 3, 22, 41])
     nblk = ((lens + bs - 1) // bs).int()
     scores = rand((4, 11), g)
     scores[0, 3] = float("nan")
-    knobs = ("SELECT_PAIRS_MIN_BLOCKS", "SELECT_PAIRS_MAX_ROWS")
-    saved = [getattr(tri, n) for n in knobs]
-    for budget, pairs in itertools.product((2, 5, 11), (None, 0)):
-        tri.SELECT_PAIRS_MIN_BLOCKS, tri.SELECT_PAIRS_MAX_ROWS = pairs, 4  # pairwise or not
-        try:
-            want = ops.select_blocks(scores, nblk, budget, init_window=1, local_window=2,
-                                     backend="reference")
-            want_t = ops.sparse_block_table(table, lens, *want, bs, backend="reference")
-            bud = torch.full((4,), budget, dtype=torch.int32, device=DEV)
-            width = ops.select_width(11, budget, 1, 2)
-            got = tri.select_sparse_table(scores, nblk, bud, table, lens, init_window=1,
-                                          local_window=2, width=width, block_size=bs)
-        finally:
-            for n, v in zip(knobs, saved):
-                setattr(tri, n, v)
+    for budget in (2, 5, 11):
+        want = ops.select_blocks(scores, nblk, budget, init_window=1, local_window=2,
+                                 backend="reference")
+        want_t = ops.sparse_block_table(table, lens, *want, bs, backend="reference")
+        bud = torch.full((4,), budget, dtype=torch.int32, device=DEV)
+        width = ops.select_width(11, budget, 1, 2)
+        got = tri.select_sparse_table(scores, nblk, bud, table, lens, init_window=1,
+                                      local_window=2, width=width, block_size=bs)
         for a, b in zip(got, want + want_t):
-            assert torch.equal(a, b), (budget, pairs)
+            assert torch.equal(a, b), budget
 
 
 def test_head_mass_triton(triton_ready):
-    """The two-launch head mass == softmax over blocks per head, averaged over heads."""
-    from ucm.fast.triton import sparse as tri
+    """The two-launch head mass == softmax over blocks per head, averaged over heads; the public
+    op (default launch: the head mass, then the selection kernel) == the reference op."""
+    tri, _ = tri_modules()
 
     g = gen(25)
     per_head = rand((3, 8, 2100), g) * 30
@@ -702,6 +701,14 @@ def test_head_mass_triton(triton_ready):
     got = tri.head_mass(per_head, 0.125)
     assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-9)
     assert (got[1, 700:] == 0).all()
+    coarse = torch.randint(0, 3, (3, 4, 40), generator=g).float().to(DEV)
+    coarse[1, :, 25:] = float("-inf")
+    nblk = torch.tensor([40, 25, 33], dtype=torch.int32, device=DEV)
+    coarse[2, :, 33:] = float("-inf")
+    kw = dict(scale=0.5, init_window=1, local_window=2)
+    got = ops.select_head_mass(coarse, nblk, 9, backend="triton", **kw)
+    want = ops.select_head_mass(coarse, nblk, 9, backend="reference", **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def per_head_case(g, dtype=torch.float32, bs=4, M=9, lens=(35, 3, 22), Hq=6, Hkv=3):
@@ -744,7 +751,8 @@ def test_per_kv_head_attention_reference():
         ops.paged_decode_attention(q, k, v, t, n[:, 0])
 
 
-def test_per_kv_head_attention_triton(triton_ready, small_splits):
+def test_per_kv_head_attention_triton(triton_ready):
+    tri, _ = tri_modules()
     g = gen(27)
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, table, seq, t, n, sel, count = per_head_case(g, dtype)
@@ -752,7 +760,8 @@ def test_per_kv_head_attention_triton(triton_ready, small_splits):
                                           backend="reference")
         got = ops.paged_decode_attention(q, k, v, t, n, backend="triton")
         assert rel(got, want) < TOL[dtype], dtype
-        folded = small_splits.decode_selected(q, k, v, table, seq, sel, count, scale=0.25)
+        folded = tri.decode_selected(q, k, v, table, seq, sel, count, scale=0.25,
+                                     launch=launch(**SMALL_SPLITS))
         assert rel(folded, want) < TOL[dtype], dtype
         assert rel(folded, got) < 1e-6
 
@@ -921,16 +930,11 @@ def test_sub_block_scores_one_group_views():
 
 
 @pytest.mark.parametrize("G,bs", [(1, 4), (2, 8), (3, 12), (4, 16)])
-@pytest.mark.parametrize("rows", [None, 16, "unrolled"], ids=["rows_default", "rows_16", "unrolled"])
-def test_sub_block_scores_triton_match_reference(triton_ready, monkeypatch, G, bs, rows):
-    from ucm.fast.triton import sparse as tri
-
-    if rows == "unrolled":  # the KV heads in an unrolled loop (_score_dot_kernel), not pipelined
-        monkeypatch.setattr(tri, "SCORE_LOOP_STAGES", 0)
-        rows = 16
-    if rows:  # many small tiles: several programs per request
-        monkeypatch.setattr(tri, "SCORE_ROWS", rows)
-        monkeypatch.setattr(tri, "SCORE_TILE_ELEMS", 64)
+@pytest.mark.parametrize("rows", [None, 16], ids=["rows_default", "rows_16"])
+def test_sub_block_scores_triton_match_reference(triton_ready, G, bs, rows):
+    tri, _ = tri_modules()
+    # rows 16: many small tiles, several programs per request
+    cfg = launch(score_rows=rows, hamming_tile_elems=64) if rows else launch()
     for tdtype, qdtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                            (torch.bfloat16, torch.float32)):
         q, k, table, nblk, t, proj, mask = sub_scoring_case(70 + G, G, bs, M=23, tdtype=tdtype,
@@ -943,8 +947,7 @@ def test_sub_block_scores_triton_match_reference(triton_ready, monkeypatch, G, b
             for reduce in ("sum", "none"):
                 want = ops.score_blocks(q, table, nblk, kind=kind, reduce=reduce,
                                         backend="reference", **kw)
-                got = ops.score_blocks(q, table, nblk, kind=kind, reduce=reduce, backend="triton",
-                                       **kw)
+                got = tri.score_blocks(q, table, nblk, kind=kind, reduce=reduce, launch=cfg, **kw)
                 assert got.shape == want.shape and got.dtype == torch.float32
                 assert torch.equal(torch.isinf(got), torch.isinf(want)), (kind, reduce)
                 fin = torch.isfinite(want)
@@ -1049,19 +1052,13 @@ def test_update_block_reprs_int8_triton(triton_ready, dtype):
     assert not torch.isnan(extra["kmin"][ids]).any() and (extra["codes"][ids] != 7).any()
 
 
-@pytest.mark.parametrize("rows", [None, 16, "unrolled"], ids=["rows_default", "rows_16", "unrolled"])
-def test_int8_mean_scores_triton(triton_ready, monkeypatch, rows):
-    """Scores of an int8 mean table with per-row scales: Triton == reference (both loops, several
-    tiles, G = 4 and G = 1, a channel mask, float32 and bfloat16 queries), and the fused
-    scoring + head-mass selection takes it too."""
-    from ucm.fast.triton import sparse as tri
-
-    if rows == "unrolled":
-        monkeypatch.setattr(tri, "SCORE_LOOP_STAGES", 0)
-        rows = 16
-    if rows:
-        monkeypatch.setattr(tri, "SCORE_ROWS", rows)
-        monkeypatch.setattr(tri, "SCORE_TILE_ELEMS", 64)
+@pytest.mark.parametrize("rows", [None, 16], ids=["rows_default", "rows_16"])
+def test_int8_mean_scores_triton(triton_ready, rows):
+    """Scores of an int8 mean table with per-row scales: Triton == reference (one or several
+    tiles, G = 4 and G = 1, a channel mask, float32 and bfloat16 queries), and the scoring +
+    head-mass selection takes it too."""
+    tri, _ = tri_modules()
+    cfg = launch(score_rows=rows) if rows else launch()
     for G, bs, qdtype in ((4, 16, torch.bfloat16), (4, 16, torch.float32), (1, 4, torch.float32)):
         q, k, table, nblk, t, proj, mask = sub_scoring_case(85 + G, G, bs, M=23, qdtype=qdtype)
         qm, sm = ops.quantize_rows(t["mean"][:, 0] if G == 1 else t["mean"])
@@ -1069,12 +1066,14 @@ def test_int8_mean_scores_triton(triton_ready, monkeypatch, rows):
             for reduce in ("sum", "none"):
                 want = ops.score_blocks(q, table, nblk, kind="mean", mean=qm, mean_scale=sm,
                                         reduce=reduce, backend="reference", **kw)
-                got = ops.score_blocks(q, table, nblk, kind="mean", mean=qm, mean_scale=sm,
-                                       reduce=reduce, backend="triton", **kw)
+                got = tri.score_blocks(q, table, nblk, kind="mean", mean=qm, mean_scale=sm,
+                                       reduce=reduce, launch=cfg, **kw)
                 assert torch.equal(torch.isinf(got), torch.isinf(want)), (G, reduce)
                 fin = torch.isfinite(want)
                 assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), \
                     (G, reduce, float((got[fin] - want[fin]).abs().max()))
+        if rows:  # the op's launch does not depend on the scoring tile: once is enough
+            continue
         budget = torch.full_like(nblk, 5)
         args = (q, table, nblk, budget)
         kw = dict(kind="mean", mean=qm, mean_scale=sm, scale=0.5, init_window=1, local_window=1)
@@ -1095,64 +1094,32 @@ def test_int8_mean_scores_triton(triton_ready, monkeypatch, rows):
             ops.score_select_head_mass(*args, seq_lens=lens + bs, block_size=bs, **kw)
 
 
-@pytest.mark.parametrize("group", [1, 2, 32], ids=["groups_of_1", "groups_of_2", "one_group"])
-def test_score_head_stats_triton(triton_ready, monkeypatch, group):
-    """The scoring launch's per-head log-sum-exp and bounds (partials per tile, combined by the
-    last tile of each group and the last group, atomic tickets) == the log-sum-exp, max and min
-    of the scaled finite scores it wrote, per row and head; the tickets are left zeroed; mean
-    (with and without a channel mask) and Quest; short rows (tiles past num_blocks)."""
-    from ucm.fast.triton import sparse as tri
-
-    monkeypatch.setattr(tri, "SCORE_ROWS", 16)                    # 4-block tiles: many programs
-    monkeypatch.setattr(tri, "SCORE_STATS_GROUP", group)
-    q, k, table, nblk, t, proj, mask = sub_scoring_case(91, 4, 16, M=23)
-    scale = 0.7
-    for kind, kw in (("mean", dict(mean=t["mean"])),
-                     ("mean", dict(mean=t["mean"], channel_mask=mask)),
-                     ("quest", dict(kmin=t["kmin"], kmax=t["kmax"]))):
-        got, stats = tri.score_blocks(q, table, nblk, kind=kind, reduce="none",
-                                      head_stats_scale=scale, **kw)
-        assert torch.equal(got, tri.score_blocks(q, table, nblk, kind=kind, reduce="none", **kw))
-        cx = got.double() * scale * math.log2(math.e)
-        fin = torch.isfinite(cx)
-        want_lse = torch.logsumexp(cx * math.log(2), -1) / math.log(2)
-        want_max = torch.where(fin, cx, -math.inf).amax(-1)
-        want_min = torch.where(fin, cx, math.inf).amin(-1)
-        assert torch.allclose(stats[..., 0].double(), want_lse, rtol=1e-6, atol=1e-5), kind
-        assert torch.allclose(stats[..., 1].double(), want_max, rtol=1e-6, atol=1e-6), kind
-        assert torch.allclose(stats[..., 2].double(), want_min, rtol=1e-6, atol=1e-6), kind
-    assert all(bool((buf == 0).all()) for buf in tri._stat_bufs.values())
-
-
-def test_score_select_head_mass_triton(triton_ready, monkeypatch):
-    """score_select_head_mass: the fused path (the scoring launch's log-sum-exp statistics, no
-    log-sum-exp launch) writes the head mass of the scores (float32 rounding) and selects
-    exactly the reference selection on that mass; the public op (Triton, fused or not) == the
+def test_score_select_head_mass_triton(triton_ready):
+    """score_select_head_mass on the fused path (per-head scores in small tiles, the head mass
+    computed by the histogram launch) writes the head mass of the scores (float32 rounding) and
+    selects exactly the reference selection on that mass; the public op (default launch) == the
     reference op end to end on integer-spaced scores; the reference op == score_blocks then
     select_head_mass."""
-    from ucm.fast.triton import sparse as tri
-
-    for name, value in dict(HIST_KNOBS, SELECT_HIST_BITS=4, SELECT_HIST_LIST=16,
-                            SCORE_ROWS=16, SCORE_STATS_GROUP=2).items():
-        monkeypatch.setattr(tri, name, value)
-    real = tri._lse_bounds_kernel
+    tri, histogram = tri_modules()
+    cfg = launch(**HIST, hist_bits=4, hist_list=16, score_rows=16)
     q, k, table, nblk, t, proj, mask = sub_scoring_case(92, 4, 16, M=23)
     B, M = table.shape
     g = gen(93)
     tbl = torch.randint(0, 3, t["mean"].shape, generator=g).to(t["mean"].dtype).to(DEV)
     qi = torch.randint(-1, 2, q.shape, generator=g).to(q.dtype).to(DEV)
-    for budget, windows in itertools.product((1, 5, 11), ((1, 2), (0, 0))):
+    cases = list(itertools.product((1, 5, 11), ((1, 2), (0, 0))))
+    if not HAS_CUDA:
+        cases = [(1, (0, 0)), (5, (1, 2)), (11, (0, 0))]
+    for budget, windows in cases:
         kw = dict(init_window=windows[0], local_window=windows[1])
         width = ops.select_width(M, budget, *windows)
         bud = torch.full_like(nblk, budget)
         for kind, reprs in (("mean", dict(mean=t["mean"], channel_mask=mask)),
                             ("quest", dict(kmin=t["kmin"], kmax=t["kmax"]))):
-            monkeypatch.setattr(tri, "SCORE_HEAD_STATS", True)
-            monkeypatch.setattr(tri, "_lse_bounds_kernel", None)   # the fused path: no launch
             sel, count, mass = tri.score_select_head_mass(q, table, nblk, bud, kind=kind,
                                                           scale=0.5, width=width,
-                                                          return_mass=True, **reprs, **kw)
-            monkeypatch.setattr(tri, "_lse_bounds_kernel", real)
+                                                          return_mass=True, launch=cfg,
+                                                          **reprs, **kw)
             per_head = ops.score_blocks(q, table, nblk, kind=kind, reduce="none",
                                         backend="reference", **reprs)
             want_mass = torch.softmax(per_head * 0.5, dim=-1).mean(1)
@@ -1164,15 +1131,17 @@ def test_score_select_head_mass_triton(triton_ready, monkeypatch):
             two = ops.select_head_mass(per_head, nblk, budget, scale=0.5, backend="reference",
                                        **kw)
             assert torch.equal(ref_op[0], two[0]) and torch.equal(ref_op[1], two[1])
-        for fused in (True, False):  # equal masses stay equal: Triton op == reference op
-            monkeypatch.setattr(tri, "SCORE_HEAD_STATS", fused)
-            got = ops.score_select_head_mass(qi, table, nblk, budget, kind="mean", mean=tbl,
-                                             scale=0.5, backend="triton", **kw)
-            ref_op = ops.score_select_head_mass(qi, table, nblk, budget, kind="mean", mean=tbl,
-                                                scale=0.5, backend="reference", **kw)
-            assert torch.equal(got[0], ref_op[0]) and torch.equal(got[1], ref_op[1]), fused
-    assert _hist_scratch_zeroed(tri)
-    assert all(bool((buf == 0).all()) for buf in tri._stat_bufs.values())
+        # equal masses stay equal: the Triton selection (fused path, and the public op's
+        # default launch) == the reference op
+        ref_op = ops.score_select_head_mass(qi, table, nblk, budget, kind="mean", mean=tbl,
+                                            scale=0.5, backend="reference", **kw)
+        fused = tri.score_select_head_mass(qi, table, nblk, bud, kind="mean", mean=tbl, scale=0.5,
+                                           width=width, launch=cfg, **kw)
+        public = ops.score_select_head_mass(qi, table, nblk, budget, kind="mean", mean=tbl,
+                                            scale=0.5, backend="triton", **kw)
+        for got in (fused, public):
+            assert torch.equal(got[0], ref_op[0]) and torch.equal(got[1], ref_op[1])
+    assert histogram.scratch_zeroed()
     with pytest.raises(ValueError, match="kind: expected 'mean' or 'quest'"):
         ops.score_select_head_mass(q, table, nblk, 3, kind="hamming", scale=0.5, init_window=0,
                                    local_window=0)
