@@ -116,3 +116,10 @@ def test_each_family_has_one_table_of_implementations(family, module):
     for op in ops:
         names = [i.name for i in dispatch.implementations(op)]
         assert "reference" in names and len(names) >= 2, (op, names)
+
+
+def test_no_module_is_over_800_lines():
+    """A module a reader can hold: split by family or role before it grows past this."""
+    long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 800}
+    assert not long, long

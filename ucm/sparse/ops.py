@@ -13,8 +13,8 @@ score_blocks                (same)                                (same)
 select_blocks               (same: two stable sorts)              (same: threshold search;
                                                                   histogram for one long row)
 select_head_mass            (same: softmax, mean, select_blocks)  (same: histogram selection)
-score_select_head_mass      (same: score_blocks, select_head_mass) (same: the scoring launch
-                                                                  writes the log-sum-exp stats)
+score_select_head_mass      (same: score_blocks, select_head_mass) (same: per-head scores, then
+                                                                  the head-mass selection)
 sparse_block_table          (same)                                (same: one gather kernel)
 paged_decode_attention      (same: per-request softmax)           (same: split-K flash decoding)
 block_attention_mass        (same; an oracle, reference only)     --
