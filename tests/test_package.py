@@ -25,7 +25,11 @@ def _copy_tree(tmp_path, with_extension=True):
 
 
 def _run_in(tree, env=None):
-    return run_python(PROBE, env={"PYTHONPATH": str(tree), **(env or {})}, cwd=str(tree))
+    # the copied tree first; entries already on PYTHONPATH stay (dependencies installed beside
+    # the interpreter's site-packages, as on the GPU machine, e.g. cffi's backend)
+    path = os.pathsep.join([str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                          if p and os.path.abspath(p) != os.path.abspath(REPO)])
+    return run_python(PROBE, env={"PYTHONPATH": path, **(env or {})}, cwd=str(tree))
 
 
 def test_public_api():
