@@ -75,13 +75,7 @@ BLOCK = 2 << 20
 SHARD = BLOCK // 32  # 32 "layers"
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from bench_foundation import best_of as best  # noqa: E402
 
 
 def dd(args) -> float:
@@ -169,6 +163,14 @@ def _memcpy(t: Tiers, dst, src):
     return lambda: ucm.copy_segments(so, do, lens, 2)
 
 
+def _bench_memcpy(benchmark, t: Tiers, src) -> None:
+    """The ceiling: a 2-thread copy of the same segments into the destination, checked."""
+    run = _memcpy(t, t.dst, src)
+    t.dst[:] = 0
+    benchmark.pedantic(run, rounds=5, warmup_rounds=1)
+    assert np.array_equal(t.dst, src)
+
+
 @pytest.mark.parametrize("provider", ["memory", "posix", "posix_direct", "memcpy", "dd"])
 def test_dump(benchmark, tiers, provider):
     t = tiers
@@ -194,10 +196,7 @@ def test_dump(benchmark, tiers, provider):
         benchmark.pedantic(lambda: dump_commit(state["s"], state["ids"], t.data), setup=setup, rounds=3)
         load_exact(state["s"], state["ids"], t.dst, t.data)
     elif provider == "memcpy":
-        run = _memcpy(t, t.dst, t.data)
-        t.dst[:] = 0
-        benchmark.pedantic(run, rounds=5, warmup_rounds=1)
-        assert np.array_equal(t.dst, t.data)
+        _bench_memcpy(benchmark, t, t.data)
     else:
         path = os.path.join(t.workdir, "dd.bin")
         benchmark.pedantic(lambda: dd(["if=/dev/zero", f"of={path}", "bs=2M", f"count={t.n}"]), rounds=3)
@@ -210,11 +209,7 @@ def test_load(benchmark, tiers, provider):
     benchmark.group = "load"
     benchmark.extra_info.update(bytes=t.n * BLOCK, block_bytes=BLOCK)
     if provider == "memcpy":
-        src = random_blocks(t.n, BLOCK, 1)
-        run = _memcpy(t, t.dst, src)
-        t.dst[:] = 0
-        benchmark.pedantic(run, rounds=5, warmup_rounds=1)
-        assert np.array_equal(t.dst, src)
+        _bench_memcpy(benchmark, t, random_blocks(t.n, BLOCK, 1))
         return
     if provider == "dd":
         path = os.path.join(t.workdir, "dd-read.bin")
