@@ -63,17 +63,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 torch = pytest.importorskip("torch")
 
-#: The Triton interpreter runs only if triton is first imported with TRITON_INTERPRET=1 (its
-#: standard library is jitted at import): on a machine without CUDA, import it so here.
-if (not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
-        and "triton" not in sys.modules):
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import triton.language  # noqa: E402,F401
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+if not torch.cuda.is_available():  # CPU: the kernels run through the Triton interpreter
+    from ucm.fast.triton import prepare_interpreter
+
+    prepare_interpreter()
 
 from ucm.sparse import ops  # noqa: E402
 

@@ -18,21 +18,9 @@ import pytest
 GPU_MACHINE = any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd"))
 INTERPRETER_PROCESS = not GPU_MACHINE or os.environ.get("UCM_TEST_TRITON_INTERPRETER") == "1"
 if INTERPRETER_PROCESS:
-    try:
-        import importlib.util as _ilu
+    from ucm.fast.triton import prepare_interpreter
 
-        if _ilu.find_spec("triton") is not None and "triton" not in sys.modules:
-            _saved = os.environ.get("TRITON_INTERPRET")
-            os.environ["TRITON_INTERPRET"] = "1"
-            try:
-                import triton.language  # noqa: F401
-            finally:
-                if _saved is None:
-                    del os.environ["TRITON_INTERPRET"]
-                else:
-                    os.environ["TRITON_INTERPRET"] = _saved
-    except ImportError:
-        pass
+    prepare_interpreter()
 
 from ucm import dispatch
 

@@ -18,9 +18,7 @@ explicit ``LaunchConfig`` so that small shapes reach every path.
 import importlib.util
 import itertools
 import math
-import os
 import re
-import sys
 
 import pytest
 
@@ -30,14 +28,10 @@ HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 DEV = "cuda" if HAS_CUDA else "cpu"
 
-if HAS_TRITON and not HAS_CUDA and "triton" not in sys.modules:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import triton.language  # noqa: E402,F401  (standard library jitted for the interpreter)
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+if HAS_TRITON and not HAS_CUDA:  # (conftest did it already under pytest)
+    from ucm.fast.triton import prepare_interpreter
+
+    prepare_interpreter()
 
 from ucm import dispatch  # noqa: E402
 from ucm.sparse import ops  # noqa: E402

@@ -7,7 +7,7 @@ list of contiguous byte *runs* at fixed offsets from the block's base address
 ``BHLNC``) is one run per head. The staged row format is described in :mod:`ucm.transfer`.
 
 A low-level module: the transfer ops (:mod:`ucm.transfer`) and their implementations
-(:mod:`ucm.reference.transfer`, :mod:`ucm.fast.native_transfer`, :mod:`ucm.fast.triton.transfer`)
+(:mod:`ucm.reference.transfer`, :mod:`ucm.fast.native.transfer`, :mod:`ucm.fast.triton.transfer`)
 import it; it imports no op module. torch is imported lazily.
 """
 from __future__ import annotations

@@ -33,23 +33,20 @@ from ucm.ids import ID_BYTES, ZERO_ID, Namespace, _check_block_size, as_ids
 # ---------------------------------------------------------------------------------------------
 # implementations: the reference first, then the fast path (see ucm.fast for the probes)
 
-_NUMBA = dict(priority=10, probe=fast.numba_status)
-_NATIVE = dict(priority=10, probe=fast.native_status)
+def _pair(reference: str, name: str, target: str, probe) -> tuple:
+    return ImplSpec("reference", reference), ImplSpec(name, target, priority=10, probe=probe)
+
+
 IMPLEMENTATIONS = {
-    "hash_blocks": (ImplSpec("reference", "ucm.reference.hashing:hash_blocks"),
-                    ImplSpec("numba", "ucm.fast.numba.hashing:hash_blocks", **_NUMBA)),
-    "block_index": (ImplSpec("reference", "ucm.reference.index:BlockIndex"),
-                    ImplSpec("numba", "ucm.fast.numba.index:BlockIndex", **_NUMBA)),
-    "copy_segments": (ImplSpec("reference", "ucm.reference.copy:copy_segments"),
-                      ImplSpec("native", "ucm.fast.native:copy_segments", **_NATIVE)),
-    "alloc_aligned": (ImplSpec("reference", "ucm.reference.copy:alloc_aligned"),
-                      ImplSpec("native", "ucm.fast.native:alloc_aligned", **_NATIVE)),
-    "checksum": (ImplSpec("reference", "ucm.reference.fileio:checksum"),
-                 ImplSpec("native", "ucm.fast.native:checksum", **_NATIVE)),
-    "io_batch": (ImplSpec("reference", "ucm.reference.fileio:io_batch"),
-                 ImplSpec("native", "ucm.fast.native:io_batch", **_NATIVE)),
-    "open_beneath": (ImplSpec("reference", "ucm.reference.fileio:open_beneath"),
-                     ImplSpec("native", "ucm.fast.native:open_beneath", **_NATIVE)),
+    "hash_blocks": _pair("ucm.reference.hashing:hash_blocks", "numba",
+                         "ucm.fast.numba.hashing:hash_blocks", fast.numba_status),
+    "block_index": _pair("ucm.reference.index:BlockIndex", "numba",
+                         "ucm.fast.numba.index:BlockIndex", fast.numba_status),
+    **{op: _pair(f"ucm.reference.{module}:{op}", "native", f"ucm.fast.native:{op}",
+                 fast.native_status)
+       for op, module in (("copy_segments", "copy"), ("alloc_aligned", "copy"),
+                          ("checksum", "fileio"), ("io_batch", "fileio"),
+                          ("open_beneath", "fileio"))},
 }
 for _op, _table in IMPLEMENTATIONS.items():
     dispatch.register_table((_op,), _table)

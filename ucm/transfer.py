@@ -18,7 +18,7 @@ Ops (validated here, dispatched through :mod:`ucm.dispatch`):
 
 - :func:`gather_blocks` (paged cache -> staging), :func:`scatter_blocks` (staging -> cache);
   implementations ``reference`` (:mod:`ucm.reference.transfer`, PyTorch indexing),
-  ``native`` (:mod:`ucm.fast.native_transfer`, CPU tensors, C threads) and ``triton``
+  ``native`` (:mod:`ucm.fast.native.transfer`, CPU tensors, C threads) and ``triton``
   (:mod:`ucm.fast.triton.transfer`, CUDA tensors, one launch per call).
 
 torch is imported lazily: ``import ucm`` works without it.
@@ -154,7 +154,7 @@ def on_cuda(*args, **kwargs):
 OPS = ("gather_blocks", "scatter_blocks")
 IMPLEMENTATIONS = (
     ImplSpec("reference", "ucm.reference.transfer:{op}"),
-    ImplSpec("native", "ucm.fast.native_transfer:{op}", 10, frozenset({"cpu", "cuda"}),
+    ImplSpec("native", "ucm.fast.native.transfer:{op}", 10, frozenset({"cpu", "cuda"}),
              fast.native_status, on_cpu),
     ImplSpec("triton", "ucm.fast.triton.transfer:{op}", 20, frozenset({"cuda", "cpu"}),
              fast.triton_status, on_cuda),

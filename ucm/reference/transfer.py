@@ -1,6 +1,6 @@
 """Reference KV transfer: gather/scatter blocks with plain PyTorch indexing, one byte run at a time.
 
-Same names and signatures as :mod:`ucm.fast.triton.transfer` and :mod:`ucm.fast.native_transfer`;
+Same names and signatures as :mod:`ucm.fast.triton.transfer` and :mod:`ucm.fast.native.transfer`;
 inputs are validated by :mod:`ucm.transfer` (layout built, ``block_indices`` an int64 1-D tensor
 with values in ``[-1, num_blocks)``, ``staging`` a contiguous ``uint8 [n, row_bytes]`` on the
 cache's device, ``layers`` a tuple of layer ids).
@@ -39,25 +39,28 @@ def _valid_rows(block_indices: torch.Tensor, device):
     return rows, block_indices[rows]
 
 
-def gather_blocks(layout: KVLayout, block_indices: torch.Tensor, staging: torch.Tensor,
-                  layers: tuple) -> None:
-    """``staging[i] = staged bytes of block block_indices[i]`` for every ``i`` with index >= 0."""
-    rows, blocks = _valid_rows(block_indices, staging.device)
+def _pieces(layout: KVLayout, layers: tuple, rows: torch.Tensor):
+    """Per byte run of the selected layers: a ``[num_blocks, length]`` view of that run in every
+    block, and the columns it fills in a staged row (nothing when no row is moved)."""
     if rows.numel() == 0:
         return
     for view, offset, length, staging_offset in layout.table(layers)[
             :, [COL_VIEW, COL_OFFSET, COL_LENGTH, COL_STAGING]].tolist():
-        runs = _runs_of_all_blocks(layout, view, offset, length)
-        staging[rows, staging_offset:staging_offset + length] = runs[blocks]
+        yield _runs_of_all_blocks(layout, view, offset, length), \
+            slice(staging_offset, staging_offset + length)
+
+
+def gather_blocks(layout: KVLayout, block_indices: torch.Tensor, staging: torch.Tensor,
+                  layers: tuple) -> None:
+    """``staging[i] = staged bytes of block block_indices[i]`` for every ``i`` with index >= 0."""
+    rows, blocks = _valid_rows(block_indices, staging.device)
+    for runs, cols in _pieces(layout, layers, rows):
+        staging[rows, cols] = runs[blocks]
 
 
 def scatter_blocks(layout: KVLayout, staging: torch.Tensor, block_indices: torch.Tensor,
                    layers: tuple) -> None:
     """Block ``block_indices[i]`` of the cache = staged row ``i``, for every index >= 0."""
     rows, blocks = _valid_rows(block_indices, staging.device)
-    if rows.numel() == 0:
-        return
-    for view, offset, length, staging_offset in layout.table(layers)[
-            :, [COL_VIEW, COL_OFFSET, COL_LENGTH, COL_STAGING]].tolist():
-        runs = _runs_of_all_blocks(layout, view, offset, length)
-        runs[blocks] = staging[rows, staging_offset:staging_offset + length]
+    for runs, cols in _pieces(layout, layers, rows):
+        runs[blocks] = staging[rows, cols]

@@ -14,8 +14,9 @@ import sys
 import numpy as np
 
 EXPECTED_ABI = 5
-_SRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "native")
+# the checkout's C sources: repo/native, three levels above this package (ucm/fast/native)
+_SRC_DIR = os.path.join(os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                     "..", "..", "..")), "native")
 
 _lib = _ffi = None
 _reason = ""
