@@ -1,0 +1,117 @@
+"""Real services for the distributed tiers' tests: processes started on 127.0.0.1 by the tests
+themselves and stopped by their PIDs (never by name: nothing else on the machine is touched).
+
+``require(...)`` decides what a missing service means: a failure when ``UCM_REQUIRE_SERVICES=1``
+(CI, where ``.ci/run`` installs them), a skip elsewhere.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from typing import Callable, Optional, Sequence
+
+import pytest
+
+
+def require(ok: bool, what: str) -> None:
+    """Skip (or, with ``UCM_REQUIRE_SERVICES=1``, fail) unless ``ok``; ``what`` says what is missing."""
+    if ok:
+        return
+    if os.environ.get("UCM_REQUIRE_SERVICES") == "1":
+        pytest.fail(f"service required (UCM_REQUIRE_SERVICES=1): {what}", pytrace=False)
+    pytest.skip(f"service not available: {what}")
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name)
+    require(path is not None, f"{name} not on PATH (.ci/run installs it)")
+    return path
+
+
+def require_module(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        require(False, f"python module {name} ({exc})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class Proc:
+    """One service process: ``start()`` waits until ``ready()`` holds, ``stop()`` ends it by
+    PID (SIGTERM, then SIGKILL), ``kill()`` is a crash (SIGKILL), ``start()`` again restarts
+    it with the same command."""
+
+    def __init__(self, cmd: Sequence[str], ready: Callable[[], bool], env: Optional[dict] = None,
+                 cwd: Optional[str] = None, log: Optional[str] = None, name: str = ""):
+        self.cmd, self.ready, self.cwd, self.log = list(cmd), ready, cwd, log
+        self.env = dict(os.environ, **(env or {}))
+        self.name = name or os.path.basename(cmd[0])
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self, timeout: float = 30.0) -> "Proc":
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        if self.log:
+            out.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting"
+                                   f"{self._tail()}")
+            try:
+                if self.ready():
+                    return self
+            except Exception:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready after {timeout} s{self._tail()}")
+
+    def _tail(self) -> str:
+        if self.log and os.path.exists(self.log):
+            with open(self.log, "rb") as f:
+                return ":\n" + f.read()[-3000:].decode(errors="replace")
+        return ""
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """A crash: SIGKILL, no cleanup."""
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if not self.alive():
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)

@@ -1,0 +1,97 @@
+"""redis-server (Debian's package) on 127.0.0.1: a standalone server and a 3-master cluster."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from typing import Optional
+
+from services import Proc, free_port, port_open, require_binary
+
+
+def redis_server(tmp, port: Optional[int] = None, password: Optional[str] = None,
+                 maxmemory: Optional[str] = None, policy: str = "allkeys-lru",
+                 extra: tuple = (), name: str = "redis") -> Proc:
+    """A started redis-server (no persistence); ``proc.port``, ``proc.url``."""
+    binary = require_binary("redis-server")
+    port = port or free_port()
+    d = os.path.join(str(tmp), f"{name}-{port}")
+    os.makedirs(d, exist_ok=True)
+    cmd = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+           "--dir", d, "--protected-mode", "no"]
+    if password:
+        cmd += ["--requirepass", password]
+    if maxmemory:
+        cmd += ["--maxmemory", maxmemory, "--maxmemory-policy", policy]
+    cmd += list(extra)
+    proc = Proc(cmd, ready=lambda: _ping(port, password), log=os.path.join(d, "log"), name=name)
+    proc.port = port
+    proc.url = f"redis://127.0.0.1:{port}/0"
+    return proc.start()
+
+
+def _ping(port: int, password: Optional[str] = None) -> bool:
+    if not port_open(port):
+        return False
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=0.5)
+    try:
+        return r.ping()
+    finally:
+        r.close()
+
+
+class RedisCluster:
+    """``n`` masters (no replicas), ``cluster-require-full-coverage no`` so the survivors keep
+    serving their slots when one dies."""
+
+    def __init__(self, tmp, n: int = 3):
+        self.nodes = [redis_server(tmp, name=f"cluster{i}",
+                                   extra=("--cluster-enabled", "yes", "--cluster-config-file",
+                                          "nodes.conf", "--cluster-node-timeout", "2000",
+                                          "--cluster-require-full-coverage", "no"))
+                      for i in range(n)]
+        cli = require_binary("redis-cli")
+        addrs = [f"127.0.0.1:{p.port}" for p in self.nodes]
+        r = subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                            "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if r.returncode:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+        self._wait_ok()
+
+    def _wait_ok(self, timeout: float = 30.0) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = []
+            for p in self.nodes:
+                c = redis.Redis(host="127.0.0.1", port=p.port, socket_timeout=0.5)
+                try:
+                    states.append(c.execute_command("CLUSTER INFO").get("cluster_state")
+                                  if isinstance(c.execute_command("CLUSTER INFO"), dict)
+                                  else _state(c.execute_command("CLUSTER INFO")))
+                finally:
+                    c.close()
+            if all(s == "ok" for s in states):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"redis cluster not ok after {timeout} s")
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.nodes]
+
+    def stop(self) -> None:
+        for p in self.nodes:
+            p.stop()
+
+
+def _state(info) -> str:
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        if line.startswith("cluster_state:"):
+            return line.split(":", 1)[1].strip()
+    return "?"

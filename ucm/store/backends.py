@@ -1,0 +1,64 @@
+"""What a distributed tier asks of one server of a key-value service (Redis, Mooncake Store, an
+S3 bucket): whole values under string keys, in batches.
+
+A :class:`Backend` is one independent server, or one cluster that routes keys itself (a Redis
+Cluster). :class:`ucm.store.remote.RemoteStore` spreads blocks over several backends of one kind
+(rendezvous hashing), writes the block header and checksums into every value, stages bytes in
+host rows, and turns every failure here into a miss. So a backend only moves bytes:
+
+* every method takes a batch and may be called from several I/O threads at once;
+* a value is stored whole or not at all (a reader never gets a prefix of it);
+* a server that cannot be reached, times out or refuses the credentials raises
+  :class:`Unavailable` (the tier then leaves the server alone for a backoff and retries by
+  itself); a per-key failure is reported per key instead.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional, Sequence
+
+
+class Unavailable(Exception):
+    """The server cannot serve now (connection refused or lost, timeout, authentication)."""
+
+
+class Backend(ABC):
+    #: label in logs and statistics, without credentials (``redis://127.0.0.1:6379/0``)
+    name: str = "backend"
+    #: the largest value the server accepts (``None``: no limit of ucm's concern)
+    max_value_bytes: Optional[int] = None
+    #: ``get`` reads into the host rows it is given (zero copy into registered memory); when
+    #: False it returns buffers of its own and the rows are not allocated for loads
+    reads_into_rows: bool = False
+
+    def register(self, base: int, nbytes: int) -> None:
+        """The tier's staging slab (host memory that every ``put`` value and every ``get`` row
+        lies in), once, before any I/O: a backend with zero-copy transfers registers it."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[Optional[str]]:
+        """Store ``values[i]`` under ``keys[i]`` (replacing an older value or keeping it: both
+        are whole values of the same content-addressed block). Per key ``None`` (stored) or
+        the reason it was not."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str], rows: Sequence[Optional[memoryview]]) -> list:
+        """The value of each key: a bytes-like object (``rows[i]`` itself, or a prefix of it,
+        when the backend reads into rows), or ``None`` when the key is missing. A value whose
+        length differs from what the tier expects is returned as it is (the tier rejects it)."""
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """For each key: is a value stored under it?"""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove the keys (missing keys are not an error)."""
+
+    def keys(self, prefix: str):
+        """Iterate over the stored keys that start with ``prefix`` (maintenance: ``ucm store``
+        listings, tests). Optional."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
+
+    def close(self) -> None:
+        """Release connections."""
