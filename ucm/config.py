@@ -193,6 +193,20 @@ def _check_pipeline(value: str) -> Optional[str]:
     return None
 
 
+def _check_servers(value: list) -> Optional[str]:
+    if not value or any(not v.strip() for v in value):
+        return "at least one non-empty server address"
+    if len(set(value)) != len(value):
+        return "each server once"
+    return None
+
+
+def _check_key_prefix(value: str) -> Optional[str]:
+    if not re.fullmatch(r"[A-Za-z0-9_.\-/]{1,64}", value) or value.startswith("/"):
+        return "1-64 characters of A-Z a-z 0-9 _ . - / (not starting with /)"
+    return None
+
+
 def _check_hash_bits(value: int) -> Optional[str]:
     return None if value % 32 == 0 else "a multiple of 32 (>= 32)"
 
@@ -284,6 +298,68 @@ OPTIONS: tuple[Option, ...] = (
     Option("store.posix.group", "str", "", "Group that shares the roots (name or gid): "
            "directories 2770 and files 0640 owned by it; empty = private to this user "
            "(directories 0700, files 0600)."),
+    # distributed tiers (ucm/store/remote.py): every one of them
+    Option("store.remote.timeout_s", "float", 0.2, "Distributed tiers: longest wait for one "
+           "request to a server (connect, send, receive) before the server counts as down and "
+           "the blocks it holds as misses.", min=0.0, min_exclusive=True),
+    Option("store.remote.backoff_s", "float", 1.0, "Distributed tiers: how long a server that "
+           "failed is left alone before the tier tries it again (doubling on each further "
+           "failure, up to 30 s); no engine restart is needed when it comes back.", min=0.0),
+    Option("store.remote.staging", "size", 256 * 1024**2, "Distributed tiers: host memory for "
+           "blocks on their way to or from the servers (rounded down to whole values, at least "
+           "4); a dump that finds it full fails (the block is not stored).", min=1),
+    Option("store.remote.batch_bytes", "size", 16 * 1024**2, "Distributed tiers: bytes of one "
+           "batched request to one server (pipelined GET/SET, one batch_get/batch_put).", min=1),
+    # redis tier
+    Option("store.redis.servers", "list[str]", ["redis://127.0.0.1:6379/0"], "Redis servers "
+           "(redis:// or rediss:// for TLS; user and password may be in the URL); blocks spread "
+           "over independent servers by rendezvous hashing. With store.redis.cluster: seed "
+           "nodes of one Redis Cluster.", check=_check_servers),
+    Option("store.redis.servers_file", "str", "", "A file listing the servers, one per line, "
+           "re-read when it changes (servers join or leave without an engine restart); "
+           "overrides store.redis.servers when set."),
+    Option("store.redis.cluster", "bool", False, "The servers are nodes of one Redis Cluster."),
+    Option("store.redis.username", "str", "", "ACL user (when not in the URL)."),
+    Option("store.redis.password", "str", "", "Password (when not in the URL); better from "
+           "UCM_STORE_REDIS_PASSWORD than from a file."),
+    Option("store.redis.tls_ca_file", "str", "", "CA bundle that verifies rediss:// servers "
+           "(empty: the system's)."),
+    Option("store.redis.tls_cert_file", "str", "", "Client certificate for rediss:// (mutual "
+           "TLS)."),
+    Option("store.redis.tls_key_file", "str", "", "Key of the client certificate."),
+    Option("store.redis.ttl_s", "int", 0, "Expire stored blocks after this many seconds "
+           "(0: never; capacity is the server's maxmemory with maxmemory-policy allkeys-lru).",
+           min=0),
+    Option("store.redis.key_prefix", "str", "ucm", "First part of every key "
+           "(prefix:{namespace:id}:v|m).", check=_check_key_prefix),
+    # mooncake tier
+    Option("store.mooncake.masters", "list[str]", ["127.0.0.1:50051"], "mooncake_master "
+           "addresses (host:port), each one independent Mooncake Store; blocks spread over them "
+           "by rendezvous hashing.", check=_check_servers),
+    Option("store.mooncake.servers_file", "str", "", "A file listing the masters, one per line, "
+           "re-read when it changes; overrides store.mooncake.masters when set."),
+    Option("store.mooncake.metadata_server", "str", "http://127.0.0.1:8080/metadata",
+           "Transfer-engine metadata server (the master's built-in HTTP server, etcd://..., or "
+           "P2PHANDSHAKE)."),
+    Option("store.mooncake.protocol", "str", "tcp", "Transfer protocol.", choices=("tcp", "rdma")),
+    Option("store.mooncake.device_name", "str", "", "RDMA devices (protocol rdma)."),
+    Option("store.mooncake.local_hostname", "str", "127.0.0.1", "Address this client is "
+           "reached at by the storage nodes."),
+    Option("store.mooncake.global_segment_size", "size", 0, "Memory this process lends to the "
+           "store (0: none; storage nodes are separate mooncake_client processes).", min=0),
+    Option("store.mooncake.replicas", "int", 1, "Replicas of each value.", min=1),
+    # s3 tier
+    Option("store.s3.bucket", "str", "", "Bucket of the s3 tier (must exist)."),
+    Option("store.s3.prefix", "str", "ucm", "Key prefix inside the bucket.",
+           check=_check_key_prefix),
+    Option("store.s3.endpoint_url", "str", "", "S3-compatible endpoint (empty: AWS); "
+           "credentials and region come from the usual AWS chain (environment, ~/.aws, "
+           "instance role)."),
+    Option("store.s3.region", "str", "", "Region (empty: the AWS chain's)."),
+    Option("store.s3.multipart_bytes", "size", 8 * 1024**2, "Values larger than this are "
+           "uploaded in parts of this size.", min=5 * 1024**2),
+    Option("store.s3.max_attempts", "int", 5, "Attempts per request, with exponential backoff "
+           "on throttling and server errors.", min=1, max=20),
     # engine connector
     Option("connector.layerwise", "bool", False, "Load and save KV layer by layer (vLLM's "
            "wait_for_layer_load / save_kv_layer) instead of once per step."),

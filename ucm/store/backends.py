@@ -55,6 +55,10 @@ class Backend(ABC):
     def delete(self, keys: Sequence[str]) -> None:
         """Remove the keys (missing keys are not an error)."""
 
+    def ping(self) -> None:
+        """Raise :class:`Unavailable` unless the server answers (checked when a tier opens)."""
+        self.exists([])
+
     def keys(self, prefix: str):
         """Iterate over the stored keys that start with ``prefix`` (maintenance: ``ucm store``
         listings, tests). Optional."""

@@ -300,7 +300,10 @@ class Stats:
 
     FIELDS = ("lookups", "hits", "misses", "load_blocks", "load_bytes", "load_seconds",
               "load_failures", "dump_blocks", "dump_bytes", "dump_seconds", "dump_failures",
-              "dump_skipped", "commits", "discards", "evictions", "quarantined", "promotions")
+              "dump_skipped", "commits", "discards", "evictions", "quarantined", "promotions",
+              # distributed tiers: requests skipped or failed because a server was down, and
+              # other failed requests (both become misses or failed saves)
+              "unavailable", "io_errors")
 
     def __init__(self):
         self._lock = threading.Lock()

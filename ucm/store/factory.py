@@ -1,6 +1,7 @@
 """Tiers by name: ``open_store(config, block_bytes=..., shard_bytes=..., namespace=...)``.
 
-Built-in tiers: ``memory``, ``posix``. ``register(name, "package.module:Class")`` adds one; a
+Built-in tiers: ``memory``, ``posix`` (this machine); ``redis``, ``mooncake``, ``s3`` (shared by
+many engines: ``ucm.store.remote``). ``register(name, "package.module:Class")`` adds one; a
 pipeline entry may also name ``"package.module:Class"`` directly. A tier class is built with
 ``Class.from_config(geometry, config, namespace)``.
 """
@@ -19,6 +20,9 @@ log = logging.getLogger("ucm.store")
 _TIERS: dict[str, object] = {
     "memory": "ucm.store.memory:MemoryStore",
     "posix": "ucm.store.posix:PosixStore",
+    "redis": "ucm.store.redis:RedisStore",
+    "mooncake": "ucm.store.mooncake:MooncakeStore",
+    "s3": "ucm.store.s3:S3Store",
 }
 
 

@@ -39,8 +39,10 @@ assert _FIXED.size == 80
 ALIGN = 4096
 
 
-def header_size(n_shards: int) -> int:
-    return -(-(88 + 8 * n_shards) // ALIGN) * ALIGN
+def header_size(n_shards: int, align: int = ALIGN) -> int:
+    """Bytes of a header for ``n_shards`` shards, padded to ``align`` (files: 4096, so the
+    payload suits O_DIRECT; values of the distributed tiers: 64)."""
+    return -(-(88 + 8 * n_shards) // align) * align
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +53,7 @@ class Header:
     block_bytes: int
     shard_bytes: int
     shard_checksums: np.ndarray  # uint64 [n_shards]
+    align: int = ALIGN
 
     @property
     def n_shards(self) -> int:
@@ -58,7 +61,7 @@ class Header:
 
     @property
     def size(self) -> int:
-        return header_size(self.n_shards)
+        return header_size(self.n_shards, self.align)
 
     def pack(self) -> np.ndarray:
         """The header as an aligned uint8 array of ``size`` bytes."""
@@ -84,7 +87,7 @@ class BadBlock(Exception):
 
 
 def parse(raw: np.ndarray, namespace: bytes, block_id: bytes, block_bytes: int, shard_bytes: int,
-          codec: int = 0) -> Header:
+          codec: int = 0, align: int = ALIGN) -> Header:
     """Validate the first ``header_size`` bytes of a block file against expectations: first
     that the header is intact (magic, size fields, its checksum), then that it is this block."""
     if raw.nbytes < 88:
@@ -95,7 +98,7 @@ def parse(raw: np.ndarray, namespace: bytes, block_id: bytes, block_bytes: int, 
         raise BadBlock("bad magic")
     if version != VERSION:
         raise BadBlock(f"format version {version}, expected {VERSION}", foreign=True)
-    if hsize != header_size(nsh):
+    if hsize != header_size(nsh, align):
         raise BadBlock("header size inconsistent")
     if raw.nbytes < 88 + 8 * nsh:
         raise BadBlock(f"header of {nsh} shards, this reader expects fewer", foreign=True)
@@ -114,4 +117,4 @@ def parse(raw: np.ndarray, namespace: bytes, block_id: bytes, block_bytes: int, 
         raise BadBlock(f"geometry {bbytes}/{sbytes}/{nsh} differs from {block_bytes}/{shard_bytes}",
                        foreign=True)
     table = np.frombuffer(raw[88:88 + 8 * nsh].tobytes(), dtype="<u8").astype(np.uint64)
-    return Header(ns, bid, cdc, bbytes, sbytes, table)
+    return Header(ns, bid, cdc, bbytes, sbytes, table, align)

@@ -1,0 +1,728 @@
+"""Tiers on servers shared by many engines (Redis, Mooncake Store, S3): the store contract over
+:class:`ucm.store.backends.Backend` servers.
+
+Consistency protocol (every distributed tier)
+---------------------------------------------
+A block ``B`` of namespace ``N`` lives under two keys on one server:
+
+* ``V(N, B)``: the value, one whole object: a block header (``ucm.store.format``, padded to
+  64 bytes: magic, version, namespace, id, codec, geometry, a checksum per shard and of the
+  header itself) followed by the payload. Written by ``dump`` once every shard of the block is
+  staged, in one put, so it is never partial on the server;
+* ``M(N, B)``: the commit marker, written by ``commit(True)`` only after the put of ``V`` was
+  acknowledged (a commit that arrives while the put is in flight is applied when it lands).
+
+``lookup`` reports a block only when both keys exist. A reader verifies the header (namespace,
+id, codec, geometry, header checksum) and the checksum of every shard it reads; a value that
+fails is a miss, counted as ``quarantined``, and both keys are deleted. Two nodes writing the
+same content-addressed block race harmlessly: each put replaces a whole value with a whole value
+of the same block, each marker says the same thing. A value whose marker was never written (a
+writer that died, a ``commit(False)``) is never reported; the server's eviction or TTL reclaims
+it.
+
+Servers, load balancing, faults
+-------------------------------
+Blocks spread over the servers of a tier by rendezvous hashing of the block id: each server gets
+an equal share, a server that joins takes ``1/(n+1)`` of the blocks from the others, a server
+that leaves hands only its own blocks over. The list comes from the configuration or from a
+file re-read when it changes, so the pool grows or shrinks without an engine restart (blocks
+that move are misses until saved again). A server that fails a request (connection refused,
+timeout, bad credentials) is left alone for a backoff that doubles up to 30 s: meanwhile its
+blocks are misses at once, then the next request tries it again, so the tier recovers by
+itself when the server comes back.
+
+Bytes move through a staging slab of host rows (one value each) allocated once: dumps copy
+their shards into a row until the block is complete, loads read into a row when the backend
+reads in place (Mooncake's registered memory); the slab is handed to the backends to register.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ucm import threads
+from ucm.config import ConfigError
+from ucm.ids import as_ids, id_bytes, id_hex
+from ucm.ops import alloc_aligned, checksum
+from ucm.store.backends import Backend, Unavailable
+from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task
+from ucm.store.format import BadBlock, Header, header_size, parse
+
+log = logging.getLogger("ucm.store.remote")
+
+VALUE_ALIGN = 64           # header padding and staging row alignment
+MAX_BACKOFF_S = 30.0
+MARKER = b"\x01"
+_K1, _K2, _K3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+# ---------------------------------------------------------------------------------------------
+# rendezvous hashing
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, vectorised (uint64 arithmetic wraps)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _K2
+    x = x ^ (x >> np.uint64(27))
+    x = x * _K3
+    return x ^ (x >> np.uint64(31))
+
+
+def server_seed(name: str) -> np.uint64:
+    return np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+
+
+def rendezvous(ids: np.ndarray, names: Sequence[str]) -> np.ndarray:
+    """Index into ``names`` of the server owning each block id (``uint64 [n, 2]``): the server
+    with the highest score ``mix(id, seed(server))``. Depends only on the id and the set of
+    names, so every engine computes the same owner."""
+    ids = np.asarray(ids, dtype=np.uint64).reshape(-1, 2)
+    if len(names) == 1 or not len(ids):
+        return np.zeros(len(ids), dtype=np.int64)
+    with np.errstate(over="ignore"):
+        key = _mix(ids[:, 0] ^ (ids[:, 1] * _K1))
+        seeds = np.array([server_seed(n) for n in names], dtype=np.uint64)
+        scores = _mix(key[:, None] ^ seeds[None, :])
+    return np.argmax(scores, axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# servers
+
+class _Server:
+    """One backend and its health: after a failure, requests fail at once until ``down_until``."""
+
+    def __init__(self, name: str, connect: Callable[[str], Backend]):
+        self.name = name
+        self._connect = connect
+        self.backend: Optional[Backend] = None
+        self.down_until = 0.0
+        self.backoff = 0.0
+        self.lock = threading.Lock()
+        self.last_error = ""
+
+    def get(self, base_backoff: float) -> Backend:
+        """The backend, connecting on first use; raises Unavailable while the server is down."""
+        now = time.monotonic()
+        if now < self.down_until:
+            raise Unavailable(f"{self.name} is down ({self.last_error}); next try in "
+                              f"{self.down_until - now:.2f} s")
+        with self.lock:
+            if self.backend is None:
+                try:
+                    self.backend = self._connect(self.name)
+                except Unavailable as exc:
+                    self.failed(exc, base_backoff)
+                    raise
+            return self.backend
+
+    def failed(self, exc, base_backoff: float) -> None:
+        self.backoff = min(MAX_BACKOFF_S, self.backoff * 2 if self.backoff else base_backoff)
+        self.down_until = time.monotonic() + self.backoff
+        self.last_error = str(exc)[:200]
+        log.warning("ucm %s: server failed (%s); left alone for %.1f s", self.name, self.last_error,
+                    self.backoff)
+
+    def succeeded(self) -> None:
+        if self.backoff:
+            log.info("ucm %s: server back", self.name)
+        self.backoff = 0.0
+        self.down_until = 0.0
+
+    def close(self) -> None:
+        with self.lock:
+            if self.backend is not None:
+                try:
+                    self.backend.close()
+                except Exception:  # closing a dead connection must not fail a shutdown
+                    pass
+                self.backend = None
+
+
+# ---------------------------------------------------------------------------------------------
+# staging rows
+
+class _Staging:
+    """``n`` host rows of ``row_bytes`` (each one value: header + payload), one slab."""
+
+    def __init__(self, n: int, row_bytes: int):
+        self.n, self.row_bytes = n, row_bytes
+        self.slab = alloc_aligned(n * row_bytes, 4096).reshape(n, row_bytes)
+        self._free = list(range(n - 1, -1, -1))
+        self._cv = threading.Condition()
+
+    def take(self, k: int, timeout: float) -> Optional[list[int]]:
+        """``k`` rows at once (all or none, so two takers never wait on each other), waiting at
+        most ``timeout`` seconds; ``None`` when they did not come free."""
+        if k > self.n:
+            return None
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while len(self._free) < k:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cv.wait(left):
+                    if len(self._free) < k:
+                        return None
+            return [self._free.pop() for _ in range(k)]
+
+    def give(self, rows) -> None:
+        with self._cv:
+            self._free.extend(rows)
+            self._cv.notify_all()
+
+
+class _Pending:
+    """A block being dumped: its staging row, the shards written, and where its put stands."""
+    __slots__ = ("row", "shards", "copying", "state", "publish", "discard", "waiters", "server")
+
+    def __init__(self, row: int, n_shards: int):
+        self.row = row
+        self.shards = np.zeros(n_shards, dtype=bool)
+        self.copying = 0          # copies into the row in flight
+        self.state = "staging"    # staging -> putting -> stored | failed
+        self.publish = False      # committed before the put landed: write the marker then
+        self.discard = False      # commit(False) before the put landed
+        self.waiters: list = []   # (task, index) of later dumps of a block already putting
+        self.server = ""
+
+
+class _Part:
+    """The outcome of one part of a dump task: blocks settle now (``ok``/``fail``) or when a
+    put lands (``wait_for`` then ``landed``); the part finishes once all have settled and
+    ``release`` was called."""
+
+    def __init__(self, task: Task):
+        self.task = task
+        self._ok: list[int] = []
+        self._errors: dict = {}
+        self._open = 1
+        self._lock = threading.Lock()
+
+    def ok(self, i: int) -> None:
+        self._ok.append(i)
+
+    def fail(self, i: int, why: str) -> None:
+        self._errors[i] = why
+
+    def wait_for(self, p: "_Pending", i: int) -> None:
+        with self._lock:
+            self._open += 1
+        p.waiters.append((self, i))
+
+    def landed(self, i: int, why: Optional[str]) -> None:
+        with self._lock:
+            if why is None:
+                self._ok.append(i)
+            else:
+                self._errors[i] = f"put: {why}"
+        self.release()
+
+    def release(self) -> None:
+        with self._lock:
+            self._open -= 1
+            done = self._open == 0
+        if done:
+            self.task.finish_part(self._ok, self._errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tier
+
+class RemoteStore(KVStore):
+    """A tier on one kind of key-value server (module docstring). Subclasses give ``name`` and
+    ``from_config``; ``connect(server_name) -> Backend`` opens one server."""
+
+    name = "remote"
+    #: key of a value or marker: ``kind`` is ``v`` or ``m``; Redis puts ``{ns:id}`` in braces
+    #: (its cluster hash tag) so both keys of a block live on one node
+    key_format = "{prefix}/{ns}/{id}.{kind}"
+
+    def __init__(self, geometry: BlockGeometry, servers: Sequence[str],
+                 connect: Callable[[str], Backend], *, namespace: bytes = bytes(16),
+                 key_prefix: str = "ucm", servers_file: str = "", timeout_s: float = 0.2,
+                 backoff_s: float = 1.0, staging_bytes: int = 256 << 20,
+                 batch_bytes: int = 16 << 20, io_threads: int = 4, wait_timeout_s: float = 30.0):
+        super().__init__(geometry, wait_timeout_s, namespace)
+        self._connect = connect
+        self.key_prefix = key_prefix
+        self.timeout_s = float(timeout_s)
+        self.backoff_s = float(backoff_s)
+        self.header_bytes = header_size(geometry.n_shards, VALUE_ALIGN)
+        self.value_bytes = self.header_bytes + geometry.block_bytes
+        self.row_bytes = -(-self.value_bytes // VALUE_ALIGN) * VALUE_ALIGN
+        self.n_rows = max(4, int(staging_bytes) // self.row_bytes)
+        self.batch_blocks = max(1, int(batch_bytes) // self.value_bytes)
+        self._ns_hex = self.namespace.hex()
+        self._lock = threading.Lock()
+        self._servers: dict[str, _Server] = {}
+        self._names: list[str] = []
+        self._retired: list[_Server] = []
+        self._servers_file = servers_file
+        self._file_state = None
+        self._file_checked = 0.0
+        self._staging: Optional[_Staging] = None
+        self._pending: dict[bytes, _Pending] = {}
+        self._exec = threads.pool(io_threads, f"ucm-{self.name}")
+        self.set_servers(self._read_servers_file() if servers_file else servers)
+
+    # -- membership ---------------------------------------------------------------------------
+    def set_servers(self, names: Sequence[str]) -> None:
+        """Serve from these servers from now on (joins connect lazily; leavers are closed when
+        the store closes, after requests in flight finished with them)."""
+        names = [n.strip() for n in names if n.strip()]
+        if not names:
+            raise ValueError(f"{self.name}: at least one server")
+        with self._lock:
+            for n in names:
+                if n not in self._servers:
+                    self._servers[n] = _Server(n, self._connect_registered)
+            for n in list(self._servers):
+                if n not in names:
+                    self._retired.append(self._servers.pop(n))
+            self._names = list(dict.fromkeys(names))
+        log.info("ucm %s: servers %s", self.name, ", ".join(self._names))
+
+    def servers(self) -> list[str]:
+        self._poll_servers_file()
+        with self._lock:
+            return list(self._names)
+
+    def _read_servers_file(self) -> list[str]:
+        with open(self._servers_file) as f:
+            return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+
+    def _poll_servers_file(self) -> None:
+        if not self._servers_file or time.monotonic() - self._file_checked < 1.0:
+            return
+        self._file_checked = time.monotonic()
+        try:
+            st = os.stat(self._servers_file)
+            state = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if state == self._file_state:
+                return
+            names = self._read_servers_file()
+        except OSError as exc:
+            log.warning("ucm %s: cannot read servers file %s (%s); keeping %s", self.name,
+                        self._servers_file, exc, self._names)
+            return
+        self._file_state = state
+        if names and names != self._names:
+            self.set_servers(names)
+
+    def _connect_registered(self, name: str) -> Backend:
+        backend = self._connect(name)
+        st = self._staging
+        if st is not None:
+            backend.register(int(st.slab.ctypes.data), st.slab.nbytes)
+        return backend
+
+    def _route(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Row indices of ``ids`` per owning server."""
+        names = self.servers()
+        owner = rendezvous(ids, names)
+        return {names[k]: np.flatnonzero(owner == k) for k in np.unique(owner)}
+
+    def _call(self, server: str, fn: Callable[[Backend], object]):
+        """``fn(backend)`` on a server; Unavailable (now or raised by fn) marks it down."""
+        with self._lock:
+            srv = self._servers.get(server)
+        if srv is None:
+            raise Unavailable(f"{server} left the pool")
+        backend = srv.get(self.backoff_s)
+        try:
+            out = fn(backend)
+        except Unavailable as exc:
+            srv.failed(exc, self.backoff_s)
+            raise
+        srv.succeeded()
+        return out
+
+    def check_reachable(self, key: str) -> None:
+        """At open: a ConfigError naming ``key`` when no server answers (the store is closed);
+        a warning for each server that does not while others do."""
+        answers = self.ping()
+        down = {n: why for n, why in answers.items() if why}
+        if len(down) == len(answers):
+            self.close()
+            raise ConfigError(f"config key {key!r}: no {self.name} server reachable: " + "; ".join(
+                f"{n} ({why})" for n, why in down.items()))
+        for n, why in down.items():
+            log.warning("ucm %s: server %s (config key %r) not reachable at start: %s", self.name,
+                        n, key, why)
+
+    def ping(self) -> dict[str, str]:
+        """``{server: ""}`` for each server that answers, else the reason it does not."""
+        out = {}
+        for name in self.servers():
+            try:
+                self._call(name, lambda b: b.ping())
+                out[name] = ""
+            except Exception as exc:
+                out[name] = str(exc) or type(exc).__name__
+        return out
+
+    # -- keys -------------------------------------------------------------------------------------
+    def _keys(self, ids: np.ndarray, kind: str) -> list[str]:
+        return [self.key_format.format(prefix=self.key_prefix, ns=self._ns_hex, id=h, kind=kind)
+                for h in id_hex(ids)]
+
+    # -- staging ------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        self._rows()
+
+    def _rows(self) -> _Staging:
+        with self._lock:
+            if self._staging is None:
+                self._staging = _Staging(self.n_rows, self.row_bytes)
+                base, size = int(self._staging.slab.ctypes.data), self._staging.slab.nbytes
+                for srv in self._servers.values():
+                    if srv.backend is not None:
+                        srv.backend.register(base, size)
+            return self._staging
+
+    def _row(self, r: int) -> np.ndarray:
+        return self._staging.slab[r, :self.value_bytes]
+
+    # -- lookup -------------------------------------------------------------------------------
+    def lookup(self, block_ids) -> list[bool]:
+        ids = as_ids(block_ids, "block_ids")
+        hit = np.zeros(len(ids), dtype=bool)
+        for server, rows in self._route(ids).items():
+            sub = ids[rows]
+            keys = self._keys(sub, "v") + self._keys(sub, "m")
+            try:
+                found = np.asarray(self._call(server, lambda b: b.exists(keys)), dtype=bool)
+                hit[rows] = found[:len(rows)] & found[len(rows):]
+            except Exception as exc:
+                self._count_failure(exc)
+        n_hit = int(hit.sum())
+        self._stats.add(lookups=len(ids), hits=n_hit, misses=len(ids) - n_hit)
+        return hit.tolist()
+
+    def _count_failure(self, exc) -> None:
+        if isinstance(exc, Unavailable):
+            self._stats.add(unavailable=1)
+        else:
+            self._stats.add(io_errors=1)
+            log.warning("ucm %s: request failed: %r", self.name, exc)
+
+    # -- load -----------------------------------------------------------------------------------
+    def _load(self, ids, offset, bufs: BlockBuffers, shards) -> Task:
+        task = Task("load", ids)
+        for server, rows in self._route(ids).items():
+            for start in range(0, len(rows), self.batch_blocks):
+                part = rows[start:start + self.batch_blocks]
+                task.add_part()
+                self._exec.submit(self._load_part, task, server, ids, part, offset, bufs, shards)
+        return task.seal()
+
+    def _load_part(self, task: Task, server, ids, part, offset, bufs: BlockBuffers, shards) -> None:
+        t0 = time.perf_counter()
+        ok, errors, nbytes, rows = [], {}, 0, None
+        try:
+            backend_rows = None
+            if self._reads_into_rows(server):
+                rows = self._rows().take(len(part), self.wait_timeout_s)
+                if rows is None:
+                    raise RuntimeError("staging rows busy")
+                backend_rows = [memoryview(self._row(r)) for r in rows]
+            keys = self._keys(ids[part], "v")
+            values = self._call(server, lambda b: b.get(keys, backend_rows))
+            bad = []
+            for j, i in enumerate(part):
+                why = self._verify_copy(values[j], ids[i], i, offset, bufs, shards)
+                if why is None:
+                    ok.append(i)
+                    nbytes += len(shards) * self.geometry.shard_bytes
+                else:
+                    errors[int(i)] = why
+                    if why != "miss":
+                        bad.append(i)
+            if bad:
+                self._quarantine(server, ids[np.asarray(bad)])
+        except Exception as exc:
+            self._count_failure(exc)
+            errors.update({int(i): f"{self.name} {server}: {exc}" for i in part})
+            ok = []
+        finally:
+            if rows is not None:
+                self._staging.give(rows)
+        self._stats.add(load_blocks=len(ok), load_bytes=nbytes,
+                        load_seconds=time.perf_counter() - t0, load_failures=len(part) - len(ok))
+        task.finish_part(ok, errors, nbytes)
+
+    def _reads_into_rows(self, server: str) -> bool:
+        with self._lock:
+            srv = self._servers.get(server)
+        b = srv.backend if srv is not None else None
+        return bool(b is not None and b.reads_into_rows)
+
+    def _verify_copy(self, value, bid, i, offset, bufs: BlockBuffers, shards) -> Optional[str]:
+        """Check one value and copy the asked shards to row ``i`` of ``bufs``: ``None`` when
+        done, ``"miss"``, or why the value was refused."""
+        if value is None:
+            return "miss"
+        raw = np.frombuffer(value, dtype=np.uint8)
+        if raw.nbytes != self.value_bytes:
+            return f"corrupt: value of {raw.nbytes} bytes, expected {self.value_bytes}"
+        g = self.geometry
+        try:
+            head = parse(raw[:self.header_bytes], self.namespace, id_bytes(bid.reshape(1, 2))[0],
+                         g.block_bytes, g.shard_bytes, 0, VALUE_ALIGN)
+        except BadBlock as exc:
+            return f"corrupt: {exc}"
+        payload = raw[self.header_bytes:]
+        for k in shards:
+            piece = payload[k * g.shard_bytes:(k + 1) * g.shard_bytes]
+            if checksum(piece, k * g.shard_bytes // 8) != int(head.shard_checksums[k]):
+                return f"corrupt: shard {k} checksum mismatch"
+        data = payload[offset:offset + len(shards) * g.shard_bytes]
+        if bufs.is_cuda:
+            import torch
+
+            bufs.rows[i].copy_(torch.from_numpy(data.copy()))
+        else:
+            bufs.rows[i][:] = data
+        return None
+
+    def _quarantine(self, server: str, ids: np.ndarray) -> None:
+        """Values that failed verification: counted, and both keys deleted (the block is
+        recomputed and saved again by whoever needs it)."""
+        self._stats.add(quarantined=len(ids))
+        log.warning("ucm %s: %d value(s) on %s failed verification; deleted", self.name, len(ids),
+                    server)
+        keys = self._keys(ids, "m") + self._keys(ids, "v")
+        try:
+            self._call(server, lambda b: b.delete(keys))
+        except Exception as exc:
+            self._count_failure(exc)
+
+    # -- dump -----------------------------------------------------------------------------------
+    def _dump(self, ids, offset, bufs: BlockBuffers, shards) -> Task:
+        task = Task("dump", ids)
+        for start in range(0, len(ids), self.batch_blocks):
+            part = np.arange(start, min(len(ids), start + self.batch_blocks))
+            task.add_part()
+            self._exec.submit(self._dump_part, _Part(task), ids, part, offset, bufs, shards)
+        return task.seal()
+
+    def _dump_part(self, res: "_Part", ids, part, offset, bufs: BlockBuffers, shards) -> None:
+        """Stage the shards of each block; a block this completes is put to its server and
+        succeeds when the put lands (so does a block whose put is already in flight); a block
+        still missing shards succeeds once staged."""
+        t0 = time.perf_counter()
+        staging = self._rows()
+        g = self.geometry
+        sl = slice(shards[0], shards[-1] + 1)
+        span = len(shards) * g.shard_bytes
+        keys = id_bytes(ids[part])
+        claimed, complete = [], []
+        with self._lock:
+            for i, key in zip(part.tolist(), keys):
+                p = self._pending.get(key)
+                if p is None:
+                    rows = staging.take(1, 0)
+                    if rows is None:
+                        res.fail(i, "staging full")
+                        continue
+                    p = self._pending[key] = _Pending(rows[0], g.n_shards)
+                if p.state == "putting":
+                    res.wait_for(p, i)
+                elif p.state == "stored" or p.state == "staging" and p.shards[sl].all():
+                    res.ok(i)  # the same bytes are staged or stored already
+                else:
+                    if p.state == "failed":  # its last put failed: stage it again
+                        p.state, p.shards[:] = "staging", False
+                    p.copying += 1
+                    claimed.append((i, key, p))
+        for i, key, p in claimed:
+            copied = True
+            try:
+                dst = self._row(p.row)[self.header_bytes + offset:self.header_bytes + offset + span]
+                if bufs.is_cuda:
+                    import torch
+
+                    torch.from_numpy(dst).copy_(bufs.rows[i])
+                else:
+                    dst[:] = bufs.rows[i]
+            except Exception as exc:  # a source that cannot be read: this block fails
+                copied = False
+                res.fail(i, f"copy: {exc!r}")
+            with self._lock:
+                p.copying -= 1
+                if copied:
+                    p.shards[sl] = True
+                if p.discard and p.copying == 0 and p.state == "staging":
+                    self._drop(key, p)
+                    if copied:
+                        res.fail(i, "discarded")
+                elif p.shards.all() and p.copying == 0 and p.state == "staging":
+                    p.state = "putting"
+                    res.wait_for(p, i)
+                    complete.append((key, p, ids[i]))
+                elif copied:
+                    res.ok(i)
+        self._stats.add(dump_bytes=len(claimed) * span, dump_seconds=time.perf_counter() - t0)
+        if complete:
+            self._put(complete)
+        res.release()
+
+    def _put(self, complete: list) -> None:
+        """Headers for the completed blocks, then one batched put per server."""
+        g = self.geometry
+        for key, p, bid in complete:
+            row = self._row(p.row)
+            payload = row[self.header_bytes:]
+            sums = np.array([checksum(payload[k * g.shard_bytes:(k + 1) * g.shard_bytes],
+                                      k * g.shard_bytes // 8) for k in range(g.n_shards)],
+                            dtype=np.uint64)
+            head = Header(self.namespace, key, 0, g.block_bytes, g.shard_bytes, sums, VALUE_ALIGN)
+            row[:self.header_bytes] = head.pack()
+        bids = np.array([c[2] for c in complete], dtype=np.uint64).reshape(-1, 2)
+        for server, idx in self._route(bids).items():
+            self._exec.submit(self._put_group, server, [complete[j] for j in idx])
+
+    def _put_group(self, server: str, group: list) -> None:
+        t0 = time.perf_counter()
+        bids = np.array([c[2] for c in group], dtype=np.uint64).reshape(-1, 2)
+        keys = self._keys(bids, "v")
+        values = [memoryview(self._row(c[1].row)) for c in group]
+        try:
+            res = self._call(server, lambda b: b.put(keys, values))
+        except Exception as exc:
+            self._count_failure(exc)
+            res = [f"{server}: {exc}"] * len(group)
+        publish, finished = [], []
+        with self._lock:
+            for (key, p, bid), why in zip(group, res):
+                good = why is None
+                p.state = "stored" if good else "failed"
+                self._staging.give([p.row])
+                p.row = -1
+                finished.append((p.waiters, why))
+                p.waiters = []
+                if p.discard or not good:
+                    if self._pending.get(key) is p:
+                        del self._pending[key]
+                elif p.publish:
+                    del self._pending[key]
+                    publish.append(bid)
+        n_ok = sum(r is None for r in res)
+        self._stats.add(dump_blocks=n_ok, dump_failures=len(group) - n_ok,
+                        dump_seconds=time.perf_counter() - t0)
+        if publish:  # committed while the bytes were on their way: visible now
+            self._mark(np.array(publish, dtype=np.uint64).reshape(-1, 2))
+            self._stats.add(commits=len(publish))
+        for waiters, why in finished:
+            for part, i in waiters:
+                part.landed(i, why)
+
+    def _drop(self, key: bytes, p: _Pending) -> None:
+        """Forget a pending block (lock held)."""
+        self._pending.pop(key, None)
+        if p.row >= 0:
+            self._staging.give([p.row])
+            p.row = -1
+
+    # -- commit -----------------------------------------------------------------------------------
+    def commit(self, block_ids, success_flags) -> None:
+        ids, flags = self._flags(block_ids, success_flags)
+        publish = []
+        with self._lock:
+            for bid, flag in zip(ids, flags):
+                key = id_bytes(bid.reshape(1, 2))[0]
+                p = self._pending.get(key)
+                if p is None:
+                    continue
+                if not flag:
+                    p.discard = True
+                    if p.state != "putting" and p.copying == 0:
+                        self._drop(key, p)
+                elif p.state == "stored":
+                    self._pending.pop(key)
+                    publish.append(bid)
+                elif p.state == "putting" or p.copying:
+                    p.publish = True  # the marker follows when the bytes land
+                else:  # never completed, or its put failed: not published
+                    self._drop(key, p)
+        if publish:
+            self._mark(np.array(publish, dtype=np.uint64).reshape(-1, 2))
+            self._stats.add(commits=len(publish))
+        discarded = int((~flags).sum())
+        if discarded:
+            self._stats.add(discards=discarded)
+
+    def _mark(self, ids: np.ndarray) -> None:
+        """Write the commit markers of stored blocks (the step that makes them visible)."""
+        for server, rows in self._route(ids).items():
+            keys = self._keys(ids[rows], "m")
+            try:
+                res = self._call(server, lambda b: b.put(keys, [memoryview(MARKER)] * len(keys)))
+                failed = sum(r is not None for r in res)
+                if failed:
+                    self._stats.add(io_errors=failed)
+            except Exception as exc:
+                self._count_failure(exc)
+
+    # -- generation, stats, close -------------------------------------------------------------
+    def _generation_key(self) -> tuple[str, str]:
+        key = self.key_format.format(prefix=self.key_prefix, ns=self._ns_hex, id="generation",
+                                     kind="g")
+        names = self.servers()
+        return names[int(rendezvous(np.frombuffer(self.namespace, np.uint64).reshape(1, 2),
+                                    names)[0])], key
+
+    def generation(self) -> int:
+        """The generation stored on the namespace's server (the highest of it and this
+        process's); this process's alone while that server is down."""
+        server, key = self._generation_key()
+        try:
+            value = self._call(server, lambda b: b.get([key], None))[0]
+            if value is not None:
+                self._generation = max(self._generation, int(bytes(value).decode() or 0))
+        except Exception as exc:
+            self._count_failure(exc)
+        return self._generation
+
+    def set_generation(self, value: int) -> int:
+        target = max(super().set_generation(value), self.generation())
+        server, key = self._generation_key()
+        res = self._call(server, lambda b: b.put([key], [memoryview(str(target).encode())]))
+        if res[0] is not None:
+            raise OSError(f"{self.name}: cannot store the generation: {res[0]}")
+        self._generation = target
+        return target
+
+    def stats(self) -> dict:
+        snap = self._stats.snapshot()
+        with self._lock:
+            snap["servers"] = list(self._names)
+            snap["down"] = [n for n, s in self._servers.items() if s.down_until > time.monotonic()]
+            snap["pending_blocks"] = len(self._pending)
+        return {self.name: snap}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._exec.shutdown(wait=True)
+        with self._lock:
+            servers = list(self._servers.values()) + self._retired
+            self._servers, self._retired = {}, []
+        for srv in servers:
+            srv.close()
+        super().close()
+
+
+
+def remote_options(config) -> dict:
+    """The ``store.remote.*`` and shared store options every distributed tier takes."""
+    return dict(timeout_s=config["store.remote.timeout_s"], backoff_s=config["store.remote.backoff_s"],
+                staging_bytes=config["store.remote.staging"],
+                batch_bytes=config["store.remote.batch_bytes"],
+                io_threads=config["store.io_threads"], wait_timeout_s=config["store.wait_timeout_s"])
