@@ -41,10 +41,16 @@ def require_module(name: str):
         require(False, f"python module {name} ({exc})")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(below: int = 65536) -> int:
+    """A port free now on 127.0.0.1, under ``below`` (a Redis Cluster node also uses its port
+    + 10000)."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < below and (below == 65536 or not port_open(port + 10000)):
+            return port
+    raise RuntimeError(f"no free port below {below}")
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

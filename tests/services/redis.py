@@ -14,7 +14,7 @@ def redis_server(tmp, port: Optional[int] = None, password: Optional[str] = None
                  extra: tuple = (), name: str = "redis") -> Proc:
     """A started redis-server (no persistence); ``proc.port``, ``proc.url``."""
     binary = require_binary("redis-server")
-    port = port or free_port()
+    port = port or free_port(below=55536 if "--cluster-enabled" in extra else 65536)
     d = os.path.join(str(tmp), f"{name}-{port}")
     os.makedirs(d, exist_ok=True)
     cmd = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",

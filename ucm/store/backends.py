@@ -44,12 +44,29 @@ class Backend(ABC):
     @abstractmethod
     def get(self, keys: Sequence[str], rows: Sequence[Optional[memoryview]]) -> list:
         """The value of each key: a bytes-like object (``rows[i]`` itself, or a prefix of it,
-        when the backend reads into rows), or ``None`` when the key is missing. A value whose
-        length differs from what the tier expects is returned as it is (the tier rejects it)."""
+        when the backend reads into rows), ``None`` when the key is missing, or an
+        :class:`Unavailable` for a key whose part of the service failed alone (a cluster node).
+        A value whose length differs from what the tier expects is returned as it is (the tier
+        rejects it)."""
+
+    def get_committed(self, keys: Sequence[str], markers: Sequence[str],
+                      rows: Sequence[Optional[memoryview]]) -> list:
+        """``get`` of the keys whose marker exists (``None`` for the others). This default asks
+        for the markers first and reads only the values they cover; a backend that can send
+        both in one round trip overrides it."""
+        found = self.exists(markers)
+        out: list = [None] * len(keys)
+        idx = [i for i, f in enumerate(found) if f]
+        if idx:
+            got = self.get([keys[i] for i in idx], None if rows is None else [rows[i] for i in idx])
+            for i, v in zip(idx, got):
+                out[i] = v
+        return out
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """For each key: is a value stored under it?"""
+        """For each key: is a value stored under it? (False where the part of the service
+        holding it failed alone.)"""
 
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> None:

@@ -172,12 +172,24 @@ class RedisBackend(Backend):
     def get(self, keys, rows) -> list:
         replies = self._run(keys, lambda p, i: p.get(keys[i]))
         _raise_first_error(replies)
-        return replies
+        return replies  # a cluster node that failed alone: its keys carry the Unavailable
+
+    def get_committed(self, keys, markers, rows) -> list:
+        """One pipeline: EXISTS marker, GET value, per block (both keys on one node)."""
+        n = len(keys)
+        both = [k for pair in zip(markers, keys) for k in pair]
+        replies = self._run(both, lambda p, j: p.exists(both[j]) if j % 2 == 0 else p.get(both[j]))
+        _raise_first_error(replies)
+        out = []
+        for i in range(n):
+            marker, value = replies[2 * i], replies[2 * i + 1]
+            out.append(marker if isinstance(marker, Exception) else value if marker else None)
+        return out
 
     def exists(self, keys) -> list[bool]:
         replies = self._run(keys, lambda p, i: p.exists(keys[i]))
         _raise_first_error(replies)
-        return [bool(r) for r in replies]
+        return [not isinstance(r, Exception) and bool(r) for r in replies]
 
     def delete(self, keys) -> None:
         self._run(keys, lambda p, i: p.delete(keys[i]))
@@ -223,6 +235,7 @@ def _glob_escape(text: str) -> str:
 class RedisStore(RemoteStore):
     name = "redis"
     key_format = "{prefix}:{{{ns}:{id}}}:{kind}"
+    label = staticmethod(redacted)
 
     @classmethod
     def from_config(cls, geometry: BlockGeometry, config, namespace: bytes) -> "RedisStore":

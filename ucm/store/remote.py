@@ -12,7 +12,8 @@ A block ``B`` of namespace ``N`` lives under two keys on one server:
 * ``M(N, B)``: the commit marker, written by ``commit(True)`` only after the put of ``V`` was
   acknowledged (a commit that arrives while the put is in flight is applied when it lands).
 
-``lookup`` reports a block only when both keys exist. A reader verifies the header (namespace,
+``lookup`` reports a block only when both keys exist, and ``load`` reads only values whose
+marker exists. A reader verifies the header (namespace,
 id, codec, geometry, header checksum) and the checksum of every shard it reads; a value that
 fails is a miss, counted as ``quarantined``, and both keys are deleted. Two nodes writing the
 same content-addressed block race harmlessly: each put replaces a whole value with a whole value
@@ -98,8 +99,9 @@ def rendezvous(ids: np.ndarray, names: Sequence[str]) -> np.ndarray:
 class _Server:
     """One backend and its health: after a failure, requests fail at once until ``down_until``."""
 
-    def __init__(self, name: str, connect: Callable[[str], Backend]):
+    def __init__(self, name: str, connect: Callable[[str], Backend], label: str):
         self.name = name
+        self.label = label  # the name as logs and statistics show it (no credentials)
         self._connect = connect
         self.backend: Optional[Backend] = None
         self.down_until = 0.0
@@ -111,7 +113,7 @@ class _Server:
         """The backend, connecting on first use; raises Unavailable while the server is down."""
         now = time.monotonic()
         if now < self.down_until:
-            raise Unavailable(f"{self.name} is down ({self.last_error}); next try in "
+            raise Unavailable(f"{self.label} is down ({self.last_error}); next try in "
                               f"{self.down_until - now:.2f} s")
         with self.lock:
             if self.backend is None:
@@ -126,12 +128,12 @@ class _Server:
         self.backoff = min(MAX_BACKOFF_S, self.backoff * 2 if self.backoff else base_backoff)
         self.down_until = time.monotonic() + self.backoff
         self.last_error = str(exc)[:200]
-        log.warning("ucm %s: server failed (%s); left alone for %.1f s", self.name, self.last_error,
+        log.warning("ucm %s: server failed (%s); left alone for %.1f s", self.label, self.last_error,
                     self.backoff)
 
     def succeeded(self) -> None:
         if self.backoff:
-            log.info("ucm %s: server back", self.name)
+            log.info("ucm %s: server back", self.label)
         self.backoff = 0.0
         self.down_until = 0.0
 
@@ -281,12 +283,18 @@ class RemoteStore(KVStore):
         with self._lock:
             for n in names:
                 if n not in self._servers:
-                    self._servers[n] = _Server(n, self._connect_registered)
+                    self._servers[n] = _Server(n, self._connect_registered, self.label(n))
             for n in list(self._servers):
                 if n not in names:
                     self._retired.append(self._servers.pop(n))
             self._names = list(dict.fromkeys(names))
-        log.info("ucm %s: servers %s", self.name, ", ".join(self._names))
+        log.info("ucm %s: servers %s", self.name, ", ".join(map(self.label, self._names)))
+
+    @staticmethod
+    def label(server: str) -> str:
+        """A server's name as logs and statistics show it (a tier whose names can carry
+        credentials strips them)."""
+        return server
 
     def servers(self) -> list[str]:
         self._poll_servers_file()
@@ -309,7 +317,7 @@ class RemoteStore(KVStore):
             names = self._read_servers_file()
         except OSError as exc:
             log.warning("ucm %s: cannot read servers file %s (%s); keeping %s", self.name,
-                        self._servers_file, exc, self._names)
+                        self._servers_file, exc, [self.label(n) for n in self._names])
             return
         self._file_state = state
         if names and names != self._names:
@@ -333,7 +341,7 @@ class RemoteStore(KVStore):
         with self._lock:
             srv = self._servers.get(server)
         if srv is None:
-            raise Unavailable(f"{server} left the pool")
+            raise Unavailable(f"{self.label(server)} left the pool")
         backend = srv.get(self.backoff_s)
         try:
             out = fn(backend)
@@ -362,9 +370,10 @@ class RemoteStore(KVStore):
         for name in self.servers():
             try:
                 self._call(name, lambda b: b.ping())
-                out[name] = ""
+                out[self.label(name)] = ""
             except Exception as exc:
-                out[name] = str(exc) or type(exc).__name__
+                out[self.label(name)] = str(exc) or type(exc).__name__
+                continue
         return out
 
     # -- keys -------------------------------------------------------------------------------------
@@ -432,8 +441,8 @@ class RemoteStore(KVStore):
                 if rows is None:
                     raise RuntimeError("staging rows busy")
                 backend_rows = [memoryview(self._row(r)) for r in rows]
-            keys = self._keys(ids[part], "v")
-            values = self._call(server, lambda b: b.get(keys, backend_rows))
+            keys, marks = self._keys(ids[part], "v"), self._keys(ids[part], "m")
+            values = self._call(server, lambda b: b.get_committed(keys, marks, backend_rows))
             bad = []
             for j, i in enumerate(part):
                 why = self._verify_copy(values[j], ids[i], i, offset, bufs, shards)
@@ -442,13 +451,13 @@ class RemoteStore(KVStore):
                     nbytes += len(shards) * self.geometry.shard_bytes
                 else:
                     errors[int(i)] = why
-                    if why != "miss":
+                    if why.startswith("corrupt"):
                         bad.append(i)
             if bad:
                 self._quarantine(server, ids[np.asarray(bad)])
         except Exception as exc:
             self._count_failure(exc)
-            errors.update({int(i): f"{self.name} {server}: {exc}" for i in part})
+            errors.update({int(i): f"{self.name} {self.label(server)}: {exc}" for i in part})
             ok = []
         finally:
             if rows is not None:
@@ -468,6 +477,9 @@ class RemoteStore(KVStore):
         done, ``"miss"``, or why the value was refused."""
         if value is None:
             return "miss"
+        if isinstance(value, Exception):
+            self._stats.add(unavailable=1)
+            return f"{self.name}: {value}"
         raw = np.frombuffer(value, dtype=np.uint8)
         if raw.nbytes != self.value_bytes:
             return f"corrupt: value of {raw.nbytes} bytes, expected {self.value_bytes}"
@@ -496,7 +508,7 @@ class RemoteStore(KVStore):
         recomputed and saved again by whoever needs it)."""
         self._stats.add(quarantined=len(ids))
         log.warning("ucm %s: %d value(s) on %s failed verification; deleted", self.name, len(ids),
-                    server)
+                    self.label(server))
         keys = self._keys(ids, "m") + self._keys(ids, "v")
         try:
             self._call(server, lambda b: b.delete(keys))
@@ -597,7 +609,7 @@ class RemoteStore(KVStore):
             res = self._call(server, lambda b: b.put(keys, values))
         except Exception as exc:
             self._count_failure(exc)
-            res = [f"{server}: {exc}"] * len(group)
+            res = [f"{self.label(server)}: {exc}"] * len(group)
         publish, finished = [], []
         with self._lock:
             for (key, p, bid), why in zip(group, res):
@@ -702,8 +714,8 @@ class RemoteStore(KVStore):
     def stats(self) -> dict:
         snap = self._stats.snapshot()
         with self._lock:
-            snap["servers"] = list(self._names)
-            snap["down"] = [n for n, s in self._servers.items() if s.down_until > time.monotonic()]
+            snap["servers"] = [self.label(n) for n in self._names]
+            snap["down"] = [s.label for s in self._servers.values() if s.down_until > time.monotonic()]
             snap["pending_blocks"] = len(self._pending)
         return {self.name: snap}
 
