@@ -223,3 +223,41 @@ def run_model(open_store, seed: int, n_ops: int, roomy: bool, persistent: bool =
     finally:
         store.close()
     return dict(counts)
+
+
+def run_threads(store, n_threads: int = 8, n_ops: int = 150, universe: int = 40) -> tuple:
+    """``n_threads`` threads dump (duplicates, present ids), commit, load and look up one shared
+    pool of blocks on ``store`` (closed at the end). Returns (blocks loaded ok, errors): an
+    error is a block loaded ok with bytes other than its own, or an exception."""
+    import threading
+
+    errors, loaded = [], [0]
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(n_ops):
+                keys = rng.integers(0, universe, int(rng.integers(1, 7))).tolist()
+                ids = block_ids(keys)
+                if rng.random() < 0.45:
+                    r = store.wait(store.dump(ids, 0, np.stack([content(k) for k in keys])))
+                    store.commit(ids, r.ok)
+                elif rng.random() < 0.85:
+                    dst = np.zeros((len(keys), GEOMETRY.block_bytes), np.uint8)
+                    r = store.wait(store.load(ids, 0, dst))
+                    for i in np.flatnonzero(r.ok):
+                        loaded[0] += 1
+                        if not np.array_equal(dst[i], content(keys[i])):
+                            errors.append(f"key {keys[i]}: another block's bytes")
+                else:
+                    store.lookup(ids)
+        except Exception as exc:  # reported to the caller
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.close()
+    return loaded[0], errors

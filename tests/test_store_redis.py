@@ -382,7 +382,7 @@ def test_cluster_serves_and_survives_a_dead_node(cluster, rng):
 
 # -- the dictionary model (tests/store_model.py) ---------------------------------------------------
 
-MODEL_OPS = int(os.environ.get("UCM_MODEL_OPS", "12500")) // 4
+MODEL_OPS = int(os.environ.get("UCM_MODEL_OPS", "12500")) // 6
 
 
 @pytest.mark.parametrize("roomy", [True, False], ids=["roomy", "tight"])
@@ -391,15 +391,16 @@ def test_redis_tiers_match_the_model(kind, roomy, server):
     """Random operation sequences against the dictionary model: exact bytes, nothing
     unpublished visible, and (roomy) every published block present. Tight: 4 staging rows (dumps
     find them full) and, in the pipeline, a memory tier of 10 slots."""
-    from store_model import GEOMETRY, run_model
+    from store_model import GEOMETRY, run_model, run_threads
     from ucm.store.memory import MemoryStore
     from ucm.store.pipeline import PipelineStore
     from ucm.store.redis import RedisStore, RedisBackend
 
     ns = ucm.Namespace(f"model-{kind}-{roomy}", "bfloat16", 16).digest()
-    raw = _raw(server)
-    raw.flushall()
-    raw.close()
+    def flush():
+        raw = _raw(server)
+        raw.flushall()
+        raw.close()
 
     def tier():
         return RedisStore(GEOMETRY, [server.url], lambda url: RedisBackend(url, timeout_s=1.0),
@@ -411,6 +412,12 @@ def test_redis_tiers_match_the_model(kind, roomy, server):
         return PipelineStore([MemoryStore(GEOMETRY, buffer_number=128 if roomy else 10,
                                           io_threads=2, namespace=ns), tier()])
 
+    flush()
+    if not roomy:  # and eight threads on one store, under the same pressure
+        loaded, errors = run_threads(open_store())
+        assert not errors, errors[:5]
+        assert loaded > 50
+        flush()
     counts = run_model(open_store, 500 + roomy + 10 * (kind == "redis"), MODEL_OPS, roomy=roomy,
                        persistent=True)
     print(f"model {kind} {'roomy' if roomy else 'tight'}: {counts}")
