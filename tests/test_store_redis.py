@@ -255,6 +255,31 @@ def test_credentials_and_acl(tmp_path, rng):
         p.stop()
 
 
+def test_tls_with_client_certificates(tmp_path, rng):
+    from services.redis import make_certs
+
+    certs = make_certs(tmp_path)
+    p = redis_server(tmp_path, tls=certs)
+    try:
+        s = _open([p.url], tls_ca_file=certs["ca.crt"], tls_cert_file=certs["client.crt"],
+                  tls_key_file=certs["client.key"])
+        try:
+            ids, data = _ids(rng, 3), _data(rng, 3)
+            assert _put(s, ids, data).all_ok
+            out = np.zeros_like(data)
+            assert s.wait(s.load(ids, 0, out)).all_ok and (out == data).all()
+        finally:
+            s.close()
+        with pytest.raises(ConfigError, match="store.redis.servers"):  # no client certificate
+            _open([p.url], tls_ca_file=certs["ca.crt"])
+        with pytest.raises(ConfigError, match="store.redis.servers"):  # server not trusted
+            _open([p.url], tls_cert_file=certs["client.crt"], tls_key_file=certs["client.key"])
+        with pytest.raises(ConfigError, match="store.redis.servers"):  # plain text to a TLS port
+            _open([p.url.replace("rediss://", "redis://")])
+    finally:
+        p.stop()
+
+
 def test_bad_configuration_names_the_key():
     with pytest.raises(ConfigError, match="store.redis.servers.*Redis URL"):
         _open(["http://127.0.0.1:1"])

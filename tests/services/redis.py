@@ -9,10 +9,34 @@ from typing import Optional
 from services import Proc, free_port, port_open, require_binary
 
 
+def make_certs(d) -> dict:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (openssl), as paths."""
+    openssl = require_binary("openssl")
+    d = str(d)
+    p = {k: os.path.join(d, k) for k in ("ca.key", "ca.crt", "server.key", "server.crt",
+                                         "client.key", "client.crt", "san.cnf")}
+    with open(p["san.cnf"], "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+
+    def run(*args):
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", p["ca.key"], "-out", p["ca.crt"],
+        "-days", "2", "-subj", "/CN=ucm-test-ca")
+    for who in ("server", "client"):
+        csr = os.path.join(d, who + ".csr")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", p[who + ".key"], "-out", csr,
+            "-subj", f"/CN=ucm-test-{who}")
+        run("x509", "-req", "-in", csr, "-CA", p["ca.crt"], "-CAkey", p["ca.key"], "-CAcreateserial",
+            "-out", p[who + ".crt"], "-days", "2", "-extfile", p["san.cnf"])
+    return p
+
+
 def redis_server(tmp, port: Optional[int] = None, password: Optional[str] = None,
                  maxmemory: Optional[str] = None, policy: str = "allkeys-lru",
-                 extra: tuple = (), name: str = "redis") -> Proc:
-    """A started redis-server (no persistence); ``proc.port``, ``proc.url``."""
+                 extra: tuple = (), name: str = "redis", tls: Optional[dict] = None) -> Proc:
+    """A started redis-server (no persistence); ``proc.port``, ``proc.url``. With ``tls`` (from
+    :func:`make_certs`): TLS only, client certificates required, ``proc.url`` is rediss://."""
     binary = require_binary("redis-server")
     port = port or free_port(below=55536 if "--cluster-enabled" in extra else 65536)
     d = os.path.join(str(tmp), f"{name}-{port}")
@@ -23,19 +47,25 @@ def redis_server(tmp, port: Optional[int] = None, password: Optional[str] = None
         cmd += ["--requirepass", password]
     if maxmemory:
         cmd += ["--maxmemory", maxmemory, "--maxmemory-policy", policy]
+    if tls:
+        cmd[cmd.index("--port") + 1] = "0"
+        cmd += ["--tls-port", str(port), "--tls-cert-file", tls["server.crt"], "--tls-key-file",
+                tls["server.key"], "--tls-ca-cert-file", tls["ca.crt"], "--tls-auth-clients", "yes"]
     cmd += list(extra)
-    proc = Proc(cmd, ready=lambda: _ping(port, password), log=os.path.join(d, "log"), name=name)
+    proc = Proc(cmd, ready=lambda: _ping(port, password, tls), log=os.path.join(d, "log"), name=name)
     proc.port = port
-    proc.url = f"redis://127.0.0.1:{port}/0"
+    proc.url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}/0"
     return proc.start()
 
 
-def _ping(port: int, password: Optional[str] = None) -> bool:
+def _ping(port: int, password: Optional[str] = None, tls: Optional[dict] = None) -> bool:
     if not port_open(port):
         return False
     import redis
 
-    r = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=0.5)
+    kw = dict(ssl=True, ssl_ca_certs=tls["ca.crt"], ssl_certfile=tls["client.crt"],
+              ssl_keyfile=tls["client.key"]) if tls else {}
+    r = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=0.5, **kw)
     try:
         return r.ping()
     finally:
