@@ -97,6 +97,18 @@ def test_layer_by_layer_dumps_and_shard_loads(store, rng):
     assert (out == data[:, SHARD:3 * SHARD]).all()
 
 
+def test_a_dump_larger_than_the_staging_flows_through_it(server, rng):
+    s = _open([server.url], staging=1)  # 4 staging rows
+    try:
+        ids, data = _ids(rng, 40), _data(rng, 40)
+        r = _put(s, ids, data)
+        assert r.all_ok, r.errors
+        out = np.zeros_like(data)
+        assert s.wait(s.load(ids, 0, out)).all_ok and (out == data).all()
+    finally:
+        s.close()
+
+
 def test_a_block_missing_shards_is_never_published(store, rng):
     ids, data = _ids(rng, 3), _data(rng, 3)
     assert store.wait(store.dump(ids, 0, data[:, :2 * SHARD])).all_ok

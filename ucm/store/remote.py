@@ -60,6 +60,7 @@ log = logging.getLogger("ucm.store.remote")
 VALUE_ALIGN = 64           # header padding and staging row alignment
 MAX_BACKOFF_S = 30.0
 MARKER = b"\x01"
+ROW_WAIT_S = 2.0           # longest wait of a dump or load for free staging rows
 _K1, _K2, _K3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -173,6 +174,10 @@ class _Staging:
                         return None
             return [self._free.pop() for _ in range(k)]
 
+    def free(self) -> int:
+        with self._cv:
+            return len(self._free)
+
     def give(self, rows) -> None:
         with self._cv:
             self._free.extend(rows)
@@ -259,7 +264,9 @@ class RemoteStore(KVStore):
         self.value_bytes = self.header_bytes + geometry.block_bytes
         self.row_bytes = -(-self.value_bytes // VALUE_ALIGN) * VALUE_ALIGN
         self.n_rows = max(4, int(staging_bytes) // self.row_bytes)
-        self.batch_blocks = max(1, int(batch_bytes) // self.value_bytes)
+        # a batch is at most a quarter of the staging rows, so a dump larger than the staging
+        # flows through it (later parts take the rows that earlier puts gave back)
+        self.batch_blocks = max(1, min(int(batch_bytes) // self.value_bytes, self.n_rows // 4))
         self._ns_hex = self.namespace.hex()
         self._lock = threading.Lock()
         self._servers: dict[str, _Server] = {}
@@ -270,7 +277,11 @@ class RemoteStore(KVStore):
         self._file_checked = 0.0
         self._staging: Optional[_Staging] = None
         self._pending: dict[bytes, _Pending] = {}
+        self._putting = 0  # blocks whose put is in flight (their rows come back by themselves)
         self._exec = threads.pool(io_threads, f"ucm-{self.name}")
+        # puts run apart from dumps and loads, so rows held by staged blocks come back while
+        # dump parts wait for rows
+        self._put_exec = threads.pool(io_threads, f"ucm-{self.name}-put")
         self.set_servers(self._read_servers_file() if servers_file else servers)
 
     # -- membership ---------------------------------------------------------------------------
@@ -363,6 +374,15 @@ class RemoteStore(KVStore):
         for n, why in down.items():
             log.warning("ucm %s: server %s (config key %r) not reachable at start: %s", self.name,
                         n, key, why)
+        with self._lock:
+            limits = [(s.label, s.backend.max_value_bytes) for s in self._servers.values()
+                      if s.backend is not None and s.backend.max_value_bytes]
+        for label, limit in limits:
+            if self.value_bytes > limit:
+                self.close()
+                raise ConfigError(f"config key {key!r}: {label} takes values of at most {limit} "
+                                  f"bytes; a block here is {self.value_bytes} bytes with its header "
+                                  f"(use smaller blocks or another tier)")
 
     def ping(self) -> dict[str, str]:
         """``{server: ""}`` for each server that answers, else the reason it does not."""
@@ -437,7 +457,7 @@ class RemoteStore(KVStore):
         try:
             backend_rows = None
             if self._reads_into_rows(server):
-                rows = self._rows().take(len(part), self.wait_timeout_s)
+                rows = self._rows().take(len(part), ROW_WAIT_S)
                 if rows is None:
                     raise RuntimeError("staging rows busy")
                 backend_rows = [memoryview(self._row(r)) for r in rows]
@@ -536,10 +556,21 @@ class RemoteStore(KVStore):
         keys = id_bytes(ids[part])
         claimed, complete = [], []
         with self._lock:
+            new = len({k for k in keys if k not in self._pending})
+            putting = self._putting
+        # Rows for the blocks not staged yet, taken outside the lock. Only rows held by puts
+        # in flight come back by themselves (a staged block waits for its commit), so the dump
+        # waits for them only when they would be enough; otherwise, or when they do not come
+        # in time, it uses what is free and the other blocks fail (not stored).
+        spare = []
+        if new:
+            wait = ROW_WAIT_S if staging.free() + putting >= new else 0.0
+            spare = staging.take(new, wait) or []
+        with self._lock:
             for i, key in zip(part.tolist(), keys):
                 p = self._pending.get(key)
                 if p is None:
-                    rows = staging.take(1, 0)
+                    rows = [spare.pop()] if spare else staging.take(1, 0)
                     if rows is None:
                         res.fail(i, "staging full")
                         continue
@@ -576,10 +607,13 @@ class RemoteStore(KVStore):
                         res.fail(i, "discarded")
                 elif p.shards.all() and p.copying == 0 and p.state == "staging":
                     p.state = "putting"
+                    self._putting += 1
                     res.wait_for(p, i)
                     complete.append((key, p, ids[i]))
                 elif copied:
                     res.ok(i)
+        if spare:
+            staging.give(spare)
         self._stats.add(dump_bytes=len(claimed) * span, dump_seconds=time.perf_counter() - t0)
         if complete:
             self._put(complete)
@@ -598,7 +632,7 @@ class RemoteStore(KVStore):
             row[:self.header_bytes] = head.pack()
         bids = np.array([c[2] for c in complete], dtype=np.uint64).reshape(-1, 2)
         for server, idx in self._route(bids).items():
-            self._exec.submit(self._put_group, server, [complete[j] for j in idx])
+            self._put_exec.submit(self._put_group, server, [complete[j] for j in idx])
 
     def _put_group(self, server: str, group: list) -> None:
         t0 = time.perf_counter()
@@ -614,6 +648,7 @@ class RemoteStore(KVStore):
         with self._lock:
             for (key, p, bid), why in zip(group, res):
                 good = why is None
+                self._putting -= 1
                 p.state = "stored" if good else "failed"
                 self._staging.give([p.row])
                 p.row = -1
@@ -723,6 +758,7 @@ class RemoteStore(KVStore):
         if self._closed:
             return
         self._exec.shutdown(wait=True)
+        self._put_exec.shutdown(wait=True)
         with self._lock:
             servers = list(self._servers.values()) + self._retired
             self._servers, self._retired = {}, []
