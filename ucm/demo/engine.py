@@ -13,14 +13,16 @@ exactly that many blocks), ``log_stats`` (report vLLM's counters, e.g. ``vllm:nu
 under ``"metrics"``, and per generated output ``decode_s``: engine-core time from its first to
 its last token), ``prompts`` (lists of token ids), ``phases`` (list of {"name", "prompts":
 [indices], "max_tokens", "ttft": bool, "logprobs": bool, "prompt_logprobs": bool,
-"read_cache": bool}), ``env`` (extra environment for the engine). Each phase is one
+"read_cache": bool, "wait_for": path}), ``env`` (extra environment for the engine). Each phase is one
 ``generate`` call with all its prompts in flight together; with ``ttft`` each prompt is instead
 timed alone with one output token (time to first token). With ``logprobs`` the log-probability
 of each generated token is reported. With ``prompt_logprobs`` the log-probability of each prompt
 token given its prefix is reported (``None`` for the first token). vLLM then skips prefix-cache
 and connector hits, unless ``read_cache`` is set: it then computes log-probabilities only for the
 prompt tokens it computed itself (the positions after the loaded prefix); ``prompt_logprobs_from``
-is the first position with a value.
+is the first position with a value. With ``wait_for`` the engine, idle before that phase,
+creates ``path + ".ready"`` and waits for ``path`` to exist (a test stops or restarts a
+service in between).
 """
 from __future__ import annotations
 
@@ -78,6 +80,8 @@ def run(spec: dict) -> dict:
     out = {"load_seconds": time.perf_counter() - t0, "phases": []}
     prompts = spec["prompts"]
     for phase in spec["phases"]:
+        if phase.get("wait_for"):
+            _handshake(phase["wait_for"])
         print(f"[engine] phase {phase['name']}: {len(phase['prompts'])} prompts", file=sys.stderr, flush=True)
         res = {"name": phase["name"], "outputs": []}
         if phase.get("ttft"):
@@ -118,6 +122,18 @@ def run(spec: dict) -> dict:
                           if hasattr(m, "value")}
     del llm
     return out
+
+
+def _handshake(path: str, limit_s: float = 600.0) -> None:
+    """Between two phases: tell the test the engine is idle (``path + ".ready"``) and wait until
+    it creates ``path`` (it may stop a server meanwhile, say)."""
+    with open(path + ".ready", "w") as f:
+        f.write(str(os.getpid()))
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} after {limit_s} s")
+        time.sleep(0.05)
 
 
 def _prompt_logprobs(tokens: list, plps, num_cached: int) -> dict:
