@@ -509,22 +509,21 @@ class RemoteStore(KVStore):
         for start in range(0, len(ids), self.batch_blocks):
             part = np.arange(start, min(len(ids), start + self.batch_blocks))
             task.add_part()
-            self._exec.submit(self._dump_part, _Part(task), ids, part, offset, bufs, shards)
+            res = _Part(task)
+            # claimed here, in the caller: a commit that follows the dump finds its blocks pending
+            claimed = self._claim(res, ids, part, shards)
+            self._exec.submit(self._dump_part, res, ids, claimed, offset, bufs, shards)
         return task.seal()
 
-    def _dump_part(self, res: "_Part", ids, part, offset, bufs: BlockBuffers, shards) -> None:
-        """Stage the shards of each block; a block this completes is put to its server and
-        succeeds when the put lands (so does a block whose put is already in flight); a block
-        still missing shards succeeds once staged."""
-        t0 = time.perf_counter()
+    def _claim(self, res: "_Part", ids, part, shards) -> list:
+        """The staging row of each block, settling those staged or put already; returns the
+        ``(i, key, pending)`` whose shards ``_dump_part`` copies."""
         staging = self._rows()
         g = self.geometry
         sl = slice(shards[0], shards[-1] + 1)
-        span = len(shards) * g.shard_bytes
-        keys = id_bytes(ids[part])
-        claimed, complete = [], []
+        claimed = []
         with self._lock:
-            for i, key in zip(part.tolist(), keys):
+            for i, key in zip(part.tolist(), id_bytes(ids[part])):
                 p = self._pending.get(key)
                 if p is None:
                     rows = staging.take(1, 0)
@@ -541,6 +540,17 @@ class RemoteStore(KVStore):
                         p.state, p.shards[:] = "staging", False
                     p.copying += 1
                     claimed.append((i, key, p))
+        return claimed
+
+    def _dump_part(self, res: "_Part", ids, claimed, offset, bufs: BlockBuffers, shards) -> None:
+        """Stage the shards of each claimed block; a block this completes is put to its server
+        and succeeds when the put lands (so does a block whose put is already in flight); a
+        block still missing shards succeeds once staged."""
+        t0 = time.perf_counter()
+        g = self.geometry
+        sl = slice(shards[0], shards[-1] + 1)
+        span = len(shards) * g.shard_bytes
+        complete = []
         for i, key, p in claimed:
             copied = True
             try:
