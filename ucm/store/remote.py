@@ -541,40 +541,23 @@ class RemoteStore(KVStore):
         for start in range(0, len(ids), self.batch_blocks):
             part = np.arange(start, min(len(ids), start + self.batch_blocks))
             task.add_part()
-            self._exec.submit(self._dump_part, _Part(task), ids, part, offset, bufs, shards)
+            res = _Part(task)
+            # claimed here, in the caller, so a commit that follows the dump at once finds its
+            # blocks pending; their staging rows are taken later, by the I/O thread
+            claimed = self._claim(res, ids, part, shards)
+            self._exec.submit(self._dump_part, res, ids, claimed, offset, bufs, shards)
         return task.seal()
 
-    def _dump_part(self, res: "_Part", ids, part, offset, bufs: BlockBuffers, shards) -> None:
-        """Stage the shards of each block; a block this completes is put to its server and
-        succeeds when the put lands (so does a block whose put is already in flight); a block
-        still missing shards succeeds once staged."""
-        t0 = time.perf_counter()
-        staging = self._rows()
-        g = self.geometry
+    def _claim(self, res: "_Part", ids, part, shards) -> list:
+        """Settle the blocks staged or stored already; returns the ``(i, key, pending)`` whose
+        shards ``_dump_part`` copies (a new block's entry has no row yet)."""
         sl = slice(shards[0], shards[-1] + 1)
-        span = len(shards) * g.shard_bytes
-        keys = id_bytes(ids[part])
-        claimed, complete = [], []
+        claimed = []
         with self._lock:
-            new = len({k for k in keys if k not in self._pending})
-            putting = self._putting
-        # Rows for the blocks not staged yet, taken outside the lock. Only rows held by puts
-        # in flight come back by themselves (a staged block waits for its commit), so the dump
-        # waits for them only when they would be enough; otherwise, or when they do not come
-        # in time, it uses what is free and the other blocks fail (not stored).
-        spare = []
-        if new:
-            wait = ROW_WAIT_S if staging.free() + putting >= new else 0.0
-            spare = staging.take(new, wait) or []
-        with self._lock:
-            for i, key in zip(part.tolist(), keys):
+            for i, key in zip(part.tolist(), id_bytes(ids[part])):
                 p = self._pending.get(key)
                 if p is None:
-                    rows = [spare.pop()] if spare else staging.take(1, 0)
-                    if rows is None:
-                        res.fail(i, "staging full")
-                        continue
-                    p = self._pending[key] = _Pending(rows[0], g.n_shards)
+                    p = self._pending[key] = _Pending(-1, self.geometry.n_shards)
                 if p.state == "putting":
                     res.wait_for(p, i)
                 elif p.state == "stored" or p.state == "staging" and p.shards[sl].all():
@@ -584,36 +567,76 @@ class RemoteStore(KVStore):
                         p.state, p.shards[:] = "staging", False
                     p.copying += 1
                     claimed.append((i, key, p))
-        for i, key, p in claimed:
-            copied = True
-            try:
-                dst = self._row(p.row)[self.header_bytes + offset:self.header_bytes + offset + span]
-                if bufs.is_cuda:
-                    import torch
+        return claimed
 
-                    torch.from_numpy(dst).copy_(bufs.rows[i])
-                else:
-                    dst[:] = bufs.rows[i]
-            except Exception as exc:  # a source that cannot be read: this block fails
-                copied = False
-                res.fail(i, f"copy: {exc!r}")
+    def _take_rows(self, claimed: list) -> None:
+        """A staging row for each claimed block without one. Only rows held by puts in flight
+        come back by themselves (a staged block keeps its row until its commit), so this waits
+        (at most ROW_WAIT_S) only when those would be enough; otherwise, or when they do not come
+        in time, it uses what is free, and the other blocks fail (not stored)."""
+        staging = self._rows()
+        with self._lock:
+            need = len({key for _, key, p in claimed if p.row < 0})
+            putting = self._putting
+        spare = []
+        if need:
+            wait = ROW_WAIT_S if staging.free() + putting >= need else 0.0
+            spare = staging.take(need, wait) or []
+        with self._lock:
+            for _, _, p in claimed:
+                if p.row < 0:
+                    rows = [spare.pop()] if spare else staging.take(1, 0)
+                    if rows is not None:
+                        p.row = rows[0]
+        if spare:
+            staging.give(spare)
+
+    def _dump_part(self, res: "_Part", ids, claimed, offset, bufs: BlockBuffers, shards) -> None:
+        """Stage the shards of each claimed block; a block this completes is put to its server
+        and succeeds when the put lands (so does a block whose put is already in flight); a
+        block still missing shards succeeds once staged."""
+        t0 = time.perf_counter()
+        g = self.geometry
+        sl = slice(shards[0], shards[-1] + 1)
+        span = len(shards) * g.shard_bytes
+        complete = []
+        self._take_rows(claimed)
+        for i, key, p in claimed:
+            copied = p.row >= 0
+            if not copied:
+                res.fail(i, "staging full")
+            else:
+                try:
+                    dst = self._row(p.row)[self.header_bytes + offset:
+                                           self.header_bytes + offset + span]
+                    if bufs.is_cuda:
+                        import torch
+
+                        torch.from_numpy(dst).copy_(bufs.rows[i])
+                    else:
+                        dst[:] = bufs.rows[i]
+                except Exception as exc:  # a source that cannot be read: this block fails
+                    copied = False
+                    res.fail(i, f"copy: {exc!r}")
             with self._lock:
                 p.copying -= 1
                 if copied:
                     p.shards[sl] = True
-                if p.discard and p.copying == 0 and p.state == "staging":
-                    self._drop(key, p)
-                    if copied:
-                        res.fail(i, "discarded")
-                elif p.shards.all() and p.copying == 0 and p.state == "staging":
+                settled = p.copying == 0 and p.state == "staging"
+                if settled and p.shards.all() and not p.discard:
                     p.state = "putting"
                     self._putting += 1
                     res.wait_for(p, i)
                     complete.append((key, p, ids[i]))
+                    continue
+                if settled and (p.discard or p.publish or p.row < 0):
+                    # discarded, committed before its last shards came (never published), or
+                    # without a row: nothing of it is kept
+                    self._drop(key, p)
+                    if copied:
+                        res.fail(i, "discarded" if p.discard else "incomplete at commit")
                 elif copied:
                     res.ok(i)
-        if spare:
-            staging.give(spare)
         self._stats.add(dump_bytes=len(claimed) * span, dump_seconds=time.perf_counter() - t0)
         if complete:
             self._put(complete)
