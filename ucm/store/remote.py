@@ -174,6 +174,11 @@ class _Staging:
                         return None
             return [self._free.pop() for _ in range(k)]
 
+    def wait_change(self, timeout: float) -> None:
+        """Sleep until rows are given back (or ``timeout`` seconds)."""
+        with self._cv:
+            self._cv.wait(timeout)
+
     def free(self) -> int:
         with self._cv:
             return len(self._free)
@@ -577,11 +582,18 @@ class RemoteStore(KVStore):
         staging = self._rows()
         with self._lock:
             need = len({key for _, key, p in claimed if p.row < 0})
-            putting = self._putting
         spare = []
-        if need:
-            wait = ROW_WAIT_S if staging.free() + putting >= need else 0.0
-            spare = staging.take(need, wait) or []
+        deadline = time.monotonic() + ROW_WAIT_S
+        while need:
+            spare = staging.take(need, 0)
+            if spare is not None:
+                break
+            spare = []
+            with self._lock:
+                putting = self._putting
+            if staging.free() + putting < need or time.monotonic() > deadline:
+                break  # the rows would not come back by themselves
+            staging.wait_change(0.05)
         with self._lock:
             for _, _, p in claimed:
                 if p.row < 0:
