@@ -1,5 +1,5 @@
 """Load balance and membership changes of the distributed tiers' rendezvous hashing
-(``ucm.store.remote.rendezvous``), on random 128-bit block ids (ucm's ids are hashes).
+(``ucm.store.membership.rendezvous``), on random 128-bit block ids (ucm's ids are hashes).
 
     .venv/bin/python benchmarks/bench_rendezvous.py [--ids 100000] [--servers 4] [--trials 5]
 
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from ucm.store.remote import rendezvous
+from ucm.store.membership import rendezvous
 
 
 def trial(seed: int, n_ids: int, n_servers: int) -> dict:

@@ -335,6 +335,14 @@ uint64_t ucm_checksum(const void *data, uint64_t len, uint64_t word0) {
     return s;
 }
 
+int ucm_checksum_units(const void *data, uint64_t len, uint64_t unit, uint64_t word0,
+                       uint64_t *out) {
+    if (unit == 0 || unit % 8 || len % unit) return -EINVAL;
+    const unsigned char *p = (const unsigned char *)data;
+    for (uint64_t k = 0; k < len / unit; k++) out[k] = ucm_checksum(p + k * unit, unit, word0 + k * unit / 8);
+    return 0;
+}
+
 #define UCM_IO_PIECE (256u * 1024u) /* checksum while the piece is still in cache */
 
 static int64_t io_range(const ucm_io_op *op, char *buf, uint64_t off, uint64_t len) {

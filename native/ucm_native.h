@@ -55,6 +55,11 @@ void ucm_free_aligned(void *p, size_t size);
  */
 uint64_t ucm_checksum(const void *data, uint64_t len, uint64_t word0);
 
+/* One checksum per `unit` bytes (a multiple of 8 dividing len): out[k] = ucm_checksum(data +
+ * k * unit, unit, word0 + k * unit / 8). Returns 0, or -EINVAL for a unit that does not fit. */
+int ucm_checksum_units(const void *data, uint64_t len, uint64_t unit, uint64_t word0,
+                       uint64_t *out);
+
 /* One positioned read or write of a batch (see ucm_io_batch). */
 typedef struct {
     int32_t fd;

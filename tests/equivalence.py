@@ -138,6 +138,7 @@ TOLERANCES = {
     ("copy_segments", "uint8"): EXACT,
     ("alloc_aligned", "uint8"): EXACT,
     ("checksum", "uint64"): EXACT,
+    ("checksum_units", "uint64"): EXACT,
     ("io_batch", "int64"): EXACT, ("io_batch", "uint64"): EXACT, ("io_batch", "uint8"): EXACT,
     ("open_beneath", "int64"): EXACT,
     ("gather_blocks", "uint8"): EXACT,

@@ -239,6 +239,22 @@ def test_checksum(impl, dtype, layout, monkeypatch, rng):
                     np.uint64)
 
 
+
+@impls("checksum_units")
+@pytest.mark.parametrize("layout", ["numpy", "unaligned", "torch"])
+def test_checksum_units(impl, layout, monkeypatch, rng):
+    backend, _ = runnable("checksum_units", impl, monkeypatch)
+    if layout == "torch":
+        pytest.importorskip("torch")
+    for n_units, unit in ((1, 8), (3, 64), (16, 4096), (5, 65536 + 8)):
+        raw = rng.integers(0, 256, n_units * unit + 16, dtype=np.uint8)
+        data = raw[3:3 + n_units * unit] if layout == "unaligned" else raw[:n_units * unit]
+        if layout == "torch":
+            data = _buffer(data, np.uint8, "torch")
+        for word0 in (0, 7, 2**64 - 1):
+            compare("checksum_units", lambda b: ops.checksum_units(data, unit, word0, backend=b),
+                    backend, np.uint64)
+
 # ---------------------------------------------------------------------------------------------
 # io_batch: writes, reads, per-unit checksums and per-op errors
 

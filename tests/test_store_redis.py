@@ -12,7 +12,7 @@ import pytest
 import ucm
 from ucm.config import ConfigError
 from ucm.store import open_store
-from ucm.store.remote import rendezvous
+from ucm.store.membership import rendezvous
 
 from services import require_module
 from services.redis import RedisCluster, redis_server

@@ -11,6 +11,7 @@ block_index     ucm.reference.index (OrderedDict)          ucm.fast.numba.index
 copy_segments   ucm.reference.copy (ctypes.memmove)        ucm.fast.native (C threads)
 alloc_aligned   ucm.reference.copy (numpy)                 ucm.fast.native (posix_memalign/mmap)
 checksum        ucm.reference.fileio (numpy)               ucm.fast.native
+checksum_units  ucm.reference.fileio (numpy)               ucm.fast.native
 io_batch        ucm.reference.fileio (os.pread/pwrite)     ucm.fast.native (C threads)
 open_beneath    ucm.reference.fileio (O_NOFOLLOW walk)     ucm.fast.native (openat2)
 ==============  =========================================  ==============================
@@ -45,7 +46,8 @@ IMPLEMENTATIONS = {
     **{op: _pair(f"ucm.reference.{module}:{op}", "native", f"ucm.fast.native:{op}",
                  fast.native_status)
        for op, module in (("copy_segments", "copy"), ("alloc_aligned", "copy"),
-                          ("checksum", "fileio"), ("io_batch", "fileio"),
+                          ("checksum", "fileio"), ("checksum_units", "fileio"),
+                          ("io_batch", "fileio"),
                           ("open_beneath", "fileio"))},
 }
 for _op, _table in IMPLEMENTATIONS.items():
@@ -255,6 +257,20 @@ def checksum(data, word0: int = 0, *, backend: Optional[str] = None) -> int:
     view = _buffer_view(data, "data", writable=False)
     word0 = _check_count(word0, "word0", 0)
     return dispatch.call("checksum", view, word0, backend=backend)
+
+
+def checksum_units(data, unit_bytes: int, word0: int = 0, *,
+                   backend: Optional[str] = None) -> np.ndarray:
+    """One :func:`checksum` per ``unit_bytes`` of a contiguous host buffer (e.g. the shards of
+    a block) in one call: ``uint64 [nbytes / unit_bytes]``; unit ``k`` starts at word
+    ``word0 + k * unit_bytes / 8``. ``unit_bytes`` is a multiple of 8 that divides the size."""
+    view = _buffer_view(data, "data", writable=False)
+    unit = _check_count(unit_bytes, "unit_bytes", 8)
+    if unit % 8 or view.nbytes % unit:
+        raise ValueError(f"unit_bytes must be a multiple of 8 dividing the buffer's {view.nbytes} "
+                         f"bytes, got {unit_bytes}")
+    word0 = _check_count(word0, "word0", 0)
+    return dispatch.call("checksum_units", view, unit, word0, backend=backend)
 
 
 def new_io_ops(n: int) -> np.ndarray:

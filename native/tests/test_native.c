@@ -892,6 +892,13 @@ static void test_checksum_and_io(void) {
     CHECK(ucm_checksum(buf, n, 5) == ref_checksum(buf, n, 5));
     /* additive over adjacent ranges */
     CHECK(ucm_checksum(buf, 2 * MIB, 0) == ucm_checksum(buf, MIB, 0) + ucm_checksum(buf + MIB, MIB, MIB / 8));
+    /* per-unit checksums: each unit's own, and a unit that does not fit is refused */
+    uint64_t units[16];
+    CHECK(ucm_checksum_units(buf + 1, 16 * 4096, 4096, 9, units) == 0);
+    for (int k = 0; k < 16; k++)
+        CHECKF(units[k] == ref_checksum(buf + 1 + 4096 * k, 4096, 9 + 512 * (uint64_t)k), "unit %d", k);
+    CHECK(ucm_checksum_units(buf, 100, 12, 0, units) == -EINVAL);
+    CHECK(ucm_checksum_units(buf, 100, 0, 0, units) == -EINVAL);
 
     char path[] = "/tmp/ucm-native-test-XXXXXX";
     int fd = mkstemp(path);

@@ -32,6 +32,13 @@ def checksum(data: np.ndarray, word0: int) -> int:
         return int(x.sum(dtype=np.uint64))
 
 
+def checksum_units(data: np.ndarray, unit: int, word0: int) -> np.ndarray:
+    """One :func:`checksum` per ``unit`` bytes of ``data`` (unit ``k`` starts at word
+    ``word0 + k * unit / 8``), as ``uint64 [len / unit]``."""
+    return np.array([checksum(data[k * unit:(k + 1) * unit], (word0 + k * unit // 8) % 2**64)
+                     for k in range(data.nbytes // unit)], dtype=np.uint64)
+
+
 def _view(addr: int, length: int):
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
 

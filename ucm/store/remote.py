@@ -38,7 +38,6 @@ reads in place (Mooncake's registered memory); the slab is handed to the backend
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -50,102 +49,17 @@ import numpy as np
 from ucm import threads
 from ucm.config import ConfigError
 from ucm.ids import as_ids, id_bytes, id_hex
-from ucm.ops import alloc_aligned, checksum
+from ucm.ops import alloc_aligned, checksum, checksum_units
 from ucm.store.backends import Backend, Unavailable
 from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task
 from ucm.store.format import BadBlock, Header, header_size, parse
+from ucm.store.membership import Server, rendezvous
 
 log = logging.getLogger("ucm.store.remote")
 
 VALUE_ALIGN = 64           # header padding and staging row alignment
-MAX_BACKOFF_S = 30.0
 MARKER = b"\x01"
 ROW_WAIT_S = 2.0           # longest wait of a dump or load for free staging rows
-_K1, _K2, _K3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-# ---------------------------------------------------------------------------------------------
-# rendezvous hashing
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer, vectorised (uint64 arithmetic wraps)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _K2
-    x = x ^ (x >> np.uint64(27))
-    x = x * _K3
-    return x ^ (x >> np.uint64(31))
-
-
-def server_seed(name: str) -> np.uint64:
-    return np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
-
-
-def rendezvous(ids: np.ndarray, names: Sequence[str]) -> np.ndarray:
-    """Index into ``names`` of the server owning each block id (``uint64 [n, 2]``): the server
-    with the highest score ``mix(id, seed(server))``. Depends only on the id and the set of
-    names, so every engine computes the same owner."""
-    ids = np.asarray(ids, dtype=np.uint64).reshape(-1, 2)
-    if len(names) == 1 or not len(ids):
-        return np.zeros(len(ids), dtype=np.int64)
-    with np.errstate(over="ignore"):
-        key = _mix(ids[:, 0] ^ (ids[:, 1] * _K1))
-        seeds = np.array([server_seed(n) for n in names], dtype=np.uint64)
-        scores = _mix(key[:, None] ^ seeds[None, :])
-    return np.argmax(scores, axis=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# servers
-
-class _Server:
-    """One backend and its health: after a failure, requests fail at once until ``down_until``."""
-
-    def __init__(self, name: str, connect: Callable[[str], Backend], label: str):
-        self.name = name
-        self.label = label  # the name as logs and statistics show it (no credentials)
-        self._connect = connect
-        self.backend: Optional[Backend] = None
-        self.down_until = 0.0
-        self.backoff = 0.0
-        self.lock = threading.Lock()
-        self.last_error = ""
-
-    def get(self, base_backoff: float) -> Backend:
-        """The backend, connecting on first use; raises Unavailable while the server is down."""
-        now = time.monotonic()
-        if now < self.down_until:
-            raise Unavailable(f"{self.label} is down ({self.last_error}); next try in "
-                              f"{self.down_until - now:.2f} s")
-        with self.lock:
-            if self.backend is None:
-                try:
-                    self.backend = self._connect(self.name)
-                except Unavailable as exc:
-                    self.failed(exc, base_backoff)
-                    raise
-            return self.backend
-
-    def failed(self, exc, base_backoff: float) -> None:
-        self.backoff = min(MAX_BACKOFF_S, self.backoff * 2 if self.backoff else base_backoff)
-        self.down_until = time.monotonic() + self.backoff
-        self.last_error = str(exc)[:200]
-        log.warning("ucm %s: server failed (%s); left alone for %.1f s", self.label, self.last_error,
-                    self.backoff)
-
-    def succeeded(self) -> None:
-        if self.backoff:
-            log.info("ucm %s: server back", self.label)
-        self.backoff = 0.0
-        self.down_until = 0.0
-
-    def close(self) -> None:
-        with self.lock:
-            if self.backend is not None:
-                try:
-                    self.backend.close()
-                except Exception:  # closing a dead connection must not fail a shutdown
-                    pass
-                self.backend = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,9 +188,9 @@ class RemoteStore(KVStore):
         self.batch_blocks = max(1, min(int(batch_bytes) // self.value_bytes, self.n_rows // 4))
         self._ns_hex = self.namespace.hex()
         self._lock = threading.Lock()
-        self._servers: dict[str, _Server] = {}
+        self._servers: dict[str, Server] = {}
         self._names: list[str] = []
-        self._retired: list[_Server] = []
+        self._retired: list[Server] = []
         self._servers_file = servers_file
         self._file_state = None
         self._file_checked = 0.0
@@ -299,7 +213,7 @@ class RemoteStore(KVStore):
         with self._lock:
             for n in names:
                 if n not in self._servers:
-                    self._servers[n] = _Server(n, self._connect_registered, self.label(n))
+                    self._servers[n] = Server(n, self._connect_registered, self.label(n))
             for n in list(self._servers):
                 if n not in names:
                     self._retired.append(self._servers.pop(n))
@@ -514,12 +428,11 @@ class RemoteStore(KVStore):
                          g.block_bytes, g.shard_bytes, 0, VALUE_ALIGN)
         except BadBlock as exc:
             return f"corrupt: {exc}"
-        payload = raw[self.header_bytes:]
-        for k in shards:
-            piece = payload[k * g.shard_bytes:(k + 1) * g.shard_bytes]
-            if checksum(piece, k * g.shard_bytes // 8) != int(head.shard_checksums[k]):
-                return f"corrupt: shard {k} checksum mismatch"
-        data = payload[offset:offset + len(shards) * g.shard_bytes]
+        # checksums of adjacent ranges add up: one pass over the shards read checks them all
+        data = raw[self.header_bytes + offset:self.header_bytes + offset + len(shards) * g.shard_bytes]
+        want = int(head.shard_checksums[shards[0]:shards[-1] + 1].sum(dtype=np.uint64))
+        if checksum(data, offset // 8) != want:
+            return f"corrupt: checksum mismatch in shards {shards[0]}-{shards[-1]}"
         if bufs.is_cuda:
             import torch
 
@@ -659,10 +572,7 @@ class RemoteStore(KVStore):
         g = self.geometry
         for key, p, bid in complete:
             row = self._row(p.row)
-            payload = row[self.header_bytes:]
-            sums = np.array([checksum(payload[k * g.shard_bytes:(k + 1) * g.shard_bytes],
-                                      k * g.shard_bytes // 8) for k in range(g.n_shards)],
-                            dtype=np.uint64)
+            sums = checksum_units(row[self.header_bytes:], g.shard_bytes)
             head = Header(self.namespace, key, 0, g.block_bytes, g.shard_bytes, sums, VALUE_ALIGN)
             row[:self.header_bytes] = head.pack()
         bids = np.array([c[2] for c in complete], dtype=np.uint64).reshape(-1, 2)

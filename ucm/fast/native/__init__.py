@@ -100,6 +100,16 @@ def checksum(data: np.ndarray, word0: int) -> int:
     return int(_lib.ucm_checksum(_ffi.cast("const void *", data.ctypes.data), data.nbytes, word0))
 
 
+def checksum_units(data: np.ndarray, unit: int, word0: int) -> np.ndarray:
+    """Same contract as :func:`ucm.reference.fileio.checksum_units`."""
+    out = np.empty(data.nbytes // unit, dtype=np.uint64)
+    rc = _lib.ucm_checksum_units(_ffi.cast("const void *", data.ctypes.data), data.nbytes, unit,
+                                 word0, _ffi.cast("uint64_t *", out.ctypes.data))
+    if rc < 0:
+        raise ValueError(f"ucm_checksum_units rejected unit {unit} for {data.nbytes} bytes")
+    return out
+
+
 def io_batch(ops: np.ndarray, n_threads: int, want_checksum: bool) -> int:
     """Same contract as :func:`ucm.reference.fileio.io_batch`; runs on C threads."""
     rc = _lib.ucm_io_batch(_ffi.cast("ucm_io_op *", ops.ctypes.data), len(ops), int(n_threads),
