@@ -109,6 +109,23 @@ def test_a_dump_larger_than_the_staging_flows_through_it(server, rng):
         s.close()
 
 
+def test_layer_by_layer_loads_fetch_each_value_once(store, server, rng):
+    """An engine loading layer by layer asks for one shard at a time: the whole value comes
+    from the server once (every shard checked), the later layers from what was kept."""
+    ids, data = _ids(rng, 6), _data(rng, 6)
+    _put(store, ids, data)
+    raw = _raw(server)
+    gets = lambda: raw.info("commandstats").get("cmdstat_get", {}).get("calls", 0)  # noqa: E731
+    before = gets()
+    for k in range(N_SHARDS):
+        out = np.zeros((6, SHARD), np.uint8)
+        assert store.wait(store.load(ids, k * SHARD, out)).all_ok
+        assert (out == data[:, k * SHARD:(k + 1) * SHARD]).all()
+    assert gets() - before == 6
+    assert not store._recent  # the last layer's load let them go
+    raw.close()
+
+
 def test_a_block_missing_shards_is_never_published(store, rng):
     ids, data = _ids(rng, 3), _data(rng, 3)
     assert store.wait(store.dump(ids, 0, data[:, :2 * SHARD])).all_ok

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -197,6 +198,8 @@ class RemoteStore(KVStore):
         self._staging: Optional[_Staging] = None
         self._pending: dict[bytes, _Pending] = {}
         self._putting = 0  # blocks whose put is in flight (their rows come back by themselves)
+        self._recent: "OrderedDict[bytes, np.ndarray]" = OrderedDict()  # see _remember
+        self._recent_cap = max(self.n_rows // 4, 1) * geometry.block_bytes
         self._exec = threads.pool(io_threads, f"ucm-{self.name}")
         # puts run apart from dumps and loads, so rows held by staged blocks come back while
         # dump parts wait for rows
@@ -373,21 +376,33 @@ class RemoteStore(KVStore):
     def _load_part(self, task: Task, server, ids, part, offset, bufs: BlockBuffers, shards) -> None:
         t0 = time.perf_counter()
         ok, errors, nbytes, rows = [], {}, 0, None
+        span = len(shards) * self.geometry.shard_bytes
+        partial = len(shards) < self.geometry.n_shards
         try:
+            if partial:  # layer by layer: the blocks whose whole value an earlier layer fetched
+                fetch = []
+                for i in part:
+                    if self._copy_recent(ids[i], i, offset, bufs, shards):
+                        ok.append(i)
+                        nbytes += span
+                    else:
+                        fetch.append(i)
+                part = np.asarray(fetch, dtype=np.int64)
             backend_rows = None
-            if self._reads_into_rows(server):
+            if len(part) and self._reads_into_rows(server):
                 rows = self._rows().take(len(part), ROW_WAIT_S)
                 if rows is None:
                     raise RuntimeError("staging rows busy")
                 backend_rows = [memoryview(self._row(r)) for r in rows]
             keys, marks = self._keys(ids[part], "v"), self._keys(ids[part], "m")
-            values = self._call(server, lambda b: b.get_committed(keys, marks, backend_rows))
+            values = self._call(server, lambda b: b.get_committed(keys, marks, backend_rows)) \
+                if len(part) else []
             bad = []
             for j, i in enumerate(part):
-                why = self._verify_copy(values[j], ids[i], i, offset, bufs, shards)
+                why = self._verify_copy(values[j], ids[i], i, offset, bufs, shards, keep=partial)
                 if why is None:
                     ok.append(i)
-                    nbytes += len(shards) * self.geometry.shard_bytes
+                    nbytes += span
                 else:
                     errors[int(i)] = why
                     if why.startswith("corrupt"):
@@ -397,12 +412,11 @@ class RemoteStore(KVStore):
         except Exception as exc:
             self._count_failure(exc)
             errors.update({int(i): f"{self.name} {self.label(server)}: {exc}" for i in part})
-            ok = []
         finally:
             if rows is not None:
                 self._staging.give(rows)
         self._stats.add(load_blocks=len(ok), load_bytes=nbytes,
-                        load_seconds=time.perf_counter() - t0, load_failures=len(part) - len(ok))
+                        load_seconds=time.perf_counter() - t0, load_failures=len(errors))
         task.finish_part(ok, errors, nbytes)
 
     def _reads_into_rows(self, server: str) -> bool:
@@ -411,9 +425,11 @@ class RemoteStore(KVStore):
         b = srv.backend if srv is not None else None
         return bool(b is not None and b.reads_into_rows)
 
-    def _verify_copy(self, value, bid, i, offset, bufs: BlockBuffers, shards) -> Optional[str]:
+    def _verify_copy(self, value, bid, i, offset, bufs: BlockBuffers, shards,
+                     keep: bool = False) -> Optional[str]:
         """Check one value and copy the asked shards to row ``i`` of ``bufs``: ``None`` when
-        done, ``"miss"``, or why the value was refused."""
+        done, ``"miss"``, or why the value was refused. ``keep``: check every shard and keep the
+        value for the next layers' loads (:meth:`_copy_recent`)."""
         if value is None:
             return "miss"
         if isinstance(value, Exception):
@@ -423,28 +439,63 @@ class RemoteStore(KVStore):
         if raw.nbytes != self.value_bytes:
             return f"corrupt: value of {raw.nbytes} bytes, expected {self.value_bytes}"
         g = self.geometry
+        key = id_bytes(bid.reshape(1, 2))[0]
         try:
-            head = parse(raw[:self.header_bytes], self.namespace, id_bytes(bid.reshape(1, 2))[0],
-                         g.block_bytes, g.shard_bytes, 0, VALUE_ALIGN)
+            head = parse(raw[:self.header_bytes], self.namespace, key, g.block_bytes,
+                         g.shard_bytes, 0, VALUE_ALIGN)
         except BadBlock as exc:
             return f"corrupt: {exc}"
         # checksums of adjacent ranges add up: one pass over the shards read checks them all
-        data = raw[self.header_bytes + offset:self.header_bytes + offset + len(shards) * g.shard_bytes]
-        want = int(head.shard_checksums[shards[0]:shards[-1] + 1].sum(dtype=np.uint64))
-        if checksum(data, offset // 8) != want:
-            return f"corrupt: checksum mismatch in shards {shards[0]}-{shards[-1]}"
+        first, last = (0, g.n_shards - 1) if keep else (shards[0], shards[-1])
+        checked = raw[self.header_bytes + first * g.shard_bytes:
+                      self.header_bytes + (last + 1) * g.shard_bytes]
+        want = int(head.shard_checksums[first:last + 1].sum(dtype=np.uint64))
+        if checksum(checked, first * g.shard_bytes // 8) != want:
+            return f"corrupt: checksum mismatch in shards {first}-{last}"
+        payload = raw[self.header_bytes:]
+        self._copy_out(payload, i, offset, bufs, shards)
+        if keep and shards[-1] < g.n_shards - 1:
+            self._remember(key, payload.copy() if isinstance(value, memoryview) else payload)
+        return None
+
+    def _copy_out(self, payload: np.ndarray, i, offset, bufs: BlockBuffers, shards) -> None:
+        data = payload[offset:offset + len(shards) * self.geometry.shard_bytes]
         if bufs.is_cuda:
             import torch
 
             bufs.rows[i].copy_(torch.from_numpy(data.copy()))
         else:
             bufs.rows[i][:] = data
-        return None
+
+    # Layer-by-layer loads (an engine waiting for each layer) ask for one shard of a block at a
+    # time. The first such load fetches the whole value (a server sends whole values), checks
+    # every shard and keeps the payload; the next layers copy from it; the load of the last
+    # shard, or room for newer blocks (at most a quarter of the staging size), drops it.
+    def _remember(self, key: bytes, payload: np.ndarray) -> None:
+        with self._lock:
+            self._recent[key] = payload
+            self._recent.move_to_end(key)
+            while len(self._recent) * self.geometry.block_bytes > self._recent_cap:
+                self._recent.popitem(last=False)
+
+    def _copy_recent(self, bid, i, offset, bufs: BlockBuffers, shards) -> bool:
+        key = id_bytes(bid.reshape(1, 2))[0]
+        with self._lock:
+            payload = self._recent.get(key)
+            if payload is not None and shards[-1] == self.geometry.n_shards - 1:
+                del self._recent[key]
+        if payload is None:
+            return False
+        self._copy_out(payload, i, offset, bufs, shards)
+        return True
 
     def _quarantine(self, server: str, ids: np.ndarray) -> None:
         """Values that failed verification: counted, and both keys deleted (the block is
         recomputed and saved again by whoever needs it)."""
         self._stats.add(quarantined=len(ids))
+        with self._lock:
+            for key in id_bytes(ids):
+                self._recent.pop(key, None)
         log.warning("ucm %s: %d value(s) on %s failed verification; deleted", self.name, len(ids),
                     self.label(server))
         keys = self._keys(ids, "m") + self._keys(ids, "v")
