@@ -19,8 +19,8 @@ rows (the tier's first read from a master it has not connected to yet) still wor
 Mooncake's rules and what this tier does with them
 ---------------------------------------------------
 * A ``put`` of a key that exists succeeds and keeps the stored value; ``upsert`` overwrites the
-  value in place. Measured (0.3.13, one storage node): while one client upserted a 1 MiB value
-  back and forth between two contents, 8 of 235 concurrent reads returned a mix of both. Puts
+  value in place, and reads concurrent with an upsert can return a mix of the old and the new
+  value (seen with Mooncake 0.3.13). Puts
   never change a stored value, and two clients putting the same key at once left one whole value
   (200 races, no mix). So the tier puts and never upserts: every value under a key is a whole
   value of the same content-addressed block, and a reader must never see a value change under
@@ -38,17 +38,15 @@ Mooncake's rules and what this tier does with them
 * An empty value cannot be stored.
 
 Puts from several threads at once are serialised per master: the client spreads one batch
-over its own transfer threads, and concurrent batches compete with them. Measured on a 2-core
-VM (1 MiB values, batches of 15): one thread put 128 MiB in 0.19 s, four threads in 0.40 s;
-the tier's dump of 128 MiB took a median 0.36 s with puts one at a time against 0.44 s without
-(10 interleaved rounds). Reads stay concurrent (no clear difference measured).
+over its own transfer threads, and concurrent batches only compete with them (four threads
+putting at once were slower than one). Reads stay concurrent.
 
 Failures
 --------
 A master that cannot be reached makes an operation fail with ``RPC_FAIL`` (:class:`Unavailable`
 here; the tier then leaves the master alone for ``store.remote.backoff_s``). Only the first
 request after the connection broke fails at once: the client's later requests reconnect, which
-takes about 4 s before they fail, and so does ``setup`` with a master down. So after a failure,
+takes seconds before they fail, and so does ``setup`` with a master down. So after a failure,
 and before connecting, the backend first opens a TCP connection to the master itself
 (``store.remote.timeout_s``); while that fails, requests fail at once. When the master comes back
 the client reconnects by itself (the first request takes about 1 s) and the storage nodes mount
