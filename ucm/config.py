@@ -299,9 +299,10 @@ OPTIONS: tuple[Option, ...] = (
            "directories 2770 and files 0640 owned by it; empty = private to this user "
            "(directories 0700, files 0600)."),
     # distributed tiers (ucm/store/remote.py): every one of them
-    Option("store.remote.timeout_s", "float", 0.2, "Distributed tiers: longest wait for one "
-           "request to a server (connect, send, receive) before the server counts as down and "
-           "the blocks it holds as misses.", min=0.0, min_exclusive=True),
+    Option("store.remote.timeout_s", "float", 0.2, "Distributed tiers: longest wait for a "
+           "server to connect or to answer a request without values (lookups, commit markers) "
+           "before it counts as down and the blocks it holds as misses; a request that moves "
+           "values may also take their size at 32 MiB/s.", min=0.0, min_exclusive=True),
     Option("store.remote.backoff_s", "float", 1.0, "Distributed tiers: how long a server that "
            "failed is left alone before the tier tries it again (doubling on each further "
            "failure, up to 30 s); no engine restart is needed when it comes back.", min=0.0),

@@ -18,6 +18,18 @@ from abc import ABC, abstractmethod
 from typing import Optional, Sequence
 
 
+#: The slowest transfer rate a healthy server is expected to keep up (a busy server on the local
+#: network, a WAN object store). A request that carries or returns ``n`` bytes may take
+#: ``timeout_s + n / SLOW_SERVER_BYTES_PER_S`` before the server counts as down: the base
+#: timeout alone would call a healthy server that takes a moment to move 16 MiB an outage.
+SLOW_SERVER_BYTES_PER_S = 32 * 1024**2
+
+
+def data_timeout(timeout_s: float, nbytes: int) -> float:
+    """The timeout of a request that moves ``nbytes`` of values (module constant above)."""
+    return timeout_s + nbytes / SLOW_SERVER_BYTES_PER_S
+
+
 class Unavailable(Exception):
     """The server cannot serve now (connection refused or lost, timeout, authentication)."""
 

@@ -8,9 +8,11 @@ Capacity is the server's: set ``maxmemory`` and ``maxmemory-policy allkeys-lru``
 recently read blocks go first; under ``noeviction`` a full server refuses saves, which fail and
 are not stored). ``store.redis.ttl_s`` expires blocks by age on top of that.
 
-Failures: a server that refuses the connection, times out (``store.remote.timeout_s``) or the
-credentials makes the tier leave it alone for a backoff (``ucm.store.remote``); in a cluster,
-only the keys of the node that failed are lost, the other nodes keep serving theirs.
+Failures: a server that refuses the connection, times out or refuses the credentials makes the
+tier leave it alone for a backoff (``ucm.store.remote``); in a cluster, only the keys of the node
+that failed are lost, the other nodes keep serving theirs. Timeouts: ``store.remote.timeout_s``
+for requests without values; requests that move a batch of values also get the batch's size at
+``ucm.store.backends.SLOW_SERVER_BYTES_PER_S`` (a busy server is not a dead one).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Optional, Sequence
 from urllib.parse import urlsplit
 
 from ucm.config import ConfigError
-from ucm.store.backends import Backend, Unavailable
+from ucm.store.backends import Backend, Unavailable, data_timeout
 from ucm.store.base import BlockGeometry
 from ucm.store.remote import RemoteStore, remote_options
 
@@ -30,6 +32,7 @@ log = logging.getLogger("ucm.store.redis")
 SCHEMES = ("redis", "rediss", "unix")
 #: Redis's default proto-max-bulk-len
 MAX_VALUE_BYTES = 512 * 1024**2
+SMALL_VALUE = 64 * 1024  # a put of values up to this size is a control request (markers)
 
 
 def _redis():
@@ -65,7 +68,8 @@ class RedisBackend(Backend):
 
     def __init__(self, url: str, *, cluster: bool = False, username: str = "", password: str = "",
                  timeout_s: float = 0.2, ttl_s: int = 0, tls_ca_file: str = "",
-                 tls_cert_file: str = "", tls_key_file: str = "", backoff_s: float = 1.0):
+                 tls_cert_file: str = "", tls_key_file: str = "", backoff_s: float = 1.0,
+                 batch_bytes: int = 16 << 20):
         redis = _redis()
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -75,8 +79,8 @@ class RedisBackend(Backend):
         self._ttl_ms = int(ttl_s) * 1000 or None
         self._backoff_s = backoff_s
         self._errors = _unavailable_errors()
-        kw = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                  retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        kw = dict(socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                  health_check_interval=0)
         if username:
             kw["username"] = username
         if password:
@@ -84,14 +88,20 @@ class RedisBackend(Backend):
         if url.startswith("rediss://"):
             kw.update(ssl_ca_certs=tls_ca_file or None, ssl_certfile=tls_cert_file or None,
                       ssl_keyfile=tls_key_file or None)
-        try:
+
+        def client(read_timeout):
             if cluster:
                 from redis.cluster import RedisCluster
 
-                self.client = RedisCluster.from_url(url, require_full_coverage=False,
-                                                    reinitialize_steps=1, **kw)
-            else:
-                self.client = redis.Redis.from_url(url, **kw)
+                return RedisCluster.from_url(url, require_full_coverage=False, reinitialize_steps=1,
+                                             socket_timeout=read_timeout, **kw)
+            return redis.Redis.from_url(url, socket_timeout=read_timeout, **kw)
+
+        # Two clients: requests without values (EXISTS, markers, DEL) wait timeout_s; those that
+        # move a batch of values also the batch's size at the slowest expected rate
+        try:
+            self.client = client(timeout_s)
+            self.data = client(data_timeout(timeout_s, batch_bytes))
         except self._errors as exc:
             raise Unavailable(f"{self.name}: {exc}") from exc
         self._node_down: dict = {}    # cluster node name -> monotonic time it may be tried again
@@ -99,15 +109,15 @@ class RedisBackend(Backend):
         self._refreshed = 0.0
 
     # -- routing --------------------------------------------------------------------------------
-    def _groups(self, keys: Sequence[str]) -> list:
+    def _groups(self, keys: Sequence[str], client) -> list:
         """``[(client, name, [key index])]``: the whole batch on a standalone server; per node
         (by hash slot) in a cluster."""
         if not self.cluster:
-            return [(self.client, self.name, list(range(len(keys))))]
+            return [(client, self.name, list(range(len(keys))))]
         groups: dict = {}
-        nm = self.client.nodes_manager
+        nm = client.nodes_manager
         for i, k in enumerate(keys):
-            node = nm.get_node_from_slot(self.client.keyslot(k))
+            node = nm.get_node_from_slot(client.keyslot(k))
             groups.setdefault(node.name, (node, []))[1].append(i)
         out = []
         for name, (node, idx) in groups.items():
@@ -116,13 +126,13 @@ class RedisBackend(Backend):
             out.append((node.redis_connection, name, idx))
         return out
 
-    def _run(self, keys: Sequence[str], add) -> list:
+    def _run(self, keys: Sequence[str], add, data: bool = False) -> list:
         """One pipeline per group; ``add(pipe, i)`` queues the command of key ``i``. Returns per
         key the reply, or the exception of its group. Raises Unavailable when every group's
         server failed (a cluster node failing alone only fails its own keys)."""
         out: list = [None] * len(keys)
         failed = 0
-        groups = self._groups(keys) if keys else []
+        groups = self._groups(keys, self.data if data else self.client) if keys else []
         for client, name, idx in groups:
             if self._node_down.get(name, 0) > time.monotonic():
                 err = Unavailable(f"{name} down")
@@ -160,17 +170,19 @@ class RedisBackend(Backend):
             self._refreshed = time.monotonic()
         try:
             self.client.nodes_manager.initialize()
+            self.data.nodes_manager.initialize()
         except Exception as exc:  # the map stays as it was; the next failure tries again
             log.info("ucm redis: cluster slot map not refreshed: %r", exc)
 
     # -- Backend --------------------------------------------------------------------------------
     def put(self, keys, values) -> list[Optional[str]]:
         ttl = self._ttl_ms
-        replies = self._run(keys, lambda p, i: p.set(keys[i], values[i], px=ttl))
+        data = any(len(v) > SMALL_VALUE for v in values)
+        replies = self._run(keys, lambda p, i: p.set(keys[i], values[i], px=ttl), data)
         return [None if r is True else f"{r}" for r in replies]
 
     def get(self, keys, rows) -> list:
-        replies = self._run(keys, lambda p, i: p.get(keys[i]))
+        replies = self._run(keys, lambda p, i: p.get(keys[i]), True)
         _raise_first_error(replies)
         return replies  # a cluster node that failed alone: its keys carry the Unavailable
 
@@ -178,7 +190,8 @@ class RedisBackend(Backend):
         """One pipeline: EXISTS marker, GET value, per block (both keys on one node)."""
         n = len(keys)
         both = [k for pair in zip(markers, keys) for k in pair]
-        replies = self._run(both, lambda p, j: p.exists(both[j]) if j % 2 == 0 else p.get(both[j]))
+        replies = self._run(both, lambda p, j: p.exists(both[j]) if j % 2 == 0 else p.get(both[j]),
+                            True)
         _raise_first_error(replies)
         out = []
         for i in range(n):
@@ -212,6 +225,7 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         self.client.close()
+        self.data.close()
 
 
 def _moved(reply) -> bool:
@@ -251,7 +265,8 @@ class RedisStore(RemoteStore):
                     ttl_s=config["store.redis.ttl_s"], tls_ca_file=config["store.redis.tls_ca_file"],
                     tls_cert_file=config["store.redis.tls_cert_file"],
                     tls_key_file=config["store.redis.tls_key_file"],
-                    backoff_s=config["store.remote.backoff_s"])
+                    backoff_s=config["store.remote.backoff_s"],
+                    batch_bytes=config["store.remote.batch_bytes"])
         if cluster:  # one cluster: the seeds are tried in turn, the cluster routes the keys
             seeds = list(servers)
             servers = [seeds[0]]

@@ -38,7 +38,7 @@ Requests
   size of the value on a real service (it stores the whole body before answering a put, and
   fetches it before answering a get). Requests without a value (HEAD, DELETE, LIST, commit
   markers) wait ``timeout_s``; requests that carry or return a value wait ``timeout_s`` plus the
-  value's size at ``SLOW_SERVER_BYTES_PER_S`` (an 8 MiB value: +0.25 s). The default
+  value's size at ``ucm.store.backends.SLOW_SERVER_BYTES_PER_S`` (an 8 MiB value: +0.25 s). The default
   ``timeout_s`` of 0.2 s suits a service on the local network; against AWS S3 over a WAN, 1-2 s
   avoids counting its tail latency as an outage.
 * Endpoints other than AWS are addressed path-style (``http://host/bucket/key``): every
@@ -63,7 +63,7 @@ from urllib.parse import urlsplit
 
 from ucm import threads
 from ucm.config import ConfigError
-from ucm.store.backends import Backend, Unavailable
+from ucm.store.backends import Backend, Unavailable, data_timeout
 from ucm.store.base import BlockGeometry
 from ucm.store.format import header_size
 from ucm.store.remote import VALUE_ALIGN, RemoteStore, remote_options
@@ -72,7 +72,6 @@ log = logging.getLogger("ucm.store.s3")
 
 REQUESTS_IN_FLIGHT = 16
 #: the throughput below which a value request counts as stuck (read timeout rule above)
-SLOW_SERVER_BYTES_PER_S = 32 * 1024**2
 RETRY_BASE_S = 0.1
 RETRY_MAX_S = 2.0
 MAX_PARTS = 10_000
@@ -168,7 +167,7 @@ class S3Backend(Backend):
         self.part_bytes = int(part_bytes)
         self.max_attempts = max(1, int(max_attempts))
         self.max_value_bytes = min(MAX_OBJECT_BYTES, MAX_PARTS * self.part_bytes)
-        data_timeout = timeout_s + max(value_bytes, _SMALL) / SLOW_SERVER_BYTES_PER_S
+        value_timeout = data_timeout(timeout_s, max(value_bytes, _SMALL))
 
         def config(read_timeout: float) -> BotoConfig:
             return BotoConfig(
@@ -183,7 +182,7 @@ class S3Backend(Backend):
         try:
             kw = dict(endpoint_url=endpoint_url or None)
             self._meta = session.client("s3", config=config(timeout_s), **kw)
-            self._data = session.client("s3", config=config(data_timeout), **kw)
+            self._data = session.client("s3", config=config(value_timeout), **kw)
         except ValueError as exc:  # botocore's check of the endpoint URL
             raise ConfigError(f"config key 'store.s3.endpoint_url': {redacted(endpoint_url)!r}: "
                               f"{exc}") from None
