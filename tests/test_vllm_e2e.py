@@ -354,3 +354,126 @@ def test_preemption_outputs_identical_and_connector_consistent(model, prompts, t
     # plus each prompt's partial last block, once (none of the four prompts fills its last block)
     assert st["save_tail_blocks"] == len(PRE)
     assert len(glob.glob(str(tmp / "store" / "*" / "*" / "*.blk"))) == len(computed) + len(PRE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-node: engines on separate "nodes" sharing only a distributed tier
+
+class _RedisTier:
+    """A real redis-server on loopback as the shared tier; server-side counts read with redis-py."""
+
+    name = "redis"
+
+    def __init__(self, tmp):
+        from services import require_module
+        from services.redis import redis_server
+
+        require_module("redis")
+        self.proc = redis_server(tmp)
+        import redis
+
+        self.client = redis.Redis(host="127.0.0.1", port=self.proc.port)
+
+    def store_config(self) -> dict:
+        return {"servers": [self.proc.url]}
+
+    def committed(self) -> tuple[int, int]:
+        """(values, commit markers) stored on the server."""
+        count = lambda kind: sum(1 for _ in self.client.scan_iter(match=f"ucm:*:{kind}", count=1000))  # noqa: E731
+        return count("v"), count("m")
+
+    def reads(self) -> int:
+        """GET commands the server has answered (lookups use EXISTS: only loads read values)."""
+        return int(self.client.info("commandstats").get("cmdstat_get", {}).get("calls", 0))
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.stop()
+
+
+REMOTE_TIERS = {"redis": _RedisTier}  # Mooncake: a class with the same four methods
+# store.remote.timeout_s for the nodes. The default (0.2 s) bounds a whole request, and a save is
+# one pipelined write of up to store.remote.batch_bytes (16 MiB): on a 2-core VM whose cores the
+# engine keeps busy, redis-server was seen reading such a write too slowly ("Timeout writing to
+# socket", 2026-12-01): the server was left alone for 1 s, half a prompt's blocks were stored in
+# the memory tier only (the connector counts them saved) and the other node recomputed them.
+# This test checks sharing, not failure detection: it allows the slow server time.
+REMOTE_TIMEOUT_S = 5.0
+
+
+def _node(tier, model, prompts, names, phases, tmp, node, kv_role):
+    """A spec for one node: its own memory tier (a process of its own), its own local posix
+    directory and HOME; the distributed tier is the only thing it shares with other nodes."""
+    home, root = tmp / f"home-{node}", tmp / f"posix-{node}"
+    home.mkdir()
+    root.mkdir()
+    stats = tmp / f"stats-{node}.jsonl"
+    spec = _spec(model, prompts, names, phases, connector="ucm", store_dir=root, stats=stats,
+                 kv_role=kv_role, env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HOME": str(home)})
+    spec["extra_config"]["store"] = {"pipeline": f"memory|posix|{tier.name}", "posix": {"roots": [str(root)]},
+                                     "remote": {"timeout_s": REMOTE_TIMEOUT_S}, tier.name: tier.store_config()}
+    return spec, root, stats
+
+
+def _blk_files(root):
+    return glob.glob(str(root / "*" / "*" / "*.blk"))
+
+
+@pytest.mark.parametrize("tier_name", list(REMOTE_TIERS))
+def test_cross_node_prefill_decode_through_distributed_tier(runs, model, prompts, tmp_path_factory, tier_name):
+    """Two vLLM engine processes as two nodes, each with its own memory tier, its own local
+    posix directory and HOME, sharing one distributed tier (``memory|posix|<tier>``). Node A
+    (kv_producer) prefills and saves; node B (kv_consumer, a fresh process) decodes: every hit it
+    gets came from KV node A produced, over the distributed tier (its own tiers start empty).
+
+    One pair of engines shows both cross-node sharing and prefill/decode disaggregation through
+    the distributed tier (no shared directory): the consumer's load path is the one a kv_both
+    engine takes (lookups, loads, promotion into its local tiers); a kv_both node B would only
+    add saves of what it computed, which the other tests cover. Two engine starts per tier keep
+    the vLLM suite inside its CI budget; the plain-vLLM reference tokens are the module's.
+    B also runs a prompt that only shares A's first full blocks (a1000 over a400's 3): a partial
+    hit, block hashes agreeing across processes."""
+    ref, _ = _tokens(runs["plain"], "all")
+    tmp = tmp_path_factory.mktemp(f"xnode-{tier_name}")
+    tier = REMOTE_TIERS[tier_name](tmp)
+    try:
+        a_names, b_names = ["a400", "b1600"], ["b1600", "a1000"]
+        spec_a, root_a, st_a = _node(tier, model, prompts, a_names,
+                                     [{"name": "prefill", "prompts": [0, 1], "max_tokens": 1}], tmp, "A", "kv_producer")
+        spec_b, root_b, st_b = _node(tier, model, prompts, b_names,
+                                     [{"name": "decode", "prompts": [0, 1]}], tmp, "B", "kv_consumer")
+        a = _run(spec_a, tmp, "node-A")
+        for j, n in enumerate(a_names):
+            assert _tokens(a, "prefill")[0][j] == ref[NAMES.index(n)][:1], n
+        full = {n: (len(prompts[n]) - 1) // BS for n in NAMES}
+        final = json.loads(st_a.read_text().strip().splitlines()[-1])  # written at shutdown
+        saved = full["a400"] + full["b1600"]  # 3 + 12
+        assert final["save_blocks"] == saved and final["save_tail_blocks"] == 2
+        assert final["save_failed"] == 0 and final["load_blocks"] == 0
+        # on the shared server: every block and tail A saved, committed (value + marker)
+        assert tier.committed() == (saved + 2, saved + 2), \
+            "some of node A's saves reached its own tiers only (a put to the shared tier failed: REMOTE_TIMEOUT_S?)"
+        assert len(_blk_files(root_a)) == saved + 2  # (write-through to A's own disk too)
+        assert _blk_files(root_b) == []
+        reads0 = tier.reads()
+
+        b = _run(spec_b, tmp, "node-B")
+        got, phase = _tokens(b, "decode")
+        for j, n in enumerate(b_names):
+            assert len(ref[NAMES.index(n)]) == 24
+            assert got[j] == ref[NAMES.index(n)], f"node B: {n}"
+        st = phase["connector_stats"]
+        # b1600: all its 12 full blocks and its tail; a1000: the 3 full blocks of a400
+        assert st["load_blocks"] == full["b1600"] + full["a400"], st
+        assert st["load_tail_blocks"] == 1 and st["load_failed"] == 0
+        assert st["save_blocks"] == 0 and st["save_tail_blocks"] == 0
+        cached = {o["prompt"]: o["num_cached_tokens"] for o in phase["outputs"]}
+        if cached[0] is not None:
+            assert cached == {0: len(prompts["b1600"]) - 1, 1: full["a400"] * BS}
+        # B's values came from the shared server (B's own tiers were empty): one GET per block
+        assert tier.reads() - reads0 >= st["load_blocks"] + st["load_tail_blocks"]
+        assert tier.committed() == (saved + 2, saved + 2)  # a consumer publishes nothing
+        # what B loaded from the shared tier was promoted into its own local tiers
+        assert len(_blk_files(root_b)) == st["load_blocks"] + st["load_tail_blocks"]
+    finally:
+        tier.stop()
