@@ -97,14 +97,19 @@ class WorkerCore:
             self.counters["forward_s"] += time.perf_counter() - self._forward_t0
             self._forward_t0 = None
 
-    def write_stats(self) -> None:
+    def write_stats(self, final: bool = False) -> None:
+        """Append the counters (the last line, written at close, also the store's statistics
+        per tier: failed saves and unavailable servers of a lower tier show there)."""
         if not self.stats_file:
             return
         try:  # one line per step: the file stays open (opening it per step cost 0.3 ms)
             f = self._stats_fh
             if f is None:
                 f = self._stats_fh = open(self.stats_file, "a", buffering=1)
-            f.write(json.dumps({"t": time.time(), "pid": os.getpid(), **self.counters}) + "\n")
+            line = {"t": time.time(), "pid": os.getpid(), **self.counters}
+            if final and self.store is not None:
+                line["store"] = self.store.stats()
+            f.write(json.dumps(line, default=str) + "\n")
         except (OSError, ValueError):
             pass
 
@@ -117,7 +122,7 @@ class WorkerCore:
 
     def close(self) -> None:
         """Write the last statistics line and close the file (the store stays open)."""
-        self.write_stats()
+        self.write_stats(final=True)
         if self._stats_fh is not None:
             self._stats_fh.close()
             self._stats_fh = None
