@@ -557,11 +557,12 @@ def test_cross_node_prefill_decode_through_distributed_tiers(runs, model, prompt
             st[ph] = phase["connector_stats"]
             assert st[ph]["load_failed"] == 0 and st[ph]["save_blocks"] == 0, (ph, st[ph])
         # 1. b1600: all its 12 full blocks and its tail; a1000: the 3 full blocks of a400; all
-        #    from Redis (Mooncake not read)
+        #    from Redis
         assert st["decode"]["load_blocks"] == full["b1600"] + full["a400"]
         assert st["decode"]["load_tail_blocks"] == 1
         assert seen["decode"]["redis"] - reads["redis"] >= full["b1600"] + full["a400"] + 1
-        assert seen["decode"]["mooncake"] == reads["mooncake"]
+        # (Mooncake answered at most one read: the namespace's generation, read from every tier)
+        assert seen["decode"]["mooncake"] - reads["mooncake"] <= 1
         # 2. Redis down: a100's tail from the Mooncake Store
         assert st["redis_down"]["load_blocks"] == st["decode"]["load_blocks"]
         assert st["redis_down"]["load_tail_blocks"] - st["decode"]["load_tail_blocks"] == 1
