@@ -18,6 +18,8 @@ from ucm.store.s3 import S3Backend
 from services import free_port
 from services.s3 import ENV, UNSET, client, moto_server
 
+from test_store import payload  # a block's bytes, a function of its id
+
 NS = ucm.Namespace("test-s3", "bfloat16", 16)
 BLOCK, SHARD = 64 << 10, 16 << 10  # 4 shards per block
 BUCKET = "ucm-test"
@@ -26,13 +28,6 @@ BUCKET = "ucm-test"
 def make_ids(n, seed):
     rng = np.random.default_rng(seed)
     return ucm.hash_blocks(rng.integers(0, 49152, 16 * n), NS)
-
-
-def payload(ids, nbytes=BLOCK):
-    out = np.empty((len(ids), nbytes), dtype=np.uint8)
-    for i, row in enumerate(ids):
-        out[i] = np.random.default_rng(row.tolist()).integers(0, 256, nbytes, dtype=np.uint8)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -100,9 +100,8 @@ class RedisCluster:
             for p in self.nodes:
                 c = redis.Redis(host="127.0.0.1", port=p.port, socket_timeout=0.5)
                 try:
-                    states.append(c.execute_command("CLUSTER INFO").get("cluster_state")
-                                  if isinstance(c.execute_command("CLUSTER INFO"), dict)
-                                  else _state(c.execute_command("CLUSTER INFO")))
+                    info = c.execute_command("CLUSTER INFO")
+                    states.append(info.get("cluster_state") if isinstance(info, dict) else _state(info))
                 finally:
                     c.close()
             if all(s == "ok" for s in states):
