@@ -343,6 +343,31 @@ int ucm_checksum_units(const void *data, uint64_t len, uint64_t unit, uint64_t w
     return 0;
 }
 
+/* The copy in pieces small enough to stay in L1/L2, each checksummed from the destination
+ * right after it is written: the source is read once (a copy, then a checksum pass, reads it
+ * twice from memory). */
+#define UCM_COPY_PIECE (16u * 1024u)
+
+int ucm_copy_checksum_units(void *dst, const void *src, uint64_t len, uint64_t unit,
+                            uint64_t word0, uint64_t *out) {
+    if (unit == 0 || unit % 8 || len % unit) return -EINVAL;
+    pthread_once(&checksum_once, init_checksum);
+    unsigned char *d = (unsigned char *)dst;
+    const unsigned char *s = (const unsigned char *)src;
+    for (uint64_t k = 0; k < len / unit; k++) {
+        uint64_t sum = 0;
+        for (uint64_t off = 0; off < unit; off += UCM_COPY_PIECE) {
+            uint64_t piece = unit - off < UCM_COPY_PIECE ? unit - off : UCM_COPY_PIECE;
+            uint64_t at = k * unit + off;
+            memmove(d + at, s + at, (size_t)piece);
+            /* piece is a multiple of 8 (unit and UCM_COPY_PIECE are) */
+            sum += checksum_words(d + at, piece / 8, (word0 + at / 8) * UCM_PHI);
+        }
+        out[k] = sum;
+    }
+    return 0;
+}
+
 #define UCM_IO_PIECE (256u * 1024u) /* checksum while the piece is still in cache */
 
 static int64_t io_range(const ucm_io_op *op, char *buf, uint64_t off, uint64_t len) {

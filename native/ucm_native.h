@@ -60,6 +60,12 @@ uint64_t ucm_checksum(const void *data, uint64_t len, uint64_t word0);
 int ucm_checksum_units(const void *data, uint64_t len, uint64_t unit, uint64_t word0,
                        uint64_t *out);
 
+/* Copy len bytes from src to dst and checksum what was copied, one pass over the source:
+ * out[k] = ucm_checksum(dst + k * unit, unit, word0 + k * unit / 8). Same unit rule and result
+ * as ucm_checksum_units; overlapping buffers are copied as memmove does. */
+int ucm_copy_checksum_units(void *dst, const void *src, uint64_t len, uint64_t unit,
+                            uint64_t word0, uint64_t *out);
+
 /* One positioned read or write of a batch (see ucm_io_batch). */
 typedef struct {
     int32_t fd;

@@ -139,6 +139,7 @@ TOLERANCES = {
     ("alloc_aligned", "uint8"): EXACT,
     ("checksum", "uint64"): EXACT,
     ("checksum_units", "uint64"): EXACT,
+    ("copy_checksum_units", "uint64"): EXACT,
     ("io_batch", "int64"): EXACT, ("io_batch", "uint64"): EXACT, ("io_batch", "uint8"): EXACT,
     ("open_beneath", "int64"): EXACT,
     ("gather_blocks", "uint8"): EXACT,

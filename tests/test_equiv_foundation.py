@@ -255,6 +255,37 @@ def test_checksum_units(impl, layout, monkeypatch, rng):
             compare("checksum_units", lambda b: ops.checksum_units(data, unit, word0, backend=b),
                     backend, np.uint64)
 
+@impls("copy_checksum_units")
+@pytest.mark.parametrize("layout", ["numpy", "unaligned", "torch"])
+def test_copy_checksum_units(impl, layout, monkeypatch, rng):
+    """The sums of checksum_units over the copied bytes, and every byte copied (the outputs
+    compared are the sums followed by the destination's bytes)."""
+    backend, _ = runnable("copy_checksum_units", impl, monkeypatch)
+    if layout == "torch":
+        pytest.importorskip("torch")
+    for n_units, unit in ((1, 8), (3, 64), (16, 4096), (2, 16384 + 8), (5, 65536 + 8)):
+        raw = rng.integers(0, 256, n_units * unit + 16, dtype=np.uint8)
+        src = raw[3:3 + n_units * unit] if layout == "unaligned" else raw[:n_units * unit]
+        if layout == "torch":
+            src = _buffer(src, np.uint8, "torch")
+        for word0 in (0, 7, 2**64 - 1):
+            def run(b):
+                dst = np.full(n_units * unit + 5, 0xA5, dtype=np.uint8)
+                view = dst[1:1 + n_units * unit] if layout == "unaligned" else dst[:n_units * unit]
+                sums = ops.copy_checksum_units(view, src, unit, word0, backend=b)
+                assert np.array_equal(sums, ops.checksum_units(src, unit, word0, backend="reference"))
+                return np.concatenate([sums, dst.view(np.uint8).astype(np.uint64)])
+            compare("copy_checksum_units", run, backend, np.uint64)
+    with pytest.raises(ValueError, match="must be equal"):
+        ops.copy_checksum_units(np.zeros(16, np.uint8), np.zeros(24, np.uint8), 8, backend=backend)
+    with pytest.raises(ValueError, match="unit_bytes"):
+        ops.copy_checksum_units(np.zeros(24, np.uint8), np.zeros(24, np.uint8), 16, backend=backend)
+    with pytest.raises(ValueError, match="read-only"):
+        ro = np.zeros(16, np.uint8)
+        ro.flags.writeable = False
+        ops.copy_checksum_units(ro, np.zeros(16, np.uint8), 8, backend=backend)
+
+
 # ---------------------------------------------------------------------------------------------
 # io_batch: writes, reads, per-unit checksums and per-op errors
 

@@ -118,6 +118,8 @@ def _tokens(result, phase):
 NAMES = ["a100", "a400", "a1000", "b1600", "a2400", "a4000", "b3000", "c250", "shared60"]
 MAIN = list(range(8))
 SHARED = 8
+PRE = ["pre0", "pre1", "pre2", "pre3"]
+PRE_BLOCKS = 25  # KV cache blocks: the four prompts (32 blocks) never fit together
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +129,11 @@ def runs(model, prompts, tmp_path_factory):
     store = tmp / "store"
     store.mkdir()
     out = {"store": store, "tmp": tmp, "prompts": prompts}
-    # 1. plain vLLM, no connector: the reference tokens
-    out["plain"] = _run(_spec(model, prompts, NAMES, [{"name": "all", "prompts": MAIN + [SHARED]}]), tmp, "plain")
+    # 1. plain vLLM, no connector: the reference tokens (also of the preemption test's prompts,
+    #    after NAMES: plain vLLM made to preempt produced the same tokens)
+    plain_names = NAMES + PRE
+    out["plain"] = _run(_spec(model, prompts, plain_names,
+                              [{"name": "all", "prompts": list(range(len(plain_names)))}]), tmp, "plain")
     # 2. ucm on an empty store: cold (saves), then warm from the memory tier, same process
     stats = tmp / "stats-ucm.jsonl"
     out["ucm"] = _run(_spec(model, prompts, NAMES, [{"name": "cold", "prompts": MAIN},
@@ -297,30 +302,29 @@ def test_bf16_first_token_and_prompt_logprobs(model, prompts, tmp_path_factory):
             assert st["save_blocks"] == full and st["save_tail_blocks"] == 2
 
 
-PRE = ["pre0", "pre1", "pre2", "pre3"]
-PRE_BLOCKS = 25  # KV cache blocks: the four prompts (32 blocks) never fit together
 
 
 def _full_blocks(seq):
     return {tuple(seq[:(k + 1) * BS]) for k in range(len(seq) // BS)}
 
 
-def test_preemption_outputs_identical_and_connector_consistent(model, prompts, tmp_path_factory):
-    """A KV cache of 25 blocks for four ~1,020-token requests decoding 24 tokens (the prompts alone need 32 blocks; each request needs its 9th block after ~5 generated tokens): vLLM preempts
-    (frees a request's blocks, later recomputes it from scratch). With ucm the resumed request
-    loads its saved blocks instead. float32 outputs identical to plain vLLM with the same cache;
-    every block saved exactly once, no failed load or save."""
+def test_preemption_outputs_identical_and_connector_consistent(runs, model, prompts, tmp_path_factory):
+    """A KV cache of 25 blocks for four ~1,020-token requests decoding 24 tokens (the prompts
+    alone need 32 blocks; each request needs its 9th block after ~5 generated tokens): vLLM
+    preempts (frees a request's blocks, later recomputes it from scratch). With ucm the resumed
+    request loads its saved blocks instead. float32 outputs identical to plain vLLM's (the
+    reference run, which has room for all; plain vLLM made to preempt the same way gives the
+    same tokens); every block saved exactly once, no failed load or save."""
     tmp = tmp_path_factory.mktemp("preempt")
     kw = {"num_gpu_blocks_override": PRE_BLOCKS, "max_model_len": 2048, "log_stats": True}
     phases = [{"name": "all", "prompts": [0, 1, 2, 3], "max_tokens": 24}]
-    plain = _run(_spec(model, prompts, PRE, phases, **kw), tmp, "preempt-plain")
     stats = tmp / "stats-preempt.jsonl"
     got = _run(_spec(model, prompts, PRE, phases, connector="ucm", store_dir=_new_dir(tmp / "store"), stats=stats,
                      **kw),
                tmp, "preempt-ucm")
-    assert plain["metrics"]["vllm:num_preemptions"] > 0
     assert got["metrics"]["vllm:num_preemptions"] > 0
-    ref, _ = _tokens(plain, "all")
+    plain, _ = _tokens(runs["plain"], "all")
+    ref = [plain[len(NAMES) + i] for i in range(len(PRE))]
     out, ph = _tokens(got, "all")
     for i in range(4):
         assert len(ref[i]) == 24

@@ -3,18 +3,19 @@ the reference or a fast implementation (see :mod:`ucm.dispatch`), which all shar
 
 Ops registered here:
 
-==============  =========================================  ==============================
-op              reference                                  fast
-==============  =========================================  ==============================
-hash_blocks     ucm.reference.hashing (pure Python)        ucm.fast.numba.hashing
-block_index     ucm.reference.index (OrderedDict)          ucm.fast.numba.index
-copy_segments   ucm.reference.copy (ctypes.memmove)        ucm.fast.native (C threads)
-alloc_aligned   ucm.reference.copy (numpy)                 ucm.fast.native (posix_memalign/mmap)
-checksum        ucm.reference.fileio (numpy)               ucm.fast.native
-checksum_units  ucm.reference.fileio (numpy)               ucm.fast.native
-io_batch        ucm.reference.fileio (os.pread/pwrite)     ucm.fast.native (C threads)
-open_beneath    ucm.reference.fileio (O_NOFOLLOW walk)     ucm.fast.native (openat2)
-==============  =========================================  ==============================
+===================  =========================================  ==============================
+op                   reference                                  fast
+===================  =========================================  ==============================
+hash_blocks          ucm.reference.hashing (pure Python)        ucm.fast.numba.hashing
+block_index          ucm.reference.index (OrderedDict)          ucm.fast.numba.index
+copy_segments        ucm.reference.copy (ctypes.memmove)        ucm.fast.native (C threads)
+alloc_aligned        ucm.reference.copy (numpy)                 ucm.fast.native (posix_memalign/mmap)
+checksum             ucm.reference.fileio (numpy)               ucm.fast.native
+checksum_units       ucm.reference.fileio (numpy)               ucm.fast.native
+copy_checksum_units  ucm.reference.fileio (numpy)               ucm.fast.native (one pass)
+io_batch             ucm.reference.fileio (os.pread/pwrite)     ucm.fast.native (C threads)
+open_beneath         ucm.reference.fileio (O_NOFOLLOW walk)     ucm.fast.native (openat2)
+===================  =========================================  ==============================
 
 The KV transfer ops (``gather_blocks``, ``scatter_blocks``) live in :mod:`ucm.transfer`, the
 sparse-attention ops in :mod:`ucm.sparse.ops`; each family module validates its inputs and holds
@@ -47,6 +48,7 @@ IMPLEMENTATIONS = {
                  fast.native_status)
        for op, module in (("copy_segments", "copy"), ("alloc_aligned", "copy"),
                           ("checksum", "fileio"), ("checksum_units", "fileio"),
+                          ("copy_checksum_units", "fileio"),
                           ("io_batch", "fileio"),
                           ("open_beneath", "fileio"))},
 }
@@ -271,6 +273,22 @@ def checksum_units(data, unit_bytes: int, word0: int = 0, *,
                          f"bytes, got {unit_bytes}")
     word0 = _check_count(word0, "word0", 0)
     return dispatch.call("checksum_units", view, unit, word0, backend=backend)
+
+
+def copy_checksum_units(dst, src, unit_bytes: int, word0: int = 0, *,
+                        backend: Optional[str] = None) -> np.ndarray:
+    """Copy the contiguous host buffer ``src`` into ``dst`` (as many bytes) and return
+    :func:`checksum_units` of the copied bytes, reading the source once."""
+    s = _buffer_view(src, "src", writable=False)
+    d = _buffer_view(dst, "dst", writable=True)
+    if d.nbytes != s.nbytes:
+        raise ValueError(f"dst has {d.nbytes} bytes, src {s.nbytes}: they must be equal")
+    unit = _check_count(unit_bytes, "unit_bytes", 8)
+    if unit % 8 or s.nbytes % unit:
+        raise ValueError(f"unit_bytes must be a multiple of 8 dividing the buffer's {s.nbytes} "
+                         f"bytes, got {unit_bytes}")
+    word0 = _check_count(word0, "word0", 0)
+    return dispatch.call("copy_checksum_units", d, s, unit, word0, backend=backend)
 
 
 def new_io_ops(n: int) -> np.ndarray:

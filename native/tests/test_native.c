@@ -899,6 +899,21 @@ static void test_checksum_and_io(void) {
         CHECKF(units[k] == ref_checksum(buf + 1 + 4096 * k, 4096, 9 + 512 * (uint64_t)k), "unit %d", k);
     CHECK(ucm_checksum_units(buf, 100, 12, 0, units) == -EINVAL);
     CHECK(ucm_checksum_units(buf, 100, 0, 0, units) == -EINVAL);
+    /* copy + per-unit checksums in one pass: the bytes copied and the same sums, unaligned too,
+     * with a unit that is not a multiple of the copy piece */
+    {
+        uint64_t cu_units[16];
+        unsigned char *copy = malloc(16 * 24584 + 8);
+        CHECK(copy != NULL);
+        CHECK(ucm_copy_checksum_units(copy + 3, buf + 1, 16 * 24584, 24584, 7, cu_units) == 0);
+        CHECK(memcmp(copy + 3, buf + 1, 16 * 24584) == 0);
+        for (int k = 0; k < 16; k++)
+            CHECKF(cu_units[k] == ref_checksum(buf + 1 + 24584 * (uint64_t)k, 24584, 7 + 3073 * (uint64_t)k),
+                   "copy unit %d", k);
+        CHECK(ucm_copy_checksum_units(copy, buf, 100, 12, 0, cu_units) == -EINVAL);
+        CHECK(ucm_copy_checksum_units(copy, buf, 100, 0, 0, cu_units) == -EINVAL);
+        free(copy);
+    }
 
     char path[] = "/tmp/ucm-native-test-XXXXXX";
     int fd = mkstemp(path);

@@ -39,6 +39,13 @@ def checksum_units(data: np.ndarray, unit: int, word0: int) -> np.ndarray:
                      for k in range(data.nbytes // unit)], dtype=np.uint64)
 
 
+def copy_checksum_units(dst: np.ndarray, src: np.ndarray, unit: int, word0: int) -> np.ndarray:
+    """Copy ``src`` into ``dst`` (same size) and return :func:`checksum_units` of the copied
+    bytes."""
+    dst[:] = src
+    return checksum_units(dst, unit, word0)
+
+
 def _view(addr: int, length: int):
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
 

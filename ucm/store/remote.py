@@ -50,7 +50,7 @@ import numpy as np
 from ucm import threads
 from ucm.config import ConfigError
 from ucm.ids import as_ids, id_bytes, id_hex
-from ucm.ops import alloc_aligned, checksum, checksum_units
+from ucm.ops import alloc_aligned, checksum, checksum_units, copy_checksum_units
 from ucm.store.backends import Backend, Unavailable
 from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task
 from ucm.store.format import BadBlock, Header, header_size, parse
@@ -106,11 +106,13 @@ class _Staging:
 
 class _Pending:
     """A block being dumped: its staging row, the shards written, and where its put stands."""
-    __slots__ = ("row", "shards", "copying", "state", "publish", "discard", "waiters", "server")
+    __slots__ = ("row", "shards", "sums", "copying", "state", "publish", "discard", "waiters",
+                 "server")
 
     def __init__(self, row: int, n_shards: int):
         self.row = row
         self.shards = np.zeros(n_shards, dtype=bool)
+        self.sums = np.zeros(n_shards, dtype=np.uint64)  # each shard's checksum, taken as staged
         self.copying = 0          # copies into the row in flight
         self.state = "staging"    # staging -> putting -> stored | failed
         self.publish = False      # committed before the put landed: write the marker then
@@ -450,9 +452,16 @@ class RemoteStore(KVStore):
         checked = raw[self.header_bytes + first * g.shard_bytes:
                       self.header_bytes + (last + 1) * g.shard_bytes]
         want = int(head.shard_checksums[first:last + 1].sum(dtype=np.uint64))
+        payload = raw[self.header_bytes:]
+        if not keep and not bufs.is_cuda:
+            # copy and checksum in one pass over the value; a mismatch leaves the row written,
+            # which the failed load allows (its rows are the caller's to recompute)
+            got = copy_checksum_units(bufs.rows[i], checked, checked.nbytes, first * g.shard_bytes // 8)
+            if int(got[0]) != want:
+                return f"corrupt: checksum mismatch in shards {first}-{last}"
+            return None
         if checksum(checked, first * g.shard_bytes // 8) != want:
             return f"corrupt: checksum mismatch in shards {first}-{last}"
-        payload = raw[self.header_bytes:]
         self._copy_out(payload, i, offset, bufs, shards)
         if keep and shards[-1] < g.n_shards - 1:
             self._remember(key, payload.copy() if isinstance(value, memoryview) else payload)
@@ -589,8 +598,10 @@ class RemoteStore(KVStore):
                         import torch
 
                         torch.from_numpy(dst).copy_(bufs.rows[i])
-                    else:
-                        dst[:] = bufs.rows[i]
+                        sums = checksum_units(dst, g.shard_bytes, offset // 8)
+                    else:  # the checksums taken while copying (the source is read once)
+                        sums = copy_checksum_units(dst, bufs.rows[i], g.shard_bytes, offset // 8)
+                    p.sums[sl] = sums
                 except Exception as exc:  # a source that cannot be read: this block fails
                     copied = False
                     res.fail(i, f"copy: {exc!r}")
@@ -623,8 +634,7 @@ class RemoteStore(KVStore):
         g = self.geometry
         for key, p, bid in complete:
             row = self._row(p.row)
-            sums = checksum_units(row[self.header_bytes:], g.shard_bytes)
-            head = Header(self.namespace, key, 0, g.block_bytes, g.shard_bytes, sums, VALUE_ALIGN)
+            head = Header(self.namespace, key, 0, g.block_bytes, g.shard_bytes, p.sums, VALUE_ALIGN)
             row[:self.header_bytes] = head.pack()
         bids = np.array([c[2] for c in complete], dtype=np.uint64).reshape(-1, 2)
         for server, idx in self._route(bids).items():

@@ -110,6 +110,17 @@ def checksum_units(data: np.ndarray, unit: int, word0: int) -> np.ndarray:
     return out
 
 
+def copy_checksum_units(dst: np.ndarray, src: np.ndarray, unit: int, word0: int) -> np.ndarray:
+    """Same contract as :func:`ucm.reference.fileio.copy_checksum_units`."""
+    out = np.empty(src.nbytes // unit, dtype=np.uint64)
+    rc = _lib.ucm_copy_checksum_units(_ffi.cast("void *", dst.ctypes.data),
+                                      _ffi.cast("const void *", src.ctypes.data), src.nbytes, unit,
+                                      word0, _ffi.cast("uint64_t *", out.ctypes.data))
+    if rc < 0:
+        raise ValueError(f"ucm_copy_checksum_units rejected unit {unit} for {src.nbytes} bytes")
+    return out
+
+
 def io_batch(ops: np.ndarray, n_threads: int, want_checksum: bool) -> int:
     """Same contract as :func:`ucm.reference.fileio.io_batch`; runs on C threads."""
     rc = _lib.ucm_io_batch(_ffi.cast("ucm_io_op *", ops.ctypes.data), len(ops), int(n_threads),
