@@ -3,9 +3,11 @@ layer or of layers below it (statically: ``import`` and ``from ... import`` anyw
 file, function-level imports included, and the ``"module:attr"`` targets of the dispatch
 tables). The layers:
 
-1. base: version, errors, threads, configuration, dispatch, ids and their hash, KV layouts;
+1. base: version, errors, threads, configuration, dispatch, ids and their hash, KV layouts,
+   KV codec formats;
 2. implementations: ``ucm.reference.*`` and ``ucm.fast.*`` (the native extension included);
-3. public ops: ``ucm.ops``, ``ucm.transfer``, ``ucm.sparse.ops``, which validate and dispatch;
+3. public ops: ``ucm.ops``, ``ucm.transfer``, ``ucm.compress``, ``ucm.sparse.ops``, which
+   validate and dispatch;
 4. services: ``ucm.store.*``, the sparse methods ``ucm.sparse.*``, the package's root;
 5. applications: ``ucm.integration.*``, ``ucm.cli``, ``ucm.demo.*``, ``ucm.models``.
 """
@@ -19,10 +21,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ucm"
 
 LAYERS = [
     ("base", ["ucm._version", "ucm.errors", "ucm.threads", "ucm.config", "ucm.dispatch",
-              "ucm.ids", "ucm.murmur", "ucm.layout"]),
+              "ucm.ids", "ucm.murmur", "ucm.layout", "ucm.codecs"]),
     ("implementations", ["ucm.reference", "ucm.reference.*", "ucm.fast", "ucm.fast.*",
                          "ucm._native"]),
-    ("ops", ["ucm.ops", "ucm.transfer", "ucm.sparse.ops"]),
+    ("ops", ["ucm.ops", "ucm.transfer", "ucm.compress", "ucm.sparse.ops"]),
     ("services", ["ucm.store", "ucm.store.*", "ucm.sparse", "ucm.sparse.*", "ucm"]),
     ("applications", ["ucm.integration", "ucm.integration.*", "ucm.cli", "ucm.__main__",
                       "ucm.demo", "ucm.demo.*", "ucm.models"]),

@@ -1,0 +1,273 @@
+"""KV codec formats (the base layer of :mod:`ucm.compress`): :class:`KVShape`, :class:`CodecSpec`,
+the byte layout of an encoded shard (:func:`segments`, :func:`offsets`, :func:`encoded_bytes`) and
+learned projections (:class:`Projection`, :func:`fit_projection`). Every implementation of the
+codec ops reads its layout from here; the rules themselves are in :mod:`ucm.compress`."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from typing import Optional
+
+import numpy as np
+
+
+METHODS = ("quantize", "sparse", "learned")
+BITS = (4, 8)
+GROUPS = (32, 64)
+KEY_MODES = ("channel", "token")
+DTYPES = ("float16", "bfloat16", "float32")
+ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+DIMS = "kthd"
+
+
+@dataclasses.dataclass(frozen=True)
+class KVShape:
+    """How one shard's bytes are a KV tensor: ``order`` is the memory order of the dims
+    ``k`` (key/value, 2), ``t`` (tokens), ``h`` (KV heads), ``d`` (channels, innermost), e.g.
+    ``"hktd"`` for vLLM-CPU (per head: the block's keys, then its values) and ``"kthd"`` for
+    vLLM's CUDA layouts (keys, then values, each token-major)."""
+    order: str
+    tokens: int
+    heads: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self):
+        if sorted(self.order) != sorted(DIMS) or self.order[-1] != "d":
+            raise ValueError(f"KVShape.order: a permutation of 'kthd' ending in 'd', got {self.order!r}")
+        for name in ("tokens", "heads", "head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"KVShape.{name}: expected an int >= 1, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVShape.dtype: one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def esize(self) -> int:
+        return ESIZE[self.dtype]
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of one raw shard."""
+        return 2 * self.tokens * self.heads * self.head_dim * self.esize
+
+    def sizes(self) -> dict:
+        return {"k": 2, "t": self.tokens, "h": self.heads, "d": self.head_dim}
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSpec:
+    """One codec and its parameters (``compression.*`` options)."""
+    method: str = "quantize"
+    bits: int = 8
+    group: int = 64
+    key_mode: str = "channel"
+    salient: float = 0.0625
+    ratio: float = 0.25
+    projection: Optional["Projection"] = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"compression.method: one of {METHODS}, got {self.method!r}")
+        if self.bits not in BITS:
+            raise ValueError(f"compression.bits: one of {BITS}, got {self.bits!r}")
+        if self.method in ("sparse", "learned") or self.bits == 4:
+            if self.group not in GROUPS:
+                raise ValueError(f"compression.group: one of {GROUPS}, got {self.group!r}")
+        if self.key_mode not in KEY_MODES:
+            raise ValueError(f"compression.key_mode: one of {KEY_MODES}, got {self.key_mode!r}")
+        if self.method == "sparse" and not 0.0 < float(self.salient) <= 0.5:
+            raise ValueError(f"compression.salient: a fraction in (0, 0.5], got {self.salient!r}")
+        if self.method == "learned":
+            if not 0.0 < float(self.ratio) < 1.0:
+                raise ValueError(f"compression.ratio: a fraction in (0, 1), got {self.ratio!r}")
+            if self.projection is None:
+                raise ValueError("compression.method 'learned' needs a projection "
+                                 "(compression.projection: a file from fit_projection)")
+
+    @property
+    def int4(self) -> bool:
+        return self.method == "sparse" or (self.method == "quantize" and self.bits == 4)
+
+    def params(self) -> dict:
+        """What identifies the encoded bytes (no field that does not change them)."""
+        if self.method == "quantize" and self.bits == 8:
+            return {"method": "quantize", "bits": 8}
+        if self.method == "learned":
+            return {"method": "learned", "ratio": float(self.ratio),
+                    "projection": self.projection.digest}
+        p = {"method": self.method, "bits": 4, "group": self.group, "key_mode": self.key_mode}
+        if self.method == "sparse":
+            p["salient"] = float(self.salient)
+        return p
+
+    def digest(self) -> bytes:
+        """16 bytes naming this codec's format (mixed into the namespace)."""
+        text = json.dumps({"format": 1, **self.params()}, sort_keys=True).encode()
+        return hashlib.blake2b(text, digest_size=16, person=b"ucm-codec").digest()
+
+    def code(self) -> int:
+        """The block header's codec field (nonzero; 0 is raw)."""
+        return int.from_bytes(self.digest()[:4], "little") | 1
+
+    def check(self, shape: KVShape) -> None:
+        """ValueError when this codec cannot encode shards of ``shape``."""
+        if self.int4:
+            d = shape.head_dim
+            if d % 2:
+                raise ValueError(f"compression: INT4 packs two channels per byte; head_dim {d} is odd")
+            if d % self.group:
+                raise ValueError(f"compression.group: {self.group} must divide head_dim {d} "
+                                 f"(allowed: {[g for g in GROUPS if d % g == 0] or 'none'})")
+        if self.method == "sparse" and n_salient(self, shape) >= shape.tokens:
+            raise ValueError(f"compression.salient: {self.salient} of {shape.tokens} tokens "
+                             f"leaves none to quantize")
+        if self.method == "learned":
+            self.projection.check(shape, rank(self, shape))
+
+
+def n_salient(spec: CodecSpec, shape: KVShape) -> int:
+    return max(1, math.ceil(float(spec.salient) * shape.tokens))
+
+
+def rank(spec: CodecSpec, shape: KVShape) -> int:
+    return max(1, min(shape.head_dim, round(float(spec.ratio) * shape.head_dim)))
+
+
+def _pad8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _int4_segments(spec: CodecSpec, t: int, h: int, d: int, prefix: str) -> list:
+    """The INT4 part of a block of ``t`` tokens: packed keys, packed values, their (min, scale)
+    bfloat16 pairs."""
+    g = spec.group
+    kp = (h, d, 2) if spec.key_mode == "channel" else (t, h, d // g, 2)
+    return [(prefix + "kq", "uint8", (t, h, d // 2)), (prefix + "vq", "uint8", (t, h, d // 2)),
+            (prefix + "kp", "bfloat16", kp), (prefix + "vp", "bfloat16", (t, h, d // g, 2))]
+
+
+def segments(spec: CodecSpec, shape: KVShape) -> list:
+    """``[(name, dtype, shape)]`` of one encoded shard, in byte order (each segment starts at a
+    multiple of 8 bytes)."""
+    t, h, d = shape.tokens, shape.heads, shape.head_dim
+    if spec.method == "quantize" and spec.bits == 8:
+        return [("q", "int8", (2, t, h, d)), ("scale", "bfloat16", (2, t, h))]
+    if spec.method == "quantize":
+        return _int4_segments(spec, t, h, d, "")
+    if spec.method == "sparse":
+        k = n_salient(spec, shape)
+        return [("bitmap", "uint8", (-(-t // 8),)), ("exact", shape.dtype, (k, 2, h, d))] + \
+            _int4_segments(spec, t - k, h, d, "")
+    return [("coef", "bfloat16", (2, t, h, rank(spec, shape)))]
+
+
+_NP = {"uint8": np.uint8, "int8": np.int8, "bfloat16": np.uint16, "float16": np.float16,
+       "float32": np.float32}
+_SIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def offsets(spec: CodecSpec, shape: KVShape) -> dict:
+    """``name -> (byte offset, dtype, shape)`` of one encoded shard."""
+    out, at = {}, 0
+    for name, dt, shp in segments(spec, shape):
+        out[name] = (at, dt, shp)
+        at += _pad8(math.prod(shp) * _SIZE[dt])
+    return out
+
+
+def encoded_bytes(spec: CodecSpec, shape: KVShape) -> int:
+    """Bytes of one encoded shard (a multiple of 8)."""
+    return sum(_pad8(math.prod(shp) * _SIZE[dt]) for _, dt, shp in segments(spec, shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# learned projections
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """Per layer, per key/value and per head: a mean ``[H, D]`` and an orthonormal basis
+    ``[H, D, R]`` (columns by decreasing variance), float32. ``digest``: 16 hex bytes of the
+    arrays, the projection's version."""
+    means: np.ndarray   # [L, 2, H, D]
+    bases: np.ndarray   # [L, 2, H, D, R]
+    digest: str
+
+    @classmethod
+    def build(cls, means, bases) -> "Projection":
+        means = np.ascontiguousarray(means, dtype=np.float32)
+        bases = np.ascontiguousarray(bases, dtype=np.float32)
+        if means.ndim != 4 or bases.ndim != 5 or means.shape != bases.shape[:4]:
+            raise ValueError(f"projection: means [L, 2, H, D] and bases [L, 2, H, D, R], got "
+                             f"{list(means.shape)} and {list(bases.shape)}")
+        if not (np.isfinite(means).all() and np.isfinite(bases).all()):
+            raise ValueError("projection: NaN or infinite values")
+        h = hashlib.blake2b(digest_size=16, person=b"ucm-project")
+        for a in (means, bases):
+            h.update(str(a.shape).encode())
+            h.update(a.tobytes())
+        return cls(means, bases, h.hexdigest())
+
+    @property
+    def layers(self) -> int:
+        return self.means.shape[0]
+
+    @property
+    def max_rank(self) -> int:
+        return self.bases.shape[-1]
+
+    def check(self, shape: KVShape, r: int) -> None:
+        if self.means.shape[2:] != (shape.heads, shape.head_dim):
+            raise ValueError(f"projection {self.digest}: fitted for {self.means.shape[2]} heads x "
+                             f"{self.means.shape[3]} channels, the KV has {shape.heads} x "
+                             f"{shape.head_dim}")
+        if r > self.max_rank:
+            raise ValueError(f"projection {self.digest}: rank {self.max_rank} < the {r} that "
+                             f"compression.ratio asks")
+
+    def save(self, path: str) -> None:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.savez(f, means=self.means, bases=self.bases, digest=np.array(self.digest))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str, expect: Optional[str] = None) -> "Projection":
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                p = cls.build(z["means"], z["bases"])
+                stored = str(z["digest"])
+        except (OSError, KeyError, ValueError) as exc:
+            raise ValueError(f"config key 'compression.projection': cannot read {path!r}: {exc}")
+        if stored != p.digest:
+            raise ValueError(f"config key 'compression.projection': {path!r} is damaged (digest "
+                              f"{p.digest}, recorded {stored})")
+        if expect is not None and expect != p.digest:
+            raise ValueError(f"config key 'compression.projection': {path!r} is version "
+                              f"{p.digest}, expected {expect}")
+        return p
+
+
+def fit_projection(samples, max_rank: Optional[int] = None) -> Projection:
+    """PCA per layer, key/value and head. ``samples``: a sequence over layers of arrays
+    ``[n, 2, H, D]`` (calibration KV vectors of that layer, any float type)."""
+    means, bases = [], []
+    for layer, s in enumerate(samples):
+        x = np.asarray(s, dtype=np.float64)
+        if x.ndim != 4 or x.shape[1] != 2 or x.shape[0] < 2:
+            raise ValueError(f"fit_projection: layer {layer}: expected [n >= 2, 2, H, D], got "
+                             f"{list(x.shape)}")
+        if not np.isfinite(x).all():
+            raise ValueError(f"fit_projection: layer {layer}: NaN or infinite values")
+        mu = x.mean(axis=0)                                   # [2, H, D]
+        c = x - mu
+        cov = np.einsum("nkhd,nkhe->khde", c, c) / (x.shape[0] - 1)
+        w, v = np.linalg.eigh(cov)                            # ascending
+        v = v[..., ::-1]                                      # [2, H, D, D] by decreasing variance
+        r = v.shape[-1] if max_rank is None else min(int(max_rank), v.shape[-1])
+        means.append(mu)
+        bases.append(v[..., :r])
+    return Projection.build(np.stack(means), np.stack(bases))

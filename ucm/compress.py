@@ -1,0 +1,135 @@
+"""KV compression: codecs that turn one layer's part of a KV block (a *shard*) into a smaller
+fixed-size byte string and back.
+
+A codec sees a shard as the tensor ``x[kv, t, h, d]`` (keys then values, ``T`` tokens, ``H`` KV
+heads, ``D`` channels) of the cache's element type, whatever the engine's memory order
+(:class:`KVShape`). Every encoded shard of a given codec and shape has the same size, so the
+store's geometry stays fixed. Integer payloads and scales are bit-identical between
+implementations (the reference here and the fast paths); the learned codec's coefficients are
+floating point and match within the equivalence tolerance.
+
+Codecs (:class:`CodecSpec`):
+
+* ``quantize``, ``bits=8``: symmetric INT8, one scale per (kv, token, head) vector:
+  ``s = bf16_up(max|x| / 127)``, ``q = clamp(rint(x / s), -127, 127)``, ``x' = q * s``.
+* ``quantize``, ``bits=4``: asymmetric INT4, two values per byte (low nibble first):
+  ``m = bf16_down(min)``, ``s = bf16_up((max - m) / 15)``, ``q = clamp(rint((x - m) / s), 0, 15)``,
+  ``x' = q * s + m``. Values: groups of ``group`` channels per (token, head). Keys: per channel
+  over the block's tokens as KIVI does (``key_mode="channel"``, the default: a few channels of
+  the keys carry outliers across all tokens) or like the values (``key_mode="token"``).
+* ``sparse``: the ``ceil(salient * T)`` tokens whose keys have the largest magnitude
+  (``max |K[t, :, :]|``; ties to the lower token) kept exact in the cache's type, the others
+  INT4 as above over the remaining tokens only (their ranges no longer stretched by the
+  outliers); a bitmap says which tokens are exact.
+* ``learned``: per layer, per head and for keys and values apart, a mean and a rank-``r``
+  basis fitted by PCA on calibration KV (:func:`fit_projection`); ``r = round(ratio * D)``;
+  coefficients stored as bfloat16. The projection is one file per namespace whose digest is
+  part of the codec's identity (:meth:`CodecSpec.digest`), so a block is never decoded with
+  another projection.
+
+``bf16_up`` / ``bf16_down`` round a positive float32 scale up (and a minimum down) to bfloat16,
+so a group's extremes never clip and the scales cost 2 bytes. All arithmetic is float32 with
+IEEE rounding (divisions correctly rounded, ``rint`` = round half to even); ``q * s`` is exact in
+float32, so every implementation decodes to the same bits.
+
+Values that are NaN or infinite make ``encode`` refuse the shard (``ok[i] = False``; the store
+then does not keep the block) instead of poisoning a group.
+
+Ops (dispatched through :mod:`ucm.dispatch`): :func:`encode`, :func:`decode`; implementations
+``reference`` (:mod:`ucm.reference.compress`, PyTorch), ``numba`` (:mod:`ucm.fast.numba.compress`,
+CPU) and ``triton`` (:mod:`ucm.fast.triton.compress`, CUDA).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ucm import dispatch, fast
+from ucm.codecs import (BITS, GROUPS, KEY_MODES, METHODS, CodecSpec, KVShape,  # noqa: F401
+                        Projection, encoded_bytes, fit_projection, offsets, segments)
+from ucm.dispatch import ImplSpec
+
+
+# ---------------------------------------------------------------------------------------------
+# ops
+
+def _rows(buf, nbytes: int, name: str, n: Optional[int] = None):
+    import torch
+
+    if not isinstance(buf, torch.Tensor):
+        arr = np.asarray(buf)
+        if arr.dtype != np.uint8:
+            raise ValueError(f"{name}: expected uint8 rows, got {arr.dtype}")
+        buf = torch.from_numpy(arr) if arr.flags.writeable else torch.from_numpy(arr.copy())
+    if buf.dtype != torch.uint8 or buf.dim() != 2:
+        raise ValueError(f"{name}: expected a uint8 [n, {nbytes}] tensor, got {buf.dtype} "
+                         f"{list(buf.shape)}")
+    if buf.shape[1] != nbytes or buf.stride(1) != 1 or (buf.shape[0] > 1 and buf.stride(0) < nbytes):
+        raise ValueError(f"{name}: expected rows of {nbytes} contiguous bytes, got shape "
+                         f"{list(buf.shape)} strides {buf.stride()}")
+    if n is not None and buf.shape[0] != n:
+        raise ValueError(f"{name}: {buf.shape[0]} rows, expected {n}")
+    return buf
+
+
+def _check(spec, shape, layer):
+    if not isinstance(spec, CodecSpec):
+        raise ValueError(f"spec: expected a ucm.compress.CodecSpec, got {type(spec).__name__}")
+    if not isinstance(shape, KVShape):
+        raise ValueError(f"shape: expected a ucm.compress.KVShape, got {type(shape).__name__}")
+    spec.check(shape)
+    if spec.method == "learned" and not 0 <= int(layer) < spec.projection.layers:
+        raise ValueError(f"layer {layer}: the projection has {spec.projection.layers} layers")
+
+
+def encode(spec: CodecSpec, shape: KVShape, src, dst, layer: int = 0, *,
+           backend: Optional[str] = None) -> np.ndarray:
+    """Encode each row of ``src`` (uint8 ``[n, shape.raw_bytes]``: raw shards of layer
+    ``layer``) into the same row of ``dst`` (uint8 ``[n, encoded_bytes]``, same device).
+    Returns ``ok``: bool ``[n]``, False where the shard held NaN or infinite values (its row of
+    ``dst`` is then undefined)."""
+    _check(spec, shape, layer)
+    s = _rows(src, shape.raw_bytes, "src")
+    d = _rows(dst, encoded_bytes(spec, shape), "dst", s.shape[0])
+    if s.device != d.device:
+        raise ValueError(f"src on {s.device}, dst on {d.device}: expected one device")
+    if s.shape[0] == 0:
+        return np.zeros(0, dtype=bool)
+    return dispatch.call("encode", spec, shape, s, d, int(layer), backend=backend)
+
+
+def decode(spec: CodecSpec, shape: KVShape, src, dst, layer: int = 0, *,
+           backend: Optional[str] = None) -> None:
+    """Decode each row of ``src`` (uint8 ``[n, encoded_bytes]``) into the same row of ``dst``
+    (uint8 ``[n, shape.raw_bytes]``, in the shard's memory order)."""
+    _check(spec, shape, layer)
+    s = _rows(src, encoded_bytes(spec, shape), "src")
+    d = _rows(dst, shape.raw_bytes, "dst", s.shape[0])
+    if s.device != d.device:
+        raise ValueError(f"src on {s.device}, dst on {d.device}: expected one device")
+    if s.shape[0]:
+        dispatch.call("decode", spec, shape, s, d, int(layer), backend=backend)
+
+
+def _device(args, kwargs):
+    return args[2].device if len(args) > 2 else None
+
+
+def on_cpu(*args, **kwargs):
+    return fast.cpu_takes(_device(args, kwargs))
+
+
+def on_cuda(*args, **kwargs):
+    return fast.triton_takes(_device(args, kwargs))
+
+
+OPS = ("encode", "decode")
+IMPLEMENTATIONS = (
+    ImplSpec("reference", "ucm.reference.compress:{op}"),
+    ImplSpec("numba", "ucm.fast.numba.compress:{op}", 10, frozenset({"cpu", "cuda"}),
+             fast.numba_status, on_cpu),
+    ImplSpec("triton", "ucm.fast.triton.compress:{op}", 20, frozenset({"cuda", "cpu"}),
+             fast.triton_status, on_cuda),
+)
+dispatch.register_table(OPS, IMPLEMENTATIONS)

@@ -1,0 +1,217 @@
+"""Reference KV codecs in PyTorch (the rules are in :mod:`ucm.compress`, the byte layout in
+:mod:`ucm.codecs`). Readable over fast: whole-tensor operations on float32 copies, any device."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets, rank
+
+_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "uint8": torch.uint8, "int8": torch.int8}
+
+
+# ---------------------------------------------------------------------------------------------
+# layout helpers
+
+def to_canonical(rows: torch.Tensor, shape: KVShape) -> torch.Tensor:
+    """uint8 ``[n, raw_bytes]`` -> float32 ``[n, 2, T, H, D]``."""
+    sizes = shape.sizes()
+    x = rows.contiguous().view(_TORCH[shape.dtype]).reshape([rows.shape[0]] + [sizes[c] for c in shape.order])
+    perm = [0] + [1 + shape.order.index(c) for c in "kthd"]
+    return x.permute(perm).float()
+
+
+def from_canonical(x: torch.Tensor, shape: KVShape) -> torch.Tensor:
+    """float32 ``[n, 2, T, H, D]`` -> uint8 ``[n, raw_bytes]`` in the shard's memory order."""
+    perm = [0] + [1 + "kthd".index(c) for c in shape.order]
+    y = x.to(_TORCH[shape.dtype]).permute(perm).contiguous()
+    return y.view(torch.uint8).reshape(x.shape[0], shape.raw_bytes)
+
+
+def bf16_up(x: torch.Tensor) -> torch.Tensor:
+    """float32 >= 0 rounded up to the next bfloat16 (returned as float32)."""
+    bits = x.contiguous().view(torch.int32)
+    hi = bits & -65536
+    return torch.where((bits & 0xFFFF) != 0, hi + 0x10000, hi).view(torch.float32)
+
+
+def bf16_down(x: torch.Tensor) -> torch.Tensor:
+    """float32 rounded toward minus infinity to a bfloat16 (returned as float32)."""
+    bits = x.contiguous().view(torch.int32)
+    hi = bits & -65536
+    return torch.where(((bits & 0xFFFF) != 0) & (bits < 0), hi + 0x10000, hi).view(torch.float32)
+
+
+def bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    """float32 holding a bfloat16 value exactly -> its 16 bits as int16."""
+    return (x.contiguous().view(torch.int32) >> 16).to(torch.int16)
+
+
+def from_bf16_bits(b: torch.Tensor) -> torch.Tensor:
+    """bfloat16 values (or their bits as int16) -> float32."""
+    if b.dtype == torch.bfloat16:
+        return b.float()
+    return (b.to(torch.int32) << 16).view(torch.float32)
+
+
+def _segment(rows: torch.Tensor, spec: CodecSpec, shape: KVShape, name: str) -> torch.Tensor:
+    """A view of segment ``name`` of every encoded row: ``[n, *segment shape]``."""
+    at, dt, shp = offsets(spec, shape)[name]
+    size = int(np.prod(shp)) * torch.tensor([], dtype=_TORCH[dt]).element_size()
+    seg = rows[:, at:at + size]
+    return seg.contiguous().view(_TORCH[dt]).reshape((rows.shape[0],) + tuple(shp))
+
+
+def _put(dst: torch.Tensor, spec: CodecSpec, shape: KVShape, name: str, value: torch.Tensor) -> None:
+    at, dt, shp = offsets(spec, shape)[name]
+    b = value.contiguous().view(torch.uint8).reshape(dst.shape[0], -1)
+    dst[:, at:at + b.shape[1]] = b
+
+
+# ---------------------------------------------------------------------------------------------
+# the quantizers
+
+def quant8(x: torch.Tensor):
+    """Symmetric INT8 over the last dim: (int8 q, float32 scale holding a bfloat16)."""
+    s = bf16_up(x.abs().amax(dim=-1) / 127.0)
+    q = torch.where(s[..., None] > 0, torch.round(x / s[..., None]).clamp(-127, 127),
+                    torch.zeros_like(x))
+    return q.to(torch.int8), s
+
+
+def dequant8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s[..., None]
+
+
+def quant4(x: torch.Tensor, dim: int):
+    """Asymmetric INT4 over ``dim``: (uint8 q in [0, 15], min, scale), min/scale float32
+    holding bfloat16 values, reduced over ``dim`` (kept as size 1)."""
+    m = bf16_down(x.amin(dim=dim, keepdim=True))
+    s = bf16_up((x.amax(dim=dim, keepdim=True) - m) / 15.0)
+    q = torch.where(s > 0, torch.round((x - m) / s).clamp(0, 15), torch.zeros_like(x))
+    return q.to(torch.uint8), m, s
+
+
+def dequant4(q: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s + m
+
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack4(b: torch.Tensor) -> torch.Tensor:
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))
+
+
+def _int4_encode(k: torch.Tensor, v: torch.Tensor, spec: CodecSpec):
+    """k, v: float32 ``[n, T', H, D]`` -> packed kq, vq and (min, scale) pairs as bf16 bits."""
+    n, t, h, d = k.shape
+    g = spec.group
+    if spec.key_mode == "channel":
+        kq, km, ks = quant4(k, dim=1)                       # over tokens: [n, 1, H, D]
+        kp = torch.stack([km[:, 0], ks[:, 0]], dim=-1)      # [n, H, D, 2]
+    else:
+        kq, km, ks = quant4(k.reshape(n, t, h, d // g, g), dim=-1)
+        kq = kq.reshape(n, t, h, d)
+        kp = torch.stack([km[..., 0], ks[..., 0]], dim=-1)  # [n, T', H, D/g, 2]
+    vq, vm, vs = quant4(v.reshape(n, t, h, d // g, g), dim=-1)
+    vq = vq.reshape(n, t, h, d)
+    vp = torch.stack([vm[..., 0], vs[..., 0]], dim=-1)
+    return pack4(kq), pack4(vq), bf16_bits(kp), bf16_bits(vp)
+
+
+def _int4_decode(kq, vq, kp, vp, spec: CodecSpec, t: int, h: int, d: int):
+    n = kq.shape[0]
+    g = spec.group
+    kp, vp = from_bf16_bits(kp), from_bf16_bits(vp)
+    kq, vq = unpack4(kq), unpack4(vq)
+    if spec.key_mode == "channel":
+        k = dequant4(kq, kp[:, None, ..., 0], kp[:, None, ..., 1])
+    else:
+        k = dequant4(kq.reshape(n, t, h, d // g, g), kp[..., 0:1], kp[..., 1:2]).reshape(n, t, h, d)
+    v = dequant4(vq.reshape(n, t, h, d // g, g), vp[..., 0:1], vp[..., 1:2]).reshape(n, t, h, d)
+    return k, v
+
+
+def salient_tokens(k: torch.Tensor, count: int) -> torch.Tensor:
+    """bool ``[n, T]``: the ``count`` tokens of each row with the largest ``max |K|`` over heads
+    and channels (ties: the lower token)."""
+    score = k.abs().amax(dim=(2, 3))                                    # [n, T]
+    order = torch.sort(-score, dim=1, stable=True).indices[:, :count]
+    mask = torch.zeros(score.shape, dtype=torch.bool, device=k.device)
+    mask.scatter_(1, order, True)
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# ops
+
+def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor, layer: int) -> np.ndarray:
+    x = to_canonical(src, shape)                                      # [n, 2, T, H, D]
+    n, _, t, h, d = x.shape
+    ok = torch.isfinite(x).reshape(n, -1).all(dim=1)
+    x = torch.where(ok[:, None, None, None, None], x, torch.zeros_like(x))
+    out = torch.zeros((n, encoded_bytes(spec, shape)), dtype=torch.uint8, device=x.device)
+    if spec.method == "quantize" and spec.bits == 8:
+        q, s = quant8(x)
+        _put(out, spec, shape, "q", q)
+        _put(out, spec, shape, "scale", bf16_bits(s))
+    elif spec.method == "quantize":
+        for name, val in zip(("kq", "vq", "kp", "vp"), _int4_encode(x[:, 0], x[:, 1], spec)):
+            _put(out, spec, shape, name, val)
+    elif spec.method == "sparse":
+        c = n_salient(spec, shape)
+        mask = salient_tokens(x[:, 0], c)                             # [n, T]
+        exact = x.permute(0, 2, 1, 3, 4)[mask].reshape(n, c, 2, h, d)  # ascending tokens
+        rest = x.permute(0, 2, 1, 3, 4)[~mask].reshape(n, t - c, 2, h, d)
+        bits = torch.zeros((n, -(-t // 8) * 8), dtype=torch.uint8, device=x.device)
+        bits[:, :t] = mask.to(torch.uint8)
+        bitmap = (bits.reshape(n, -1, 8) << torch.arange(8, device=x.device, dtype=torch.uint8)).sum(
+            dim=-1, dtype=torch.uint8)
+        _put(out, spec, shape, "bitmap", bitmap)
+        _put(out, spec, shape, "exact", exact.to(_TORCH[shape.dtype]))
+        for name, val in zip(("kq", "vq", "kp", "vp"),
+                             _int4_encode(rest[:, :, 0], rest[:, :, 1], spec)):
+            _put(out, spec, shape, name, val)
+    else:
+        p = spec.projection
+        r = rank(spec, shape)
+        mean = torch.from_numpy(p.means[layer]).to(x.device)              # [2, H, D]
+        basis = torch.from_numpy(p.bases[layer][..., :r]).to(x.device)    # [2, H, D, R]
+        coef = torch.einsum("nkthd,khdr->nkthr", x - mean[None, :, None], basis)
+        _put(out, spec, shape, "coef", coef.to(torch.bfloat16))
+    dst.copy_(out)
+    return ok.cpu().numpy()
+
+
+def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor, layer: int) -> None:
+    n = src.shape[0]
+    t, h, d = shape.tokens, shape.heads, shape.head_dim
+    if spec.method == "quantize" and spec.bits == 8:
+        x = dequant8(_segment(src, spec, shape, "q"), from_bf16_bits(_segment(src, spec, shape, "scale")))
+    elif spec.method == "quantize":
+        k, v = _int4_decode(*(_segment(src, spec, shape, s) for s in ("kq", "vq", "kp", "vp")),
+                            spec, t, h, d)
+        x = torch.stack([k, v], dim=1)
+    elif spec.method == "sparse":
+        c = n_salient(spec, shape)
+        bitmap = _segment(src, spec, shape, "bitmap")
+        mask = ((bitmap[..., None] >> torch.arange(8, device=src.device, dtype=torch.uint8)) & 1)
+        mask = mask.reshape(n, -1)[:, :t].bool()
+        exact = _segment(src, spec, shape, "exact").float()                # [n, c, 2, H, D]
+        k, v = _int4_decode(*(_segment(src, spec, shape, s) for s in ("kq", "vq", "kp", "vp")),
+                            spec, t - c, h, d)
+        tok = torch.empty((n, t, 2, h, d), dtype=torch.float32, device=src.device)
+        tok[mask] = exact.reshape(-1, 2, h, d)
+        tok[~mask] = torch.stack([k, v], dim=2).reshape(-1, 2, h, d)
+        x = tok.permute(0, 2, 1, 3, 4)
+    else:
+        p = spec.projection
+        r = rank(spec, shape)
+        mean = torch.from_numpy(p.means[layer]).to(src.device)
+        basis = torch.from_numpy(p.bases[layer][..., :r]).to(src.device)
+        coef = _segment(src, spec, shape, "coef").float()
+        x = torch.einsum("nkthr,khdr->nkthd", coef, basis) + mean[None, :, None]
+    dst.copy_(from_canonical(x, shape))
