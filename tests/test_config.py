@@ -13,7 +13,7 @@ def test_defaults_and_access():
     c = Config()
     for o in OPTIONS:
         assert c[o.name] == o.default and c.source(o.name) == "default"
-    assert c.compression.bits == c["compression.bits"] == 8  # (refused when set: no codec yet)
+    assert c.compression.bits == c["compression.bits"] == 8
     assert c.store.posix.o_direct is False
     with pytest.raises(AttributeError, match="sparse_ratio"):
         c.sparse_ration
@@ -80,8 +80,9 @@ def test_env_parsing():
     ({"cache_capacity": -5}, r"'cache_capacity'"),
     ({"cache_capacity": "lots"}, r"'cache_capacity'.*64GiB"),
     ({"compression": {"bits": 3}}, r"'compression.bits'.*one of 4, 8"),
-    ({"compression": {"enabled": True}}, r"'compression.enabled' \(dict\).*not available yet"),
-    ({"compression": {"bits": 4}}, r"'compression.bits'.*not available yet"),
+    ({"compression": {"enabled": True, "method": "learned"}}, r"'compression.projection'.*learned"),
+    ({"compression": {"group": 48}}, r"'compression.group'.*one of 32, 64"),
+    ({"compression": {"method": "kivi"}}, r"'compression.method'.*quantize"),
     ({"block_size": 16}, r"unknown config key 'block_size'"),  # the engine's block size is used
     ({"store": {"memory": {"capacity": "lots"}}}, r"'store.memory.capacity'"),
     ({"sparse_method": "esa2"}, r"'sparse_method'.*'esa'"),
@@ -100,7 +101,7 @@ def test_bad_values_name_the_key(values, match):
 @pytest.mark.parametrize("env,match", [
     ({"UCM_SPARSE_RATO": "0.2"}, r"UCM_SPARSE_RATO; did you mean 'UCM_SPARSE_RATIO'"),
     ({"UCM_DISABLE_PATCH": "1"}, r"did you mean 'UCM_DISABLE_PATCHES'"),
-    ({"UCM_COMPRESSION_ENABLED": "1"}, r"not available yet"),
+    ({"UCM_COMPRESSION_BITS": "3"}, r"'compression.bits' \(env UCM_COMPRESSION_BITS\).*one of 4, 8"),
     ({"UCM_SPARSE_RATIO": "abc"}, r"'sparse_ratio' \(env UCM_SPARSE_RATIO\): expected a number"),
     ({"UCM_STORE_POSIX_FSYNC": "maybe"}, r"boolean"),
     ({"UCM_MIN_BLOCKS": "1.5"}, r"integer"),

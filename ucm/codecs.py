@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import zipfile
 from typing import Optional
 
 import numpy as np
@@ -240,7 +241,7 @@ class Projection:
             with np.load(path, allow_pickle=False) as z:
                 p = cls.build(z["means"], z["bases"])
                 stored = str(z["digest"])
-        except (OSError, KeyError, ValueError) as exc:
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as exc:
             raise ValueError(f"config key 'compression.projection': cannot read {path!r}: {exc}")
         if stored != p.digest:
             raise ValueError(f"config key 'compression.projection': {path!r} is damaged (digest "

@@ -127,9 +127,5 @@ def on_cuda(*args, **kwargs):
 OPS = ("encode", "decode")
 IMPLEMENTATIONS = (
     ImplSpec("reference", "ucm.reference.compress:{op}"),
-    ImplSpec("numba", "ucm.fast.numba.compress:{op}", 10, frozenset({"cpu", "cuda"}),
-             fast.numba_status, on_cpu),
-    ImplSpec("triton", "ucm.fast.triton.compress:{op}", 20, frozenset({"cuda", "cpu"}),
-             fast.triton_status, on_cuda),
 )
 dispatch.register_table(OPS, IMPLEMENTATIONS)

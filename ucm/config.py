@@ -273,13 +273,28 @@ OPTIONS: tuple[Option, ...] = (
     Option("store.memory.capacity", "size", 0, "Byte size of the memory tier's pinned pool "
            "(int or '8GiB'; rounded down to whole blocks, at least one); 0 = buffer_number "
            "blocks.", min=0),
-    # compression (no codec yet: any explicit value is refused, see Config._cross_check)
-    Option("compression.enabled", "bool", False, "Quantize KV blocks before storing them. Not "
-           "available yet: setting any compression key is an error."),
-    Option("compression.method", "str", "per_token", "Quantization grouping (not available yet).",
-           choices=("per_token", "per_channel")),
-    Option("compression.bits", "int", 8, "Bits per quantized value (not available yet).",
-           choices=(4, 8)),
+    # compression (ucm/compress.py, the store stage in ucm/store/codec.py)
+    Option("compression.enabled", "bool", False, "Encode KV blocks before storing them (every "
+           "tier of the pipeline holds the encoded blocks; a store configured with another codec "
+           "sees none of them)."),
+    Option("compression.method", "str", "quantize", "'quantize' (INT8 or INT4), 'sparse' (the "
+           "salient tokens exact, the others INT4) or 'learned' (per-layer low-rank projection).",
+           choices=("quantize", "sparse", "learned")),
+    Option("compression.bits", "int", 8, "Bits per value of 'quantize' (8: symmetric per token "
+           "and head; 4: asymmetric, groups of compression.group channels).", choices=(4, 8)),
+    Option("compression.group", "int", 64, "INT4 group size along the head dimension (must "
+           "divide it).", choices=(32, 64)),
+    Option("compression.key_mode", "str", "channel", "INT4 keys: 'channel' (one range per "
+           "channel over the block's tokens, as KIVI) or 'token' (groups like the values).",
+           choices=("channel", "token")),
+    Option("compression.salient", "float", 0.0625, "'sparse': fraction of each block's tokens "
+           "kept exact (those whose keys have the largest magnitude).", min=0.0, max=0.5,
+           min_exclusive=True),
+    Option("compression.compression_ratio", "float", 0.25, "'learned': kept rank / head "
+           "dimension (stored bytes per value: this ratio of bfloat16).", min=0.0, max=1.0,
+           min_exclusive=True),
+    Option("compression.projection", "str", "", "'learned': file of the fitted projection "
+           "(ucm.compress.fit_projection(...).save(path)); its digest is part of the namespace."),
     # store
     Option("store.pipeline", "str", "memory|posix", "Tiers from fastest to slowest, joined by '|'; "
            "a name from the factory or 'package.module:Class'.", check=_check_pipeline),
@@ -563,12 +578,10 @@ class Config:
         return cls(values or None, preset=preset, env=env, file=file)
 
     def _cross_check(self) -> None:
-        explicit = sorted(k for k in self._values if k.startswith("compression.")
-                          and self._sources[k] != "default")
-        if explicit:
-            raise ConfigError(f"config key {explicit[0]!r} ({self._sources[explicit[0]]}): KV "
-                              f"compression (INT8/INT4 codecs) is not available yet; remove the "
-                              f"compression keys")
+        if self["compression.enabled"] and self["compression.method"] == "learned" \
+                and not self["compression.projection"]:
+            raise ConfigError("config key 'compression.projection': compression.method 'learned' "
+                              "needs the file of a fitted projection")
         if self["init_window"] + self["local_window"] > self["min_blocks"]:
             raise ConfigError(
                 f"config keys 'init_window' ({self['init_window']}) + 'local_window' "

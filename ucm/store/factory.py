@@ -8,11 +8,12 @@ pipeline entry may also name ``"package.module:Class"`` directly. A tier class i
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 from typing import Optional, Union
 
-from ucm.config import Config
+from ucm.config import Config, ConfigError
 from ucm.store.base import BlockGeometry, KVStore
 
 log = logging.getLogger("ucm.store")
@@ -56,21 +57,52 @@ def _resolve(spec: str):
         raise ValueError(f"config key 'store.pipeline': cannot load tier {spec!r} ({exc})") from None
 
 
-def create_tier(spec: str, geometry: BlockGeometry, config: Config, namespace: bytes) -> KVStore:
+def create_tier(spec: str, geometry: BlockGeometry, config: Config, namespace: bytes,
+                codec: int = 0) -> KVStore:
+    """One tier; ``codec``: the code its block headers record (0: raw blocks). A tier without a
+    block header (or a custom tier that takes no ``codec``) relies on the namespace alone."""
     cls = _resolve(spec)
     if hasattr(cls, "from_config"):
+        if codec and "codec" in inspect.signature(cls.from_config).parameters:
+            return cls.from_config(geometry, config, namespace, codec=codec)
         return cls.from_config(geometry, config, namespace)
     return cls(geometry, config, namespace)
 
 
+def codec_spec(config: Config):
+    """The :class:`ucm.compress.CodecSpec` the ``compression.*`` options describe (None when
+    compression is off); ConfigError naming the key when they do not make one."""
+    if not config["compression.enabled"]:
+        return None
+    from ucm.compress import CodecSpec, Projection
+
+    projection = None
+    if config["compression.method"] == "learned":
+        path = os.path.expanduser(config["compression.projection"])
+        try:
+            projection = Projection.load(path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        return CodecSpec(method=config["compression.method"], bits=config["compression.bits"],
+                         group=config["compression.group"], key_mode=config["compression.key_mode"],
+                         salient=config["compression.salient"],
+                         ratio=config["compression.compression_ratio"], projection=projection)
+    except ValueError as exc:
+        raise ConfigError(f"config key {str(exc).split(':')[0]!r}: {exc}") from None
+
+
 def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes: int,
                shard_bytes: Optional[int] = None, namespace: Optional[bytes] = None,
-               **overrides) -> KVStore:
+               kv_shape=None, **overrides) -> KVStore:
     """Build the store named by ``store.pipeline`` (a single tier or a pipeline).
 
     ``config``: a Config, a dict or a YAML path (``Config.load``); ``overrides`` are config keys
     with dots written as ``__`` (``store__pipeline="memory"``) or plain names (``buffer_number``).
-    ``namespace``: the 16-byte namespace digest written into stored blocks.
+    ``namespace``: the 16-byte namespace digest written into stored blocks. ``kv_shape``: a
+    :class:`ucm.compress.KVShape` describing one shard (one layer) of a block, needed when
+    ``compression.enabled`` (the store is then a :class:`ucm.store.codec.CodecStore` over the
+    pipeline; the vLLM connector passes it).
     """
     if not isinstance(config, Config):
         config = Config.load(config, env={}) if config is not None else Config()
@@ -78,20 +110,43 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
         config = config.replace(**{k.replace("__", "."): v for k, v in overrides.items()})
     geometry = BlockGeometry(block_bytes, shard_bytes or block_bytes)
     ns = bytes(16) if namespace is None else namespace
+    spec = codec_spec(config)
+    tier_geometry, tier_ns, code = geometry, ns, 0
+    if spec is not None:
+        from ucm.store.codec import inner_geometry, inner_namespace
+
+        if kv_shape is None:
+            raise ConfigError("config key 'compression.enabled': compression needs the shape of "
+                              "the KV (the vLLM connector passes it; open_store(..., kv_shape="
+                              "ucm.compress.KVShape(...)))")
+        try:
+            spec.check(kv_shape)
+            tier_geometry = inner_geometry(geometry, spec, kv_shape)
+        except ValueError as exc:
+            raise ConfigError(f"config key 'compression.method' ({spec.method}): {exc}") from None
+        tier_ns, code = inner_namespace(ns, spec), spec.code()
     specs = [s.strip() for s in config["store.pipeline"].split("|")]
     built = []
     try:
-        for spec in specs:
-            built.append(create_tier(spec, geometry, config, ns))
+        for name in specs:
+            built.append(create_tier(name, tier_geometry, config, tier_ns, code))
     except BaseException:
         for t in built:
             t.close()
         raise
     if len(built) == 1:
-        return built[0]
-    from ucm.store.pipeline import PipelineStore
+        store = built[0]
+    else:
+        from ucm.store.pipeline import PipelineStore
 
-    return PipelineStore(built, write_back=config["store.write_back"])
+        store = PipelineStore(built, write_back=config["store.write_back"])
+    if spec is None:
+        return store
+    from ucm.store.codec import CodecStore
+
+    return CodecStore(store, geometry, spec, kv_shape, namespace=ns,
+                      io_threads=config["store.io_threads"],
+                      wait_timeout_s=config["store.wait_timeout_s"])
 
 
 def _memory_from_config(cls, geometry, config, namespace):
@@ -133,8 +188,8 @@ def _posix_budget(config, geometry) -> int:
     return budget
 
 
-def _posix_from_config(cls, geometry, config, namespace):
-    return cls(geometry, roots=config["store.posix.roots"], namespace=namespace,
+def _posix_from_config(cls, geometry, config, namespace, codec=0):
+    return cls(geometry, roots=config["store.posix.roots"], namespace=namespace, codec=codec,
                capacity_bytes=_posix_budget(config, geometry), o_direct=config["store.posix.o_direct"],
                fsync=config["store.posix.fsync"], io_threads=config["store.io_threads"],
                wait_timeout_s=config["store.wait_timeout_s"], read_only=config["store.posix.read_only"],

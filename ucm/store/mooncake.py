@@ -346,7 +346,8 @@ class MooncakeStore(RemoteStore):
     name = "mooncake"
 
     @classmethod
-    def from_config(cls, geometry: BlockGeometry, config, namespace: bytes) -> "MooncakeStore":
+    def from_config(cls, geometry: BlockGeometry, config, namespace: bytes,
+                    codec: int = 0) -> "MooncakeStore":
         servers_file = config["store.mooncake.servers_file"]
         key = "store.mooncake.servers_file" if servers_file else "store.mooncake.masters"
         if servers_file:
@@ -382,7 +383,7 @@ class MooncakeStore(RemoteStore):
             except ConfigError as exc:  # a bad line in a servers file read later
                 raise Unavailable(str(exc)) from None
 
-        store = cls(geometry, masters, connect, namespace=namespace, servers_file=servers_file,
+        store = cls(geometry, masters, connect, namespace=namespace, codec=codec, servers_file=servers_file,
                     **remote_options(config))
         store.check_reachable(key)
         return store

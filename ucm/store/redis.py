@@ -252,7 +252,8 @@ class RedisStore(RemoteStore):
     label = staticmethod(redacted)
 
     @classmethod
-    def from_config(cls, geometry: BlockGeometry, config, namespace: bytes) -> "RedisStore":
+    def from_config(cls, geometry: BlockGeometry, config, namespace: bytes,
+                    codec: int = 0) -> "RedisStore":
         servers = config["store.redis.servers"]
         for url in servers:
             scheme = urlsplit(url).scheme
@@ -282,7 +283,7 @@ class RedisStore(RemoteStore):
         else:
             def connect(url):
                 return RedisBackend(url, **opts)
-        store = cls(geometry, servers, connect, namespace=namespace,
+        store = cls(geometry, servers, connect, namespace=namespace, codec=codec,
                     key_prefix=config["store.redis.key_prefix"],
                     servers_file=config["store.redis.servers_file"], **remote_options(config))
         store.check_reachable("store.redis.servers_file" if config["store.redis.servers_file"]

@@ -176,8 +176,10 @@ class RemoteStore(KVStore):
                  connect: Callable[[str], Backend], *, namespace: bytes = bytes(16),
                  key_prefix: str = "ucm", servers_file: str = "", timeout_s: float = 0.2,
                  backoff_s: float = 1.0, staging_bytes: int = 256 << 20,
-                 batch_bytes: int = 16 << 20, io_threads: int = 4, wait_timeout_s: float = 30.0):
+                 batch_bytes: int = 16 << 20, io_threads: int = 4, wait_timeout_s: float = 30.0,
+                 codec: int = 0):
         super().__init__(geometry, wait_timeout_s, namespace)
+        self.codec = int(codec)  # recorded in every value's header; another codec is a miss
         self._connect = connect
         self.key_prefix = key_prefix
         self.timeout_s = float(timeout_s)
@@ -444,7 +446,7 @@ class RemoteStore(KVStore):
         key = id_bytes(bid.reshape(1, 2))[0]
         try:
             head = parse(raw[:self.header_bytes], self.namespace, key, g.block_bytes,
-                         g.shard_bytes, 0, VALUE_ALIGN)
+                         g.shard_bytes, self.codec, VALUE_ALIGN)
         except BadBlock as exc:
             return f"corrupt: {exc}"
         # checksums of adjacent ranges add up: one pass over the shards read checks them all
@@ -634,7 +636,8 @@ class RemoteStore(KVStore):
         g = self.geometry
         for key, p, bid in complete:
             row = self._row(p.row)
-            head = Header(self.namespace, key, 0, g.block_bytes, g.shard_bytes, p.sums, VALUE_ALIGN)
+            head = Header(self.namespace, key, self.codec, g.block_bytes, g.shard_bytes, p.sums,
+                          VALUE_ALIGN)
             row[:self.header_bytes] = head.pack()
         bids = np.array([c[2] for c in complete], dtype=np.uint64).reshape(-1, 2)
         for server, idx in self._route(bids).items():

@@ -384,7 +384,8 @@ class S3Store(RemoteStore):
     name = "s3"
 
     @classmethod
-    def from_config(cls, geometry: BlockGeometry, config, namespace: bytes) -> "S3Store":
+    def from_config(cls, geometry: BlockGeometry, config, namespace: bytes,
+                    codec: int = 0) -> "S3Store":
         bucket = config["store.s3.bucket"]
         why = check_bucket(bucket)
         if why:
@@ -422,6 +423,6 @@ class S3Store(RemoteStore):
             return spare.pop() if spare else S3Backend(bucket, **backend_opts)
 
         server = f"s3://{bucket}/{prefix}@{endpoint or 'aws'}"
-        store = cls(geometry, [server], connect, namespace=namespace, key_prefix=prefix, **opts)
+        store = cls(geometry, [server], connect, namespace=namespace, codec=codec, key_prefix=prefix, **opts)
         store.check_reachable("store.s3.endpoint_url")
         return store

@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 import ucm
 from ucm import threads as ucm_threads
-from ucm.config import Config
+from ucm.config import Config, ConfigError
 from ucm.ids import Namespace
 from ucm.integration.vllm import failed_loads as _failed_loads  # noqa: F401 (registers its patch)
 from ucm.integration.vllm import keys, stores
@@ -93,6 +93,15 @@ def _load_config(vllm_config) -> Config:
     return cfg
 
 
+def _codec_name(cfg: Config) -> str:
+    """The namespace's codec: 'none', or the digest of the ``compression.*`` codec (blocks of
+    another codec, other parameters or another projection live under another namespace)."""
+    from ucm.store.factory import codec_spec
+
+    spec = codec_spec(cfg)
+    return "none" if spec is None else f"{spec.method}-{spec.digest().hex()}"
+
+
 def _namespace(vllm_config, cfg: Config) -> Namespace:
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
@@ -106,7 +115,7 @@ def _namespace(vllm_config, cfg: Config) -> Namespace:
         kv_layout=f"vllm-{device}-kv:{cache_dtype}",
         tp_rank=0,  # each rank stores under its own keys (keys.rank_ids)
         tp_size=int(getattr(pc, "tensor_parallel_size", 1)),
-        codec="none",
+        codec=_codec_name(cfg),
         tenant_salt=cfg["tenant_salt"],
     )
 
@@ -190,7 +199,17 @@ class UCMConnector(KVConnectorBase_V1):
         spare_cpu = ucm_threads.beside_compute(cpus)
         log.info("ucm connector: background threads on CPUs %s", sorted(cpus) if cpus else "unchanged")
         shard = store_shard_bytes(layout)
-        store = stores.acquire(cfg, self.ns, layout.block_bytes, shard)
+        shape = None
+        if cfg["compression.enabled"]:
+            shape = stores.kv_shape(self._vllm_config, self._kv_cache_config)
+            if shape is None:
+                raise ConfigError("config key 'compression.enabled': vLLM's KV cache spec does "
+                                  "not give the heads, head size and dtype a codec needs")
+            try:
+                stores.check_kv_shape(shape, kv_caches[unique[0]])
+            except ValueError as exc:
+                raise ConfigError(f"config key 'compression.enabled': {exc}") from None
+        store = stores.acquire(cfg, self.ns, layout.block_bytes, shard, shape)
         store.prepare()  # allocate (and pin) host buffers now, not in the first request
         core = self.core = WorkerCore(
             layout, store, first.device, shard_bytes=shard,

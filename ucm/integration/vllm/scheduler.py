@@ -120,6 +120,8 @@ class ConnectorScheduler:
         self._matched: dict[str, Match] = {}
         self._lookup_store = None
         self._block_bytes = stores.block_bytes_from_spec(kv_cache_config)
+        self._kv_shape = stores.kv_shape(vllm_config, kv_cache_config) \
+            if cfg["compression.enabled"] else None
         self._async = bool(cfg["connector.async_save"]) and not cfg["connector.layerwise"]
         self._tail = bool(cfg["connector.partial_tail"])
         # ids of partial tails live in their own namespace: a tail of t tokens is never
@@ -152,7 +154,7 @@ class ConnectorScheduler:
             return store
         if self._lookup_store is None:
             bb, shard = self._block_bytes
-            self._lookup_store = stores.acquire(self.cfg, self.ns, bb, shard)
+            self._lookup_store = stores.acquire(self.cfg, self.ns, bb, shard, self._kv_shape)
         return self._lookup_store
 
     def _present(self, ids: np.ndarray) -> np.ndarray:
