@@ -6,9 +6,9 @@ served from compressed blocks, float32 compute, every codec in one run.
                                         [--codecs none,int8,int4,int4-token,sparse,learned]
                                         [--json benchmarks/results/compression_quality_cpu.json]
 
-Documents: the Python documentation's topics (``pydoc_data.topics``), one document per topic
-long enough, ``--docs`` for the evaluation and as many others for calibration (the learned
-codec's projection is fitted on those, never on the evaluated text).
+Documents: ``--docs`` stretches of the Python documentation's topics (``pydoc_data.topics``) for
+the evaluation and as many others for calibration (the learned codec's projection is fitted on
+those, never on the evaluated text).
 
 Per codec, one engine process (a fresh store each):
 
@@ -59,18 +59,18 @@ CODECS = {
 
 
 def documents(tok, n_eval: int, n_tokens: int):
-    """(evaluation docs, calibration docs): token lists of at least ``n_tokens``."""
+    """(evaluation docs, calibration docs): ``n_eval`` each, ``n_tokens`` consecutive tokens of
+    the Python documentation's topics, taken at spread-out places (alternately for evaluation
+    and calibration, so both cover the whole text)."""
     from pydoc_data.topics import topics
 
-    docs = []
-    for k in sorted(topics):
-        ids = tok(topics[k], add_special_tokens=False)["input_ids"]
-        if len(ids) >= n_tokens:
-            docs.append(ids[:n_tokens])
-    if len(docs) < 2 * n_eval:
-        raise SystemExit(f"only {len(docs)} documents of {n_tokens} tokens; ask fewer --docs")
-    # interleaved: evaluation and calibration documents come from the whole alphabet
-    return docs[0::2][:n_eval], docs[1::2][:n_eval]
+    ids = tok("\n\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"]
+    n_seg = len(ids) // n_tokens
+    if n_seg < 2 * n_eval:
+        raise SystemExit(f"only {n_seg} segments of {n_tokens} tokens; ask fewer --docs")
+    step = n_seg // (2 * n_eval)
+    segs = [ids[k * step * n_tokens:(k * step + 1) * n_tokens] for k in range(2 * n_eval)]
+    return segs[0::2], segs[1::2]
 
 
 def model_kv(model_path: str, docs, n_tokens: int):
@@ -207,12 +207,13 @@ def main(argv=None) -> int:
     model = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(model)
     need = args.prefix + args.ppl
-    ev, calib = documents(tok, args.docs, max(need, 2000))
+    ev, calib = documents(tok, args.docs, need)
     prompts = {}
     for i, d in enumerate(ev):
         prompts[f"p{i}"] = d[:args.prefix]
         prompts[f"q{i}"] = d[:need]
-    prompts["t0"], prompts["t1"] = calib[0][:2000], calib[1][:2000]
+    joined = [t for d in calib for t in d]  # (TTFT prompts: calibration text, 2,000 tokens)
+    prompts["t0"], prompts["t1"] = joined[:2000], joined[2000:4000]
     tmp = args.keep or tempfile.mkdtemp(prefix="ucm-compress-eval-")
     os.makedirs(tmp, exist_ok=True)
     print(f"{len(ev)} documents, calibration {len(calib)}; files in {tmp}", flush=True)
