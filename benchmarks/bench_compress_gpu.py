@@ -172,28 +172,27 @@ def codec_rates(torch, args, failures, out):
 
 
 def _encode_kernel(torch, tc, spec, shape, raw, enc, launch):
-    rows = raw.view(torch.bfloat16)
-    voff, vstride, align = tc._plain_tables(shape, rows.stride(0), rows.device)
+    tabs = tc._plain_tables(shape, shape.raw_bytes // shape.esize, raw.device)
     flags = torch.ones(raw.shape[0], dtype=torch.int32, device=raw.device)
-    tc._encode_launch(spec, shape, rows, voff, vstride, align, None, enc, enc.stride(0), flags,
-                      raw.shape[0], 1, launch)
+    tc._encode_launch(spec, shape, tc._encodable(spec, shape, raw, tabs), tabs, None, enc,
+                      enc.stride(0), flags, raw.shape[0], 1, launch)
 
 
 def _decode_kernel(torch, tc, spec, shape, enc, dec, launch):
     rows = dec.view(torch.bfloat16)
-    voff, vstride, align = tc._plain_tables(shape, rows.stride(0), rows.device)
-    tc._decode_launch(spec, shape, rows, voff, vstride, align, None, enc, enc.stride(0),
-                      enc.shape[0], 1, launch)
+    tabs = tc._plain_tables(shape, rows.stride(0), rows.device)
+    tc._decode_launch(spec, shape, rows, tabs, None, enc, enc.stride(0), enc.shape[0], 1, launch)
 
 
 def _sweep(torch, tc, spec, shape, raw, enc, dec, repeats):
     """Kernel times of alternative launch constants (checked against the default's output)."""
     if spec.method == "quantize" and spec.bits == 8:
         alts = [dict(int8_vectors=v, int8_warps=w) for v in (16, 32, 64) for w in (4, 8)]
-    elif spec.method == "quantize":
-        alts = [dict(int4_heads=h, int4_warps=w) for h in (1, 2) for w in (2, 4, 8)]
     else:
-        alts = [dict(sparse_warps=w) for w in (4, 8)]
+        alts = [dict(int4_heads=h, int4_warps=w, int4_decode_warps=w) for h in (1, 2)
+                for w in (1, 2, 4, 8)]
+        if spec.key_mode == "channel":
+            alts += [dict(int4_channel_join=True, int4_warps=w) for w in (1, 2, 4)]
     out = {}
     ref_enc, ref_dec = enc.clone(), dec.clone()
     for a in alts:
@@ -350,6 +349,45 @@ def round_trip(torch, args, failures, out):
           f"{r['scatter_blocks_ms']} ms, decode_scatter {r['decode_scatter_ms']} ms", flush=True)
 
 
+def op_overhead(torch, out):
+    """Wall time of one small ``encode`` call (16 rows: the kernel is a few microseconds), and
+    where the host time goes (cProfile, printed)."""
+    import cProfile
+    import io
+    import pstats
+
+    from ucm import compress
+    from ucm.compress import CodecSpec, KVShape, encoded_bytes
+
+    spec, shape = CodecSpec("quantize", 8), KVShape("kthd", 16, 8, 128, "bfloat16")
+    raw = kv_rows(torch, shape, 16, seed=3)
+    enc = torch.empty((16, encoded_bytes(spec, shape)), dtype=torch.uint8, device=DEV)
+    dec = torch.empty_like(raw)
+    for _ in range(20):
+        compress.encode(spec, shape, raw, enc, backend="triton")
+        compress.decode(spec, shape, enc, dec, backend="triton")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        compress.encode(spec, shape, raw, enc, backend="triton")
+    t1 = time.perf_counter()
+    for _ in range(200):
+        compress.decode(spec, shape, enc, dec, backend="triton")
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(100):
+        compress.encode(spec, shape, raw, enc, backend="triton")
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    print("\n".join(buf.getvalue().splitlines()[:40]))
+    out["op_overhead_us"] = {"encode_16_rows": round((t1 - t0) / 200 * 1e6, 1),
+                             "decode_16_rows": round((t2 - t1) / 200 * 1e6, 1)}
+    print("op overhead", out["op_overhead_us"], flush=True)
+
+
 def scalar_division_probe(torch, out):
     """How often PyTorch's CUDA ``x / 127.0`` (a multiplication by the float32 reciprocal)
     differs from the correctly rounded quotient (informational)."""
@@ -389,6 +427,7 @@ def main(argv=None) -> int:
     failures: list = []
     if DEV == "cuda":
         scalar_division_probe(torch, out)
+        op_overhead(torch, out)
     codec_rates(torch, args, failures, out)
     if not failures and not args.skip_round_trip:
         round_trip(torch, args, failures, out)

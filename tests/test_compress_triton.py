@@ -187,6 +187,36 @@ def test_unaligned_rows(triton_on, device, name):
     assert (raw_wide[:, 0] == SENTINEL).all() and (raw_wide[:, 1 + R:] == SENTINEL).all()
 
 
+LAUNCHES = [dict(int8_vectors=8, int8_warps=2), dict(int4_heads=2, int4_channel_join=True),
+            dict(int4_heads=3, int4_warps=2, int4_decode_warps=2)]
+
+
+@pytest.mark.parametrize("changes", LAUNCHES, ids=["int8-small", "heads2-join", "heads3"])
+@pytest.mark.parametrize("name", ["int8", "int4-ch32", "int4-tok64", "sparse-ch32"])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
+                         + (["cuda"] if HAS_CUDA else []))
+def test_launch_variants(triton_on, device, name, changes):
+    """Other launch constants (several heads per program, the joined channel reduction, small
+    INT8 tiles) give the same bytes."""
+    from ucm.fast.triton import compress as tc
+
+    spec, shape = SPECS[name], KVShape("hktd", 8, 3, 64, "bfloat16")
+    triton_on(device)
+    src = kv_rows(shape, torch.Generator().manual_seed(21))
+    E = encoded_bytes(spec, shape)
+    want = torch.empty((src.shape[0], E), dtype=torch.uint8)
+    ok = encode(spec, shape, src, want, backend="reference")
+    got = torch.empty((src.shape[0], E), dtype=torch.uint8, device=device)
+    launch = tc.LAUNCH.replace(**changes)
+    np.testing.assert_array_equal(tc.encode(spec, shape, src.to(device), got, 0, launch=launch), ok)
+    assert torch.equal(got.cpu(), want)
+    raw_want = torch.empty((int(ok.sum()), shape.raw_bytes), dtype=torch.uint8)
+    decode(spec, shape, want[ok], raw_want, backend="reference")
+    raw_got = torch.empty(raw_want.shape, dtype=torch.uint8, device=device)
+    tc.decode(spec, shape, want[ok].to(device), raw_got, 0, launch=launch)
+    assert torch.equal(raw_got.cpu(), raw_want)
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
                          + (["cuda"] if HAS_CUDA else []))
 def test_learned_within_one_bf16_step(triton_on, device):

@@ -47,7 +47,7 @@ import triton
 
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets
 from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode, _int8_decode,
-                                              _int8_encode, jit)
+                                              _int8_encode, _key_scores, jit)
 from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
 from ucm.reference import compress as _ref
 
@@ -60,11 +60,14 @@ class LaunchConfig:
     #: Vectors (of ``head_dim`` channels) per program of the INT8 kernels.
     int8_vectors: int = 32
     int8_warps: int = 4
-    #: KV heads per program of the INT4 kernels (a divisor of the head count is used: the
-    #: largest one not above this); sparse shards always take all heads in one program.
+    #: KV heads per program of the INT4 / sparse kernels (a divisor of the head count is used:
+    #: the largest one not above this).
     int4_heads: int = 1
     int4_warps: int = 4
-    sparse_warps: int = 4
+    int4_decode_warps: int = 4
+    #: Keys per channel: the per-channel min and max of both halves of a pair word as one
+    #: reduction over the tokens (one exchange between warps instead of four).
+    int4_channel_join: bool = False
 
     def replace(self, **changes) -> "LaunchConfig":
         return dataclasses.replace(self, **changes)
@@ -139,75 +142,93 @@ def _positions(shape: KVShape) -> np.ndarray:
     return (kv * stride["k"] + t * stride["t"] + h * stride["h"]).reshape(-1).astype(np.int64)
 
 
-def _align(values, esize: int) -> int:
-    """Largest power of two (at most 16 bytes' worth of elements) dividing every value."""
+def _align(values, unit: int) -> int:
+    """Largest power of two (at most 16 bytes' worth of ``unit``-byte items) dividing every
+    value."""
     g = int(np.gcd.reduce(np.abs(np.asarray(values, dtype=np.int64)).ravel())) if len(values) else 0
-    a = max(1, 16 // esize)
+    a = max(1, 16 // unit)
     while a > 1 and g % a:
         a //= 2
     return a
 
 
-def _plain_tables(shape: KVShape, pitch: int, device):
-    """Tables for plain rows of ``pitch`` elements: (voff [1, V], vstride [1, V], align)."""
+@dataclass(frozen=True)
+class _Tables:
+    """Per (selected layer, canonical vector): offset from the anchor and stride per block
+    (row), in elements (``voff``, ``vstride``, hint ``align``: the INT8 kernels and every
+    decode) and in pair words (``pvoff``, ``pvstride``, ``palign``: the INT4 encode; None when
+    an offset is odd)."""
+    voff: torch.Tensor
+    vstride: torch.Tensor
+    align: int
+    pvoff: object
+    pvstride: object
+    palign: int
+
+
+def _tables(voff: np.ndarray, vstride: np.ndarray, esize: int, device) -> _Tables:
+    elem = np.concatenate([voff.ravel(), vstride.ravel()])
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    if (elem % 2).any():
+        return _Tables(to(voff), to(vstride), _align(elem, esize), None, None, 1)
+    return _Tables(to(voff), to(vstride), _align(elem, esize), to(voff // 2), to(vstride // 2),
+                   _align(elem // 2, 2 * esize))
+
+
+def _plain_tables(shape: KVShape, pitch: int, device) -> _Tables:
+    """Tables for plain rows of ``pitch`` elements."""
     def build():
         voff = _positions(shape) * shape.head_dim
-        vstride = np.full_like(voff, pitch)
-        align = _align(np.concatenate([voff, [pitch]]), shape.esize)
-        return (torch.from_numpy(voff[None]).to(device), torch.from_numpy(vstride[None]).to(device),
-                align)
+        return _tables(voff[None], np.full((1, len(voff)), pitch, dtype=np.int64), shape.esize,
+                       device)
     return _cached(("plain", shape, pitch, str(device)), build)
 
 
-def _anchor(layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``dtype`` starting where the storage of ``layout.views[0]`` starts."""
+def _anchor(layout: KVLayout) -> torch.Tensor:
+    """A uint8 tensor starting where the storage of ``layout.views[0]`` starts, a multiple of
+    8 bytes long."""
     view = layout.views[0]
     flat = torch.empty(0, dtype=torch.uint8, device=view.device).set_(view.untyped_storage())
-    esize = torch.tensor([], dtype=dtype).element_size()
-    return flat[: flat.numel() // esize * esize].view(dtype)
+    return flat[: flat.numel() // 8 * 8]
 
 
 def _layout_tables(layout: KVLayout, layers: tuple, shape: KVShape):
-    """(anchor, voff [L, V], vstride [L, V], align) for the fused kernels, or None when a
-    vector of a shard is cut by a run boundary or an address is not a multiple of the element
-    size (the caller then takes the unfused path); cached per layout."""
+    """(anchor, tables) for the fused kernels, or None when a vector of a shard is cut by a run
+    boundary or an address is not a multiple of the element size (the caller then takes the
+    unfused path); cached per layout."""
     def build():
-        dtype = _TORCH[shape.dtype]
-        anchor = _anchor(layout, dtype)
+        anchor = _anchor(layout)
         a0, e = anchor.data_ptr(), shape.esize
         tab = layout.table(layers)
         vec = shape.head_dim * e
         pos = _positions(shape) * vec                      # byte offset in the shard
         voff = np.empty((len(layers), len(pos)), dtype=np.int64)
         vstride = np.empty_like(voff)
-        start = 0
         for k in range(len(layers)):
-            at = start + pos                                 # byte offset in the staged row
+            at = k * shape.raw_bytes + pos                   # byte offset in the staged row
             r = np.searchsorted(tab[:, COL_STAGING], at, side="right") - 1
-            inside = at + vec <= tab[r, COL_STAGING] + tab[r, COL_LENGTH]
-            if not inside.all():
+            if not (at + vec <= tab[r, COL_STAGING] + tab[r, COL_LENGTH]).all():
                 return None
             addr = tab[r, COL_BASE] + tab[r, COL_OFFSET] + (at - tab[r, COL_STAGING]) - a0
             bst = tab[r, COL_BLOCK_STRIDE]
             if (addr % e).any() or (bst % e).any():
                 return None
             voff[k], vstride[k] = addr // e, bst // e
-            start += shape.raw_bytes
-        align = _align(np.concatenate([voff.ravel(), vstride.ravel()]), e)
-        return (anchor, torch.from_numpy(voff).to(layout.device),
-                torch.from_numpy(vstride).to(layout.device), align)
+        return anchor, _tables(voff, vstride, e, layout.device)
     return layout.cached(("triton_codec", layers, shape), build)
 
 
-def _typed_rows(rows: torch.Tensor, dtype: torch.dtype):
-    """``rows`` (uint8 [n, R]) viewed as ``dtype``, or None if its offsets do not allow it."""
-    esize = torch.tensor([], dtype=dtype).element_size()
-    if rows.data_ptr() % esize or (rows.shape[0] > 1 and rows.stride(0) % esize):
+def _as(t: torch.Tensor, dtype: torch.dtype):
+    """``t`` (uint8 or typed rows, or a flat anchor) viewed as ``dtype``, or None if its
+    address or row pitch does not allow it."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    if t.data_ptr() % size or (t.dim() == 2 and t.shape[0] > 1 and
+                               (t.stride(0) * t.element_size()) % size):
         return None
     try:
-        if rows.shape[0] == 1:
-            rows = rows.as_strided(rows.shape, (rows.shape[1], 1))
-        return rows.view(dtype)
+        if t.dim() == 2 and t.shape[0] == 1:
+            t = t.as_strided(t.shape, (t.shape[1], 1))
+        return t.view(dtype)
     except RuntimeError:
         return None
 
@@ -217,8 +238,8 @@ def _pitch(rows: torch.Tensor) -> int:
 
 
 def _aligned_enc(rows: torch.Tensor) -> bool:
-    """Encoded rows the kernels write in place: 8-byte aligned rows (the exact tokens of the
-    sparse codec are stored as elements)."""
+    """Encoded rows the kernels write in place: 8-byte aligned rows (scales and exact tokens
+    are stored as words)."""
     return rows.data_ptr() % 8 == 0 and _pitch(rows) % 8 == 0
 
 
@@ -229,17 +250,30 @@ def _device_ctx(t: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 # launches
 
-def _heads_per_program(spec: CodecSpec, shape: KVShape, launch: LaunchConfig) -> int:
-    if spec.method == "sparse":
-        return shape.heads
+_PAIR = {2: torch.int32, 4: torch.int64}
+_DT = {"bfloat16": 0, "float16": 1, "float32": 2}
+
+
+def _heads_per_program(shape: KVShape, launch: LaunchConfig) -> int:
     hpp = max(1, min(launch.int4_heads, shape.heads))
     while shape.heads % hpp:
         hpp -= 1
     return hpp
 
 
-def _encode_launch(spec, shape, raw, voff, vstride, align, idx, enc, enc_pitch, flags, n, L,
+def _encodable(spec: CodecSpec, shape: KVShape, raw: torch.Tensor, tabs: _Tables):
+    """The tensor the encode kernel reads ``raw`` (uint8 rows or anchor) as, or None when the
+    fused / in-place path cannot take it."""
+    if spec.method == "quantize" and spec.bits == 8:
+        return _as(raw, _TORCH[shape.dtype])
+    if tabs.pvoff is None:
+        return None
+    return _as(raw, _PAIR[shape.esize])
+
+
+def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, n, L,
                    launch: LaunchConfig) -> None:
+    """``raw``: from :func:`_encodable`."""
     offs, pad = _format(spec, shape)
     padt = _pad_table(spec, shape, enc.device)
     npad = len(pad)
@@ -254,57 +288,78 @@ def _encode_launch(spec, shape, raw, voff, vstride, align, idx, enc, enc_pitch, 
             bv = _pow2(launch.int8_vectors)
             total = n * L * V
             jit(_int8_encode)[(triton.cdiv(total, bv),)](
-                raw, voff, vstride, idx, enc, enc_pitch, flags, padt, total,
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch, flags, padt, total,
                 V=V, L=L, D=D, DP=_pow2(D), E=E, SCALE=offs["scale"], NPAD=npad,
-                NPADP=_pow2(npad), BV=bv, INDEXED=indexed, ALIGN=align,
+                NPADP=_pow2(npad), BV=bv, INDEXED=indexed, ALIGN=tabs.align,
                 BF16=shape.dtype == "bfloat16", num_warps=launch.int8_warps)
             return
         sparse = spec.method == "sparse"
-        hpp = _heads_per_program(spec, shape, launch)
+        G = spec.group
+        NG = D // G
+        TP = _pow2(T)
+        scores = flags
+        if sparse:
+            scores = torch.zeros((n * L, TP), dtype=torch.int32, device=enc.device)
+            jit(_key_scores)[(n * L, H)](
+                raw, tabs.pvoff, tabs.pvstride, idx, scores, T=T, TP=TP, H=H, NG=NG,
+                NGP=_pow2(NG), GH=G // 2, L=L, INDEXED=indexed, ALIGN=tabs.palign,
+                DT=_DT[shape.dtype], num_warps=launch.int4_warps)
+        hpp = _heads_per_program(shape, launch)
         jit(_int4_encode)[(n * L, H // hpp)](
-            raw, voff, vstride, idx, enc, enc_pitch, flags, padt,
-            T=T, TP=_pow2(T), H=H, D=D, DP=_pow2(D), G=spec.group, L=L, E=E,
+            raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch, flags, padt, scores,
+            T=T, TP=TP, H=H, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
             BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
             C=n_salient(spec, shape) if sparse else 0, TB=_pow2(T, 8),
             CHANNEL=spec.key_mode == "channel", SPARSE=sparse, HPP=hpp, NPAD=npad,
-            NPADP=_pow2(npad), INDEXED=indexed, ALIGN=align, BF16=shape.dtype == "bfloat16",
-            num_warps=launch.sparse_warps if sparse else launch.int4_warps)
+            NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
+            JOIN=launch.int4_channel_join, num_warps=launch.int4_warps)
 
 
-def _decode_launch(spec, shape, raw, voff, vstride, align, idx, enc, enc_pitch, n, L,
+def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
                    launch: LaunchConfig) -> None:
+    """``raw``: the cache's element type (rows or anchor)."""
     offs, _ = _format(spec, shape)
     T, H, D = shape.tokens, shape.heads, shape.head_dim
     E = encoded_bytes(spec, shape)
     indexed = idx is not None
     if idx is None:
-        idx = voff                                         # unused
+        idx = tabs.voff                                    # unused
+    bf16 = shape.dtype == "bfloat16"
     with _device_ctx(enc):
         if spec.method == "quantize" and spec.bits == 8:
             V = 2 * T * H
             bv = _pow2(launch.int8_vectors)
             total = n * L * V
             jit(_int8_decode)[(triton.cdiv(total, bv),)](
-                raw, voff, vstride, idx, enc, enc_pitch, total,
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch, total,
                 V=V, L=L, D=D, DP=_pow2(D), E=E, SCALE=offs["scale"], BV=bv, INDEXED=indexed,
-                ALIGN=align, BF16=shape.dtype == "bfloat16", num_warps=launch.int8_warps)
+                ALIGN=tabs.align, BF16=bf16, num_warps=launch.int8_warps)
             return
-        sparse = spec.method == "sparse"
-        hpp = _heads_per_program(spec, shape, launch)
+        hpp = _heads_per_program(shape, launch)
         jit(_int4_decode)[(n * L, H // hpp)](
-            raw, voff, vstride, idx, enc, enc_pitch,
+            raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch,
             T=T, TP=_pow2(T), H=H, D=D, DP=_pow2(D), G=spec.group, L=L, E=E,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
             BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
-            CHANNEL=spec.key_mode == "channel", SPARSE=sparse, HPP=hpp, INDEXED=indexed,
-            ALIGN=align, BF16=shape.dtype == "bfloat16", num_warps=launch.sparse_warps if sparse else launch.int4_warps)
+            CHANNEL=spec.key_mode == "channel", SPARSE=spec.method == "sparse", HPP=hpp,
+            INDEXED=indexed, ALIGN=tabs.align, BF16=bf16, num_warps=launch.int4_decode_warps)
+
+
+def _read_flags(flags: torch.Tensor) -> np.ndarray:
+    """The kernel's flags on the host: one copy into (cached) pinned memory, then a wait."""
+    if not flags.is_cuda:
+        return flags.numpy().copy()
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    torch.cuda.current_stream(flags.device).synchronize()
+    return host.numpy().copy()
 
 
 def _fix_refused(flags: torch.Tensor, spec, shape, dst: torch.Tensor, L: int) -> np.ndarray:
-    """ok per (row, layer) from the kernel's flags (one synchronizing copy); refused shards get
+    """ok per (row, layer) from the kernel's flags (one synchronization); refused shards get
     the reference's bytes (the encoding of zeros)."""
-    ok = flags.reshape(-1, L).cpu().numpy() != 0
+    ok = _read_flags(flags).reshape(-1, L) != 0
     if not ok.all():
         E = encoded_bytes(spec, shape)
         zero = _zero_row(spec, shape, dst.device)
@@ -323,14 +378,17 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     if spec.method == "learned":
         return _ref.encode(spec, shape, src, dst, layer)
     n = src.shape[0]
-    raw = _typed_rows(src, _TORCH[shape.dtype])
-    if raw is None:
-        raw = src.clone(memory_format=torch.contiguous_format).view(_TORCH[shape.dtype])
+    esize = shape.esize
+    pitch = _pitch(src)
+    tabs = _plain_tables(shape, pitch // esize, src.device) if pitch % esize == 0 else None
+    raw = _encodable(spec, shape, src, tabs) if tabs is not None else None
+    if raw is None:                                        # odd address or pitch: a copy
+        src = src.clone(memory_format=torch.contiguous_format)
+        tabs = _plain_tables(shape, shape.raw_bytes // esize, src.device)
+        raw = _encodable(spec, shape, src, tabs)
     enc = dst if _aligned_enc(dst) else torch.empty(dst.shape, dtype=torch.uint8, device=dst.device)
-    voff, vstride, align = _plain_tables(shape, _pitch(raw), raw.device)
     flags = torch.ones(n, dtype=torch.int32, device=src.device)
-    _encode_launch(spec, shape, raw, voff, vstride, align, None, enc, _pitch(enc), flags, n, 1,
-                   launch)
+    _encode_launch(spec, shape, raw, tabs, None, enc, _pitch(enc), flags, n, 1, launch)
     if enc is not dst:
         dst.copy_(enc)
     return _fix_refused(flags, spec, shape, dst, 1)[:, 0]
@@ -344,11 +402,11 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         return _ref.decode(spec, shape, src, dst, layer)
     n = src.shape[0]
     enc = src if _aligned_enc(src) else src.clone(memory_format=torch.contiguous_format)
-    raw = _typed_rows(dst, _TORCH[shape.dtype])
+    raw = _as(dst, _TORCH[shape.dtype])
     out = raw if raw is not None else torch.empty((n, shape.raw_bytes), dtype=torch.uint8,
                                                   device=dst.device).view(_TORCH[shape.dtype])
-    voff, vstride, align = _plain_tables(shape, _pitch(out), out.device)
-    _decode_launch(spec, shape, out, voff, vstride, align, None, enc, _pitch(enc), n, 1, launch)
+    tabs = _plain_tables(shape, _pitch(out), out.device)
+    _decode_launch(spec, shape, out, tabs, None, enc, _pitch(enc), n, 1, launch)
     if raw is None:
         dst.copy_(out.view(torch.uint8))
 
@@ -362,14 +420,13 @@ def _unfused_gather_encode(layout, block_indices, spec, shape, dst, layers, laun
     rows = torch.nonzero(block_indices >= 0).squeeze(1)
     if rows.numel() == 0:
         return ok
-    blocks = block_indices[rows]
     staging = torch.empty((rows.numel(), L * R), dtype=torch.uint8, device=dst.device)
-    transfer.gather_blocks(layout, blocks, staging, layers)
+    transfer.gather_blocks(layout, block_indices[rows], staging, layers)
     out = torch.empty((rows.numel(), L * E), dtype=torch.uint8, device=dst.device)
+    host_rows = rows.cpu().numpy()
     for k, layer in enumerate(layers):
-        okk = encode(spec, shape, staging[:, k * R:(k + 1) * R], out[:, k * E:(k + 1) * E],
-                     layer, launch=launch)
-        ok[rows.cpu().numpy()] &= okk
+        ok[host_rows] &= encode(spec, shape, staging[:, k * R:(k + 1) * R],
+                                out[:, k * E:(k + 1) * E], layer, launch=launch)
     dst[rows] = out
     return ok
 
@@ -394,21 +451,21 @@ def gather_encode(layout: KVLayout, block_indices: torch.Tensor, spec: CodecSpec
                   shape: KVShape, dst: torch.Tensor, layers: tuple, *,
                   launch: LaunchConfig = LAUNCH) -> np.ndarray:
     """Same contract as :func:`ucm.reference.compress_transfer.gather_encode`: one launch
-    reads each selected layer's shard of each block from the paged cache and writes its
-    encoding into ``dst``; synchronizes once (the ``ok`` flags)."""
+    (two for sparse) reads each selected layer's shard of each block from the paged cache and
+    writes its encoding into ``dst``; synchronizes once (the ``ok`` flags)."""
     n, L = block_indices.shape[0], len(layers)
     if n == 0:
         return np.ones(0, dtype=bool)
-    tables = None if spec.method == "learned" else _layout_tables(layout, layers, shape)
-    if tables is None:
+    found = None if spec.method == "learned" else _layout_tables(layout, layers, shape)
+    raw = None if found is None else _encodable(spec, shape, found[0], found[1])
+    if raw is None:
         return _unfused_gather_encode(layout, block_indices, spec, shape, dst, layers, launch)
-    anchor, voff, vstride, align = tables
     enc = dst if _aligned_enc(dst) else torch.empty(dst.shape, dtype=torch.uint8, device=dst.device)
     if enc is not dst:
         enc.copy_(dst)                                     # rows of -1 stay as they were
     flags = torch.ones(n * L, dtype=torch.int32, device=dst.device)
-    _encode_launch(spec, shape, anchor, voff, vstride, align, block_indices, enc, _pitch(enc),
-                   flags, n, L, launch)
+    _encode_launch(spec, shape, raw, found[1], block_indices, enc, _pitch(enc), flags, n, L,
+                   launch)
     if enc is not dst:
         dst.copy_(enc)
     return _fix_refused(flags, spec, shape, dst, L).all(axis=1)
@@ -423,10 +480,9 @@ def decode_scatter(layout: KVLayout, src: torch.Tensor, block_indices: torch.Ten
     n, L = block_indices.shape[0], len(layers)
     if n == 0:
         return
-    tables = None if spec.method == "learned" else _layout_tables(layout, layers, shape)
-    if tables is None:
+    found = None if spec.method == "learned" else _layout_tables(layout, layers, shape)
+    raw = None if found is None else _as(found[0], _TORCH[shape.dtype])
+    if raw is None:
         return _unfused_decode_scatter(layout, src, block_indices, spec, shape, layers, launch)
-    anchor, voff, vstride, align = tables
     enc = src if _aligned_enc(src) else src.clone(memory_format=torch.contiguous_format)
-    _decode_launch(spec, shape, anchor, voff, vstride, align, block_indices, enc, _pitch(enc),
-                   n, L, launch)
+    _decode_launch(spec, shape, raw, found[1], block_indices, enc, _pitch(enc), n, L, launch)

@@ -110,17 +110,60 @@ def _int8_decode(raw, voff, vstride, idx, enc, enc_pitch, n_vectors,
     tl.store(raw + (off + blk * bst)[:, None] + d[None, :], out, mask=m2)
 
 
-def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad,
+def _key_scores(raw, voff, vstride, idx, scores,
+                T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, NG: tl.constexpr,
+                NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr, INDEXED: tl.constexpr,
+                ALIGN: tl.constexpr, DT: tl.constexpr):
+    """Sparse codec, pass 1: ``scores[s, t] = max(scores[s, t], max |K[t, h, :]|)`` for shard
+    ``program_id(0)``, head ``program_id(1)``, as the bits of the float32 (non-negative floats
+    order as their bits). ``raw``, ``voff``, ``vstride`` in pair words (two elements)."""
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i)
+    else:
+        blk = i
+    t = tl.arange(0, TP)
+    tm = (t < T) & ((t * 0 + blk) >= 0)
+    gi = tl.arange(0, NGP)
+    j = tl.arange(0, GH)
+    vk = k * (2 * T * H) + t * H + h
+    off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+    bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+    m3 = tm[:, None, None] & (gi < NG)[None, :, None] & (j < GH)[None, None, :]
+    w = tl.load(raw + (off + blk * bst)[:, None, None] + (gi * GH)[None, :, None] + j[None, None, :],
+                mask=m3, other=0)
+    if DT == 0:      # bfloat16 pairs in an int32
+        xe = (w << 16).to(tl.float32, bitcast=True)
+        xo = (w & -65536).to(tl.float32, bitcast=True)
+    elif DT == 1:    # float16 pairs in an int32
+        xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:            # float32 pairs in an int64
+        xe = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        xo = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    a = tl.max(tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), axis=2), axis=1)
+    tl.atomic_max(scores + s * TP + t, a.to(tl.int32, bitcast=True), mask=tm)
+
+
+def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores,
                  T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                 DP: tl.constexpr, G: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
-                 KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
-                 BITMAP: tl.constexpr, EXACT: tl.constexpr, C: tl.constexpr, TB: tl.constexpr,
-                 CHANNEL: tl.constexpr, SPARSE: tl.constexpr, HPP: tl.constexpr,
-                 NPAD: tl.constexpr, NPADP: tl.constexpr, INDEXED: tl.constexpr,
-                 ALIGN: tl.constexpr, BF16: tl.constexpr):
+                 NG: tl.constexpr, NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr,
+                 E: tl.constexpr, KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr,
+                 VP: tl.constexpr, BITMAP: tl.constexpr, EXACT: tl.constexpr, C: tl.constexpr,
+                 TB: tl.constexpr, CHANNEL: tl.constexpr, SPARSE: tl.constexpr,
+                 HPP: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
+                 INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr,
+                 JOIN: tl.constexpr):
     """Shard ``program_id(0)`` (row ``s // L``, selected layer ``s % L``), heads
-    ``[program_id(1) * HPP, + HPP)``. SPARSE: HPP == H; the C salient tokens are stored exact
-    (rows ``epos``), the others quantized into rows ``rpos`` of the INT4 part."""
+    ``[program_id(1) * HPP, + HPP)``. Tiles ``[tokens, groups, G / 2]`` of *pair words* (channels
+    ``2w`` and ``2w + 1`` of a vector in one int32, or int64 for float32): ``raw``, ``voff`` and
+    ``vstride`` count pair words. A group's reduction is a reduction over the last axis and the
+    two nibbles of a byte are the two halves of a word: no reshapes. SPARSE: the salient tokens
+    from ``scores`` (pass 1, :func:`_key_scores`) are stored exact (rows ``epos``), the others
+    quantized into rows ``rpos`` of the INT4 part."""
     s = tl.program_id(0).to(tl.int64)
     hc = tl.program_id(1)
     i = s // L
@@ -129,41 +172,22 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad,
         blk = tl.load(idx + i)
     else:
         blk = i
-    V: tl.constexpr = 2 * T * H
-    NG: tl.constexpr = DP // G          # groups in the padded channel range
-    NGR: tl.constexpr = D // G          # real groups
     HD: tl.constexpr = D // 2
     t = tl.arange(0, TP)
-    d = tl.arange(0, DP)
-    dm = d < D
+    gi = tl.arange(0, NGP)
+    j = tl.arange(0, GH)
     # (masks are built from blocks only: the interpreter mishandles scalar & block)
     tm = (t < T) & ((t * 0 + blk) >= 0)
-    dlive = dm & ((d * 0 + blk) >= 0)
+    gm = gi < NG
     base = enc + i * enc_pitch + k * E
-    tab = k * V
+    tab = k * (2 * T * H)
     if NPAD > 0:
-        j = tl.arange(0, NPADP)
-        po = tl.load(pad + j, mask=j < NPAD, other=0)
+        jp = tl.arange(0, NPADP)
+        po = tl.load(pad + jp, mask=jp < NPAD, other=0)
         tl.store(base + po, tl.zeros([NPADP], dtype=tl.uint8),
-                 mask=(j < NPAD) & ((j * 0 + blk) >= 0) & ((j * 0 + hc) == 0))
-    if BF16:    # bfloat16 read as its bits (the interpreter's cast loses subnormals)
-        src = raw.to(tl.pointer_type(tl.int16), bitcast=True)
-    else:
-        src = raw
+                 mask=(jp < NPAD) & ((jp * 0 + blk) >= 0) & ((jp * 0 + hc) == 0))
     if SPARSE:
-        score = tl.zeros([TP], dtype=tl.float32)
-        for h in range(H):
-            vk = t * H + h
-            off = tl.multiple_of(tl.load(voff + tab + vk, mask=tm, other=0), ALIGN)
-            bst = tl.multiple_of(tl.load(vstride + tab + vk, mask=tm, other=0), ALIGN)
-            rk = tl.load(src + (off + blk * bst)[:, None] + d[None, :],
-                         mask=tm[:, None] & dm[None, :], other=0)
-            if BF16:
-                xk = (rk.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            else:
-                xk = rk.to(tl.float32)
-            score = tl.maximum(score, tl.max(tl.abs(xk), axis=1))
-        # rank of each token: tokens with a larger score, or an equal one and a lower index
+        score = tl.load(scores + s * TP + t, mask=tm, other=0)
         tt = t[:, None]
         tu = t[None, :]
         su = tl.reshape(score, [1, TP])
@@ -173,127 +197,135 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad,
         sel = (rank < C) & (t < T)
         epos = tl.sum(((tu < tt) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
         rpos = t - epos
-        # bitmap: bit t of byte t // 8
         bt = tl.arange(0, TB)
         selb = tl.sum(((tl.reshape(bt, [TB, 1]) == t[None, :]) & sel[None, :]).to(tl.int32), axis=1)
-        word = tl.reshape(selb << (bt % 8), [TB // 8, 8])
-        byte = tl.sum(word, axis=1)
+        byte = tl.sum(tl.reshape(selb << (bt % 8), [TB // 8, 8]), axis=1)
         jb = tl.arange(0, TB // 8)
         tl.store(base + BITMAP + jb, byte.to(tl.uint8),
-                 mask=(jb < (T + 7) // 8) & ((jb * 0 + blk) >= 0))
+                 mask=(jb < (T + 7) // 8) & ((jb * 0 + blk) >= 0) & ((jb * 0 + hc) == 0))
     else:
         sel = t < 0
         epos = t * 0
         rpos = t
     keep = tm & (sel.to(tl.int32) == 0)
-    km = keep[:, None] & dm[None, :]
-    j2 = tl.arange(0, DP // 2)
-    gi = tl.arange(0, NG)
+    m3 = tm[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
+    km3 = keep[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
+    col = (gi * GH)[None, :, None] + j[None, None, :]           # pair word in the vector
+    gq = keep[:, None] & gm[None, :]
+    p32 = (base + KP).to(tl.pointer_type(tl.int32), bitcast=True)
+    v32 = (base + VP).to(tl.pointer_type(tl.int32), bitcast=True)
     for hh in range(HPP):
         h = hc * HPP + hh
-        vk = t * H + h
-        vv = (T + t) * H + h
-        ok = tl.multiple_of(tl.load(voff + tab + vk, mask=tm, other=0), ALIGN)
-        sk = tl.multiple_of(tl.load(vstride + tab + vk, mask=tm, other=0), ALIGN)
-        ov = tl.multiple_of(tl.load(voff + tab + vv, mask=tm, other=0), ALIGN)
-        sv = tl.multiple_of(tl.load(vstride + tab + vv, mask=tm, other=0), ALIGN)
-        m2 = tm[:, None] & dm[None, :]
-        rk = tl.load(src + (ok + blk * sk)[:, None] + d[None, :], mask=m2, other=0)
-        rv = tl.load(src + (ov + blk * sv)[:, None] + d[None, :], mask=m2, other=0)
-        if BF16:
-            xk = (rk.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            xv = (rv.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        vk = tab + t * H + h
+        vv = tab + (T + t) * H + h
+        ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+        sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+        ov = tl.multiple_of(tl.load(voff + vv, mask=tm, other=0), ALIGN)
+        sv = tl.multiple_of(tl.load(vstride + vv, mask=tm, other=0), ALIGN)
+        wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
+        wv = tl.load(raw + (ov + blk * sv)[:, None, None] + col, mask=m3, other=0)
+        if DT == 0:
+            ke = (wk << 16).to(tl.float32, bitcast=True)
+            ko = (wk & -65536).to(tl.float32, bitcast=True)
+            ve = (wv << 16).to(tl.float32, bitcast=True)
+            vo = (wv & -65536).to(tl.float32, bitcast=True)
+        elif DT == 1:
+            ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            ve = (wv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            vo = (wv >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         else:
-            xk = rk.to(tl.float32)
-            xv = rv.to(tl.float32)
-        nonfinite = tl.max(tl.max(tl.where(tl.abs(xk) < _INF, 0, 1)
-                                  + tl.where(tl.abs(xv) < _INF, 0, 1), axis=1), axis=0)
+            ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            ve = (wv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            vo = (wv >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        fin = (tl.abs(ke) < _INF) & (tl.abs(ko) < _INF) & (tl.abs(ve) < _INF) & (tl.abs(vo) < _INF)
+        nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
         tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
         if SPARSE:
-            em = (sel & tm)[:, None] & dm[None, :]
-            ex = (base + EXACT).to(tl.pointer_type(src.dtype.element_ty), bitcast=True)
-            tl.store(ex + (((epos * 2) * H + h) * D)[:, None] + d[None, :], rk, mask=em)
-            tl.store(ex + (((epos * 2 + 1) * H + h) * D)[:, None] + d[None, :], rv, mask=em)
+            em = (sel & tm)[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
+            ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+            tl.store(ex + ((epos * 2 * H + h) * HD)[:, None, None] + col, wk, mask=em)
+            tl.store(ex + (((epos * 2 + 1) * H + h) * HD)[:, None, None] + col, wv, mask=em)
         # ---- keys
-        if CHANNEL:
-            mn = tl.min(tl.where(km, xk, _INF), axis=0)
-            mx = tl.max(tl.where(km, xk, -_INF), axis=0)
+        if CHANNEL:     # per channel over the (kept) tokens: [groups, G / 2] for each half
+            if JOIN:    # the four reductions as one (min = -max(-x)): one exchange across warps
+                red = tl.max(tl.join(tl.join(tl.where(km3, -ke, -_INF), tl.where(km3, ke, -_INF)),
+                                     tl.join(tl.where(km3, -ko, -_INF), tl.where(km3, ko, -_INF))),
+                             axis=0)
+                e2, o2 = tl.split(red)
+                mne, mxe = tl.split(e2)
+                mno, mxo = tl.split(o2)
+                mne = -mne
+                mno = -mno
+            else:
+                mne = tl.min(tl.where(km3, ke, _INF), axis=0)
+                mxe = tl.max(tl.where(km3, ke, -_INF), axis=0)
+                mno = tl.min(tl.where(km3, ko, _INF), axis=0)
+                mxo = tl.max(tl.where(km3, ko, -_INF), axis=0)
+            b = mne.to(tl.int32, bitcast=True)
+            hi = b & -65536
+            mbe = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+            b = mno.to(tl.int32, bitcast=True)
+            hi = b & -65536
+            mbo = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+            me = mbe.to(tl.float32, bitcast=True)
+            mo = mbo.to(tl.float32, bitcast=True)
+            b = tl.math.div_rn(mxe - me, 15.0).to(tl.int32, bitcast=True)
+            hi = b & -65536
+            sbe = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+            b = tl.math.div_rn(mxo - mo, 15.0).to(tl.int32, bitcast=True)
+            hi = b & -65536
+            sbo = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+            se = sbe.to(tl.float32, bitcast=True)
+            so = sbo.to(tl.float32, bitcast=True)
+            r = (tl.math.div_rn(ke - me[None, :, :], se[None, :, :]) + _RINT) - _RINT
+            qe = tl.where(se[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            r = (tl.math.div_rn(ko - mo[None, :, :], so[None, :, :]) + _RINT) - _RINT
+            qo = tl.where(so[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
+            pw = p32 + h * D + 2 * ((gi * GH)[:, None] + j[None, :])
+            pm = gm[:, None] & (j < GH)[None, :] & ((j * 0 + blk) >= 0)[None, :]
+            tl.store(pw, ((mbe >> 16) & 0xFFFF) | (sbe & -65536), mask=pm)
+            tl.store(pw + 1, ((mbo >> 16) & 0xFFFF) | (sbo & -65536), mask=pm)
+        else:           # per token, groups of G channels
+            mn = tl.minimum(tl.min(tl.where(km3, ke, _INF), axis=2), tl.min(tl.where(km3, ko, _INF), axis=2))
+            mx = tl.maximum(tl.max(tl.where(km3, ke, -_INF), axis=2), tl.max(tl.where(km3, ko, -_INF), axis=2))
             b = mn.to(tl.int32, bitcast=True)
             hi = b & -65536
-            mbits = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-            m = mbits.to(tl.float32, bitcast=True)
+            mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+            m = mb.to(tl.float32, bitcast=True)
             b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
             hi = b & -65536
-            sbits = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-            sc = sbits.to(tl.float32, bitcast=True)
-            y = tl.math.div_rn(xk - m[None, :], sc[None, :])
-            r = (y + _RINT) - _RINT
-            qk = tl.where(sc[None, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-            pb = base + KP + (h * D + d) * 4
-            mb = (mbits >> 16) & 0xFFFF
-            sb = (sbits >> 16) & 0xFFFF
-            pm = dlive
-            tl.store(pb, (mb & 255).to(tl.uint8), mask=pm)
-            tl.store(pb + 1, (mb >> 8).to(tl.uint8), mask=pm)
-            tl.store(pb + 2, (sb & 255).to(tl.uint8), mask=pm)
-            tl.store(pb + 3, (sb >> 8).to(tl.uint8), mask=pm)
-        else:
-            lo3 = tl.reshape(tl.where(km, xk, _INF), [TP, NG, G])
-            hi3 = tl.reshape(tl.where(km, xk, -_INF), [TP, NG, G])
-            mn = tl.min(lo3, axis=2)
-            mx = tl.max(hi3, axis=2)
-            b = mn.to(tl.int32, bitcast=True)
-            hi = b & -65536
-            mbits = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-            m = mbits.to(tl.float32, bitcast=True)
-            b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
-            hi = b & -65536
-            sbits = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-            sc = sbits.to(tl.float32, bitcast=True)
-            y = tl.math.div_rn(tl.reshape(xk, [TP, NG, G]) - m[:, :, None], sc[:, :, None])
-            r = (y + _RINT) - _RINT
-            q3 = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0)
-            qk = tl.reshape(q3, [TP, DP]).to(tl.int32)
-            pb = base + KP + ((rpos * H + h) * NGR)[:, None] * 4 + gi[None, :] * 4
-            mb = (mbits >> 16) & 0xFFFF
-            sb = (sbits >> 16) & 0xFFFF
-            pm = keep[:, None] & (gi < NGR)[None, :]
-            tl.store(pb, (mb & 255).to(tl.uint8), mask=pm)
-            tl.store(pb + 1, (mb >> 8).to(tl.uint8), mask=pm)
-            tl.store(pb + 2, (sb & 255).to(tl.uint8), mask=pm)
-            tl.store(pb + 3, (sb >> 8).to(tl.uint8), mask=pm)
-        lo2, hi2 = tl.split(tl.reshape(qk, [TP, DP // 2, 2]))
-        pk = (lo2 | (hi2 << 4)).to(tl.uint8)
-        qm = keep[:, None] & (j2 < HD)[None, :]
-        tl.store(base + KQ + ((rpos * H + h) * HD)[:, None] + j2[None, :], pk, mask=qm)
+            sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+            sc = sb.to(tl.float32, bitcast=True)
+            r = (tl.math.div_rn(ke - m[:, :, None], sc[:, :, None]) + _RINT) - _RINT
+            qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            r = (tl.math.div_rn(ko - m[:, :, None], sc[:, :, None]) + _RINT) - _RINT
+            qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            tl.store(p32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
+                     ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
+        tl.store(base + KQ + ((rpos * H + h) * HD)[:, None, None] + col,
+                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
         # ---- values: per token, groups of G channels
-        lo3 = tl.reshape(tl.where(km, xv, _INF), [TP, NG, G])
-        hi3 = tl.reshape(tl.where(km, xv, -_INF), [TP, NG, G])
-        mn = tl.min(lo3, axis=2)
-        mx = tl.max(hi3, axis=2)
+        mn = tl.minimum(tl.min(tl.where(km3, ve, _INF), axis=2), tl.min(tl.where(km3, vo, _INF), axis=2))
+        mx = tl.maximum(tl.max(tl.where(km3, ve, -_INF), axis=2), tl.max(tl.where(km3, vo, -_INF), axis=2))
         b = mn.to(tl.int32, bitcast=True)
         hi = b & -65536
-        mbits = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-        m = mbits.to(tl.float32, bitcast=True)
+        mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+        m = mb.to(tl.float32, bitcast=True)
         b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
         hi = b & -65536
-        sbits = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-        sc = sbits.to(tl.float32, bitcast=True)
-        y = tl.math.div_rn(tl.reshape(xv, [TP, NG, G]) - m[:, :, None], sc[:, :, None])
-        r = (y + _RINT) - _RINT
-        q3 = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0)
-        qv = tl.reshape(q3, [TP, DP]).to(tl.int32)
-        pb = base + VP + ((rpos * H + h) * NGR)[:, None] * 4 + gi[None, :] * 4
-        mb = (mbits >> 16) & 0xFFFF
-        sb = (sbits >> 16) & 0xFFFF
-        pm = keep[:, None] & (gi < NGR)[None, :]
-        tl.store(pb, (mb & 255).to(tl.uint8), mask=pm)
-        tl.store(pb + 1, (mb >> 8).to(tl.uint8), mask=pm)
-        tl.store(pb + 2, (sb & 255).to(tl.uint8), mask=pm)
-        tl.store(pb + 3, (sb >> 8).to(tl.uint8), mask=pm)
-        lo2, hi2 = tl.split(tl.reshape(qv, [TP, DP // 2, 2]))
-        pv = (lo2 | (hi2 << 4)).to(tl.uint8)
-        tl.store(base + VQ + ((rpos * H + h) * HD)[:, None] + j2[None, :], pv, mask=qm)
+        sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+        sc = sb.to(tl.float32, bitcast=True)
+        r = (tl.math.div_rn(ve - m[:, :, None], sc[:, :, None]) + _RINT) - _RINT
+        qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+        r = (tl.math.div_rn(vo - m[:, :, None], sc[:, :, None]) + _RINT) - _RINT
+        qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+        tl.store(v32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
+                 ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
+        tl.store(base + VQ + ((rpos * H + h) * HD)[:, None, None] + col,
+                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
 
 
 def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch,
