@@ -173,7 +173,7 @@ def codec_rates(torch, args, failures, out):
 
 def _encode_kernel(torch, tc, spec, shape, raw, enc, launch):
     tabs = tc._plain_tables(shape, shape.raw_bytes // shape.esize, raw.device)
-    flags = torch.ones(raw.shape[0], dtype=torch.int32, device=raw.device)
+    flags = tc._new_flags(raw.shape[0], raw.device)
     tc._encode_launch(spec, shape, tc._encodable(spec, shape, raw, tabs), tabs, None, enc,
                       enc.stride(0), flags, raw.shape[0], 1, launch)
 
@@ -190,9 +190,9 @@ def _sweep(torch, tc, spec, shape, raw, enc, dec, repeats):
         alts = [dict(int8_vectors=v, int8_warps=w) for v in (16, 32, 64) for w in (4, 8)]
     else:
         alts = [dict(int4_heads=h, int4_warps=w, int4_decode_warps=w) for h in (1, 2)
-                for w in (1, 2, 4, 8)]
+                for w in (2, 4, 8)]
         if spec.key_mode == "channel":
-            alts += [dict(int4_channel_join=True, int4_warps=w) for w in (1, 2, 4)]
+            alts += [dict(int4_channel_join=True, int4_warps=w) for w in (2, 4)]
     out = {}
     ref_enc, ref_dec = enc.clone(), dec.clone()
     for a in alts:

@@ -288,7 +288,7 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
             bv = _pow2(launch.int8_vectors)
             total = n * L * V
             jit(_int8_encode)[(triton.cdiv(total, bv),)](
-                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch, flags, padt, total,
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch, flags, padt, total, n * L,
                 V=V, L=L, D=D, DP=_pow2(D), E=E, SCALE=offs["scale"], NPAD=npad,
                 NPADP=_pow2(npad), BV=bv, INDEXED=indexed, ALIGN=tabs.align,
                 BF16=shape.dtype == "bfloat16", num_warps=launch.int8_warps)
@@ -306,7 +306,7 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
                 DT=_DT[shape.dtype], num_warps=launch.int4_warps)
         hpp = _heads_per_program(shape, launch)
         jit(_int4_encode)[(n * L, H // hpp)](
-            raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch, flags, padt, scores,
+            raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch, flags, padt, scores, n * L,
             T=T, TP=TP, H=H, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
             BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
@@ -346,25 +346,23 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
             INDEXED=indexed, ALIGN=tabs.align, BF16=bf16, num_warps=launch.int4_decode_warps)
 
 
-def _read_flags(flags: torch.Tensor) -> np.ndarray:
-    """The kernel's flags on the host: one copy into (cached) pinned memory, then a wait."""
-    if not flags.is_cuda:
-        return flags.numpy().copy()
-    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-    host.copy_(flags, non_blocking=True)
-    torch.cuda.current_stream(flags.device).synchronize()
-    return host.numpy().copy()
+def _new_flags(shards: int, device) -> torch.Tensor:
+    """int32 [shards + 1] of ones: per shard, then "all finite"; the kernels store 0s."""
+    return torch.ones(shards + 1, dtype=torch.int32, device=device)
 
 
 def _fix_refused(flags: torch.Tensor, spec, shape, dst: torch.Tensor, L: int) -> np.ndarray:
-    """ok per (row, layer) from the kernel's flags (one synchronization); refused shards get
-    the reference's bytes (the encoding of zeros)."""
-    ok = _read_flags(flags).reshape(-1, L) != 0
-    if not ok.all():
-        E = encoded_bytes(spec, shape)
-        zero = _zero_row(spec, shape, dst.device)
-        for i, k in zip(*np.nonzero(~ok)):
-            dst[int(i), int(k) * E:(int(k) + 1) * E] = zero
+    """ok per (row, layer) from the kernel's flags: one synchronizing read of the last flag
+    (4 bytes), and of the others only when a shard was refused; refused shards get the
+    reference's bytes (the encoding of zeros)."""
+    shards = flags.numel() - 1
+    if int(flags[shards].item()) != 0:
+        return np.ones((shards // L, L), dtype=bool)
+    ok = flags[:shards].cpu().numpy().reshape(-1, L) != 0
+    E = encoded_bytes(spec, shape)
+    zero = _zero_row(spec, shape, dst.device)
+    for i, k in zip(*np.nonzero(~ok)):
+        dst[int(i), int(k) * E:(int(k) + 1) * E] = zero
     return ok
 
 
@@ -387,7 +385,7 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         tabs = _plain_tables(shape, shape.raw_bytes // esize, src.device)
         raw = _encodable(spec, shape, src, tabs)
     enc = dst if _aligned_enc(dst) else torch.empty(dst.shape, dtype=torch.uint8, device=dst.device)
-    flags = torch.ones(n, dtype=torch.int32, device=src.device)
+    flags = _new_flags(n, src.device)
     _encode_launch(spec, shape, raw, tabs, None, enc, _pitch(enc), flags, n, 1, launch)
     if enc is not dst:
         dst.copy_(enc)
@@ -463,7 +461,7 @@ def gather_encode(layout: KVLayout, block_indices: torch.Tensor, spec: CodecSpec
     enc = dst if _aligned_enc(dst) else torch.empty(dst.shape, dtype=torch.uint8, device=dst.device)
     if enc is not dst:
         enc.copy_(dst)                                     # rows of -1 stay as they were
-    flags = torch.ones(n * L, dtype=torch.int32, device=dst.device)
+    flags = _new_flags(n * L, dst.device)
     _encode_launch(spec, shape, raw, found[1], block_indices, enc, _pitch(enc), flags, n, L,
                    launch)
     if enc is not dst:

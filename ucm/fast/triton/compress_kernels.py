@@ -21,7 +21,7 @@ _INF = tl.constexpr(float("inf"))
 _RINT = tl.constexpr(12582912.0)
 
 
-def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_vectors,
+def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_vectors, n_shards,
                  V: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                  E: tl.constexpr, SCALE: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
                  BV: tl.constexpr, INDEXED: tl.constexpr, ALIGN: tl.constexpr,
@@ -53,13 +53,17 @@ def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_vectors,
     a = tl.abs(x)
     bad = tl.max(tl.where(a < _INF, 0, 1), axis=1)
     tl.store(flags + s, tl.zeros_like(bad), mask=live & (bad > 0))
+    tl.store(flags + n_shards + s * 0, tl.zeros_like(bad), mask=live & (bad > 0))   # any bad
     amax = tl.max(a, axis=1)
     # s = bf16_up(amax / 127)
     bits = tl.math.div_rn(amax, 127.0).to(tl.int32, bitcast=True)
     hi = bits & -65536
     bits = tl.where((bits & 0xFFFF) != 0, hi + 0x10000, hi)
     sc = bits.to(tl.float32, bitcast=True)
-    y = tl.math.div_rn(x, sc[:, None])
+    # a zero operand takes the division's slow path: x == 0 divides s / 4 instead (-> 0.25,
+    # rounds to 0 as 0 / s does), s == 0 divides by 1 (q is 0 there anyway)
+    den = tl.where(sc == 0, 1.0, sc)
+    y = tl.math.div_rn(tl.where(x == 0, 0.25 * den[:, None], x), den[:, None])
     r = (y + _RINT) - _RINT
     q = tl.where(sc[:, None] > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
     base = enc + i * enc_pitch + k * E
@@ -148,7 +152,7 @@ def _key_scores(raw, voff, vstride, idx, scores,
     tl.atomic_max(scores + s * TP + t, a.to(tl.int32, bitcast=True), mask=tm)
 
 
-def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores,
+def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_shards,
                  T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                  NG: tl.constexpr, NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr,
                  E: tl.constexpr, KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr,
@@ -242,6 +246,7 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores,
         fin = (tl.abs(ke) < _INF) & (tl.abs(ko) < _INF) & (tl.abs(ve) < _INF) & (tl.abs(vo) < _INF)
         nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
         tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
+        tl.store(flags + n_shards, 0, mask=nonfinite > 0)  # any bad
         if SPARSE:
             em = (sel & tm)[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
             ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
@@ -279,9 +284,13 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores,
             sbo = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
             se = sbe.to(tl.float32, bitcast=True)
             so = sbo.to(tl.float32, bitcast=True)
-            r = (tl.math.div_rn(ke - me[None, :, :], se[None, :, :]) + _RINT) - _RINT
+            nu = ke - me[None, :, :]
+            den = tl.where(se == 0, 1.0, se)[None, :, :]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
             qe = tl.where(se[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-            r = (tl.math.div_rn(ko - mo[None, :, :], so[None, :, :]) + _RINT) - _RINT
+            nu = ko - mo[None, :, :]
+            den = tl.where(so == 0, 1.0, so)[None, :, :]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
             qo = tl.where(so[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
             # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
             pw = p32 + h * D + 2 * ((gi * GH)[:, None] + j[None, :])
@@ -299,9 +308,13 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores,
             hi = b & -65536
             sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
             sc = sb.to(tl.float32, bitcast=True)
-            r = (tl.math.div_rn(ke - m[:, :, None], sc[:, :, None]) + _RINT) - _RINT
+            nu = ke - m[:, :, None]
+            den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
             qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-            r = (tl.math.div_rn(ko - m[:, :, None], sc[:, :, None]) + _RINT) - _RINT
+            nu = ko - m[:, :, None]
+            den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
             qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
             tl.store(p32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
                      ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
@@ -318,9 +331,13 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores,
         hi = b & -65536
         sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
         sc = sb.to(tl.float32, bitcast=True)
-        r = (tl.math.div_rn(ve - m[:, :, None], sc[:, :, None]) + _RINT) - _RINT
+        nu = ve - m[:, :, None]
+        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
         qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-        r = (tl.math.div_rn(vo - m[:, :, None], sc[:, :, None]) + _RINT) - _RINT
+        nu = vo - m[:, :, None]
+        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
         qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
         tl.store(v32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
                  ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
