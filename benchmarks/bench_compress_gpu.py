@@ -100,6 +100,8 @@ def codec_rates(torch, args, failures, out):
     from ucm.fast.triton import compress as tc
 
     specs, shapes = _specs(), _shapes()
+    if args.codecs:
+        specs = {k: v for k, v in specs.items() if k in args.codecs}
     res = {}
     for sname, shape in shapes.items():
         n = int(args.gib * GiB) // shape.raw_bytes
@@ -189,10 +191,12 @@ def _sweep(torch, tc, spec, shape, raw, enc, dec, repeats):
     if spec.method == "quantize" and spec.bits == 8:
         alts = [dict(int8_vectors=v, int8_warps=w) for v in (16, 32, 64) for w in (4, 8)]
     else:
-        alts = [dict(int4_heads=h, int4_warps=w, int4_decode_warps=w) for h in (1, 2)
-                for w in (2, 4, 8)]
+        alts = [dict(int4_heads=h, int4_warps=w, int4_split_kv=split) for h in (1, 2)
+                for w in (2, 4, 8) for split in (False, True)]
+        alts += [dict(int4_decode_warps=w, int4_decode_warps_token=w) for w in (2, 4)]
         if spec.key_mode == "channel":
-            alts += [dict(int4_channel_join=True, int4_warps=w) for w in (2, 4)]
+            alts += [dict(int4_channel_join=True, int4_warps=4, int4_split_kv=split)
+                     for split in (False, True)]
     out = {}
     ref_enc, ref_dec = enc.clone(), dec.clone()
     for a in alts:
@@ -407,6 +411,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-sweep", dest="sweep", action="store_false")
     p.add_argument("--skip-round-trip", action="store_true")
+    p.add_argument("--codecs", nargs="*", default=None, help="a subset of the codecs (names as "
+                   "in the JSON)")
     p.add_argument("--dry-run-cpu", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     global DEV

@@ -188,10 +188,12 @@ def test_unaligned_rows(triton_on, device, name):
 
 
 LAUNCHES = [dict(int8_vectors=8, int8_warps=2), dict(int4_heads=2, int4_channel_join=True),
-            dict(int4_heads=3, int4_warps=2, int4_decode_warps=2)]
+            dict(int4_heads=3, int4_warps=2, int4_decode_warps=2, int4_decode_warps_token=2),
+            dict(int4_split_kv=True), dict(int4_split_kv=False)]
 
 
-@pytest.mark.parametrize("changes", LAUNCHES, ids=["int8-small", "heads2-join", "heads3"])
+@pytest.mark.parametrize("changes", LAUNCHES, ids=["int8-small", "heads2-join", "heads3", "split",
+                                                   "nosplit"])
 @pytest.mark.parametrize("name", ["int8", "int4-ch32", "int4-tok64", "sparse-ch32"])
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
                          + (["cuda"] if HAS_CUDA else []))

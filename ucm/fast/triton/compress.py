@@ -64,7 +64,12 @@ class LaunchConfig:
     #: the largest one not above this).
     int4_heads: int = 1
     int4_warps: int = 4
+    #: Warps of the INT4 / sparse decode, keys per channel and keys per token.
     int4_decode_warps: int = 4
+    int4_decode_warps_token: int = 8
+    #: Load a head's keys only once its values are quantized and stored (fewer registers live,
+    #: more programs per multiprocessor; the two loads no longer overlap).
+    int4_split_kv: bool = False
     #: Keys per channel: the per-channel min and max of both halves of a pair word as one
     #: reduction over the tokens (one exchange between warps instead of four).
     int4_channel_join: bool = False
@@ -313,7 +318,8 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
             C=n_salient(spec, shape) if sparse else 0, TB=_pow2(T, 8),
             CHANNEL=spec.key_mode == "channel", SPARSE=sparse, HPP=hpp, NPAD=npad,
             NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
-            JOIN=launch.int4_channel_join, num_warps=launch.int4_warps)
+            JOIN=launch.int4_channel_join, SPLIT=launch.int4_split_kv,
+            num_warps=launch.int4_warps)
 
 
 def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
@@ -343,7 +349,9 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
             BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
             CHANNEL=spec.key_mode == "channel", SPARSE=spec.method == "sparse", HPP=hpp,
-            INDEXED=indexed, ALIGN=tabs.align, BF16=bf16, num_warps=launch.int4_decode_warps)
+            INDEXED=indexed, ALIGN=tabs.align, BF16=bf16,
+            num_warps=launch.int4_decode_warps if spec.key_mode == "channel"
+            else launch.int4_decode_warps_token)
 
 
 def _new_flags(shards: int, device) -> torch.Tensor:

@@ -60,10 +60,11 @@ def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_vectors,
     hi = bits & -65536
     bits = tl.where((bits & 0xFFFF) != 0, hi + 0x10000, hi)
     sc = bits.to(tl.float32, bitcast=True)
-    # a zero operand takes the division's slow path: x == 0 divides s / 4 instead (-> 0.25,
-    # rounds to 0 as 0 / s does), s == 0 divides by 1 (q is 0 there anyway)
+    # s == 0 (a zero vector) divides by 1 instead (q is 0 there anyway): a zero divisor takes
+    # the division's slow path. (Zero elements are left alone here: rare in KV, and the test
+    # costs more than it saves; the INT4 kernels, where each group's minimum gives one, test.)
     den = tl.where(sc == 0, 1.0, sc)
-    y = tl.math.div_rn(tl.where(x == 0, 0.25 * den[:, None], x), den[:, None])
+    y = tl.math.div_rn(x, den[:, None])
     r = (y + _RINT) - _RINT
     q = tl.where(sc[:, None] > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
     base = enc + i * enc_pitch + k * E
@@ -160,7 +161,7 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_
                  TB: tl.constexpr, CHANNEL: tl.constexpr, SPARSE: tl.constexpr,
                  HPP: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
                  INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr,
-                 JOIN: tl.constexpr):
+                 JOIN: tl.constexpr, SPLIT: tl.constexpr):
     """Shard ``program_id(0)`` (row ``s // L``, selected layer ``s % L``), heads
     ``[program_id(1) * HPP, + HPP)``. Tiles ``[tokens, groups, G / 2]`` of *pair words* (channels
     ``2w`` and ``2w + 1`` of a vector in one int32, or int64 for float32): ``raw``, ``voff`` and
@@ -226,32 +227,66 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_
         sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
         ov = tl.multiple_of(tl.load(voff + vv, mask=tm, other=0), ALIGN)
         sv = tl.multiple_of(tl.load(vstride + vv, mask=tm, other=0), ALIGN)
-        wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
+        if SPLIT == 0:     # both loads first (more in flight; more registers live)
+            wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
         wv = tl.load(raw + (ov + blk * sv)[:, None, None] + col, mask=m3, other=0)
         if DT == 0:
-            ke = (wk << 16).to(tl.float32, bitcast=True)
-            ko = (wk & -65536).to(tl.float32, bitcast=True)
             ve = (wv << 16).to(tl.float32, bitcast=True)
             vo = (wv & -65536).to(tl.float32, bitcast=True)
         elif DT == 1:
-            ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             ve = (wv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             vo = (wv >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         else:
-            ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-            ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
             ve = (wv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
             vo = (wv >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        fin = (tl.abs(ke) < _INF) & (tl.abs(ko) < _INF) & (tl.abs(ve) < _INF) & (tl.abs(vo) < _INF)
+        fin = (tl.abs(ve) < _INF) & (tl.abs(vo) < _INF)
         nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
         tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
         tl.store(flags + n_shards, 0, mask=nonfinite > 0)  # any bad
         if SPARSE:
             em = (sel & tm)[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
             ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
-            tl.store(ex + ((epos * 2 * H + h) * HD)[:, None, None] + col, wk, mask=em)
             tl.store(ex + (((epos * 2 + 1) * H + h) * HD)[:, None, None] + col, wv, mask=em)
+        # ---- values: per token, groups of G channels
+        mn = tl.minimum(tl.min(tl.where(km3, ve, _INF), axis=2), tl.min(tl.where(km3, vo, _INF), axis=2))
+        mx = tl.maximum(tl.max(tl.where(km3, ve, -_INF), axis=2), tl.max(tl.where(km3, vo, -_INF), axis=2))
+        b = mn.to(tl.int32, bitcast=True)
+        hi = b & -65536
+        mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+        m = mb.to(tl.float32, bitcast=True)
+        b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+        hi = b & -65536
+        sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+        sc = sb.to(tl.float32, bitcast=True)
+        nu = ve - m[:, :, None]
+        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+        qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+        nu = vo - m[:, :, None]
+        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+        qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+        tl.store(v32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
+                 ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
+        tl.store(base + VQ + ((rpos * H + h) * HD)[:, None, None] + col,
+                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
+        if SPLIT:          # keys loaded once the values are stored
+            wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
+        if DT == 0:
+            ke = (wk << 16).to(tl.float32, bitcast=True)
+            ko = (wk & -65536).to(tl.float32, bitcast=True)
+        elif DT == 1:
+            ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        fin = (tl.abs(ke) < _INF) & (tl.abs(ko) < _INF)
+        nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
+        tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
+        tl.store(flags + n_shards, 0, mask=nonfinite > 0)  # any bad
+        if SPARSE:
+            tl.store(ex + ((epos * 2 * H + h) * HD)[:, None, None] + col, wk, mask=em)
         # ---- keys
         if CHANNEL:     # per channel over the (kept) tokens: [groups, G / 2] for each half
             if JOIN:    # the four reductions as one (min = -max(-x)): one exchange across warps
@@ -319,29 +354,6 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_
             tl.store(p32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
                      ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
         tl.store(base + KQ + ((rpos * H + h) * HD)[:, None, None] + col,
-                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
-        # ---- values: per token, groups of G channels
-        mn = tl.minimum(tl.min(tl.where(km3, ve, _INF), axis=2), tl.min(tl.where(km3, vo, _INF), axis=2))
-        mx = tl.maximum(tl.max(tl.where(km3, ve, -_INF), axis=2), tl.max(tl.where(km3, vo, -_INF), axis=2))
-        b = mn.to(tl.int32, bitcast=True)
-        hi = b & -65536
-        mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-        m = mb.to(tl.float32, bitcast=True)
-        b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
-        hi = b & -65536
-        sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-        sc = sb.to(tl.float32, bitcast=True)
-        nu = ve - m[:, :, None]
-        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
-        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
-        qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-        nu = vo - m[:, :, None]
-        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
-        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
-        qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-        tl.store(v32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
-                 ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
-        tl.store(base + VQ + ((rpos * H + h) * HD)[:, None, None] + col,
                  (qe | (qo << 4)).to(tl.uint8), mask=km3)
 
 
