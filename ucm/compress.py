@@ -129,3 +129,78 @@ IMPLEMENTATIONS = (
     ImplSpec("reference", "ucm.reference.compress:{op}"),
 )
 dispatch.register_table(OPS, IMPLEMENTATIONS)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused with the KV transfer (GPU connector): gather_encode / decode_scatter
+
+def _check_fused(layout, spec, shape, layers) -> tuple:
+    from ucm.transfer import _check_layout
+
+    _check_layout(layout)
+    layers = layout.select(layers)
+    for layer in layers:
+        _check(spec, shape, layer)
+        if layout.shard_bytes(layer) != shape.raw_bytes:
+            raise ValueError(f"shape: layer {layer}'s shard is {layout.shard_bytes(layer)} bytes, "
+                             f"the KVShape describes {shape.raw_bytes}")
+    return layers
+
+
+def gather_encode(layout, block_indices, spec: CodecSpec, shape: KVShape, dst, layers=None, *,
+                  backend: Optional[str] = None) -> np.ndarray:
+    """Quantize blocks straight out of a paged KV cache: row ``i`` of ``dst`` (uint8
+    ``[n, len(layers) * encoded_bytes]`` on the cache's device) receives, at
+    ``k * encoded_bytes``, the encoding of the ``k``-th selected layer's shard of block
+    ``block_indices[i]`` (the shard's bytes as :func:`ucm.transfer.gather_blocks` stages them,
+    read as ``shape``); ``-1`` leaves the row untouched. Same as ``gather_blocks`` into a
+    temporary then :func:`encode` per layer, without the temporary.
+
+    layout: a :class:`ucm.KVLayout`; block_indices: as for ``gather_blocks``; layers: ``None``
+    (all) or the layer ids, in row order. Returns ``ok``: bool ``[n]``, False where a selected
+    shard of the block held NaN or infinite values."""
+    from ucm.transfer import _check_indices
+
+    layers = _check_fused(layout, spec, shape, layers)
+    idx = _check_indices(block_indices, layout, unique=False)
+    d = _rows(dst, len(layers) * encoded_bytes(spec, shape), "dst", idx.shape[0])
+    if d.device != layout.device:
+        raise ValueError(f"dst on {d.device}, the KV views on {layout.device}")
+    if idx.shape[0] == 0:
+        return np.zeros(0, dtype=bool)
+    return dispatch.call("gather_encode", layout, idx, spec, shape, d, layers, backend=backend)
+
+
+def decode_scatter(layout, src, block_indices, spec: CodecSpec, shape: KVShape, layers=None, *,
+                   backend: Optional[str] = None) -> None:
+    """The inverse of :func:`gather_encode`: decode row ``i`` of ``src`` (uint8
+    ``[n, len(layers) * encoded_bytes]`` on the cache's device) straight into block
+    ``block_indices[i]`` of the paged cache, layer by selected layer; ``-1`` writes nothing; a
+    block number may appear only once."""
+    from ucm.transfer import _check_indices
+
+    layers = _check_fused(layout, spec, shape, layers)
+    idx = _check_indices(block_indices, layout, unique=True)
+    s = _rows(src, len(layers) * encoded_bytes(spec, shape), "src", idx.shape[0])
+    if s.device != layout.device:
+        raise ValueError(f"src on {s.device}, the KV views on {layout.device}")
+    if idx.shape[0]:
+        dispatch.call("decode_scatter", layout, s, idx, spec, shape, layers, backend=backend)
+
+
+def _layout_device(args, kwargs):
+    layout = args[0] if args else kwargs.get("layout")
+    return getattr(layout, "device", None)
+
+
+def layout_on_cuda(*args, **kwargs):
+    return fast.triton_takes(_layout_device(args, kwargs))
+
+
+FUSED_OPS = ("gather_encode", "decode_scatter")
+FUSED_IMPLEMENTATIONS = (
+    ImplSpec("reference", "ucm.reference.compress_transfer:{op}"),
+    ImplSpec("triton", "ucm.fast.triton.compress:{op}", 20, frozenset({"cuda", "cpu"}),
+             fast.triton_status, layout_on_cuda),
+)
+dispatch.register_table(FUSED_OPS, FUSED_IMPLEMENTATIONS)

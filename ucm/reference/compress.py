@@ -72,9 +72,16 @@ def _put(dst: torch.Tensor, spec: CodecSpec, shape: KVShape, name: str, value: t
 # ---------------------------------------------------------------------------------------------
 # the quantizers
 
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``x / c`` correctly rounded on every device: PyTorch's CUDA division by a Python scalar
+    multiplies by its float32 reciprocal instead (one bit off now and then, which moves
+    ``bf16_up`` to the next bfloat16), so divide by a tensor."""
+    return x / torch.full_like(x, c)
+
+
 def quant8(x: torch.Tensor):
     """Symmetric INT8 over the last dim: (int8 q, float32 scale holding a bfloat16)."""
-    s = bf16_up(x.abs().amax(dim=-1) / 127.0)
+    s = bf16_up(_div(x.abs().amax(dim=-1), 127.0))
     q = torch.where(s[..., None] > 0, torch.round(x / s[..., None]).clamp(-127, 127),
                     torch.zeros_like(x))
     return q.to(torch.int8), s
@@ -88,7 +95,7 @@ def quant4(x: torch.Tensor, dim: int):
     """Asymmetric INT4 over ``dim``: (uint8 q in [0, 15], min, scale), min/scale float32
     holding bfloat16 values, reduced over ``dim`` (kept as size 1)."""
     m = bf16_down(x.amin(dim=dim, keepdim=True))
-    s = bf16_up((x.amax(dim=dim, keepdim=True) - m) / 15.0)
+    s = bf16_up(_div(x.amax(dim=dim, keepdim=True) - m, 15.0))
     q = torch.where(s > 0, torch.round((x - m) / s).clamp(0, 15), torch.zeros_like(x))
     return q.to(torch.uint8), m, s
 

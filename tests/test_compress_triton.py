@@ -1,0 +1,387 @@
+"""Triton KV codecs (ucm.fast.triton.compress) against the PyTorch reference run on the CPU (the
+documented rules), byte for byte: ``encode`` / ``decode`` for INT8, INT4 (keys per channel and
+per token group, groups of 32 and 64) and sparse, over memory orders, element types, odd sizes,
+rows of zeros, constants, exact rounding ties, tiny (subnormal scales) and huge values, NaN and
+infinite rows (``ok`` False, and the reference's bytes even then), unaligned rows; ``learned``
+within one bfloat16 step. The fused ``gather_encode`` / ``decode_scatter`` against the reference
+(gather + encode per layer; decode + scatter) over the KV layouts of test_transfer.py, with
+repeated and ``-1`` indices, layer subsets, a non-finite block, and a layout the fused kernels
+cannot address (the unfused fallback).
+
+Triton runs natively on CUDA tensors where a GPU is present; on CPU tensors through the Triton
+interpreter (``TRITON_INTERPRET=1`` set per test, small shapes, marked ``triton_interpreter``).
+"""
+import importlib.util
+import zlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import INTERPRETER_PROCESS  # noqa: E402
+from ucm import dispatch  # noqa: E402
+from ucm.compress import (CodecSpec, KVShape, decode, decode_scatter, encode,  # noqa: E402
+                          encoded_bytes, fit_projection, gather_encode)
+from ucm.reference import compress as ref  # noqa: E402
+from test_transfer import Cache  # noqa: E402
+
+#: the interpreter evaluates the masked-out lanes too (divisions by a zero scale)
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+SENTINEL = 0xA5
+
+SPECS = {
+    "int8": CodecSpec("quantize", 8),
+    "int4-ch32": CodecSpec("quantize", 4, 32, "channel"),
+    "int4-ch64": CodecSpec("quantize", 4, 64, "channel"),
+    "int4-tok32": CodecSpec("quantize", 4, 32, "token"),
+    "int4-tok64": CodecSpec("quantize", 4, 64, "token"),
+    "sparse-ch32": CodecSpec("sparse", 4, 32, "channel", salient=0.125),
+    "sparse-tok64": CodecSpec("sparse", 4, 64, "token", salient=0.3),
+}
+
+SMALL = [KVShape("kthd", 8, 2, 64, "bfloat16"), KVShape("hktd", 5, 3, 64, "float16"),
+         KVShape("thkd", 4, 1, 64, "float32")]
+LARGE = [KVShape("kthd", 16, 8, 128, "bfloat16"), KVShape("htkd", 16, 3, 64, "bfloat16"),
+         KVShape("kthd", 7, 3, 96, "float16"), KVShape("hktd", 16, 2, 128, "float32")]
+
+
+def _params():
+    out = []
+    for shape in SMALL:
+        out.append(pytest.param("cpu", shape, id=f"cpu-{shape.order}-{shape.tokens}x{shape.heads}x"
+                                f"{shape.head_dim}-{shape.dtype}", marks=pytest.mark.triton_interpreter))
+    if HAS_CUDA:
+        for shape in SMALL + LARGE:
+            out.append(pytest.param("cuda", shape, id=f"cuda-{shape.order}-{shape.tokens}x"
+                                    f"{shape.heads}x{shape.head_dim}-{shape.dtype}"))
+    return out
+
+
+@pytest.fixture
+def triton_on(monkeypatch):
+    """Make Triton runnable on ``device``: the interpreter for CPU tensors."""
+    def setup(device):
+        if not HAS_TRITON:
+            pytest.skip("triton is not installed")
+        if device == "cpu":
+            if not INTERPRETER_PROCESS:
+                pytest.skip("Triton on CPU tensors runs in the Triton-interpreter process")
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        dispatch._reset_for_tests()
+        [impl] = [i for i in dispatch.implementations("encode") if i.name == "triton"]
+        ok, why = impl.available(dispatch.detect_platform())
+        if not ok:
+            pytest.skip(f"triton: {why}")
+        return device
+    return setup
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+def kv_rows(shape: KVShape, gen: torch.Generator):
+    """Raw rows (uint8 [n, raw_bytes], CPU) of one shape: random KV with outlier channels and
+    tokens, then special rows: zeros, a constant, exact ties for INT8 and for INT4, tiny values,
+    huge values, a NaN, an infinity."""
+    T, H, D = shape.tokens, shape.heads, shape.head_dim
+    dims = (2, T, H, D)
+    rand = lambda: torch.randn(dims, generator=gen)  # noqa: E731
+    rows = []
+    for _ in range(3):
+        x = rand() * 2
+        x[..., 3] *= 20                                   # an outlier channel
+        x[:, T // 2] *= 5                                 # an outlier token
+        rows.append(x)
+    rows.append(torch.zeros(dims))
+    rows.append(torch.full(dims, 0.7))
+    tie8 = torch.randint(-254, 255, dims, generator=gen).float() / 32  # s = 1/16: halves tie
+    tie8[..., 0] = 254 / 32
+    rows.append(tie8)
+    tie4 = torch.randint(0, 31, dims, generator=gen).float() / 32      # m = 0, s = 1/16
+    tie4[..., 0::32] = 0
+    tie4[..., 1::32] = 30 / 32
+    tie4[:, 0] = 0
+    tie4[:, 1] = 30 / 32
+    rows.append(tie4)
+    tiny = 1e-6 if shape.dtype == "float16" else 1e-39
+    rows.append(rand() * tiny)
+    huge = 500.0 if shape.dtype == "float16" else 1e36
+    rows.append((rand() * huge).clamp(-60000, 60000) if shape.dtype == "float16" else rand() * huge)
+    nan = rand()
+    nan[1, T - 1, H - 1, D // 2] = float("nan")
+    rows.append(nan)
+    inf = rand()
+    inf[0, 0, 0, 1] = float("-inf")
+    rows.append(inf)
+    return ref.from_canonical(torch.stack(rows), shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# encode / decode
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("device,shape", _params())
+def test_encode_decode_exact(triton_on, device, shape, name):
+    spec = SPECS[name]
+    try:
+        spec.check(shape)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    triton_on(device)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}{shape}".encode()))
+    src = kv_rows(shape, gen)
+    n, E = src.shape[0], encoded_bytes(spec, shape)
+
+    want = torch.full((n, E), SENTINEL, dtype=torch.uint8)
+    ok_want = encode(spec, shape, src, want, backend="reference")
+    got = torch.full((n, E), 0x5A, dtype=torch.uint8, device=device)
+    ok_got = encode(spec, shape, src.to(device), got, backend="triton")
+    np.testing.assert_array_equal(ok_got, ok_want)
+    assert list(ok_want[-2:]) == [False, False] and ok_want[:-2].all()
+    diff = (got.cpu() != want).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at (row, byte) {diff[:5].tolist()}"
+
+    rows = want[ok_want]
+    out_want = torch.full((rows.shape[0], shape.raw_bytes), SENTINEL, dtype=torch.uint8)
+    decode(spec, shape, rows, out_want, backend="reference")
+    out_got = torch.full(out_want.shape, 0x5A, dtype=torch.uint8, device=device)
+    decode(spec, shape, rows.to(device), out_got, backend="triton")
+    diff = (out_got.cpu() != out_want).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at (row, byte) {diff[:5].tolist()}"
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-tok32", "sparse-ch32"])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
+                         + (["cuda"] if HAS_CUDA else []))
+def test_unaligned_rows(triton_on, device, name):
+    """Rows at odd byte offsets of wider buffers (the kernels then work on aligned copies) and
+    a single row."""
+    spec, shape = SPECS[name], KVShape("kthd", 8, 2, 64, "bfloat16")
+    triton_on(device)
+    src = kv_rows(shape, torch.Generator().manual_seed(5))[:4]
+    n, R, E = src.shape[0], shape.raw_bytes, encoded_bytes(spec, shape)
+    want = torch.empty((n, E), dtype=torch.uint8)
+    encode(spec, shape, src, want, backend="reference")
+
+    wide_src = torch.zeros((n, R + 9), dtype=torch.uint8, device=device)
+    wide_src[:, 1:1 + R] = src.to(device)
+    wide = torch.full((n, E + 7), SENTINEL, dtype=torch.uint8, device=device)
+    encode(spec, shape, wide_src[:, 1:1 + R], wide[:, 3:3 + E], backend="triton")
+    assert torch.equal(wide[:, 3:3 + E].cpu(), want)
+    assert (wide[:, :3] == SENTINEL).all() and (wide[:, 3 + E:] == SENTINEL).all()
+    one = torch.empty((1, E), dtype=torch.uint8, device=device)
+    encode(spec, shape, src[2:3].to(device), one, backend="triton")
+    assert torch.equal(one.cpu(), want[2:3])
+
+    raw_want = torch.empty((n, R), dtype=torch.uint8)
+    decode(spec, shape, want, raw_want, backend="reference")
+    enc_odd = torch.zeros((n, E + 5), dtype=torch.uint8, device=device)
+    enc_odd[:, 1:1 + E] = want.to(device)
+    raw_wide = torch.full((n, R + 3), SENTINEL, dtype=torch.uint8, device=device)
+    decode(spec, shape, enc_odd[:, 1:1 + E], raw_wide[:, 1:1 + R], backend="triton")
+    assert torch.equal(raw_wide[:, 1:1 + R].cpu(), raw_want)
+    assert (raw_wide[:, 0] == SENTINEL).all() and (raw_wide[:, 1 + R:] == SENTINEL).all()
+
+
+LAUNCHES = [dict(int8_vectors=8, int8_warps=2), dict(int4_heads=2, int4_channel_join=True),
+            dict(int4_heads=3, int4_warps=2, int4_decode_warps=2, int4_decode_warps_token=2),
+            dict(int4_split_kv=True), dict(int4_split_kv=False)]
+
+
+@pytest.mark.parametrize("changes", LAUNCHES, ids=["int8-small", "heads2-join", "heads3", "split",
+                                                   "nosplit"])
+@pytest.mark.parametrize("name", ["int8", "int4-ch32", "int4-tok64", "sparse-ch32"])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
+                         + (["cuda"] if HAS_CUDA else []))
+def test_launch_variants(triton_on, device, name, changes):
+    """Other launch constants (several heads per program, the joined channel reduction, small
+    INT8 tiles) give the same bytes."""
+    from ucm.fast.triton import compress as tc
+
+    spec, shape = SPECS[name], KVShape("hktd", 8, 3, 64, "bfloat16")
+    triton_on(device)
+    src = kv_rows(shape, torch.Generator().manual_seed(21))
+    E = encoded_bytes(spec, shape)
+    want = torch.empty((src.shape[0], E), dtype=torch.uint8)
+    ok = encode(spec, shape, src, want, backend="reference")
+    got = torch.empty((src.shape[0], E), dtype=torch.uint8, device=device)
+    launch = tc.LAUNCH.replace(**changes)
+    np.testing.assert_array_equal(tc.encode(spec, shape, src.to(device), got, 0, launch=launch), ok)
+    assert torch.equal(got.cpu(), want)
+    raw_want = torch.empty((int(ok.sum()), shape.raw_bytes), dtype=torch.uint8)
+    decode(spec, shape, want[ok], raw_want, backend="reference")
+    raw_got = torch.empty(raw_want.shape, dtype=torch.uint8, device=device)
+    tc.decode(spec, shape, want[ok].to(device), raw_got, 0, launch=launch)
+    assert torch.equal(raw_got.cpu(), raw_want)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
+                         + (["cuda"] if HAS_CUDA else []))
+def test_learned_within_one_bf16_step(triton_on, device):
+    shape = KVShape("kthd", 8, 2, 64, "bfloat16")
+    gen = torch.Generator().manual_seed(9)
+    samples = [torch.randn(64, 2, 2, 64, generator=gen).numpy() for _ in range(2)]
+    spec = CodecSpec("learned", ratio=0.25, projection=fit_projection(samples))
+    triton_on(device)
+    src = kv_rows(shape, gen)[:3]
+    E = encoded_bytes(spec, shape)
+    want = torch.empty((3, E), dtype=torch.uint8)
+    encode(spec, shape, src, want, 1, backend="reference")
+    got = torch.empty((3, E), dtype=torch.uint8, device=device)
+    encode(spec, shape, src.to(device), got, 1, backend="triton")
+    w, g = ref.from_bf16_bits(want.view(torch.int16)), ref.from_bf16_bits(got.cpu().view(torch.int16))
+    assert torch.allclose(g, w, rtol=2 ** -7, atol=1e-6)
+    raw_want = torch.empty((3, shape.raw_bytes), dtype=torch.uint8)
+    decode(spec, shape, want, raw_want, 1, backend="reference")
+    raw_got = torch.empty((3, shape.raw_bytes), dtype=torch.uint8, device=device)
+    decode(spec, shape, want.to(device), raw_got, 1, backend="triton")
+    a = ref.to_canonical(raw_got.cpu(), shape)
+    b = ref.to_canonical(raw_want, shape)
+    assert torch.allclose(a, b, rtol=2 ** -7, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_encode / decode_scatter
+
+#: test_transfer.py layouts whose shards are plain KV, and the memory order of a shard
+FUSED_LAYOUTS = {"fa": "kthd", "fa_packed": "kthd", "flashinfer": "kthd", "cpu_BHN2D": "htkd",
+                 "padded": "kthd", "heads_slice": "kthd", "vllm_LHBNC": "htkd",
+                 "vllm_BLNHC": "thkd"}
+FUSED_SPECS = ["int8", "int4-ch32", "int4-tok64", "sparse-ch32"]
+
+
+def _fused_params():
+    out = []
+    small = dict(B=6, N=8, H=2, D=64, L=2)
+    for lay in FUSED_LAYOUTS:
+        out.append(pytest.param("cpu", lay, small, id=f"cpu-{lay}", marks=pytest.mark.triton_interpreter))
+    if HAS_CUDA:
+        large = dict(B=12, N=16, H=8, D=128, L=3)
+        for lay in FUSED_LAYOUTS:
+            out.append(pytest.param("cuda", lay, large, id=f"cuda-{lay}"))
+    return out
+
+
+def _fill_kv(cache: Cache, gen: torch.Generator):
+    """Finite KV values in every view (outlier channels included); padding bytes random."""
+    for r in cache.raw():
+        r.copy_(torch.randint(0, 256, r.shape, generator=gen, dtype=torch.uint8).to(r.device))
+    for v in cache.views:
+        x = torch.randn(v.shape, generator=gen) * 2
+        x[..., 5] *= 10
+        v.copy_(x.to(v.dtype).to(v.device))
+    return cache
+
+
+def _twin(cache: Cache, layout_name: str, dtype, size: dict) -> Cache:
+    """The same cache on the CPU, byte for byte."""
+    cpu = Cache(layout_name, dtype, "cpu", **size)
+    for a, b in zip(cpu.raw(), cache.raw()):
+        a.copy_(b.cpu())
+    return cpu
+
+
+@pytest.mark.parametrize("name", FUSED_SPECS)
+@pytest.mark.parametrize("device,layout_name,size", _fused_params())
+def test_gather_encode_decode_scatter(triton_on, device, layout_name, size, name):
+    spec = SPECS[name]
+    dtype = torch.bfloat16 if layout_name != "padded" else torch.float16
+    shape = KVShape(FUSED_LAYOUTS[layout_name], size["N"], size["H"], size["D"],
+                    str(dtype).replace("torch.", ""))
+    triton_on(device)
+    gen = torch.Generator().manual_seed(11)
+    cache = _fill_kv(Cache(layout_name, dtype, device, **size), gen)
+    B, L, E = size["B"], size["L"], encoded_bytes(spec, shape)
+    # a NaN in block 4, last layer
+    bad = [v for v, lay in zip(cache.views, cache.layer_of_view) if lay == L - 1][0]
+    bad[(4,) + (0,) * (bad.dim() - 2) + (7,)] = float("nan")
+    twin = _twin(cache, layout_name, dtype, size)
+    before = cache.snapshot()
+
+    for idx, layers in (([3, -1, 0, 3, B - 1, 4], None), ([4, 1, -1], [L - 1, 0]), ([2], [1]), ([], None)):
+        nl = L if layers is None else len(layers)
+        want = torch.full((len(idx), nl * E), SENTINEL, dtype=torch.uint8)
+        ok_want = gather_encode(twin.layout, idx, spec, shape, want, layers, backend="reference")
+        got = torch.full((len(idx), nl * E), SENTINEL, dtype=torch.uint8, device=device)
+        ok_got = gather_encode(cache.layout, torch.tensor(idx, dtype=torch.int64, device=device),
+                               spec, shape, got, layers, backend="triton")
+        np.testing.assert_array_equal(ok_got, ok_want)
+        diff = (got.cpu() != want).nonzero()
+        assert diff.numel() == 0, f"{idx} {layers}: {diff.shape[0]} bytes differ, first {diff[:5].tolist()}"
+        if idx == [3, -1, 0, 3, B - 1, 4]:
+            assert list(ok_want) == [True, True, True, True, True, False]
+    assert cache.equals(before), "gather_encode wrote into the cache"
+
+    # decode_scatter: encodings of finite blocks into a sentinel cache
+    idx, layers = [5, -1, 0, 2], [L - 1, 0]
+    src = torch.empty((len(idx), 2 * E), dtype=torch.uint8)
+    gather_encode(twin.layout, [1, 3, 2, 0], spec, shape, src, layers, backend="reference")
+    out_want = _twin(cache, layout_name, dtype, size).fill(SENTINEL)
+    decode_scatter(out_want.layout, src, idx, spec, shape, layers, backend="reference")
+    out_got = Cache(layout_name, dtype, device, **size).fill(SENTINEL)
+    decode_scatter(out_got.layout, src.to(device), torch.tensor(idx, device=device), spec, shape,
+                   layers, backend="triton")
+    for a, b in zip(out_got.raw(), out_want.raw()):
+        diff = (a.cpu() != b).nonzero()
+        assert diff.numel() == 0, f"{diff.shape[0]} cache bytes differ, first {diff[:5].tolist()}"
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
+                         + (["cuda"] if HAS_CUDA else []))
+def test_fused_fallback_layout(triton_on, device):
+    """Views at an odd byte address (elements not aligned to their size): the Triton ops take
+    the unfused path (gather, then encode) and still match."""
+    from ucm.layout import KVLayout
+
+    triton_on(device)
+    spec, B, N, H, D, L = SPECS["int8"], 4, 8, 2, 64, 2
+    shape = KVShape("kthd", N, H, D, "bfloat16")
+    gen = torch.Generator().manual_seed(3)
+    page = 2 * N * H * D * 2
+    raw = torch.zeros(L * B * page + 1, dtype=torch.uint8)
+    x = (torch.randn(L * B * page // 2, generator=gen)).to(torch.bfloat16).view(torch.uint8)
+    raw[1:] = x
+    views_of = lambda r: [r[1 + l * B * page:1 + (l + 1) * B * page].view(B, page)  # noqa: E731
+                          for l in range(L)]
+    dev_raw = raw.to(device)
+    lay_cpu, lay_dev = KVLayout.from_views(views_of(raw)), KVLayout.from_views(views_of(dev_raw))
+    from ucm.fast.triton.compress import _layout_tables
+    assert _layout_tables(lay_dev, (0, 1), shape) is None
+    E = encoded_bytes(spec, shape)
+    want = torch.full((3, L * E), SENTINEL, dtype=torch.uint8)
+    gather_encode(lay_cpu, [2, -1, 0], spec, shape, want, backend="reference")
+    got = torch.full((3, L * E), SENTINEL, dtype=torch.uint8, device=device)
+    gather_encode(lay_dev, [2, -1, 0], spec, shape, got, backend="triton")
+    assert torch.equal(got.cpu(), want)
+    raw2, dev2 = raw.clone().fill_(SENTINEL), dev_raw.clone().fill_(SENTINEL)
+    decode_scatter(KVLayout.from_views(views_of(raw2)), want, [3, -1, 1], spec, shape, backend="reference")
+    decode_scatter(KVLayout.from_views(views_of(dev2)), want.to(device), [3, -1, 1], spec, shape,
+                   backend="triton")
+    assert torch.equal(dev2.cpu(), raw2)
+
+
+def test_fused_ops_registered_and_validated():
+    from ucm.layout import KVLayout
+
+    names = {i.name for i in dispatch.implementations("gather_encode")}
+    assert {"reference", "triton"} <= names
+    assert {i.name for i in dispatch.implementations("decode_scatter")} >= {"reference", "triton"}
+    kv = torch.zeros(2, 4, 8, 2, 64, dtype=torch.bfloat16)
+    lay = KVLayout.from_views(list(kv.unbind(0)), [0, 0])
+    spec, shape = SPECS["int8"], KVShape("kthd", 8, 2, 64, "bfloat16")
+    E = encoded_bytes(spec, shape)
+    with pytest.raises(ValueError, match="shard"):
+        gather_encode(lay, [0], spec, KVShape("kthd", 4, 2, 64, "bfloat16"),
+                      torch.empty(1, E, dtype=torch.uint8), backend="reference")
+    with pytest.raises(ValueError, match="dst"):
+        gather_encode(lay, [0, 1], spec, shape, torch.empty(1, E, dtype=torch.uint8),
+                      backend="reference")
+    with pytest.raises(ValueError, match="appears twice"):
+        decode_scatter(lay, torch.zeros(2, E, dtype=torch.uint8), [1, 1], spec, shape,
+                       backend="reference")
+    ok = gather_encode(lay, [], spec, shape, torch.empty(0, E, dtype=torch.uint8))
+    assert ok.shape == (0,)

@@ -1,0 +1,470 @@
+"""The kernels of :mod:`ucm.fast.triton.compress` (see there for the addressing and the
+formats). No jitted helpers: :func:`jit` makes each kernel with ``triton.jit`` on first use,
+per mode (``TRITON_INTERPRET`` is read by ``triton.jit`` when it decorates).
+
+Two operations are written by hand rather than with Triton's casts, identically natively and
+under the interpreter (whose bfloat16 casts lose subnormals and do not round to nearest even):
+bfloat16 -> float32 by the bits (``b << 16``), float32 -> bfloat16 rounding to nearest even
+(``(b + 0x7FFF + lsb) >> 16``). ``rint`` is ``(y + 1.5 * 2**23) - 1.5 * 2**23``, exact for
+``|y| < 2**22`` (every quotient here is within [-128, 16]).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ucm.fast.triton import interpreting
+
+_INF = tl.constexpr(float("inf"))
+#: 1.5 * 2**23: for |y| < 2**22, (y + RINT) - RINT is y rounded to an integer, ties to even
+#: (float32 additions round to nearest even; nothing reassociates them).
+_RINT = tl.constexpr(12582912.0)
+
+
+def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_vectors, n_shards,
+                 V: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                 E: tl.constexpr, SCALE: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
+                 BV: tl.constexpr, INDEXED: tl.constexpr, ALIGN: tl.constexpr,
+                 BF16: tl.constexpr):
+    """Vectors ``[pid * BV, pid * BV + BV)`` of the call (vector ``g`` = shard ``g // V``, vector
+    ``g % V`` of it; shard ``s`` = row ``s // L``, selected layer ``s % L``)."""
+    g = tl.program_id(0).to(tl.int64) * BV + tl.arange(0, BV)
+    live = g < n_vectors
+    s = g // V
+    v = g - s * V
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i, mask=live, other=-1)
+        live = live & (blk >= 0)
+    else:
+        blk = i
+    tab = k * V + v
+    off = tl.multiple_of(tl.load(voff + tab, mask=live, other=0), ALIGN)
+    bst = tl.multiple_of(tl.load(vstride + tab, mask=live, other=0), ALIGN)
+    d = tl.arange(0, DP)
+    m2 = live[:, None] & (d < D)[None, :]
+    if BF16:    # bfloat16 -> float32 by its bits (the interpreter's cast loses subnormals)
+        xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None]
+                     + d[None, :], mask=m2, other=0)
+        x = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    bad = tl.max(tl.where(a < _INF, 0, 1), axis=1)
+    tl.store(flags + s, tl.zeros_like(bad), mask=live & (bad > 0))
+    tl.store(flags + n_shards + s * 0, tl.zeros_like(bad), mask=live & (bad > 0))   # any bad
+    amax = tl.max(a, axis=1)
+    # s = bf16_up(amax / 127)
+    bits = tl.math.div_rn(amax, 127.0).to(tl.int32, bitcast=True)
+    hi = bits & -65536
+    bits = tl.where((bits & 0xFFFF) != 0, hi + 0x10000, hi)
+    sc = bits.to(tl.float32, bitcast=True)
+    # s == 0 (a zero vector) divides by 1 instead (q is 0 there anyway): a zero divisor takes
+    # the division's slow path. (Zero elements are left alone here: rare in KV, and the test
+    # costs more than it saves; the INT4 kernels, where each group's minimum gives one, test.)
+    den = tl.where(sc == 0, 1.0, sc)
+    y = tl.math.div_rn(x, den[:, None])
+    r = (y + _RINT) - _RINT
+    q = tl.where(sc[:, None] > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
+    base = enc + i * enc_pitch + k * E
+    tl.store(base[:, None] + (v * D)[:, None] + d[None, :],
+             q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
+    b16 = bits >> 16
+    tl.store(base + SCALE + 2 * v, (b16 & 255).to(tl.uint8), mask=live)
+    tl.store(base + SCALE + 2 * v + 1, ((b16 >> 8) & 255).to(tl.uint8), mask=live)
+    if NPAD > 0:
+        j = tl.arange(0, NPADP)
+        po = tl.load(pad + j, mask=j < NPAD, other=0)
+        tl.store(base[:, None] + po[None, :], tl.zeros([BV, NPADP], dtype=tl.uint8),
+                 mask=(live & (v == 0))[:, None] & (j < NPAD)[None, :])
+
+
+def _int8_decode(raw, voff, vstride, idx, enc, enc_pitch, n_vectors,
+                 V: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                 E: tl.constexpr, SCALE: tl.constexpr, BV: tl.constexpr, INDEXED: tl.constexpr,
+                 ALIGN: tl.constexpr, BF16: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64) * BV + tl.arange(0, BV)
+    live = g < n_vectors
+    s = g // V
+    v = g - s * V
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i, mask=live, other=-1)
+        live = live & (blk >= 0)
+    else:
+        blk = i
+    tab = k * V + v
+    off = tl.multiple_of(tl.load(voff + tab, mask=live, other=0), ALIGN)
+    bst = tl.multiple_of(tl.load(vstride + tab, mask=live, other=0), ALIGN)
+    d = tl.arange(0, DP)
+    m2 = live[:, None] & (d < D)[None, :]
+    base = enc + i * enc_pitch + k * E
+    q = tl.load(base[:, None] + (v * D)[:, None] + d[None, :], mask=m2, other=0)
+    q = q.to(tl.int8, bitcast=True).to(tl.float32)
+    lo = tl.load(base + SCALE + 2 * v, mask=live, other=0).to(tl.int32)
+    hi = tl.load(base + SCALE + 2 * v + 1, mask=live, other=0).to(tl.int32)
+    sc = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)
+    x = q * sc[:, None]
+    if BF16:
+        _b = x.to(tl.int32, bitcast=True)
+        out = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)   # RNE (the interpreter's own cast is not)
+    else:
+        out = x.to(raw.dtype.element_ty)
+    tl.store(raw + (off + blk * bst)[:, None] + d[None, :], out, mask=m2)
+
+
+def _key_scores(raw, voff, vstride, idx, scores,
+                T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, NG: tl.constexpr,
+                NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr, INDEXED: tl.constexpr,
+                ALIGN: tl.constexpr, DT: tl.constexpr):
+    """Sparse codec, pass 1: ``scores[s, t] = max(scores[s, t], max |K[t, h, :]|)`` for shard
+    ``program_id(0)``, head ``program_id(1)``, as the bits of the float32 (non-negative floats
+    order as their bits). ``raw``, ``voff``, ``vstride`` in pair words (two elements)."""
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i)
+    else:
+        blk = i
+    t = tl.arange(0, TP)
+    tm = (t < T) & ((t * 0 + blk) >= 0)
+    gi = tl.arange(0, NGP)
+    j = tl.arange(0, GH)
+    vk = k * (2 * T * H) + t * H + h
+    off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+    bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+    m3 = tm[:, None, None] & (gi < NG)[None, :, None] & (j < GH)[None, None, :]
+    w = tl.load(raw + (off + blk * bst)[:, None, None] + (gi * GH)[None, :, None] + j[None, None, :],
+                mask=m3, other=0)
+    if DT == 0:      # bfloat16 pairs in an int32
+        xe = (w << 16).to(tl.float32, bitcast=True)
+        xo = (w & -65536).to(tl.float32, bitcast=True)
+    elif DT == 1:    # float16 pairs in an int32
+        xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:            # float32 pairs in an int64
+        xe = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        xo = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    a = tl.max(tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), axis=2), axis=1)
+    tl.atomic_max(scores + s * TP + t, a.to(tl.int32, bitcast=True), mask=tm)
+
+
+def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_shards,
+                 T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                 NG: tl.constexpr, NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr,
+                 E: tl.constexpr, KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr,
+                 VP: tl.constexpr, BITMAP: tl.constexpr, EXACT: tl.constexpr, C: tl.constexpr,
+                 TB: tl.constexpr, CHANNEL: tl.constexpr, SPARSE: tl.constexpr,
+                 HPP: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
+                 INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr,
+                 JOIN: tl.constexpr, SPLIT: tl.constexpr):
+    """Shard ``program_id(0)`` (row ``s // L``, selected layer ``s % L``), heads
+    ``[program_id(1) * HPP, + HPP)``. Tiles ``[tokens, groups, G / 2]`` of *pair words* (channels
+    ``2w`` and ``2w + 1`` of a vector in one int32, or int64 for float32): ``raw``, ``voff`` and
+    ``vstride`` count pair words. A group's reduction is a reduction over the last axis and the
+    two nibbles of a byte are the two halves of a word: no reshapes. SPARSE: the salient tokens
+    from ``scores`` (pass 1, :func:`_key_scores`) are stored exact (rows ``epos``), the others
+    quantized into rows ``rpos`` of the INT4 part."""
+    s = tl.program_id(0).to(tl.int64)
+    hc = tl.program_id(1)
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i)
+    else:
+        blk = i
+    HD: tl.constexpr = D // 2
+    t = tl.arange(0, TP)
+    gi = tl.arange(0, NGP)
+    j = tl.arange(0, GH)
+    # (masks are built from blocks only: the interpreter mishandles scalar & block)
+    tm = (t < T) & ((t * 0 + blk) >= 0)
+    gm = gi < NG
+    base = enc + i * enc_pitch + k * E
+    tab = k * (2 * T * H)
+    if NPAD > 0:
+        jp = tl.arange(0, NPADP)
+        po = tl.load(pad + jp, mask=jp < NPAD, other=0)
+        tl.store(base + po, tl.zeros([NPADP], dtype=tl.uint8),
+                 mask=(jp < NPAD) & ((jp * 0 + blk) >= 0) & ((jp * 0 + hc) == 0))
+    if SPARSE:
+        score = tl.load(scores + s * TP + t, mask=tm, other=0)
+        tt = t[:, None]
+        tu = t[None, :]
+        su = tl.reshape(score, [1, TP])
+        st = tl.reshape(score, [TP, 1])
+        beats = ((su > st) | ((su == st) & (tu < tt))) & (tu < T)
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        sel = (rank < C) & (t < T)
+        epos = tl.sum(((tu < tt) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
+        rpos = t - epos
+        bt = tl.arange(0, TB)
+        selb = tl.sum(((tl.reshape(bt, [TB, 1]) == t[None, :]) & sel[None, :]).to(tl.int32), axis=1)
+        byte = tl.sum(tl.reshape(selb << (bt % 8), [TB // 8, 8]), axis=1)
+        jb = tl.arange(0, TB // 8)
+        tl.store(base + BITMAP + jb, byte.to(tl.uint8),
+                 mask=(jb < (T + 7) // 8) & ((jb * 0 + blk) >= 0) & ((jb * 0 + hc) == 0))
+    else:
+        sel = t < 0
+        epos = t * 0
+        rpos = t
+    keep = tm & (sel.to(tl.int32) == 0)
+    m3 = tm[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
+    km3 = keep[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
+    col = (gi * GH)[None, :, None] + j[None, None, :]           # pair word in the vector
+    gq = keep[:, None] & gm[None, :]
+    p32 = (base + KP).to(tl.pointer_type(tl.int32), bitcast=True)
+    v32 = (base + VP).to(tl.pointer_type(tl.int32), bitcast=True)
+    for hh in range(HPP):
+        h = hc * HPP + hh
+        vk = tab + t * H + h
+        vv = tab + (T + t) * H + h
+        ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+        sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+        ov = tl.multiple_of(tl.load(voff + vv, mask=tm, other=0), ALIGN)
+        sv = tl.multiple_of(tl.load(vstride + vv, mask=tm, other=0), ALIGN)
+        if SPLIT == 0:     # both loads first (more in flight; more registers live)
+            wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
+        wv = tl.load(raw + (ov + blk * sv)[:, None, None] + col, mask=m3, other=0)
+        if DT == 0:
+            ve = (wv << 16).to(tl.float32, bitcast=True)
+            vo = (wv & -65536).to(tl.float32, bitcast=True)
+        elif DT == 1:
+            ve = (wv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            vo = (wv >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            ve = (wv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            vo = (wv >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        fin = (tl.abs(ve) < _INF) & (tl.abs(vo) < _INF)
+        nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
+        tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
+        tl.store(flags + n_shards, 0, mask=nonfinite > 0)  # any bad
+        if SPARSE:
+            em = (sel & tm)[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
+            ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+            tl.store(ex + (((epos * 2 + 1) * H + h) * HD)[:, None, None] + col, wv, mask=em)
+        # ---- values: per token, groups of G channels
+        mn = tl.minimum(tl.min(tl.where(km3, ve, _INF), axis=2), tl.min(tl.where(km3, vo, _INF), axis=2))
+        mx = tl.maximum(tl.max(tl.where(km3, ve, -_INF), axis=2), tl.max(tl.where(km3, vo, -_INF), axis=2))
+        b = mn.to(tl.int32, bitcast=True)
+        hi = b & -65536
+        mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+        m = mb.to(tl.float32, bitcast=True)
+        b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+        hi = b & -65536
+        sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+        sc = sb.to(tl.float32, bitcast=True)
+        nu = ve - m[:, :, None]
+        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+        qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+        nu = vo - m[:, :, None]
+        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+        qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+        tl.store(v32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
+                 ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
+        tl.store(base + VQ + ((rpos * H + h) * HD)[:, None, None] + col,
+                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
+        if SPLIT:          # keys loaded once the values are stored
+            wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
+        if DT == 0:
+            ke = (wk << 16).to(tl.float32, bitcast=True)
+            ko = (wk & -65536).to(tl.float32, bitcast=True)
+        elif DT == 1:
+            ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        fin = (tl.abs(ke) < _INF) & (tl.abs(ko) < _INF)
+        nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
+        tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
+        tl.store(flags + n_shards, 0, mask=nonfinite > 0)  # any bad
+        if SPARSE:
+            tl.store(ex + ((epos * 2 * H + h) * HD)[:, None, None] + col, wk, mask=em)
+        # ---- keys
+        if CHANNEL:     # per channel over the (kept) tokens: [groups, G / 2] for each half
+            if JOIN:    # the four reductions as one (min = -max(-x)): one exchange across warps
+                red = tl.max(tl.join(tl.join(tl.where(km3, -ke, -_INF), tl.where(km3, ke, -_INF)),
+                                     tl.join(tl.where(km3, -ko, -_INF), tl.where(km3, ko, -_INF))),
+                             axis=0)
+                e2, o2 = tl.split(red)
+                mne, mxe = tl.split(e2)
+                mno, mxo = tl.split(o2)
+                mne = -mne
+                mno = -mno
+            else:
+                mne = tl.min(tl.where(km3, ke, _INF), axis=0)
+                mxe = tl.max(tl.where(km3, ke, -_INF), axis=0)
+                mno = tl.min(tl.where(km3, ko, _INF), axis=0)
+                mxo = tl.max(tl.where(km3, ko, -_INF), axis=0)
+            b = mne.to(tl.int32, bitcast=True)
+            hi = b & -65536
+            mbe = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+            b = mno.to(tl.int32, bitcast=True)
+            hi = b & -65536
+            mbo = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+            me = mbe.to(tl.float32, bitcast=True)
+            mo = mbo.to(tl.float32, bitcast=True)
+            b = tl.math.div_rn(mxe - me, 15.0).to(tl.int32, bitcast=True)
+            hi = b & -65536
+            sbe = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+            b = tl.math.div_rn(mxo - mo, 15.0).to(tl.int32, bitcast=True)
+            hi = b & -65536
+            sbo = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+            se = sbe.to(tl.float32, bitcast=True)
+            so = sbo.to(tl.float32, bitcast=True)
+            nu = ke - me[None, :, :]
+            den = tl.where(se == 0, 1.0, se)[None, :, :]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+            qe = tl.where(se[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            nu = ko - mo[None, :, :]
+            den = tl.where(so == 0, 1.0, so)[None, :, :]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+            qo = tl.where(so[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
+            pw = p32 + h * D + 2 * ((gi * GH)[:, None] + j[None, :])
+            pm = gm[:, None] & (j < GH)[None, :] & ((j * 0 + blk) >= 0)[None, :]
+            tl.store(pw, ((mbe >> 16) & 0xFFFF) | (sbe & -65536), mask=pm)
+            tl.store(pw + 1, ((mbo >> 16) & 0xFFFF) | (sbo & -65536), mask=pm)
+        else:           # per token, groups of G channels
+            mn = tl.minimum(tl.min(tl.where(km3, ke, _INF), axis=2), tl.min(tl.where(km3, ko, _INF), axis=2))
+            mx = tl.maximum(tl.max(tl.where(km3, ke, -_INF), axis=2), tl.max(tl.where(km3, ko, -_INF), axis=2))
+            b = mn.to(tl.int32, bitcast=True)
+            hi = b & -65536
+            mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+            m = mb.to(tl.float32, bitcast=True)
+            b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+            hi = b & -65536
+            sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+            sc = sb.to(tl.float32, bitcast=True)
+            nu = ke - m[:, :, None]
+            den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+            qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            nu = ko - m[:, :, None]
+            den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+            qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            tl.store(p32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
+                     ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
+        tl.store(base + KQ + ((rpos * H + h) * HD)[:, None, None] + col,
+                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
+
+
+def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch,
+                 T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                 DP: tl.constexpr, G: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
+                 KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
+                 BITMAP: tl.constexpr, EXACT: tl.constexpr, CHANNEL: tl.constexpr,
+                 SPARSE: tl.constexpr, HPP: tl.constexpr, INDEXED: tl.constexpr,
+                 ALIGN: tl.constexpr, BF16: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    hc = tl.program_id(1)
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i)
+    else:
+        blk = i
+    V: tl.constexpr = 2 * T * H
+    NG: tl.constexpr = DP // G
+    NGR: tl.constexpr = D // G
+    HD: tl.constexpr = D // 2
+    t = tl.arange(0, TP)
+    d = tl.arange(0, DP)
+    dm = d < D
+    tm = (t < T) & ((t * 0 + blk) >= 0)
+    dlive = dm & ((d * 0 + blk) >= 0)
+    base = enc + i * enc_pitch + k * E
+    tab = k * V
+    if SPARSE:
+        byte = tl.load(base + BITMAP + t // 8, mask=tm, other=0).to(tl.int32)
+        sel = (((byte >> (t % 8)) & 1) != 0) & tm
+        epos = tl.sum(((t[None, :] < t[:, None]) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
+        rpos = t - epos
+    else:
+        sel = t < 0
+        epos = t * 0
+        rpos = t
+    keep = tm & (sel.to(tl.int32) == 0)
+    j2 = tl.arange(0, DP // 2)
+    gi = tl.arange(0, NG)
+    qm = keep[:, None] & (j2 < HD)[None, :]
+    m2 = tm[:, None] & dm[None, :]
+    for hh in range(HPP):
+        h = hc * HPP + hh
+        vk = t * H + h
+        vv = (T + t) * H + h
+        # ---- keys
+        pk = tl.load(base + KQ + ((rpos * H + h) * HD)[:, None] + j2[None, :], mask=qm,
+                     other=0).to(tl.int32)
+        qk = tl.reshape(tl.join(pk & 15, pk >> 4), [TP, DP]).to(tl.float32)
+        if CHANNEL:
+            pb = base + KP + (h * D + d) * 4
+            pm = dlive
+            mb = tl.load(pb, mask=pm, other=0).to(tl.int32) | (tl.load(pb + 1, mask=pm, other=0).to(tl.int32) << 8)
+            sb = tl.load(pb + 2, mask=pm, other=0).to(tl.int32) | (tl.load(pb + 3, mask=pm, other=0).to(tl.int32) << 8)
+            m = (mb << 16).to(tl.float32, bitcast=True)
+            sc = (sb << 16).to(tl.float32, bitcast=True)
+            xk = qk * sc[None, :] + m[None, :]
+        else:
+            pb = base + KP + ((rpos * H + h) * NGR)[:, None] * 4 + gi[None, :] * 4
+            pm = keep[:, None] & (gi < NGR)[None, :]
+            mb = tl.load(pb, mask=pm, other=0).to(tl.int32) | (tl.load(pb + 1, mask=pm, other=0).to(tl.int32) << 8)
+            sb = tl.load(pb + 2, mask=pm, other=0).to(tl.int32) | (tl.load(pb + 3, mask=pm, other=0).to(tl.int32) << 8)
+            m = (mb << 16).to(tl.float32, bitcast=True)
+            sc = (sb << 16).to(tl.float32, bitcast=True)
+            xk = tl.reshape(tl.reshape(qk, [TP, NG, G]) * sc[:, :, None] + m[:, :, None], [TP, DP])
+        # ---- values
+        pv = tl.load(base + VQ + ((rpos * H + h) * HD)[:, None] + j2[None, :], mask=qm,
+                     other=0).to(tl.int32)
+        qv = tl.reshape(tl.join(pv & 15, pv >> 4), [TP, DP]).to(tl.float32)
+        pb = base + VP + ((rpos * H + h) * NGR)[:, None] * 4 + gi[None, :] * 4
+        pm = keep[:, None] & (gi < NGR)[None, :]
+        mb = tl.load(pb, mask=pm, other=0).to(tl.int32) | (tl.load(pb + 1, mask=pm, other=0).to(tl.int32) << 8)
+        sb = tl.load(pb + 2, mask=pm, other=0).to(tl.int32) | (tl.load(pb + 3, mask=pm, other=0).to(tl.int32) << 8)
+        m = (mb << 16).to(tl.float32, bitcast=True)
+        sc = (sb << 16).to(tl.float32, bitcast=True)
+        xv = tl.reshape(tl.reshape(qv, [TP, NG, G]) * sc[:, :, None] + m[:, :, None], [TP, DP])
+        if BF16:
+            _b = xk.to(tl.int32, bitcast=True)
+            outk = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)   # RNE
+            _b = xv.to(tl.int32, bitcast=True)
+            outv = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            outk = xk.to(raw.dtype.element_ty)
+            outv = xv.to(raw.dtype.element_ty)
+        if SPARSE:
+            em = (sel & tm)[:, None] & dm[None, :]
+            ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+            ek = tl.load(ex + (((epos * 2) * H + h) * D)[:, None] + d[None, :], mask=em, other=0.0)
+            ev = tl.load(ex + (((epos * 2 + 1) * H + h) * D)[:, None] + d[None, :], mask=em, other=0.0)
+            outk = tl.where(em, ek, outk)
+            outv = tl.where(em, ev, outv)
+        ok = tl.multiple_of(tl.load(voff + tab + vk, mask=tm, other=0), ALIGN)
+        sk = tl.multiple_of(tl.load(vstride + tab + vk, mask=tm, other=0), ALIGN)
+        ov = tl.multiple_of(tl.load(voff + tab + vv, mask=tm, other=0), ALIGN)
+        sv = tl.multiple_of(tl.load(vstride + tab + vv, mask=tm, other=0), ALIGN)
+        tl.store(raw + (ok + blk * sk)[:, None] + d[None, :], outk, mask=m2)
+        tl.store(raw + (ov + blk * sv)[:, None] + d[None, :], outv, mask=m2)
+
+
+_jitted: dict = {}
+
+
+def jit(fn):
+    """``triton.jit(fn)`` made on first use, per mode (``TRITON_INTERPRET`` is read by
+    ``triton.jit`` when it decorates)."""
+    key = (fn.__name__, interpreting())
+    k = _jitted.get(key)
+    if k is None:
+        k = _jitted[key] = triton.jit(fn)
+    return k
+
+
