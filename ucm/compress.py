@@ -127,6 +127,8 @@ def on_cuda(*args, **kwargs):
 OPS = ("encode", "decode")
 IMPLEMENTATIONS = (
     ImplSpec("reference", "ucm.reference.compress:{op}"),
+    ImplSpec("triton", "ucm.fast.triton.compress:{op}", 20, frozenset({"cuda", "cpu"}),
+             fast.triton_status, on_cuda),
 )
 dispatch.register_table(OPS, IMPLEMENTATIONS)
 
