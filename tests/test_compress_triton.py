@@ -192,11 +192,23 @@ LAUNCHES = [dict(int8_vectors=8, int8_warps=2), dict(int4_heads=2, int4_channel_
             dict(int4_split_kv=True), dict(int4_split_kv=False)]
 
 
-@pytest.mark.parametrize("changes", LAUNCHES, ids=["int8-small", "heads2-join", "heads3", "split",
-                                                   "nosplit"])
-@pytest.mark.parametrize("name", ["int8", "int4-ch32", "int4-tok64", "sparse-ch32"])
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
-                         + (["cuda"] if HAS_CUDA else []))
+def _launch_params():
+    """Every launch variant with every codec on CUDA; interpreted (CI's CPU run), each variant
+    with the codecs whose kernels it changes (INT8 tiles with INT8; the INT4 variants with
+    per-channel INT4 and sparse)."""
+    ids = ["int8-small", "heads2-join", "heads3", "split", "nosplit"]
+    out = []
+    for changes, cid in zip(LAUNCHES, ids):
+        for name in ["int8", "int4-ch32", "int4-tok64", "sparse-ch32"]:
+            if HAS_CUDA:
+                out.append(pytest.param("cuda", name, changes, id=f"cuda-{name}-{cid}"))
+            if (name == "int8") == ("int8_vectors" in changes) and name != "int4-tok64":
+                out.append(pytest.param("cpu", name, changes, id=f"cpu-{name}-{cid}",
+                                        marks=pytest.mark.triton_interpreter))
+    return out
+
+
+@pytest.mark.parametrize("device,name,changes", _launch_params())
 def test_launch_variants(triton_on, device, name, changes):
     """Other launch constants (several heads per program, the joined channel reduction, small
     INT8 tiles) give the same bytes."""
@@ -252,12 +264,16 @@ FUSED_LAYOUTS = {"fa": "kthd", "fa_packed": "kthd", "flashinfer": "kthd", "cpu_B
                  "padded": "kthd", "heads_slice": "kthd", "vllm_LHBNC": "htkd",
                  "vllm_BLNHC": "thkd"}
 FUSED_SPECS = ["int8", "int4-ch32", "int4-tok64", "sparse-ch32"]
+# under the interpreter (CI's CPU run, ~2-4 s a case) a subset with each kind of run structure:
+# one run per block, one per head (head-outer), one per token (token-outer) and padded rows;
+# every layout runs natively on CUDA
+INTERPRETED_LAYOUTS = ["fa", "cpu_BHN2D", "vllm_BLNHC", "padded"]
 
 
 def _fused_params():
     out = []
     small = dict(B=6, N=8, H=2, D=64, L=2)
-    for lay in FUSED_LAYOUTS:
+    for lay in INTERPRETED_LAYOUTS:
         out.append(pytest.param("cpu", lay, small, id=f"cpu-{lay}", marks=pytest.mark.triton_interpreter))
     if HAS_CUDA:
         large = dict(B=12, N=16, H=8, D=128, L=3)
