@@ -86,9 +86,12 @@ def dequant8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def quant4(x: torch.Tensor, dim: int):
     """Asymmetric INT4 over ``dim``: (uint8 q in [0, 15], min, scale), min/scale float32
-    holding bfloat16 values, reduced over ``dim`` (kept as size 1)."""
-    m = bf16_down(x.amin(dim=dim, keepdim=True))
-    s = bf16_up((x.amax(dim=dim, keepdim=True) - m) / 15.0)
+    holding bfloat16 values, reduced over ``dim`` (kept as size 1). A zero extreme counts as +0
+    (``+ 0.0``): the min / max of -0 and +0 is either, and which one a reduction returns
+    depends on its order (torch's on the positions of the zeros), which the stored bits must
+    not."""
+    m = bf16_down(x.amin(dim=dim, keepdim=True) + 0.0)
+    s = bf16_up((x.amax(dim=dim, keepdim=True) + 0.0 - m) / 15.0)
     q = torch.where(s > 0, torch.round((x - m) / s).clamp(0, 15), torch.zeros_like(x))
     return q.to(torch.uint8), m, s
 
