@@ -551,18 +551,18 @@ def test_numba_conversions():
     pytest.importorskip("numba")
     from numba import njit
 
-    cx = pytest.importorskip("ucm.fast.numba.compress")
+    cx = pytest.importorskip("ucm.fast.numba._elements")
 
     @njit
     def down(x, f16, bf16):
         for i in range(x.shape[0]):
-            f16[i] = cx._to_f16(x[i])
-            bf16[i] = cx._to_bf16(x[i])
+            f16[i] = cx.to_f16(x[i])
+            bf16[i] = cx.to_bf16(x[i])
 
     @njit
     def up(h, out):
         for i in range(h.shape[0]):
-            out[i] = cx._from_f16(np.int64(h[i]))
+            out[i] = cx.f16_to_f32(h[i])
     lows = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x7FFF, 0x8000, 0x8001, 0xFFFF],
                     np.uint32)
     bits = (np.arange(1 << 16, dtype=np.uint32)[:, None] << 16 | lows).ravel()
