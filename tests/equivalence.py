@@ -160,6 +160,16 @@ TOLERANCES = {
     ("paged_decode_attention", "float32"): (2e-5, 2e-5),
     ("paged_decode_attention", "float16"): (2e-3, 2e-3),
     ("paged_decode_attention", "bfloat16"): (1.6e-2, 1.6e-2),
+    # KV codecs: the integer formats byte for byte (payloads, scales, padding, decoded
+    # elements) and the ok flags; the learned codec's coefficients (bfloat16 of float32 dot
+    # products over head_dim summed in another order) and decoded values (float32 sums over the
+    # rank, rounded to the cache's type): one rounding step of the output's type, plus the
+    # float32 error of the sums near zero (inputs of magnitude ~1 to 10)
+    ("encode", "uint8"): EXACT, ("encode", "bool"): EXACT, ("decode", "uint8"): EXACT,
+    ("encode", "bfloat16"): (1e-4, BF16_STEP),
+    ("decode", "float32"): (2e-5, 1e-5),
+    ("decode", "bfloat16"): (2e-5, BF16_STEP),
+    ("decode", "float16"): (2e-5, 2.0 ** -10),
 }
 
 

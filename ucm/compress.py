@@ -14,7 +14,8 @@ Codecs (:class:`CodecSpec`):
   ``s = bf16_up(max|x| / 127)``, ``q = clamp(rint(x / s), -127, 127)``, ``x' = q * s``.
 * ``quantize``, ``bits=4``: asymmetric INT4, two values per byte (low nibble first):
   ``m = bf16_down(min)``, ``s = bf16_up((max - m) / 15)``, ``q = clamp(rint((x - m) / s), 0, 15)``,
-  ``x' = q * s + m``. Values: groups of ``group`` channels per (token, head). Keys: per channel
+  ``x' = q * s + m`` (a zero min or max counts as +0, whatever the sign of the zeros). Values:
+  groups of ``group`` channels per (token, head). Keys: per channel
   over the block's tokens as KIVI does (``key_mode="channel"``, the default: a few channels of
   the keys carry outliers across all tokens) or like the values (``key_mode="token"``).
 * ``sparse``: the ``ceil(salient * T)`` tokens whose keys have the largest magnitude
@@ -127,6 +128,8 @@ def on_cuda(*args, **kwargs):
 OPS = ("encode", "decode")
 IMPLEMENTATIONS = (
     ImplSpec("reference", "ucm.reference.compress:{op}"),
+    ImplSpec("numba", "ucm.fast.numba.compress:{op}", 10, frozenset({"cpu", "cuda"}),
+             fast.numba_status, on_cpu),
     ImplSpec("triton", "ucm.fast.triton.compress:{op}", 20, frozenset({"cuda", "cpu"}),
              fast.triton_status, on_cuda),
 )

@@ -14,10 +14,17 @@ _TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # ---------------------------------------------------------------------------------------------
 # layout helpers
 
+def _elements(b: torch.Tensor, dtype) -> torch.Tensor:
+    """uint8 bytes (any strides, any start) as elements of ``dtype``: a contiguous copy at
+    offset 0 (``contiguous()`` keeps rows that are already contiguous where they are, whose start
+    need not be a multiple of the element size: ``view`` refuses those)."""
+    return b.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
 def to_canonical(rows: torch.Tensor, shape: KVShape) -> torch.Tensor:
     """uint8 ``[n, raw_bytes]`` -> float32 ``[n, 2, T, H, D]``."""
     sizes = shape.sizes()
-    x = rows.contiguous().view(_TORCH[shape.dtype]).reshape([rows.shape[0]] + [sizes[c] for c in shape.order])
+    x = _elements(rows, _TORCH[shape.dtype]).reshape([rows.shape[0]] + [sizes[c] for c in shape.order])
     perm = [0] + [1 + shape.order.index(c) for c in "kthd"]
     return x.permute(perm).float()
 
@@ -60,7 +67,7 @@ def _segment(rows: torch.Tensor, spec: CodecSpec, shape: KVShape, name: str) -> 
     at, dt, shp = offsets(spec, shape)[name]
     size = int(np.prod(shp)) * torch.tensor([], dtype=_TORCH[dt]).element_size()
     seg = rows[:, at:at + size]
-    return seg.contiguous().view(_TORCH[dt]).reshape((rows.shape[0],) + tuple(shp))
+    return _elements(seg, _TORCH[dt]).reshape((rows.shape[0],) + tuple(shp))
 
 
 def _put(dst: torch.Tensor, spec: CodecSpec, shape: KVShape, name: str, value: torch.Tensor) -> None:
@@ -93,9 +100,12 @@ def dequant8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def quant4(x: torch.Tensor, dim: int):
     """Asymmetric INT4 over ``dim``: (uint8 q in [0, 15], min, scale), min/scale float32
-    holding bfloat16 values, reduced over ``dim`` (kept as size 1)."""
-    m = bf16_down(x.amin(dim=dim, keepdim=True))
-    s = bf16_up(_div(x.amax(dim=dim, keepdim=True) - m, 15.0))
+    holding bfloat16 values, reduced over ``dim`` (kept as size 1). A zero extreme counts as +0
+    (``+ 0.0``): the min / max of -0 and +0 is either, and which one a reduction returns
+    depends on its order (torch's on the positions of the zeros), which the stored bits must
+    not."""
+    m = bf16_down(x.amin(dim=dim, keepdim=True) + 0.0)
+    s = bf16_up(_div(x.amax(dim=dim, keepdim=True) + 0.0 - m, 15.0))
     q = torch.where(s > 0, torch.round((x - m) / s).clamp(0, 15), torch.zeros_like(x))
     return q.to(torch.uint8), m, s
 

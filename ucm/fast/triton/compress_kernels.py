@@ -250,6 +250,7 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_
         # ---- values: per token, groups of G channels
         mn = tl.minimum(tl.min(tl.where(km3, ve, _INF), axis=2), tl.min(tl.where(km3, vo, _INF), axis=2))
         mx = tl.maximum(tl.max(tl.where(km3, ve, -_INF), axis=2), tl.max(tl.where(km3, vo, -_INF), axis=2))
+        mn, mx = mn + 0.0, mx + 0.0  # a zero extreme counts as +0 (the reference's rule)
         b = mn.to(tl.int32, bitcast=True)
         hi = b & -65536
         mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
@@ -303,6 +304,7 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_
                 mxe = tl.max(tl.where(km3, ke, -_INF), axis=0)
                 mno = tl.min(tl.where(km3, ko, _INF), axis=0)
                 mxo = tl.max(tl.where(km3, ko, -_INF), axis=0)
+            mne, mxe, mno, mxo = mne + 0.0, mxe + 0.0, mno + 0.0, mxo + 0.0  # zero extremes: +0
             b = mne.to(tl.int32, bitcast=True)
             hi = b & -65536
             mbe = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
@@ -335,6 +337,7 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_
         else:           # per token, groups of G channels
             mn = tl.minimum(tl.min(tl.where(km3, ke, _INF), axis=2), tl.min(tl.where(km3, ko, _INF), axis=2))
             mx = tl.maximum(tl.max(tl.where(km3, ke, -_INF), axis=2), tl.max(tl.where(km3, ko, -_INF), axis=2))
+            mn, mx = mn + 0.0, mx + 0.0  # a zero extreme counts as +0 (the reference's rule)
             b = mn.to(tl.int32, bitcast=True)
             hi = b & -65536
             mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)

@@ -1,0 +1,627 @@
+"""Numba KV codecs: the same contract and bytes as :mod:`ucm.reference.compress` (the rules are
+in :mod:`ucm.compress`, the layout in :mod:`ucm.codecs`), one jitted call per batch (``nogil``).
+
+How it works:
+
+* The rows are read and written in place through flat numpy views of the tensors (one 1-D array
+  over all rows, a row stride in elements): raw rows as their element bits (``uint16``
+  bfloat16, ``int16`` float16, ``uint32`` float32: the array's type picks the conversions at
+  compile time), encoded rows as bytes. A raw tensor whose start or row stride is not a multiple
+  of its element size goes through an aligned copy.
+* Work goes one ``(kv, head)`` plane of ``T x D`` elements at a time, element offsets from the
+  strides of ``shape.order`` (no permuted copy; a plane of ``"hktd"`` is contiguous): the plane is
+  converted once to a float32 scratch buffer, then scales, quantization and packing read that.
+* Every conversion is integer bit arithmetic (:mod:`ucm.fast.numba._elements`): bfloat16 ->
+  float32 is ``bits << 16``; float16 -> float32 exact; float32 -> float16 / bfloat16 round to
+  nearest even, as ``Tensor.to`` does. The arithmetic is float32 as in the reference (``/``
+  correctly rounded, ``np.rint`` half to even; minima and maxima over integer keys of the
+  floats, which vectorize), so integer payloads, scales and decoded bytes are bit-identical;
+  the learned codec's dot products sum in another order (within tolerance).
+* A row with a NaN or an infinity is encoded again as zeros (the reference zeroes it too), so
+  even its bytes match; ``ok`` is False for it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ucm.codecs import CodecSpec, KVShape, n_salient, offsets, rank
+from ucm.fast.numba._elements import (bf16_down, bf16_to_f32, bf16_up, f2i, hi4, i2f, inf_mag,
+                                      key, ld, lo4, mag, mag32, st, to_bf16, unkey)
+from ucm.fast.numba._jit import njit
+
+# element bits of each cache dtype as the kernels see them (the type picks the conversions)
+_BITS = {"bfloat16": np.uint16, "float16": np.int16, "float32": np.uint32}
+
+_ESIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+
+_F0 = np.float32(0.0)
+_F15 = np.float32(15.0)
+_F127 = np.float32(127.0)
+_FM127 = np.float32(-127.0)
+_INF = np.float32(np.inf)
+_NINF = np.float32(-np.inf)
+
+
+# bytes of the encoded rows (little endian)
+
+@njit
+def _put16(out, at, v):
+    out[at] = np.uint8(v & 0xFF)
+    out[at + 1] = np.uint8((v >> 8) & 0xFF)
+
+
+@njit
+def _get16(buf, at):
+    return np.int64(buf[at]) | (np.int64(buf[at + 1]) << 8)
+
+
+@njit
+def _put_bf16(out, at, f):
+    """A float32 that holds a bfloat16 value exactly (a scale, a minimum): its top 16 bits."""
+    _put16(out, at, f2i(f) >> 16)
+
+
+@njit
+def _get_bf16(buf, at):
+    return i2f(_get16(buf, at) << 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# planes: load (to float32), quantize, dequantize. Inner loops index slices with the loop
+# variable (an index LLVM cannot prove non-negative keeps numba's wraparound select per element,
+# which stops vectorization: 5x slower)
+
+@njit
+def _load_plane(x, base, tok, nt, s_t, d_n, buf, zero):
+    """Tokens ``tok[:nt]`` of one (kv, head) plane (token ``t`` at ``base + t * s_t``) into
+    ``buf[nt, D]`` as float32; zeros when ``zero``. Returns whether a value was NaN or inf."""
+    if zero:
+        buf[:nt * d_n] = _F0
+        return False
+    worst = np.int32(0)
+    for j in range(nt):
+        o = base + tok[j] * s_t
+        xv = x[o:o + d_n]
+        bv = buf[j * d_n:(j + 1) * d_n]
+        for d in range(d_n):
+            worst = max(worst, mag(xv, d))
+            bv[d] = ld(xv, d)
+    return worst >= inf_mag(x)
+
+
+@njit
+def _enc8_plane(buf, nt, d_n, out, q_at, q_ts, s_at, s_ts):
+    """INT8 of each token's vector: q at ``q_at + t * q_ts``, its scale at ``s_at + t * s_ts``."""
+    for t in range(nt):
+        bv = buf[t * d_n:(t + 1) * d_n]
+        amax = np.int32(0)                                 # max |x| as magnitude bits
+        for d in range(d_n):
+            amax = max(amax, mag32(bv[d]))
+        s = bf16_up(i2f(amax) / _F127)
+        _put_bf16(out, s_at + t * s_ts, s)
+        ov = out[q_at + t * q_ts:q_at + t * q_ts + d_n]
+        if s > _F0:
+            for d in range(d_n):
+                r = min(max(np.rint(bv[d] / s), _FM127), _F127)
+                ov[d] = np.uint8(np.int32(r))
+        else:
+            ov[:] = 0
+
+
+@njit
+def _quant4(v, m, s):
+    if s > _F0:
+        return np.uint8(np.int32(min(max(np.rint((v - m) / s), _F0), _F15)))
+    return np.uint8(0)
+
+
+@njit
+def _pack(qb, out, o, d_n):
+    ov = out[o:o + d_n // 2]
+    for j in range(d_n // 2):
+        ov[j] = qb[2 * j] | (qb[2 * j + 1] << np.uint8(4))
+
+
+@njit
+def _enc4_plane(buf, nt, d_n, g, chan, out, q_at, q_ts, p_at, p_ts, lo, hi, qb):
+    """INT4 of a plane's ``nt`` tokens: packed q at ``q_at + t * q_ts``; (min, scale) per channel
+    at ``p_at + 4 d`` (``chan``: over the tokens) or per token and group at
+    ``p_at + t * p_ts + 4 group``. ``lo``, ``hi``: float32 [D] scratch; ``qb``: uint8 [D]."""
+    if chan:
+        lo[:] = _INF
+        hi[:] = _NINF
+        for t in range(nt):
+            bv = buf[t * d_n:(t + 1) * d_n]
+            for d in range(d_n):
+                lo[d] = min(lo[d], bv[d])
+                hi[d] = max(hi[d], bv[d])
+        for d in range(d_n):
+            m = bf16_down(lo[d] + _F0)                    # + 0: a zero extreme is +0
+            s = bf16_up((hi[d] + _F0 - m) / _F15)
+            lo[d] = m
+            hi[d] = s
+            _put_bf16(out, p_at + 4 * d, m)
+            _put_bf16(out, p_at + 4 * d + 2, s)
+        for t in range(nt):
+            bv = buf[t * d_n:(t + 1) * d_n]
+            for d in range(d_n):
+                qb[d] = _quant4(bv[d], lo[d], hi[d])
+            _pack(qb, out, q_at + t * q_ts, d_n)
+        return
+    for t in range(nt):
+        for k in range(d_n // g):
+            bv = buf[t * d_n + k * g:t * d_n + (k + 1) * g]
+            qv = qb[k * g:(k + 1) * g]
+            mn = np.int32(0x7FFFFFFF)
+            mx = np.int32(-0x7FFFFFFF)
+            for d in range(g):
+                kd = key(bv[d])
+                mn = min(mn, kd)
+                mx = max(mx, kd)
+            m = bf16_down(unkey(mn))
+            s = bf16_up((unkey(mx) - m) / _F15)
+            at = p_at + t * p_ts + 4 * k
+            _put_bf16(out, at, m)
+            _put_bf16(out, at + 2, s)
+            for d in range(g):
+                qv[d] = _quant4(bv[d], m, s)
+        _pack(qb, out, q_at + t * q_ts, d_n)
+
+
+@njit
+def _unpack(src, o, d_n, qf):
+    """Packed nibbles -> float32 ``qf[D]``."""
+    sv = src[o:o + d_n // 2]
+    for j in range(d_n // 2):
+        qf[2 * j] = lo4(sv[j])
+        qf[2 * j + 1] = hi4(sv[j])
+
+
+@njit
+def _dec4_plane(src, nt, d_n, g, chan, y, base, tok, s_t, q_at, q_ts, p_at, p_ts, lo, hi, qb):
+    """Inverse of :func:`_enc4_plane`: token ``j`` of the plane to ``y[base + tok[j] * s_t:]``."""
+    if chan:
+        for d in range(d_n):
+            lo[d] = _get_bf16(src, p_at + 4 * d)
+            hi[d] = _get_bf16(src, p_at + 4 * d + 2)
+        for j in range(nt):
+            _unpack(src, q_at + j * q_ts, d_n, qb)
+            o = base + tok[j] * s_t
+            yv = y[o:o + d_n]
+            for d in range(d_n):
+                st(yv, d, qb[d] * hi[d] + lo[d])
+        return
+    for j in range(nt):
+        _unpack(src, q_at + j * q_ts, d_n, qb)
+        o = base + tok[j] * s_t
+        for k in range(d_n // g):
+            at = p_at + j * p_ts + 4 * k
+            m = _get_bf16(src, at)
+            s = _get_bf16(src, at + 2)
+            yv = y[o + k * g:o + (k + 1) * g]
+            qv = qb[k * g:(k + 1) * g]
+            for d in range(g):
+                st(yv, d, qv[d] * s + m)
+
+
+@njit
+def _zero_pads(out, oo, pads):
+    for k in range(pads.shape[0]):
+        out[oo + pads[k, 0]:oo + pads[k, 1]] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels: one call per batch. ``geo`` = [T, H, D, stride of k, of t, of h] (elements);
+# ``x`` / ``y`` the raw rows' elements (row stride ``rs``), ``out`` / ``src`` the encoded rows'
+# bytes (row stride ``ro``). An encoder's row function returns whether the row held a NaN or an
+# infinity (it may then stop early); the row is then encoded again as zeros.
+
+@njit
+def _row_q8(x, xo, geo, out, oo, q_off, s_off, buf, tok, zero):
+    t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    for kv in range(2):
+        for h in range(h_n):
+            if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero):
+                return True
+            v = (kv * t_n) * h_n + h
+            _enc8_plane(buf, t_n, d_n, out, oo + q_off + v * d_n, h_n * d_n,
+                        oo + s_off + 2 * v, 2 * h_n)
+    return False
+
+
+@njit(nogil=True)
+def _encode_q8(x, rs, geo, out, ro, q_off, s_off, pads, ok, buf, tok):
+    for i in range(ok.shape[0]):
+        bad = _row_q8(x, i * rs, geo, out, i * ro, q_off, s_off, buf, tok, False)
+        if bad:
+            _row_q8(x, i * rs, geo, out, i * ro, q_off, s_off, buf, tok, True)
+        _zero_pads(out, i * ro, pads)
+        ok[i] = not bad
+
+
+@njit
+def _planes4(x, xo, geo, g, chan, nt, out, oo, offs, buf, tok, lo, hi, qb, zero):
+    """INT4 of tokens ``tok[:nt]`` of every plane (keys then values)."""
+    h_n, d_n, s_k, s_t, s_h = geo[1], geo[2], geo[3], geo[4], geo[5]
+    half = d_n // 2
+    ng = d_n // g
+    for kv in range(2):
+        for h in range(h_n):
+            if _load_plane(x, xo + kv * s_k + h * s_h, tok, nt, s_t, d_n, buf, zero):
+                return True
+            c = chan and kv == 0
+            p_at = oo + offs[2 + kv] + (4 * h * d_n if c else 4 * h * ng)
+            _enc4_plane(buf, nt, d_n, g, c, out, oo + offs[kv] + h * half, h_n * half,
+                        p_at, 4 * h_n * ng, lo, hi, qb)
+    return False
+
+
+@njit(nogil=True)
+def _encode_q4(x, rs, geo, g, chan, out, ro, offs, pads, ok, buf, tok, lo, hi, qb):
+    """``offs`` = [kq, vq, kp, vp] byte offsets."""
+    t_n = geo[0]
+    for i in range(ok.shape[0]):
+        bad = _planes4(x, i * rs, geo, g, chan, t_n, out, i * ro, offs, buf, tok, lo, hi, qb,
+                       False)
+        if bad:
+            _planes4(x, i * rs, geo, g, chan, t_n, out, i * ro, offs, buf, tok, lo, hi, qb, True)
+        _zero_pads(out, i * ro, pads)
+        ok[i] = not bad
+
+
+@njit
+def _row_sparse(x, xb, xo, geo, g, chan, n_exact, out, oo, offs, buf, tok, lo, hi, qb, keys,
+                order, zero):
+    t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    es = x.itemsize
+    inf_bits = inf_mag(x)
+    # scores: max |K[t]| as magnitude bits (ordered as the values are); ties -> the lower
+    # token: key = score << 32 | (2^32 - 1 - t), all distinct
+    keys[:] = 0
+    if not zero:
+        for h in range(h_n):
+            for t in range(t_n):
+                o = xo + t * s_t + h * s_h
+                xv = x[o:o + d_n]
+                sc = np.int32(keys[t])
+                for d in range(d_n):
+                    sc = max(sc, mag(xv, d))
+                keys[t] = sc
+        worst = np.int64(0)
+        for t in range(t_n):
+            worst = max(worst, keys[t])
+        if worst >= inf_bits:
+            return True
+    for t in range(t_n):
+        keys[t] = (keys[t] << 32) | (0xFFFFFFFF - t)
+        order[t] = keys[t]
+    order.sort()
+    cut = order[t_n - n_exact]                              # the n_exact largest keys
+    bm = out[oo + offs[4]:oo + offs[4] + (t_n + 7) // 8]
+    bm[:] = 0
+    j = 0
+    r = 0
+    for t in range(t_n):
+        if keys[t] < cut:
+            tok[r] = t
+            r += 1
+            continue
+        bm[t // 8] |= np.uint8(1 << (t % 8))
+        for kv in range(2):
+            for h in range(h_n):
+                o = xo + kv * s_k + t * s_t + h * s_h
+                at = oo + offs[5] + (((j * 2 + kv) * h_n + h) * d_n) * es
+                ov = out[at:at + d_n * es]
+                if zero:
+                    ov[:] = 0
+                    continue
+                xv = x[o:o + d_n]
+                worst = np.int32(0)
+                for d in range(d_n):
+                    worst = max(worst, mag(xv, d))
+                if worst >= inf_bits:
+                    return True
+                ov[:] = xb[o * es:(o + d_n) * es]
+        j += 1
+    return _planes4(x, xo, geo, g, chan, t_n - n_exact, out, oo, offs, buf, tok, lo, hi, qb, zero)
+
+
+@njit(nogil=True)
+def _encode_sparse(x, xb, rs, geo, g, chan, n_exact, out, ro, offs, pads, ok, buf, tok, lo, hi,
+                   qb, keys, order):
+    """``xb``: ``x``'s bytes; ``offs`` = [kq, vq, kp, vp, bitmap, exact] byte offsets; ``keys``,
+    ``order``: int64 [T]."""
+    for i in range(ok.shape[0]):
+        bad = _row_sparse(x, xb, i * rs, geo, g, chan, n_exact, out, i * ro, offs, buf, tok, lo,
+                          hi, qb, keys, order, False)
+        if bad:
+            _row_sparse(x, xb, i * rs, geo, g, chan, n_exact, out, i * ro, offs, buf, tok, lo,
+                        hi, qb, keys, order, True)
+        _zero_pads(out, i * ro, pads)
+        ok[i] = not bad
+
+
+@njit
+def _row_learned(x, xo, geo, mean, basis, out, oo, c_off, buf, tok, xt, acc, zero):
+    t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    r_n = basis.shape[3]
+    for kv in range(2):
+        for h in range(h_n):
+            if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero):
+                return True
+            mu = mean[kv, h]
+            bs = basis[kv, h]
+            for t in range(t_n):                           # xt[d, t] = x[t, d] - mean[d]
+                bv = buf[t * d_n:(t + 1) * d_n]
+                for d in range(d_n):
+                    xt[d, t] = bv[d] - mu[d]
+            acc[:, :] = _F0                                # acc[r, t] = sum_d xt[d, t] b[d, r]
+            for d in range(d_n):
+                xd = xt[d]
+                for r in range(r_n):
+                    b = bs[d, r]
+                    ar = acc[r]
+                    for t in range(t_n):
+                        ar[t] += xd[t] * b
+            for t in range(t_n):
+                at = oo + c_off + 2 * (((kv * t_n + t) * h_n + h) * r_n)
+                ov = out[at:at + 2 * r_n]
+                for r in range(r_n):
+                    _put16(ov, 2 * r, to_bf16(acc[r, t]))
+    return False
+
+
+@njit(nogil=True)
+def _encode_learned(x, rs, geo, mean, basis, out, ro, c_off, pads, ok, buf, tok, xt, acc):
+    """``mean`` float32 [2, H, D], ``basis`` float32 [2, H, D, R]; coefficients bfloat16 at
+    ``c_off`` as [2, T, H, R]. Scratch: ``xt`` float32 [D, T], ``acc`` float32 [R, T]."""
+    for i in range(ok.shape[0]):
+        bad = _row_learned(x, i * rs, geo, mean, basis, out, i * ro, c_off, buf, tok, xt, acc,
+                           False)
+        if bad:
+            _row_learned(x, i * rs, geo, mean, basis, out, i * ro, c_off, buf, tok, xt, acc, True)
+        _zero_pads(out, i * ro, pads)
+        ok[i] = not bad
+
+
+@njit(nogil=True)
+def _decode_q8(src, ro, n, y, rs, geo, q_off, s_off):
+    t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    for i in range(n):
+        so = i * ro
+        for kv in range(2):
+            for h in range(h_n):
+                base = i * rs + kv * s_k + h * s_h
+                for t in range(t_n):
+                    v = (kv * t_n + t) * h_n + h
+                    s = _get_bf16(src, so + s_off + 2 * v)
+                    q = so + q_off + v * d_n
+                    qv = src[q:q + d_n]
+                    o = base + t * s_t
+                    yv = y[o:o + d_n]
+                    for d in range(d_n):
+                        st(yv, d, np.float32(np.int8(qv[d])) * s)
+
+
+@njit(nogil=True)
+def _decode_q4(src, ro, n, y, rs, geo, g, chan, offs, tok, lo, hi, qb):
+    t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    half = d_n // 2
+    ng = d_n // g
+    for i in range(n):
+        so = i * ro
+        for kv in range(2):
+            for h in range(h_n):
+                c = chan and kv == 0
+                p_at = so + offs[2 + kv] + (4 * h * d_n if c else 4 * h * ng)
+                _dec4_plane(src, t_n, d_n, g, c, y, i * rs + kv * s_k + h * s_h, tok, s_t,
+                            so + offs[kv] + h * half, h_n * half, p_at, 4 * h_n * ng, lo, hi, qb)
+
+
+@njit(nogil=True)
+def _decode_sparse(src, ro, n, y, yb, rs, geo, g, chan, n_exact, offs, tok, exact, lo, hi, qb):
+    """``yb``: ``y``'s bytes. Returns -1, or the first row whose bitmap does not mark
+    ``n_exact`` tokens."""
+    t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    half = d_n // 2
+    ng = d_n // g
+    es = y.itemsize
+    n_rest = t_n - n_exact
+    for i in range(n):
+        so = i * ro
+        bm = src[so + offs[4]:so + offs[4] + (t_n + 7) // 8]
+        j = 0
+        r = 0
+        for t in range(t_n):
+            if (bm[t // 8] >> (t % 8)) & 1:
+                if j < n_exact:
+                    exact[j] = t
+                j += 1
+            else:
+                if r < n_rest:
+                    tok[r] = t
+                r += 1
+        if j != n_exact:
+            return i
+        for kv in range(2):
+            for h in range(h_n):
+                base = i * rs + kv * s_k + h * s_h
+                for j in range(n_exact):
+                    at = so + offs[5] + (((j * 2 + kv) * h_n + h) * d_n) * es
+                    o = (base + exact[j] * s_t) * es
+                    yb[o:o + d_n * es] = src[at:at + d_n * es]
+                c = chan and kv == 0
+                p_at = so + offs[2 + kv] + (4 * h * d_n if c else 4 * h * ng)
+                _dec4_plane(src, n_rest, d_n, g, c, y, base, tok, s_t,
+                            so + offs[kv] + h * half, h_n * half, p_at, 4 * h_n * ng, lo, hi, qb)
+    return -1
+
+
+@njit(nogil=True)
+def _decode_learned(src, ro, n, y, rs, geo, mean, basis_t, c_off, coef, acc):
+    """``basis_t`` float32 [2, H, R, D] (the basis transposed). Scratch: ``coef`` float32
+    [T, R], ``acc`` float32 [T, D]."""
+    t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    r_n = basis_t.shape[2]
+    for i in range(n):
+        so = i * ro
+        for kv in range(2):
+            for h in range(h_n):
+                base = i * rs + kv * s_k + h * s_h
+                mu = mean[kv, h]
+                bt = basis_t[kv, h]
+                for t in range(t_n):
+                    at = so + c_off + 2 * (((kv * t_n + t) * h_n + h) * r_n)
+                    cv = src[at:at + 2 * r_n]
+                    ct = coef[t]
+                    for r in range(r_n):
+                        ct[r] = bf16_to_f32(_get16(cv, 2 * r))
+                acc[:, :] = _F0                            # acc[t, d] = sum_r coef[t, r] b[r, d]
+                for r in range(r_n):
+                    br = bt[r]
+                    for t in range(t_n):
+                        c = coef[t, r]
+                        at_ = acc[t]
+                        for d in range(d_n):
+                            at_[d] += c * br[d]
+                for t in range(t_n):
+                    o = base + t * s_t
+                    yv = y[o:o + d_n]
+                    a = acc[t]
+                    for d in range(d_n):
+                        st(yv, d, a[d] + mu[d])
+
+
+# ---------------------------------------------------------------------------------------------
+# the ops
+
+def _geometry(shape: KVShape) -> np.ndarray:
+    sizes = shape.sizes()
+    stride, strides = 1, {}
+    for c in reversed(shape.order):
+        strides[c] = stride
+        stride *= sizes[c]
+    return np.array([shape.tokens, shape.heads, shape.head_dim, strides["k"], strides["t"],
+                     strides["h"]], dtype=np.int64)
+
+
+def _flat(t: torch.Tensor, width: int, dtype):
+    """``(1-D array of dtype over every row, row stride in elements)`` sharing ``t``'s memory
+    (uint8 ``[n, width]``, rows of contiguous bytes), or None when ``t``'s start or row stride
+    is not a multiple of the element size."""
+    n = t.shape[0]
+    rs = t.stride(0) if n > 1 else width
+    es = np.dtype(dtype).itemsize
+    if rs % es or t.data_ptr() % es:
+        return None
+    span = (n - 1) * rs + width
+    flat = torch.as_strided(t, (span,), (1,), t.storage_offset()).numpy()
+    return flat.view(dtype), rs // es
+
+
+def _pads(spec: CodecSpec, shape: KVShape) -> np.ndarray:
+    """Byte ranges ``[start, end)`` of an encoded row that no segment covers (zero padding)."""
+    out = []
+    for at, dt, shp in offsets(spec, shape).values():
+        size = math.prod(shp) * _ESIZE[dt]
+        end = -(-size // 8) * 8
+        if end > size:
+            out.append((at + size, at + end))
+    return np.array(out, dtype=np.int64).reshape(-1, 2)
+
+
+def _at(spec, shape, *names) -> np.ndarray:
+    offs = offsets(spec, shape)
+    return np.array([offs[name][0] for name in names], dtype=np.int64)
+
+
+def _projection(spec: CodecSpec, shape: KVShape, layer: int):
+    p = spec.projection
+    r = rank(spec, shape)
+    mean = np.ascontiguousarray(p.means[layer], dtype=np.float32)                 # [2, H, D]
+    basis = np.ascontiguousarray(p.bases[layer][..., :r], dtype=np.float32)      # [2, H, D, R]
+    return mean, basis, r
+
+
+def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
+           layer: int) -> np.ndarray:
+    """Same contract as :func:`ucm.reference.compress.encode` (CPU tensors)."""
+    n = src.shape[0]
+    t_n, d_n = shape.tokens, shape.head_dim
+    bits = _BITS[shape.dtype]
+    raw = _flat(src, shape.raw_bytes, bits)
+    if raw is None:                                    # unaligned elements: an aligned copy
+        aligned = torch.empty((n, shape.raw_bytes), dtype=torch.uint8)
+        aligned.copy_(src)
+        raw = _flat(aligned, shape.raw_bytes, bits)
+    x, rs = raw
+    out, ro = _flat(dst, dst.shape[1], np.uint8)
+    geo = _geometry(shape)
+    pads = _pads(spec, shape)
+    ok = np.empty(n, dtype=bool)
+    buf = np.empty(t_n * d_n, dtype=np.float32)
+    tok = np.arange(t_n, dtype=np.int64)
+    if spec.method == "quantize" and spec.bits == 8:
+        _encode_q8(x, rs, geo, out, ro, *_at(spec, shape, "q", "scale"), pads, ok, buf, tok)
+    elif spec.method == "quantize":
+        lo, hi = np.empty(d_n, np.float32), np.empty(d_n, np.float32)
+        _encode_q4(x, rs, geo, spec.group, spec.key_mode == "channel", out, ro,
+                   _at(spec, shape, "kq", "vq", "kp", "vp"), pads, ok, buf, tok, lo, hi,
+                   np.empty(d_n, np.uint8))
+    elif spec.method == "sparse":
+        lo, hi = np.empty(d_n, np.float32), np.empty(d_n, np.float32)
+        _encode_sparse(x, x.view(np.uint8), rs, geo, spec.group, spec.key_mode == "channel",
+                       n_salient(spec, shape), out, ro,
+                       _at(spec, shape, "kq", "vq", "kp", "vp", "bitmap", "exact"), pads, ok,
+                       buf, np.empty(t_n, np.int64), lo, hi, np.empty(d_n, np.uint8),
+                       np.empty(t_n, np.int64), np.empty(t_n, np.int64))
+    else:
+        mean, basis, r = _projection(spec, shape, layer)
+        _encode_learned(x, rs, geo, mean, basis, out, ro, *_at(spec, shape, "coef"), pads, ok,
+                        buf, tok, np.empty((d_n, t_n), np.float32),
+                        np.empty((r, t_n), np.float32))
+    return ok
+
+
+def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
+           layer: int) -> None:
+    """Same contract as :func:`ucm.reference.compress.decode` (CPU tensors)."""
+    n = src.shape[0]
+    t_n, d_n = shape.tokens, shape.head_dim
+    bits = _BITS[shape.dtype]
+    target = dst
+    raw = _flat(dst, shape.raw_bytes, bits)
+    if raw is None:                                    # unaligned elements: through a copy
+        target = torch.empty((n, shape.raw_bytes), dtype=torch.uint8)
+        raw = _flat(target, shape.raw_bytes, bits)
+    y, rs = raw
+    enc, ro = _flat(src, src.shape[1], np.uint8)
+    geo = _geometry(shape)
+    tok = np.arange(t_n, dtype=np.int64)
+    if spec.method == "quantize" and spec.bits == 8:
+        _decode_q8(enc, ro, n, y, rs, geo, *_at(spec, shape, "q", "scale"))
+    elif spec.method == "quantize":
+        _decode_q4(enc, ro, n, y, rs, geo, spec.group, spec.key_mode == "channel",
+                   _at(spec, shape, "kq", "vq", "kp", "vp"), tok, np.empty(d_n, np.float32),
+                   np.empty(d_n, np.float32), np.empty(d_n, np.float32))
+    elif spec.method == "sparse":
+        c = n_salient(spec, shape)
+        bad = _decode_sparse(enc, ro, n, y, y.view(np.uint8), rs, geo, spec.group,
+                             spec.key_mode == "channel", c,
+                             _at(spec, shape, "kq", "vq", "kp", "vp", "bitmap", "exact"),
+                             np.empty(t_n, np.int64), np.empty(c, np.int64),
+                             np.empty(d_n, np.float32), np.empty(d_n, np.float32),
+                             np.empty(d_n, np.float32))
+        if bad >= 0:
+            raise ValueError(f"decode: row {bad}: its bitmap does not mark {c} exact tokens "
+                             f"(not a sparse shard of this codec)")
+    else:
+        mean, basis, r = _projection(spec, shape, layer)
+        basis_t = np.ascontiguousarray(basis.transpose(0, 1, 3, 2))
+        _decode_learned(enc, ro, n, y, rs, geo, mean, basis_t, *_at(spec, shape, "coef"),
+                        np.empty((t_n, r), np.float32), np.empty((t_n, d_n), np.float32))
+    if target is not dst:
+        dst.copy_(target)
