@@ -24,6 +24,12 @@ numba / reference ratios and the GB/s of raw KV (bytes of the shards before enco
 decoding); it stops with an error, reporting nothing, if any numba output differs from the
 reference's: integer formats byte for byte (the ok rows' encoded bytes, every decoded byte),
 the learned codec within one rounding step (tests/equivalence.py's tolerance).
+
+The numba kernels run on one thread (``nogil``: engines call them from their own threads); the
+reference on torch's threads (``--torch-threads``). Batches of 64 shards stay in the caches, so
+the reference's decode there is fast when the machine is quiet and slows down a lot when other
+processes share its cores (its threads wait for each other); numba's times move much less.
+Compare runs at similar load; ``--torch-threads 1`` compares one core with one core.
 """
 from __future__ import annotations
 
@@ -209,6 +215,8 @@ def test_compress(benchmark, cases, op, method, dtype, provider):
 def run_cpu(args) -> int:
     import numba
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)          # the reference's threads, asked
     shards = [int(s) for s in args.shards.split(",")]
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cores"
     print(f"# KV codec benchmarks on {machine}, {time.strftime('%Y-%m-%d')}: "
@@ -259,7 +267,11 @@ def main(argv=None) -> int:
     c.add_argument("--shards", default=",".join(map(str, SHARDS)),
                    help="batch sizes, comma separated (default %(default)s)")
     c.add_argument("--rounds", type=int, default=7,
-                   help="best of this many rounds, each one call per provider (default %(default)s)")
+                   help="best of this many rounds, each one call per provider "
+                        "(default %(default)s)")
+    c.add_argument("--torch-threads", type=int, default=0,
+                   help="threads of the reference (torch.set_num_threads; default: torch's "
+                        "own choice). numba runs on one thread")
     c.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     return run_cpu(args)

@@ -586,3 +586,26 @@ def test_numba_conversions():
     keep = ~np.isnan(want)
     assert_equivalent("decode", got.view(np.uint32)[keep], want.view(np.uint32)[keep], np.uint8,
                       " float16 -> float32 bits")
+
+
+def test_numba_dot_rows():
+    """The learned codec's small matrix products: every path of dot_rows (groups of eight, four
+    and one vectors of 16 columns, single columns), nothing written outside ``out[oi:oi + m]``."""
+    pytest.importorskip("numba")
+    from numba import njit
+
+    el = pytest.importorskip("ucm.fast.numba._elements")
+
+    @njit
+    def run(out, oi, a, ai, b, bi, k, m):
+        el.dot_rows(out, oi, a, ai, b, bi, k, m)
+    rng = np.random.default_rng(9)
+    for k in (1, 3, 16, 64):
+        for m in (1, 15, 16, 17, 48, 64, 65, 80, 100, 128, 130, 144, 208, 300):
+            a = rng.standard_normal(k + 5).astype(np.float32)
+            b = rng.standard_normal(k * m + 7).astype(np.float32)
+            out = np.full(m + 9, 7.0, np.float32)
+            run(out, 4, a, 2, b, 3, k, m)
+            want = a[2:2 + k].astype(np.float64) @ b[3:3 + k * m].reshape(k, m).astype(np.float64)
+            np.testing.assert_allclose(out[4:4 + m], want, rtol=1e-5, atol=1e-5 * k)
+            assert (out[:4] == 7).all() and (out[4 + m:] == 7).all(), (k, m)

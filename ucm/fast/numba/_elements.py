@@ -301,3 +301,87 @@ def _st_impl(a, i, f):
         def st_f32(a, i, f):
             a[i] = np.uint32(f2i(f))
         return st_f32
+
+
+@intrinsic
+def dot_rows(typingctx, out, oi, a, ai, b, bi, k_n, m_n):
+    """``out[oi + m] = sum_k a[ai + k] * b[bi + k * m_n + m]`` for ``m < m_n`` (float32 arrays, C
+    order): a row vector times a ``k_n x m_n`` matrix, with fused multiply-adds, summed over
+    ``k`` in order. Accumulators of 16 lanes stay in registers over ``k``, eight at a time (eight
+    independent chains of fused multiply-adds keep two units busy), then four, then one, then
+    single lanes for the rest of ``m``: the learned codec's products are too small for numba's
+    own loops, whose set-up costs more than the arithmetic. Indices are not checked."""
+    f32 = types.float32
+    arrays = (out, a, b)
+    if not (all(isinstance(v, types.Array) and v.dtype == f32 and v.layout == "C" for v in arrays)
+            and all(isinstance(v, types.Integer) for v in (oi, ai, bi, k_n, m_n))):
+        return None
+    sig = types.void(out, oi, a, ai, b, bi, k_n, m_n)
+
+    def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
+        bld = builder
+        ft = ir.FloatType()
+        vt = ir.VectorType(ft, 16)
+        intp = context.get_value_type(types.intp)
+
+        def c(v):
+            return ir.Constant(intp, v)
+        op = context.make_array(signature.args[0])(context, bld, args[0]).data
+        ap = context.make_array(signature.args[2])(context, bld, args[2]).data
+        bp = context.make_array(signature.args[4])(context, bld, args[4]).data
+        oi_, ai_, bi_, k_n_, m_n_ = (context.cast(bld, args[j], signature.args[j], types.intp)
+                                     for j in (1, 3, 5, 6, 7))
+        op = bld.gep(op, [oi_], source_etype=ft)
+        ap = bld.gep(ap, [ai_], source_etype=ft)
+        bp = bld.gep(bp, [bi_], source_etype=ft)
+        fma_v = cgutils.get_or_insert_function(bld.module, ir.FunctionType(vt, [vt, vt, vt]),
+                                               "llvm.fma.v16f32")
+        fma_s = cgutils.get_or_insert_function(bld.module, ir.FunctionType(ft, [ft, ft, ft]),
+                                               "llvm.fma.f32")
+        accs = [cgutils.alloca_once(bld, vt) for _ in range(8)]
+        acc_s = cgutils.alloca_once(bld, ft)
+        zero_v = ir.Constant(vt, [0.0] * 16)
+        mask0 = ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
+
+        def splat(x):
+            v = bld.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
+            return bld.shuffle_vector(v, ir.Constant(vt, ir.Undefined), mask0)
+
+        def vptr(p, at):
+            return bld.bitcast(bld.gep(p, [at], source_etype=ft), vt.as_pointer())
+
+        def blocks(start, count, width):
+            """Columns [start + 16 * width * g, ...) for g < count, ``width`` vectors each."""
+            with cgutils.for_range(bld, count) as g:
+                m0 = bld.add(start, bld.mul(g.index, c(16 * width)))
+                for j in range(width):
+                    bld.store(zero_v, accs[j])
+                with cgutils.for_range(bld, k_n_) as k:
+                    av = splat(bld.load(bld.gep(ap, [k.index], source_etype=ft), typ=ft))
+                    row = bld.add(bld.mul(k.index, m_n_), m0)
+                    for j in range(width):
+                        bv = bld.load(vptr(bp, bld.add(row, c(16 * j))), typ=vt, align=4)
+                        bld.store(bld.call(fma_v, [av, bv, bld.load(accs[j], typ=vt)]), accs[j])
+                for j in range(width):
+                    bld.store(bld.load(accs[j], typ=vt), vptr(op, bld.add(m0, c(16 * j))),
+                              align=4)
+        n_vec = bld.ashr(m_n_, c(4))                       # vectors of 16 columns
+        n_8 = bld.ashr(n_vec, c(3))
+        blocks(c(0), n_8, 8)
+        done = bld.shl(n_8, c(3))
+        n_4 = bld.ashr(bld.sub(n_vec, done), c(2))
+        blocks(bld.shl(done, c(4)), n_4, 4)
+        done = bld.add(done, bld.shl(n_4, c(2)))
+        blocks(bld.shl(done, c(4)), bld.sub(n_vec, done), 1)
+        with cgutils.for_range_slice(bld, bld.shl(n_vec, c(4)), m_n_, c(1)) as (m, _):
+            bld.store(ir.Constant(ft, 0.0), acc_s)
+            with cgutils.for_range(bld, k_n_) as k:
+                av = bld.load(bld.gep(ap, [k.index], source_etype=ft), typ=ft)
+                bv = bld.load(bld.gep(bp, [bld.add(bld.mul(k.index, m_n_), m)], source_etype=ft),
+                              typ=ft)
+                bld.store(bld.call(fma_s, [av, bv, bld.load(acc_s, typ=ft)]), acc_s)
+            bld.store(bld.load(acc_s, typ=ft), bld.gep(op, [m], source_etype=ft))
+        return context.get_dummy_value()
+    return sig, codegen

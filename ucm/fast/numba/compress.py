@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from ucm.codecs import CodecSpec, KVShape, n_salient, offsets, rank
-from ucm.fast.numba._elements import (bf16_down, bf16_to_f32, bf16_up, f2i, hi4, i2f, inf_mag,
-                                      key, ld, lo4, mag, mag32, st, to_bf16, unkey)
+from ucm.fast.numba._elements import (bf16_down, bf16_to_f32, bf16_up, dot_rows, f2i, hi4, i2f,
+                                      inf_mag, key, ld, lo4, mag, mag32, st, to_bf16, unkey)
 from ucm.fast.numba._jit import njit
 
 # element bits of each cache dtype as the kernels see them (the type picks the conversions)
@@ -345,27 +345,21 @@ def _encode_sparse(x, xb, rs, geo, g, chan, n_exact, out, ro, offs, pads, ok, bu
 
 
 @njit
-def _row_learned(x, xo, geo, mean, basis, out, oo, c_off, buf, tok, xt, acc, zero):
+def _row_learned(x, xo, geo, mean, basis_t, out, oo, c_off, buf, tok, xt, acc, zero):
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
-    r_n = basis.shape[3]
+    r_n = basis_t.shape[2]
     for kv in range(2):
         for h in range(h_n):
             if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero):
                 return True
             mu = mean[kv, h]
-            bs = basis[kv, h]
+            bs = basis_t[kv, h]
             for t in range(t_n):                           # xt[d, t] = x[t, d] - mean[d]
                 bv = buf[t * d_n:(t + 1) * d_n]
                 for d in range(d_n):
                     xt[d, t] = bv[d] - mu[d]
-            acc[:, :] = _F0                                # acc[r, t] = sum_d xt[d, t] b[d, r]
-            for d in range(d_n):
-                xd = xt[d]
-                for r in range(r_n):
-                    b = bs[d, r]
-                    ar = acc[r]
-                    for t in range(t_n):
-                        ar[t] += xd[t] * b
+            for r in range(r_n):                           # acc[r, t] = sum_d b[r, d] xt[d, t]
+                dot_rows(acc, r * t_n, bs, r * d_n, xt, 0, d_n, t_n)
             for t in range(t_n):
                 at = oo + c_off + 2 * (((kv * t_n + t) * h_n + h) * r_n)
                 ov = out[at:at + 2 * r_n]
@@ -375,14 +369,16 @@ def _row_learned(x, xo, geo, mean, basis, out, oo, c_off, buf, tok, xt, acc, zer
 
 
 @njit(nogil=True)
-def _encode_learned(x, rs, geo, mean, basis, out, ro, c_off, pads, ok, buf, tok, xt, acc):
-    """``mean`` float32 [2, H, D], ``basis`` float32 [2, H, D, R]; coefficients bfloat16 at
-    ``c_off`` as [2, T, H, R]. Scratch: ``xt`` float32 [D, T], ``acc`` float32 [R, T]."""
+def _encode_learned(x, rs, geo, mean, basis_t, out, ro, c_off, pads, ok, buf, tok, xt, acc):
+    """``mean`` float32 [2, H, D], ``basis_t`` float32 [2, H, R, D] (the basis transposed);
+    coefficients bfloat16 at ``c_off`` as [2, T, H, R]. Scratch: ``xt`` float32 [D, T], ``acc``
+    float32 [R, T]."""
     for i in range(ok.shape[0]):
-        bad = _row_learned(x, i * rs, geo, mean, basis, out, i * ro, c_off, buf, tok, xt, acc,
+        bad = _row_learned(x, i * rs, geo, mean, basis_t, out, i * ro, c_off, buf, tok, xt, acc,
                            False)
         if bad:
-            _row_learned(x, i * rs, geo, mean, basis, out, i * ro, c_off, buf, tok, xt, acc, True)
+            _row_learned(x, i * rs, geo, mean, basis_t, out, i * ro, c_off, buf, tok, xt, acc,
+                         True)
         _zero_pads(out, i * ro, pads)
         ok[i] = not bad
 
@@ -479,15 +475,8 @@ def _decode_learned(src, ro, n, y, rs, geo, mean, basis_t, c_off, coef, acc):
                     ct = coef[t]
                     for r in range(r_n):
                         ct[r] = bf16_to_f32(_get16(cv, 2 * r))
-                acc[:, :] = _F0                            # acc[t, d] = sum_r coef[t, r] b[r, d]
-                for r in range(r_n):
-                    br = bt[r]
-                    for t in range(t_n):
-                        c = coef[t, r]
-                        at_ = acc[t]
-                        for d in range(d_n):
-                            at_[d] += c * br[d]
-                for t in range(t_n):
+                for t in range(t_n):                       # acc[t, d] = sum_r coef[t, r] b[r, d]
+                    dot_rows(acc, t * d_n, coef, t * r_n, bt, 0, r_n, d_n)
                     o = base + t * s_t
                     yv = y[o:o + d_n]
                     a = acc[t]
@@ -539,11 +528,12 @@ def _at(spec, shape, *names) -> np.ndarray:
 
 
 def _projection(spec: CodecSpec, shape: KVShape, layer: int):
+    """(mean [2, H, D], the basis transposed [2, H, R, D], rank), float32."""
     p = spec.projection
     r = rank(spec, shape)
-    mean = np.ascontiguousarray(p.means[layer], dtype=np.float32)                 # [2, H, D]
-    basis = np.ascontiguousarray(p.bases[layer][..., :r], dtype=np.float32)      # [2, H, D, R]
-    return mean, basis, r
+    mean = np.ascontiguousarray(p.means[layer], dtype=np.float32)
+    basis_t = np.ascontiguousarray(p.bases[layer][..., :r].transpose(0, 1, 3, 2), dtype=np.float32)
+    return mean, basis_t, r
 
 
 def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
@@ -579,8 +569,8 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
                        buf, np.empty(t_n, np.int64), lo, hi, np.empty(d_n, np.uint8),
                        np.empty(t_n, np.int64), np.empty(t_n, np.int64))
     else:
-        mean, basis, r = _projection(spec, shape, layer)
-        _encode_learned(x, rs, geo, mean, basis, out, ro, *_at(spec, shape, "coef"), pads, ok,
+        mean, basis_t, r = _projection(spec, shape, layer)
+        _encode_learned(x, rs, geo, mean, basis_t, out, ro, *_at(spec, shape, "coef"), pads, ok,
                         buf, tok, np.empty((d_n, t_n), np.float32),
                         np.empty((r, t_n), np.float32))
     return ok
@@ -619,8 +609,7 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
             raise ValueError(f"decode: row {bad}: its bitmap does not mark {c} exact tokens "
                              f"(not a sparse shard of this codec)")
     else:
-        mean, basis, r = _projection(spec, shape, layer)
-        basis_t = np.ascontiguousarray(basis.transpose(0, 1, 3, 2))
+        mean, basis_t, r = _projection(spec, shape, layer)
         _decode_learned(enc, ro, n, y, rs, geo, mean, basis_t, *_at(spec, shape, "coef"),
                         np.empty((t_n, r), np.float32), np.empty((t_n, d_n), np.float32))
     if target is not dst:
