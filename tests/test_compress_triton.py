@@ -187,6 +187,30 @@ def test_unaligned_rows(triton_on, device, name):
     assert (raw_wide[:, 0] == SENTINEL).all() and (raw_wide[:, 1 + R:] == SENTINEL).all()
 
 
+@pytest.mark.parametrize("name", ["int4-ch32", "int4-tok32", "sparse-ch32"])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
+                         + (["cuda"] if HAS_CUDA else []))
+def test_signed_zero_extremes(triton_on, device, name):
+    """A group whose min or max is a zero, with zeros of both signs in it: the stored minimum
+    and scale are those of +0 (the reference's rule), whichever zero a reduction meets first."""
+    spec, shape = SPECS[name], KVShape("hktd", 16, 2, 64, "bfloat16")
+    triton_on(device)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.rand((3, 2, 16, 2, 64), generator=gen)
+    x[0] = torch.where(torch.rand(x[0].shape, generator=gen) < 0.5, -0.0, 0.0)  # zeros only
+    x[1, 0, :, 0, 5] = -0.0                       # a channel whose min is -0 and +0
+    x[1, 0, 3, 0, 5] = 0.0
+    x[2] = -x[2]                                  # a token group whose max is a zero
+    x[2, 1, 4, 1, :] = -0.0
+    x[2, 1, 4, 1, 7] = 0.0
+    src = ref.from_canonical(x, shape)
+    want = torch.empty((3, encoded_bytes(spec, shape)), dtype=torch.uint8)
+    encode(spec, shape, src, want, backend="reference")
+    got = torch.empty_like(want, device=device)
+    encode(spec, shape, src.to(device), got, backend="triton")
+    assert torch.equal(got.cpu(), want)
+
+
 LAUNCHES = [dict(int8_vectors=8, int8_warps=2), dict(int4_heads=2, int4_channel_join=True),
             dict(int4_heads=3, int4_warps=2, int4_decode_warps=2, int4_decode_warps_token=2),
             dict(int4_split_kv=True), dict(int4_split_kv=False)]
