@@ -143,7 +143,7 @@ def reconstruction(eval_kv, projection) -> dict:
     return out
 
 
-def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: str) -> dict:
+def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: str, gen: int) -> dict:
     order = list(prompts)
     idx = {k: i for i, k in enumerate(order)}
     store = os.path.join(tmp, f"store-{name}")
@@ -163,7 +163,7 @@ def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: st
             "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
             "phases": [
                 {"name": "save", "prompts": [idx[k] for k in ev], "max_tokens": 1},
-                {"name": "gen", "prompts": [idx[k] for k in ev], "max_tokens": GEN},
+                {"name": "gen", "prompts": [idx[k] for k in ev], "max_tokens": gen},
                 {"name": "ppl", "prompts": [idx["q" + k[1:]] for k in ev], "max_tokens": 1,
                  "prompt_logprobs": True, "read_cache": True},
                 {"name": "ttft-cold", "prompts": [idx["t0"], idx["t1"]], "ttft": True},
@@ -182,11 +182,7 @@ def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: st
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-GEN = 64
-
-
 def main(argv=None) -> int:
-    global GEN
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=1024, help="tokens loaded from the store")
@@ -196,7 +192,6 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="keep the engines' files here")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    GEN = args.gen
     names = args.codecs.split(",")
     if names[0] != "none":
         names = ["none"] + [n for n in names if n != "none"]
@@ -222,7 +217,7 @@ def main(argv=None) -> int:
     proj_path = os.path.join(tmp, "projection.npz")
     projection = fit(calib_kv, proj_path)
     recon = reconstruction(eval_kv, projection)
-    runs = {n: engine(model, prompts, CODECS[n], tmp, n, proj_path) for n in names}
+    runs = {n: engine(model, prompts, CODECS[n], tmp, n, proj_path, args.gen) for n in names}
 
     def phase(run, name):
         return next(p for p in run["phases"] if p["name"] == name)

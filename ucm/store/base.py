@@ -305,9 +305,9 @@ class Stats:
               # other failed requests (both become misses or failed saves)
               "unavailable", "io_errors")
 
-    def __init__(self):
+    def __init__(self, fields: Optional[Sequence[str]] = None):
         self._lock = threading.Lock()
-        self._v = {f: 0 for f in self.FIELDS}
+        self._v = {f: 0 for f in (self.FIELDS if fields is None else fields)}
 
     def add(self, **kw) -> None:
         with self._lock:
@@ -317,6 +317,8 @@ class Stats:
     def snapshot(self) -> dict:
         with self._lock:
             d = dict(self._v)
+        if "hits" not in d:  # (another set of fields: no derived rates)
+            return d
         looked = d["hits"] + d["misses"]
         d["hit_rate"] = d["hits"] / looked if looked else 0.0
         d["load_GBps"] = d["load_bytes"] / d["load_seconds"] / 1e9 if d["load_seconds"] else 0.0

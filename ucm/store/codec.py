@@ -18,7 +18,6 @@ crosses to the host tiers is the encoded bytes.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from typing import Optional
 
@@ -26,7 +25,10 @@ import numpy as np
 
 from ucm import compress, threads
 from ucm.compress import CodecSpec, KVShape
-from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task
+from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Stats, Task
+
+CODEC_FIELDS = ("raw_bytes", "stored_bytes", "refused", "encode_seconds", "decoded_bytes",
+                "decode_seconds")
 
 
 def inner_namespace(namespace: bytes, spec: CodecSpec) -> bytes:
@@ -67,24 +69,6 @@ def _stack(bufs: BlockBuffers, nbytes: int):
     return torch.from_numpy(np.stack([np.asarray(r).reshape(-1).view(np.uint8) for r in bufs.rows]))
 
 
-class _Counters:
-    FIELDS = ("raw_bytes", "stored_bytes", "refused", "encode_seconds", "decoded_bytes",
-              "decode_seconds")
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._v = {f: 0 for f in self.FIELDS}
-
-    def add(self, **kw) -> None:
-        with self._lock:
-            for k, v in kw.items():
-                self._v[k] += v
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return dict(self._v)
-
-
 class CodecStore(KVStore):
     """``inner`` holds the encoded blocks; see the module doc."""
 
@@ -101,9 +85,8 @@ class CodecStore(KVStore):
         self.inner, self.spec, self.shape = inner, spec, shape
         self.raw = shape.raw_bytes
         self.enc = want.shard_bytes
-        self._codec_stats = _Counters()
+        self._codec_stats = Stats(CODEC_FIELDS)
         self._exec = threads.pool(io_threads, "ucm-codec")
-        self._lock = threading.Lock()
 
     # -- encode / decode ------------------------------------------------------------------------
     def _encode(self, src, shards: range):
@@ -161,9 +144,7 @@ class CodecStore(KVStore):
 
         task = Task("load", ids)
         n = len(ids)
-        device = "cuda" if bufs.is_cuda else "cpu"
-        if bufs.is_cuda:
-            device = bufs.rows[0].device
+        device = bufs.rows[0].device if bufs.is_cuda else "cpu"
         enc = torch.empty((n, len(shards) * self.enc), dtype=torch.uint8, device=device)
         task.add_part()
         t0 = time.perf_counter()
@@ -241,7 +222,3 @@ class CodecStore(KVStore):
         self._exec.shutdown(wait=True)
         self.inner.close()
         super().close()
-
-    @property
-    def tiers(self):
-        return getattr(self.inner, "tiers", [self.inner])
