@@ -49,7 +49,8 @@ BS = 128  # vLLM-CPU block size
 
 CODECS = {
     "none": None,
-    "int8": {"method": "quantize", "bits": 8},
+    "int8": {"method": "quantize", "bits": 8, "key_mode": "channel"},
+    "int8-token": {"method": "quantize", "bits": 8, "key_mode": "token"},
     "int4": {"method": "quantize", "bits": 4, "group": 64, "key_mode": "channel"},
     "int4-token": {"method": "quantize", "bits": 4, "group": 64, "key_mode": "token"},
     "int4-g32": {"method": "quantize", "bits": 4, "group": 32, "key_mode": "channel"},

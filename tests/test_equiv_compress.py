@@ -1,5 +1,5 @@
 """KV codecs (ucm.compress encode / decode), every registered implementation against the reference
-(tests/equivalence.py): every method (INT8; INT4 with keys per channel and per token, groups 32
+(tests/equivalence.py): every method (INT8 with keys per channel and per token; INT4 with keys per channel and per token, groups 32
 and 64; sparse; learned) x cache dtype (float16, bfloat16, float32) x memory order ("hktd",
 "kthd"; the other orders once) x odd sizes (tokens 1, 7, 16, 128; heads 1, 3, 8; head_dim 64
 and 128), on rows of random and edge values (NaN and infinities: ok False, the other rows
@@ -37,14 +37,14 @@ SEG_SIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 # (tokens, heads, head_dim): every token count with a few head counts, both head dims
 SHAPES = [(1, 1, 64), (7, 3, 64), (16, 8, 128), (128, 3, 64), (7, 1, 128), (16, 3, 64),
           (128, 1, 128)]
-SPECS = ["int8", "int4-channel-g32", "int4-channel-g64", "int4-token-g32", "int4-token-g64",
+SPECS = ["int8-channel", "int8-token", "int4-channel-g32", "int4-channel-g64", "int4-token-g32", "int4-token-g64",
          "sparse-channel-g32", "sparse-token-g64", "learned"]
 
 
 def make_spec(name, projection=None):
     method, _, rest = name.partition("-")
     if method == "int8":
-        return CodecSpec("quantize", bits=8)
+        return CodecSpec("quantize", bits=8, key_mode=rest or "channel")
     if method == "learned":
         return CodecSpec("learned", ratio=0.25, projection=projection)
     key_mode, group = rest.split("-g")

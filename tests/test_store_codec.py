@@ -189,3 +189,47 @@ def test_bad_configuration_names_the_key(tmp_path, cfg, kw, match):
     with pytest.raises(ConfigError, match=match):
         open_store(_cfg(tmp_path, **cfg), block_bytes=raw, shard_bytes=raw // LAYERS,
                    namespace=NS.digest(), kv_shape=shape)
+
+
+@pytest.mark.parametrize("dtype,tokens,heads,head_dim",
+                         [("float32", 128, 3, 64), ("bfloat16", 16, 8, 128), ("float16", 32, 2, 80)])
+def test_codecs_see_vllm_cpu_blocks_as_keys_and_values(dtype, tokens, heads, head_dim):
+    """The connector's KVShape for vLLM-CPU reads a real cache block (written by the attention
+    backend's own op) as the keys and values that went in: a codec's 'channel' and 'token' are
+    the model's. (vLLM-CPU stores each head's keys channel-major; read as token-major, per-channel
+    scales mixed channels and tokens.)"""
+    pytest.importorskip("vllm")
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from ucm.integration.vllm import stores
+    from ucm.reference.compress import to_canonical
+
+    tdtype = getattr(torch, dtype)
+    spec = type("Spec", (), {"block_size": tokens, "num_kv_heads": heads, "head_size": head_dim,
+                             "dtype": tdtype})
+    kv_config = type("KVConfig", (), {"kv_cache_groups": [type("G", (), {"kv_cache_spec": spec})]})
+    vllm_config = type("VConfig", (), {"device_config": type("D", (), {"device_type": "cpu"})})
+    shape = stores.kv_shape(vllm_config, kv_config)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(tokens, heads, head_dim, generator=gen).to(tdtype)
+    value = torch.randn(tokens, heads, head_dim, generator=gen).to(tdtype)
+    cache = torch.zeros((3, heads, tokens, 2 * head_dim), dtype=tdtype)
+    stores.check_kv_shape(shape, cache)
+    kc, vc = cache.view(3, heads, 2 * tokens, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(tokens) + tokens,
+                                   _get_attn_isa(tdtype, tokens, head_dim))
+    row = cache[1].reshape(1, -1).view(torch.uint8)
+    rows = C._swap_key_planes(row, shape, True) if shape.key_order == "dt" else row
+    x = to_canonical(rows, shape.with_token_major_keys())[0]      # [2, T, H, D] float32
+    assert torch.equal(x[0], key.float()) and torch.equal(x[1], value.float())
+    # and a codec's round trip through the engine's layout keeps them within INT8 error
+    spec = C.CodecSpec("quantize", 8)
+    enc = torch.zeros((1, C.encoded_bytes(spec, shape)), dtype=torch.uint8)
+    assert C.encode(spec, shape, row, enc).all()
+    back = torch.zeros_like(row)
+    C.decode(spec, shape, enc, back)
+    y = back.view(tdtype).view(heads, 2, -1)
+    ref = cache[1].view(heads, 2, -1)
+    err = (y.float() - ref.float()).norm() / ref.float().norm()
+    assert err < 0.01

@@ -22,6 +22,7 @@ KEY_MODES = ("channel", "token")
 DTYPES = ("float16", "bfloat16", "float32")
 ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 DIMS = "kthd"
+KEY_ORDERS = ("td", "dt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +30,18 @@ class KVShape:
     """How one shard's bytes are a KV tensor: ``order`` is the memory order of the dims
     ``k`` (key/value, 2), ``t`` (tokens), ``h`` (KV heads), ``d`` (channels, innermost), e.g.
     ``"hktd"`` for vLLM-CPU (per head: the block's keys, then its values) and ``"kthd"`` for
-    vLLM's CUDA layouts (keys, then values, each token-major)."""
+    vLLM's CUDA layouts (keys, then values, each token-major).
+
+    ``key_order``: how each key plane (the ``T x D`` keys of one head) is stored when ``order``
+    ends in ``"td"``: ``"td"`` like the values, or ``"dt"`` channel-major (vLLM-CPU's attention
+    keeps keys transposed for its dot products). The codecs quantize the same numbers either
+    way (the encoded bytes do not depend on it)."""
     order: str
     tokens: int
     heads: int
     head_dim: int
     dtype: str
+    key_order: str = "td"
 
     def __post_init__(self):
         if sorted(self.order) != sorted(DIMS) or self.order[-1] != "d":
@@ -45,6 +52,11 @@ class KVShape:
                 raise ValueError(f"KVShape.{name}: expected an int >= 1, got {v!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"KVShape.dtype: one of {DTYPES}, got {self.dtype!r}")
+        if self.key_order not in KEY_ORDERS:
+            raise ValueError(f"KVShape.key_order: one of {KEY_ORDERS}, got {self.key_order!r}")
+        if self.key_order == "dt" and not self.order.endswith("td"):
+            raise ValueError(f"KVShape.key_order 'dt' needs whole key planes: an order ending "
+                             f"in 'td', got {self.order!r}")
 
     @property
     def esize(self) -> int:
@@ -57,6 +69,10 @@ class KVShape:
 
     def sizes(self) -> dict:
         return {"k": 2, "t": self.tokens, "h": self.heads, "d": self.head_dim}
+
+    def with_token_major_keys(self) -> "KVShape":
+        """This shape with keys stored like the values."""
+        return dataclasses.replace(self, key_order="td")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +112,7 @@ class CodecSpec:
     def params(self) -> dict:
         """What identifies the encoded bytes (no field that does not change them)."""
         if self.method == "quantize" and self.bits == 8:
-            return {"method": "quantize", "bits": 8}
+            return {"method": "quantize", "bits": 8, "key_mode": self.key_mode}
         if self.method == "learned":
             return {"method": "learned", "ratio": float(self.ratio),
                     "projection": self.projection.digest}
@@ -155,6 +171,9 @@ def segments(spec: CodecSpec, shape: KVShape) -> list:
     """``[(name, dtype, shape)]`` of one encoded shard, in byte order (each segment starts at a
     multiple of 8 bytes)."""
     t, h, d = shape.tokens, shape.heads, shape.head_dim
+    if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
+        return [("q", "int8", (2, t, h, d)), ("kscale", "bfloat16", (h, d)),
+                ("vscale", "bfloat16", (t, h))]
     if spec.method == "quantize" and spec.bits == 8:
         return [("q", "int8", (2, t, h, d)), ("scale", "bfloat16", (2, t, h))]
     if spec.method == "quantize":

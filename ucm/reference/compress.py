@@ -86,16 +86,17 @@ def _div(x: torch.Tensor, c: float) -> torch.Tensor:
     return x / torch.full_like(x, c)
 
 
-def quant8(x: torch.Tensor):
-    """Symmetric INT8 over the last dim: (int8 q, float32 scale holding a bfloat16)."""
-    s = bf16_up(_div(x.abs().amax(dim=-1), 127.0))
-    q = torch.where(s[..., None] > 0, torch.round(x / s[..., None]).clamp(-127, 127),
-                    torch.zeros_like(x))
+def quant8(x: torch.Tensor, dim: int = -1):
+    """Symmetric INT8 over ``dim``: (int8 q, float32 scale holding a bfloat16, ``dim``
+    removed)."""
+    s = bf16_up(_div(x.abs().amax(dim=dim), 127.0))
+    se = s.unsqueeze(dim)
+    q = torch.where(se > 0, torch.round(x / se).clamp(-127, 127), torch.zeros_like(x))
     return q.to(torch.int8), s
 
 
-def dequant8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return q.float() * s[..., None]
+def dequant8(q: torch.Tensor, s: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return q.float() * s.unsqueeze(dim)
 
 
 def quant4(x: torch.Tensor, dim: int):
@@ -171,7 +172,13 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     ok = torch.isfinite(x).reshape(n, -1).all(dim=1)
     x = torch.where(ok[:, None, None, None, None], x, torch.zeros_like(x))
     out = torch.zeros((n, encoded_bytes(spec, shape)), dtype=torch.uint8, device=x.device)
-    if spec.method == "quantize" and spec.bits == 8:
+    if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
+        kq, ks = quant8(x[:, 0], dim=1)                               # over tokens: [n, H, D]
+        vq, vs = quant8(x[:, 1])                                      # [n, T, H]
+        _put(out, spec, shape, "q", torch.stack([kq, vq], dim=1))
+        _put(out, spec, shape, "kscale", bf16_bits(ks))
+        _put(out, spec, shape, "vscale", bf16_bits(vs))
+    elif spec.method == "quantize" and spec.bits == 8:
         q, s = quant8(x)
         _put(out, spec, shape, "q", q)
         _put(out, spec, shape, "scale", bf16_bits(s))
@@ -206,7 +213,12 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
 def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor, layer: int) -> None:
     n = src.shape[0]
     t, h, d = shape.tokens, shape.heads, shape.head_dim
-    if spec.method == "quantize" and spec.bits == 8:
+    if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
+        q = _segment(src, spec, shape, "q")
+        k = dequant8(q[:, 0], from_bf16_bits(_segment(src, spec, shape, "kscale")), dim=1)
+        v = dequant8(q[:, 1], from_bf16_bits(_segment(src, spec, shape, "vscale")))
+        x = torch.stack([k, v], dim=1)
+    elif spec.method == "quantize" and spec.bits == 8:
         x = dequant8(_segment(src, spec, shape, "q"), from_bf16_bits(_segment(src, spec, shape, "scale")))
     elif spec.method == "quantize":
         k, v = _int4_decode(*(_segment(src, spec, shape, s) for s in ("kq", "vq", "kp", "vp")),

@@ -220,24 +220,54 @@ def _zero_pads(out, oo, pads):
 # infinity (it may then stop early); the row is then encoded again as zeros.
 
 @njit
-def _row_q8(x, xo, geo, out, oo, q_off, s_off, buf, tok, zero):
+def _enc8_chan_plane(buf, nt, d_n, out, q_at, q_ts, s_at, sc):
+    """INT8 of a key plane with one scale per channel over the ``nt`` tokens (``sc``: float32
+    [D] scratch): q at ``q_at + t * q_ts``, channel ``d``'s scale at ``s_at + 2 d``."""
+    for d in range(d_n):
+        sc[d] = _F0
+    for t in range(nt):
+        bv = buf[t * d_n:(t + 1) * d_n]
+        for d in range(d_n):
+            sc[d] = max(sc[d], np.abs(bv[d]))
+    for d in range(d_n):
+        sc[d] = bf16_up(sc[d] / _F127)
+        _put_bf16(out, s_at + 2 * d, sc[d])
+    for t in range(nt):
+        bv = buf[t * d_n:(t + 1) * d_n]
+        ov = out[q_at + t * q_ts:q_at + t * q_ts + d_n]
+        for d in range(d_n):
+            if sc[d] > _F0:
+                ov[d] = np.uint8(np.int32(min(max(np.rint(bv[d] / sc[d]), _FM127), _F127)))
+            else:
+                ov[d] = 0
+
+
+@njit
+def _row_q8(x, xo, geo, chan, out, oo, q_off, s_off, ks_off, buf, tok, sc, zero):
+    """``chan``: keys scaled per channel (scales at ``ks_off``, values' at ``s_off``), else
+    every vector per token (``s_off``: keys' then values')."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     for kv in range(2):
         for h in range(h_n):
             if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero):
                 return True
             v = (kv * t_n) * h_n + h
-            _enc8_plane(buf, t_n, d_n, out, oo + q_off + v * d_n, h_n * d_n,
-                        oo + s_off + 2 * v, 2 * h_n)
+            if chan and kv == 0:
+                _enc8_chan_plane(buf, t_n, d_n, out, oo + q_off + v * d_n, h_n * d_n,
+                                 oo + ks_off + 2 * h * d_n, sc)
+            else:
+                s_at = oo + s_off + 2 * (h if chan else v)
+                _enc8_plane(buf, t_n, d_n, out, oo + q_off + v * d_n, h_n * d_n, s_at, 2 * h_n)
     return False
 
 
 @njit(nogil=True)
-def _encode_q8(x, rs, geo, out, ro, q_off, s_off, pads, ok, buf, tok):
+def _encode_q8(x, rs, geo, chan, out, ro, q_off, s_off, ks_off, pads, ok, buf, tok, sc):
     for i in range(ok.shape[0]):
-        bad = _row_q8(x, i * rs, geo, out, i * ro, q_off, s_off, buf, tok, False)
+        bad = _row_q8(x, i * rs, geo, chan, out, i * ro, q_off, s_off, ks_off, buf, tok, sc,
+                      False)
         if bad:
-            _row_q8(x, i * rs, geo, out, i * ro, q_off, s_off, buf, tok, True)
+            _row_q8(x, i * rs, geo, chan, out, i * ro, q_off, s_off, ks_off, buf, tok, sc, True)
         _zero_pads(out, i * ro, pads)
         ok[i] = not bad
 
@@ -384,22 +414,30 @@ def _encode_learned(x, rs, geo, mean, basis_t, out, ro, c_off, pads, ok, buf, to
 
 
 @njit(nogil=True)
-def _decode_q8(src, ro, n, y, rs, geo, q_off, s_off):
+def _decode_q8(src, ro, n, y, rs, geo, chan, q_off, s_off, ks_off, sc):
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     for i in range(n):
         so = i * ro
         for kv in range(2):
             for h in range(h_n):
                 base = i * rs + kv * s_k + h * s_h
+                per_channel = chan and kv == 0
+                if per_channel:
+                    for d in range(d_n):
+                        sc[d] = _get_bf16(src, so + ks_off + 2 * (h * d_n + d))
                 for t in range(t_n):
                     v = (kv * t_n + t) * h_n + h
-                    s = _get_bf16(src, so + s_off + 2 * v)
                     q = so + q_off + v * d_n
                     qv = src[q:q + d_n]
                     o = base + t * s_t
                     yv = y[o:o + d_n]
-                    for d in range(d_n):
-                        st(yv, d, np.float32(np.int8(qv[d])) * s)
+                    if per_channel:
+                        for d in range(d_n):
+                            st(yv, d, np.float32(np.int8(qv[d])) * sc[d])
+                    else:
+                        s = _get_bf16(src, so + s_off + 2 * ((t * h_n + h) if chan else v))
+                        for d in range(d_n):
+                            st(yv, d, np.float32(np.int8(qv[d])) * s)
 
 
 @njit(nogil=True)
@@ -527,6 +565,13 @@ def _at(spec, shape, *names) -> np.ndarray:
     return np.array([offs[name][0] for name in names], dtype=np.int64)
 
 
+def _q8_at(spec, shape) -> np.ndarray:
+    """INT8 offsets [q, per-token scales, per-channel key scales (0 without)]."""
+    if spec.key_mode == "channel":
+        return _at(spec, shape, "q", "vscale", "kscale")
+    return np.append(_at(spec, shape, "q", "scale"), 0)
+
+
 def _projection(spec: CodecSpec, shape: KVShape, layer: int):
     """(mean [2, H, D], the basis transposed [2, H, R, D], rank), float32."""
     p = spec.projection
@@ -555,7 +600,8 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     buf = np.empty(t_n * d_n, dtype=np.float32)
     tok = np.arange(t_n, dtype=np.int64)
     if spec.method == "quantize" and spec.bits == 8:
-        _encode_q8(x, rs, geo, out, ro, *_at(spec, shape, "q", "scale"), pads, ok, buf, tok)
+        _encode_q8(x, rs, geo, spec.key_mode == "channel", out, ro, *_q8_at(spec, shape), pads,
+                   ok, buf, tok, np.empty(d_n, np.float32))
     elif spec.method == "quantize":
         lo, hi = np.empty(d_n, np.float32), np.empty(d_n, np.float32)
         _encode_q4(x, rs, geo, spec.group, spec.key_mode == "channel", out, ro,
@@ -592,7 +638,8 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     geo = _geometry(shape)
     tok = np.arange(t_n, dtype=np.int64)
     if spec.method == "quantize" and spec.bits == 8:
-        _decode_q8(enc, ro, n, y, rs, geo, *_at(spec, shape, "q", "scale"))
+        _decode_q8(enc, ro, n, y, rs, geo, spec.key_mode == "channel", *_q8_at(spec, shape),
+                   np.empty(d_n, np.float32))
     elif spec.method == "quantize":
         _decode_q4(enc, ro, n, y, rs, geo, spec.group, spec.key_mode == "channel",
                    _at(spec, shape, "kq", "vq", "kp", "vp"), tok, np.empty(d_n, np.float32),

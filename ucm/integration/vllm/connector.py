@@ -204,7 +204,9 @@ class UCMConnector(KVConnectorBase_V1):
             shape = stores.kv_shape(self._vllm_config, self._kv_cache_config)
             if shape is None:
                 raise ConfigError("config key 'compression.enabled': vLLM's KV cache spec does "
-                                  "not give the heads, head size and dtype a codec needs")
+                                  "not give the heads, head size and dtype a codec needs, or its "
+                                  "attention stores the cache in a layout the codecs do not know "
+                                  "(see the log)")
             try:
                 stores.check_kv_shape(shape, kv_caches[unique[0]])
             except ValueError as exc:

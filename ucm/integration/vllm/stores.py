@@ -4,6 +4,9 @@ worker's memory tier), counted by its users and closed by the last one.
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import json
 import os
 import threading
@@ -12,6 +15,8 @@ from typing import Any, Optional
 
 from ucm.config import Config
 from ucm.ids import Namespace
+
+log = logging.getLogger("ucm.integration.vllm")
 
 
 @dataclass
@@ -96,18 +101,62 @@ def block_bytes_from_spec(kv_cache_config) -> tuple[Optional[int], Optional[int]
 
 def kv_shape(vllm_config, kv_cache_config):
     """One layer's block of vLLM's KV cache as a :class:`ucm.compress.KVShape` (what the
-    compression codecs need), or None when the spec does not say. vLLM-CPU keeps per block and
-    head the block's keys, then its values (``hktd``); vLLM's CUDA attention backends keep the
-    keys, then the values, token-major (``kthd``)."""
+    compression codecs need), or None when the spec does not say or the layout is not one the
+    codecs know. vLLM-CPU keeps per block and head the block's keys, then its values
+    (``hktd``), the keys channel-major on the attention paths probed so far
+    (:func:`cpu_key_order`); vLLM's CUDA attention backends keep the keys, then the values,
+    token-major (``kthd``)."""
     from ucm.compress import KVShape
 
     try:
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         device = getattr(vllm_config.device_config, "device_type", None) or "cpu"
-        return KVShape("hktd" if device == "cpu" else "kthd", int(spec.block_size),
-                       int(spec.num_kv_heads), int(spec.head_size),
-                       str(spec.dtype).replace("torch.", ""))
+        dims = (int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size))
+        dtype = str(spec.dtype).replace("torch.", "")
     except Exception:  # (another spec or cache dtype: no codec can take it)
+        return None
+    if device != "cpu":
+        return KVShape("kthd", *dims, dtype)
+    order = cpu_key_order(dtype, *dims)
+    return None if order is None else KVShape("hktd", *dims, dtype, key_order=order)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_key_order(dtype: str, tokens: int, heads: int, head_dim: int):
+    """How vLLM-CPU's attention stores a block's key planes: ``"td"`` (token-major) or
+    ``"dt"`` (channel-major), found by writing known keys and values into one block with the
+    attention backend's own cache op (``cpu_attn_reshape_and_cache``, the ISA it picks for this
+    shape) and reading where they landed; None when the layout is neither (another ISA packing
+    the cache differently: no codec may then read it)."""
+    import torch
+
+    try:
+        import vllm._custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        tdtype = getattr(torch, dtype)
+        isa = _get_attn_isa(tdtype, tokens, head_dim)
+        t = torch.arange(tokens).view(tokens, 1, 1)
+        h = torch.arange(heads).view(1, heads, 1)
+        d = torch.arange(head_dim).view(1, 1, head_dim)
+        found = set()
+        # three probes, one index each (small integers: exact in every cache dtype)
+        for field in (t % 128, h, d):
+            key = (field + 1).expand(tokens, heads, head_dim).to(tdtype).contiguous()
+            value = -key
+            cache = torch.zeros((1, heads, tokens, 2 * head_dim), dtype=tdtype)
+            kc, vc = cache.view(1, heads, 2 * tokens, head_dim).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(tokens), isa)
+            plane = cache.view(heads, 2, tokens * head_dim)
+            if not torch.equal(plane[:, 1], value.permute(1, 0, 2).reshape(heads, -1)):
+                return None
+            layouts = {"td": key.permute(1, 0, 2), "dt": key.permute(1, 2, 0)}
+            found.add(frozenset(name for name, k in layouts.items()
+                                if torch.equal(plane[:, 0], k.reshape(heads, -1))))
+        common = frozenset.intersection(*found)
+        return "dt" if "dt" in common else ("td" if "td" in common else None)
+    except Exception as exc:   # an older vLLM without this op, another platform
+        log.warning("ucm: cannot probe vLLM-CPU's KV layout (%s); compression is off", exc)
         return None
 
 
