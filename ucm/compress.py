@@ -3,15 +3,18 @@ fixed-size byte string and back.
 
 A codec sees a shard as the tensor ``x[kv, t, h, d]`` (keys then values, ``T`` tokens, ``H`` KV
 heads, ``D`` channels) of the cache's element type, whatever the engine's memory order
-(:class:`KVShape`). Every encoded shard of a given codec and shape has the same size, so the
+(:class:`KVShape`; key planes stored channel-major, ``key_order="dt"``, are transposed here on
+the way in and out, so implementations only see token-major keys). Every encoded shard of a given codec and shape has the same size, so the
 store's geometry stays fixed. Integer payloads and scales are bit-identical between
 implementations (the reference here and the fast paths); the learned codec's coefficients are
 floating point and match within the equivalence tolerance.
 
 Codecs (:class:`CodecSpec`):
 
-* ``quantize``, ``bits=8``: symmetric INT8, one scale per (kv, token, head) vector:
-  ``s = bf16_up(max|x| / 127)``, ``q = clamp(rint(x / s), -127, 127)``, ``x' = q * s``.
+* ``quantize``, ``bits=8``: symmetric INT8: ``s = bf16_up(max|x| / 127)``,
+  ``q = clamp(rint(x / s), -127, 127)``, ``x' = q * s``; values one scale per (token, head)
+  vector; keys one scale per (head, channel) over the block's tokens (``key_mode="channel"``,
+  the default) or like the values (``key_mode="token"``).
 * ``quantize``, ``bits=4``: asymmetric INT4, two values per byte (low nibble first):
   ``m = bf16_down(min)``, ``s = bf16_up((max - m) / 15)``, ``q = clamp(rint((x - m) / s), 0, 15)``,
   ``x' = q * s + m`` (a zero min or max counts as +0, whatever the sign of the zeros). Values:

@@ -280,12 +280,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("compression.method", "str", "quantize", "'quantize' (INT8 or INT4), 'sparse' (the "
            "salient tokens exact, the others INT4) or 'learned' (per-layer low-rank projection).",
            choices=("quantize", "sparse", "learned")),
-    Option("compression.bits", "int", 8, "Bits per value of 'quantize' (8: symmetric per token "
-           "and head; 4: asymmetric, groups of compression.group channels).", choices=(4, 8)),
+    Option("compression.bits", "int", 8, "Bits per value of 'quantize' (8: symmetric, values per "
+           "token and head; 4: asymmetric, values in groups of compression.group channels).",
+           choices=(4, 8)),
     Option("compression.group", "int", 64, "INT4 group size along the head dimension (must "
            "divide it).", choices=(32, 64)),
-    Option("compression.key_mode", "str", "channel", "INT4 keys: 'channel' (one range per "
-           "channel over the block's tokens, as KIVI) or 'token' (groups like the values).",
+    Option("compression.key_mode", "str", "channel", "Keys of 'quantize' and 'sparse': "
+           "'channel' (one scale per channel over the block's tokens, as KIVI) or 'token' "
+           "(like the values).",
            choices=("channel", "token")),
     Option("compression.salient", "float", 0.0625, "'sparse': fraction of each block's tokens "
            "kept exact (those whose keys have the largest magnitude).", min=0.0, max=0.5,

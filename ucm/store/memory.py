@@ -379,7 +379,9 @@ class MemoryStore(KVStore):
         d = self._stats.snapshot()
         with self._lock:
             d.update(slots=self.n_slots, committed=len(self._index), pending=len(self._pending),
-                     free=len(self._free), pinned=self.pinned, allocated=self.pool is not None)
+                     free=len(self._free), pinned=self.pinned, allocated=self.pool is not None,
+                     used_bytes=len(self._index) * self.geometry.block_bytes,
+                     capacity_bytes=self.n_slots * self.geometry.block_bytes)
         return {self.name: d}
 
 

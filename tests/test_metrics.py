@@ -1,0 +1,139 @@
+"""ucm.metrics: the series catalogue, recorders, payload merging, the Prometheus and JSON-lines
+sinks, the store collector on a real store, and the HTTP exporter (a real port; a port in use
+is a clear error)."""
+import json
+import re
+import socket
+import urllib.request
+
+import numpy as np
+import pytest
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+from ucm import metrics as M  # noqa: E402
+from ucm.store import open_store  # noqa: E402
+
+
+def test_series_names_follow_prometheus_conventions():
+    for s in M.SERIES.values():
+        assert re.fullmatch(r"ucm_[a-z0-9_]+", s.name), s.name
+        assert s.kind in ("counter", "gauge", "histogram")
+        assert s.name.endswith("_total") == (s.kind == "counter"), s.name
+        if s.kind == "histogram":
+            assert s.name.endswith("_seconds") and list(s.buckets) == sorted(s.buckets)
+        assert s.help.endswith(".") and len(s.help) > 20
+
+
+def test_recorder_drain_and_merge():
+    r = M.Recorder()
+    r.inc("ucm_load_blocks_total", 3)
+    r.inc("ucm_load_blocks_total", 2)
+    r.inc("ucm_tier_load_bytes_total", 100, tier="memory")
+    r.set("ucm_tier_used_bytes", 7, tier="posix")
+    r.observe("ucm_load_seconds", 0.01)
+    p = r.drain()
+    assert p == {"ucm_load_blocks_total": {"": 5}, "ucm_tier_load_bytes_total": {"tier=memory": 100},
+                 "ucm_tier_used_bytes": {"tier=posix": 7}, "ucm_load_seconds": {"": [0.01]}}
+    assert r.drain() == {}
+    q = {"ucm_load_blocks_total": {"": 1}, "ucm_tier_used_bytes": {"tier=posix": 9},
+         "ucm_load_seconds": {"": [0.5]}}
+    M.merge(p, q)
+    assert p["ucm_load_blocks_total"][""] == 6 and p["ucm_tier_used_bytes"]["tier=posix"] == 9
+    assert p["ucm_load_seconds"][""] == [0.01, 0.5]
+    # survives JSON (vLLM ships payloads between processes)
+    assert json.loads(json.dumps(p)) == p
+
+
+@pytest.mark.parametrize("call", [
+    lambda r: r.inc("ucm_no_such_total"),
+    lambda r: r.inc("ucm_tier_used_bytes", 1, tier="x"),      # a gauge
+    lambda r: r.set("ucm_load_blocks_total", 1),               # a counter
+    lambda r: r.inc("ucm_tier_load_bytes_total", 1),           # missing label
+    lambda r: r.observe("ucm_load_seconds", 1, tier="x"),      # extra label
+])
+def test_recorder_refuses_wrong_names_kinds_and_labels(call):
+    with pytest.raises(ValueError, match="metric|unknown"):
+        call(M.Recorder())
+
+
+def test_histogram_observations_are_capped_and_counted():
+    r = M.Recorder()
+    for _ in range(M.MAX_OBSERVATIONS + 5):
+        r.observe("ucm_save_seconds", 0.001)
+    p = r.drain()
+    assert len(p["ucm_save_seconds"][""]) == M.MAX_OBSERVATIONS
+    assert p["ucm_metrics_dropped_observations_total"][""] == 5
+
+
+def test_prometheus_sink_text():
+    sink = M.PrometheusSink(labelnames=["engine"])
+    r = M.Recorder()
+    r.inc("ucm_lookup_hit_blocks_total", 4)
+    r.inc("ucm_tier_save_bytes_total", 4096, tier="posix")
+    r.observe("ucm_load_seconds", 0.003)
+    r.observe("ucm_load_seconds", 0.2)
+    sink.apply(r.drain(), ["0"])
+    text = prometheus_client.generate_latest(sink.registry).decode()
+    assert 'ucm_lookup_hit_blocks_total{engine="0"} 4.0' in text
+    assert 'ucm_tier_save_bytes_total{engine="0",tier="posix"} 4096.0' in text
+    assert 'ucm_load_seconds_count{engine="0"} 2.0' in text
+    assert 'ucm_load_seconds_bucket{engine="0",le="0.005"} 1.0' in text
+    # every series is declared with its help text, even before a value
+    for s in M.SERIES.values():
+        assert f"# HELP {s.name}" in text
+
+
+def test_store_collector_reports_tier_increments(tmp_path):
+    store = open_store({"store": {"pipeline": "memory|posix", "posix": {"roots": [str(tmp_path)]}},
+                        "cache_capacity": "1MiB"}, block_bytes=4096)
+    try:
+        col, r = M.StoreCollector(store), M.Recorder()
+        ids = np.arange(8, dtype=np.uint64).reshape(4, 2)
+        store.wait(store.dump(ids, 0, np.ones((4, 4096), np.uint8)))
+        store.commit(ids, [True] * 4)
+        col.collect(r)
+        p = r.drain()
+        assert p["ucm_tier_save_bytes_total"] == {"tier=memory": 16384, "tier=posix": 16384}
+        slots = store.stats()["memory"]["slots"]
+        assert p["ucm_tier_capacity_bytes"]["tier=memory"] == slots * 4096
+        assert p["ucm_tier_used_bytes"]["tier=memory"] == 16384
+        out = np.zeros((4, 4096), np.uint8)
+        store.wait(store.load(ids, 0, out))
+        col.collect(r)
+        p = r.drain()
+        assert p["ucm_tier_load_bytes_total"] == {"tier=memory": 16384}
+        assert "ucm_tier_save_bytes_total" not in p        # increments only
+    finally:
+        store.close()
+
+
+def test_serve_exposes_the_store_and_refuses_a_busy_port(tmp_path):
+    store = open_store({"store": {"pipeline": "memory"}, "cache_capacity": "1MiB"}, block_bytes=4096)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ex = M.serve(port, store, interval=3600)
+    try:
+        ids = np.arange(2, dtype=np.uint64).reshape(1, 2)
+        store.wait(store.dump(ids, 0, np.ones((1, 4096), np.uint8)))
+        store.commit(ids, [True])
+        ex.update()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'ucm_tier_save_bytes_total{tier="memory"} 4096.0' in body
+        with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
+            M.serve(port)
+    finally:
+        ex.close()
+        store.close()
+
+
+def test_jsonlines_sink(tmp_path):
+    path = tmp_path / "stats.jsonl"
+    sink = M.JsonLinesSink(str(path))
+    sink.write({"ucm_load_blocks_total": {"": 2}}, pid=1)
+    sink.write({}, pid=1)
+    sink.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0]["metrics"] == {"ucm_load_blocks_total": {"": 2}} and lines[0]["pid"] == 1
+    assert len(lines) == 2

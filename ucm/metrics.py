@@ -1,0 +1,372 @@
+"""ucm's metrics: one catalogue of series (:data:`SERIES`), a :class:`Recorder` the components
+write to, and the sinks that publish what it holds.
+
+Every series is defined once here, with its Prometheus name, type, help text and labels; the
+same names reach an operator whichever way ucm runs:
+
+* inside vLLM, the connector drains its recorders into vLLM's KV-connector stats each step
+  (``get_kv_connector_stats``), and vLLM's ``/metrics`` shows them through
+  :class:`PrometheusSink` built by the connector's ``build_prom_metrics``;
+* in any other process that uses a store, :func:`serve` exposes a
+  :class:`PrometheusSink` on its own HTTP port, fed by :class:`StoreCollector`;
+* the connector's JSON-lines stats file (``connector.stats_file``) receives the same payloads
+  (:class:`JsonLinesSink`).
+
+A *payload* (what :meth:`Recorder.drain` returns and the sinks take) is a JSON-safe dict
+``{series name: {label key: value}}``: counters hold the increase since the last drain, gauges
+the last value set, histograms the list of observed values (each is replayed into the
+Prometheus histogram, so buckets are exact). The label key is ``""`` without labels, else
+``"name=value,..."`` in the series' label order. Payloads cross vLLM's process boundaries
+(pickle and msgpack), hence no tuples.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from typing import Iterable, Optional
+
+#: Upper bounds (seconds) of the latency histograms' buckets: a loopback memory hit is tens of
+#: microseconds per batch, a remote tier or a cold disk up to seconds.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0)
+
+#: At most this many observations of one histogram series are kept between drains (the rest
+#: are counted in ``ucm_metrics_dropped_observations_total``).
+MAX_OBSERVATIONS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Series:
+    name: str
+    kind: str            # "counter" | "gauge" | "histogram"
+    help: str
+    labels: tuple = ()
+    buckets: tuple = ()
+
+    def key(self, labels: dict) -> str:
+        if set(labels) != set(self.labels):
+            raise ValueError(f"metric {self.name}: labels {sorted(labels)}, expected "
+                             f"{list(self.labels)}")
+        return ",".join(f"{k}={labels[k]}" for k in self.labels)
+
+    def label_values(self, key: str) -> list:
+        if not self.labels:
+            return []
+        values = dict(part.split("=", 1) for part in key.split(","))
+        return [values[k] for k in self.labels]
+
+
+_TIER = ("tier",)
+
+SERIES = {s.name: s for s in (
+    # scheduler: what lookups found
+    Series("ucm_lookups_total", "counter", "Requests whose prompt ucm looked up in its store."),
+    Series("ucm_lookup_hit_blocks_total", "counter",
+           "Full prompt blocks found in the store (loaded instead of computed)."),
+    Series("ucm_lookup_miss_blocks_total", "counter",
+           "Full prompt blocks looked up and not found (computed by the engine, then saved)."),
+    Series("ucm_lookup_hit_tokens_total", "counter",
+           "Prompt tokens served from the store instead of computed."),
+    Series("ucm_lookup_miss_tokens_total", "counter",
+           "Prompt tokens the engine computed after a lookup (beyond its own prefix cache)."),
+    # worker: transfers between the engine's KV cache and the store
+    Series("ucm_load_blocks_total", "counter", "Blocks loaded into the engine's KV cache."),
+    Series("ucm_load_bytes_total", "counter", "Bytes loaded into the engine's KV cache."),
+    Series("ucm_load_failed_blocks_total", "counter",
+           "Blocks whose load failed; the engine recomputed them."),
+    Series("ucm_save_blocks_total", "counter", "Blocks saved from the engine's KV cache."),
+    Series("ucm_save_bytes_total", "counter", "Bytes saved from the engine's KV cache."),
+    Series("ucm_save_failed_blocks_total", "counter",
+           "Blocks whose save failed (not stored; a later request computes them)."),
+    Series("ucm_load_seconds", "histogram",
+           "Time of one load batch: from the store's read to the blocks in the KV cache.",
+           buckets=LATENCY_BUCKETS),
+    Series("ucm_save_seconds", "histogram",
+           "Time of one save batch: from the gather out of the KV cache to the commit.",
+           buckets=LATENCY_BUCKETS),
+    # store: per tier
+    Series("ucm_tier_hit_blocks_total", "counter", "Blocks a tier's lookups found.", _TIER),
+    Series("ucm_tier_load_bytes_total", "counter", "Bytes read from a tier.", _TIER),
+    Series("ucm_tier_save_bytes_total", "counter", "Bytes written to a tier.", _TIER),
+    Series("ucm_tier_failed_operations_total", "counter",
+           "Failed reads and writes of a tier (each became a miss or a failed save).", _TIER),
+    Series("ucm_tier_evicted_blocks_total", "counter",
+           "Blocks a tier evicted to make room.", _TIER),
+    Series("ucm_tier_used_bytes", "gauge", "Bytes of committed blocks a tier holds "
+           "(tiers that keep no count, such as shared file systems, do not report it).", _TIER),
+    Series("ucm_tier_capacity_bytes", "gauge", "Bytes a tier may hold.", _TIER),
+    # sparse attention
+    Series("ucm_sparse_steps_total", "counter",
+           "Decode steps in which sparse attention chose the blocks to attend."),
+    Series("ucm_sparse_attended_blocks_total", "counter",
+           "KV blocks sparse attention attended (over layers, heads' groups and sequences)."),
+    Series("ucm_sparse_candidate_blocks_total", "counter",
+           "KV blocks sparse attention could have attended (the dense count)."),
+    Series("ucm_sparse_kept_block_ratio", "gauge",
+           "Attended / candidate blocks over the last interval."),
+    Series("ucm_metrics_dropped_observations_total", "counter",
+           "Histogram observations dropped between two drains (more than MAX_OBSERVATIONS)."),
+)}
+
+
+def series(name: str) -> Series:
+    try:
+        return SERIES[name]
+    except KeyError:
+        raise ValueError(f"unknown metric {name!r} (see ucm.metrics.SERIES)") from None
+
+
+class Recorder:
+    """Thread-safe accumulation of one component's series until the next :meth:`drain`."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._data: dict = {}
+
+    def inc(self, name: str, value: float = 1, **labels) -> None:
+        s = series(name)
+        if s.kind != "counter":
+            raise ValueError(f"metric {name} is a {s.kind}, not a counter")
+        if value:
+            key = s.key(labels)
+            with self._lock:
+                d = self._data.setdefault(name, {})
+                d[key] = d.get(key, 0) + value
+
+    def set(self, name: str, value: float, **labels) -> None:
+        s = series(name)
+        if s.kind != "gauge":
+            raise ValueError(f"metric {name} is a {s.kind}, not a gauge")
+        key = s.key(labels)
+        with self._lock:
+            self._data.setdefault(name, {})[key] = value
+
+    def observe(self, name: str, value: float, **labels) -> None:
+        s = series(name)
+        if s.kind != "histogram":
+            raise ValueError(f"metric {name} is a {s.kind}, not a histogram")
+        key = s.key(labels)
+        with self._lock:
+            obs = self._data.setdefault(name, {}).setdefault(key, [])
+            if len(obs) < MAX_OBSERVATIONS:
+                obs.append(float(value))
+                return
+        self.inc("ucm_metrics_dropped_observations_total")
+
+    def drain(self) -> dict:
+        """The payload since the last drain (see the module's docstring); empties the recorder."""
+        with self._lock:
+            data, self._data = self._data, {}
+        return data
+
+
+def merge(into: dict, other: dict) -> dict:
+    """Add payload ``other`` to ``into`` (counters add, gauges take ``other``'s value,
+    histograms concatenate); returns ``into``."""
+    for name, values in other.items():
+        kind = series(name).kind
+        mine = into.setdefault(name, {})
+        for key, v in values.items():
+            if kind == "counter":
+                mine[key] = mine.get(key, 0) + v
+            elif kind == "gauge":
+                mine[key] = v
+            else:
+                mine[key] = (mine.get(key, []) + list(v))[:MAX_OBSERVATIONS]
+    return into
+
+
+def flat(payload: dict) -> dict:
+    """A payload as ``{"name{labels}": number}`` (histograms as their count and sum): for logs
+    and the stats file's readers."""
+    out = {}
+    for name, values in payload.items():
+        for key, v in values.items():
+            label = f"{name}{{{key}}}" if key else name
+            if isinstance(v, list):
+                out[label + ":count"] = len(v)
+                out[label + ":sum"] = sum(v)
+            else:
+                out[label] = v
+    return out
+
+
+class StoreCollector:
+    """Turns a store's cumulative :meth:`stats` into payload increments per tier (call
+    :meth:`collect` now and then; the first call reports everything since the store opened)."""
+
+    _COUNTERS = (("ucm_tier_hit_blocks_total", ("hits",)),
+                 ("ucm_tier_load_bytes_total", ("load_bytes",)),
+                 ("ucm_tier_save_bytes_total", ("dump_bytes",)),
+                 ("ucm_tier_failed_operations_total",
+                  ("load_failures", "dump_failures", "io_errors", "unavailable")),
+                 ("ucm_tier_evicted_blocks_total", ("evictions",)))
+
+    def __init__(self, store):
+        self.store = store
+        self._last: dict = {}
+
+    def collect(self, recorder: Recorder) -> None:
+        stats = self.store.stats()
+        tiers = {k: v for k, v in stats.items() if isinstance(v, dict) and k != "pipeline"}
+        if not tiers and isinstance(stats, dict) and "hits" in stats:
+            tiers = {getattr(self.store, "name", "store"): stats}
+        for tier, st in tiers.items():
+            if not isinstance(st, dict):
+                continue
+            last = self._last.setdefault(tier, {})
+            for name, fields in self._COUNTERS:
+                now = sum(int(st.get(f, 0) or 0) for f in fields)
+                delta = now - last.get(name, 0)
+                last[name] = now
+                if delta > 0:
+                    recorder.inc(name, delta, tier=tier)
+            for name, field in (("ucm_tier_used_bytes", "used_bytes"),
+                                ("ucm_tier_capacity_bytes", "capacity_bytes")):
+                if st.get(field) is not None:
+                    recorder.set(name, st[field], tier=tier)
+
+
+# ---------------------------------------------------------------------------------------------
+# sinks
+
+class PrometheusSink:
+    """Applies payloads to ``prometheus_client`` metrics, one per series, named as in
+    :data:`SERIES`. ``registry``: where they are registered (a new one by default; ignored when
+    ``metric_types`` is given); ``labelnames`` / ``labelvalues``: labels put before each series'
+    own (vLLM's ``model_name`` and ``engine``, say); ``metric_types``: the classes to build them
+    with, as vLLM's ``build_prom_metrics`` passes (``{Counter: cls, Gauge: cls, Histogram:
+    cls}``)."""
+
+    def __init__(self, registry=None, labelnames: Iterable[str] = (), metric_types=None):
+        import prometheus_client as pc
+
+        self.labelnames = list(labelnames)
+        if metric_types is None:
+            self.registry = registry if registry is not None else pc.CollectorRegistry()
+            types = {"counter": pc.Counter, "gauge": pc.Gauge, "histogram": pc.Histogram}
+            extra = {"registry": self.registry}
+        else:
+            self.registry = None
+            types = {"counter": metric_types[pc.Counter], "gauge": metric_types[pc.Gauge],
+                     "histogram": metric_types[pc.Histogram]}
+            extra = {}
+        self.metrics = {}
+        for s in SERIES.values():
+            kw = dict(extra)
+            if s.kind == "histogram":
+                kw["buckets"] = list(s.buckets)
+            if s.kind == "gauge" and metric_types is not None:
+                kw["multiprocess_mode"] = "mostrecent"
+            # prometheus_client appends _total to counters itself
+            name = s.name[:-len("_total")] if s.kind == "counter" else s.name
+            self.metrics[s.name] = types[s.kind](name=name, documentation=s.help,
+                                                 labelnames=self.labelnames + list(s.labels), **kw)
+
+    def apply(self, payload: dict, labelvalues: Iterable = ()) -> None:
+        pre = [str(v) for v in labelvalues]
+        for name, values in payload.items():
+            s = SERIES.get(name)
+            if s is None:        # a payload of a newer ucm: skip what this one cannot name
+                continue
+            metric = self.metrics[name]
+            for key, v in values.items():
+                child = metric.labels(*pre, *s.label_values(key)) if pre or s.labels else metric
+                if s.kind == "counter":
+                    child.inc(v)
+                elif s.kind == "gauge":
+                    child.set(v)
+                else:
+                    for x in v:
+                        child.observe(x)
+
+
+class JsonLinesSink:
+    """Appends ``{"t": time, **extra, "metrics": payload}`` lines to a file (kept open)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fh = None
+        self._lock = threading.Lock()
+
+    def write(self, payload: dict, **extra) -> None:
+        line = json.dumps({"t": time.time(), **extra, "metrics": payload}, default=str)
+        with self._lock:
+            try:
+                if self._fh is None:
+                    self._fh = open(self.path, "a", buffering=1)
+                self._fh.write(line + "\n")
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+
+class Exporter:
+    """What :func:`serve` returns: call :meth:`update` (or let its thread do it every
+    ``interval`` seconds) to publish the recorders' and stores' news; :meth:`close` stops it."""
+
+    def __init__(self, sink: PrometheusSink, server, thread):
+        self.sink = sink
+        self.recorders: list = []
+        self.collectors: list = []
+        self._server, self._thread = server, thread
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def watch_store(self, store) -> None:
+        self.collectors.append(StoreCollector(store))
+
+    def watch(self, recorder: Recorder) -> None:
+        self.recorders.append(recorder)
+
+    def update(self) -> None:
+        with self._lock:
+            payload: dict = {}
+            for c in self.collectors:
+                r = Recorder()
+                c.collect(r)
+                merge(payload, r.drain())
+            for r in self.recorders:
+                merge(payload, r.drain())
+            self.sink.apply(payload)
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.update()
+            except Exception:   # a store closed under us: the next round retries
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+def serve(port: int, store=None, *, addr: str = "127.0.0.1", interval: float = 5.0) -> Exporter:
+    """Expose ucm's series over HTTP (``/metrics``, Prometheus text format) for a process that
+    uses a store directly: ``exporter = ucm.metrics.serve(9400, store)``. A port in use raises
+    ``OSError`` naming it."""
+    import prometheus_client as pc
+
+    sink = PrometheusSink()
+    try:
+        server, thread = pc.start_http_server(port, addr=addr, registry=sink.registry)
+    except OSError as exc:
+        raise OSError(exc.errno, f"ucm.metrics.serve: cannot listen on {addr}:{port} "
+                                 f"({exc.strerror or exc}); is another exporter using the "
+                                 f"port?") from None
+    ex = Exporter(sink, server, thread)
+    if store is not None:
+        ex.watch_store(store)
+    t = threading.Thread(target=ex._run, args=(interval,), name="ucm-metrics", daemon=True)
+    t.start()
+    return ex
