@@ -137,3 +137,29 @@ def test_jsonlines_sink(tmp_path):
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert lines[0]["metrics"] == {"ucm_load_blocks_total": {"": 2}} and lines[0]["pid"] == 1
     assert len(lines) == 2
+
+
+def test_grafana_dashboard_queries_name_existing_series():
+    """Every query of deploy/grafana/ucm-dashboard.json names series of ucm.metrics.SERIES
+    (histograms through their _bucket / _sum / _count), and every series has a panel."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "deploy", "grafana", "ucm-dashboard.json")
+    with open(path) as f:
+        dash = json.load(f)
+    used = set()
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for t in panel["targets"]:
+            names = re.findall(r"\bucm_[a-z0-9_]+", t["expr"])
+            assert names, (panel["title"], t["expr"])
+            for n in names:
+                base = re.sub(r"_(bucket|sum|count)$", "", n)
+                s = M.SERIES.get(n) or M.SERIES.get(base)
+                assert s is not None, f"panel {panel['title']!r}: {n} is not a ucm series"
+                if n != s.name:
+                    assert s.kind == "histogram", f"{n}: only histograms have _bucket/_sum/_count"
+                if "by (tier)" in t["expr"]:
+                    assert "tier" in s.labels, f"{n} has no tier label"
+                used.add(s.name)
+    assert used == set(M.SERIES), f"series without a panel: {sorted(set(M.SERIES) - used)}"

@@ -41,8 +41,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
+                                                                 KVConnectorStats)
 
 import ucm
+from ucm import metrics as ucm_metrics
 from ucm import threads as ucm_threads
 from ucm.config import Config, ConfigError
 from ucm.ids import Namespace
@@ -118,6 +121,37 @@ def _namespace(vllm_config, cfg: Config) -> Namespace:
         codec=_codec_name(cfg),
         tenant_salt=cfg["tenant_salt"],
     )
+
+
+class UCMConnectorStats(KVConnectorStats):
+    """vLLM's carrier of the connector's metrics: ``data`` is a :mod:`ucm.metrics` payload
+    (JSON-safe: it crosses from the workers to the scheduler and on to the API server)."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: "KVConnectorStats") -> "KVConnectorStats":
+        if other is not None and other.data:
+            ucm_metrics.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict:
+        return ucm_metrics.flat(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class UCMPromMetrics(KVConnectorPromMetrics):
+    """The :mod:`ucm.metrics` series as vLLM's Prometheus metrics (on ``vllm serve``'s
+    ``/metrics``), labelled with vLLM's own labels (model name, engine) first."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.sink = ucm_metrics.PrometheusSink(labelnames=labelnames, metric_types=metric_types)
+
+    def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
+        self.sink.apply(transfer_stats_data or {}, self.per_engine_labelvalues[engine_idx])
 
 
 class UCMConnector(KVConnectorBase_V1):
@@ -281,6 +315,26 @@ class UCMConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.load_path.take_errors() if self.load_path is not None else set()
+
+    # =========================================================================================
+    # metrics (both roles): vLLM collects them every step and shows them on /metrics
+    # =========================================================================================
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if self.sched is not None:
+            payload = self.sched.metrics.drain()
+        elif self.core is not None:
+            payload = self.core.drain_metrics()
+        else:
+            return None
+        return UCMConnectorStats(data=payload) if payload else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> Optional[KVConnectorStats]:
+        return UCMConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def stats(self) -> dict:
         """Connector counters plus the store's statistics (worker side)."""

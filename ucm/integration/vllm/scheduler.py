@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 import ucm
+from ucm import metrics as ucm_metrics
 from ucm.config import Config
 from ucm.ids import Namespace
 from ucm.integration.vllm import keys, stores
@@ -130,6 +131,7 @@ class ConnectorScheduler:
         self._generation = 0
         self._saving: dict[bytes, int] = {}  # id of a planned save -> the step that planned it
         self._step = 0
+        self.metrics = ucm_metrics.Recorder()   # lookups (drained into vLLM's connector stats)
         ucm.hash_blocks(np.zeros(self.block_size, np.int64), ns)  # compile now, not per request
         try:  # open the store and compile its lookups now: the first request would pay ~0.2 s
             probe = np.zeros((1, 2), dtype=np.uint64)
@@ -233,11 +235,28 @@ class ConnectorScheduler:
                                  num_external_tokens: int) -> None:
         st = self._state(request)
         m = self._matched.pop(request.request_id, None) or Match(request.num_computed_tokens, 0)
+        if st is not None:
+            self._count_lookup(request, m, num_external_tokens)
         if st is not None and num_external_tokens > 0:
             start = m.local // self.block_size
             end = start + num_external_tokens // self.block_size
             partial = m.tail is not None and num_external_tokens % self.block_size
             st.load = PlannedLoad(start, end, m.tail[0] if partial else None)
+
+    def _count_lookup(self, request, m: "Match", num_external_tokens: int) -> None:
+        """One lookup's outcome as vLLM accepted it (counted once per allocation: vLLM asks
+        ``get_num_new_matched_tokens`` again while a request waits for blocks)."""
+        bs = self.block_size
+        start = m.local // bs
+        n_full = max(start, (request.num_tokens - 1) // bs)
+        hit = num_external_tokens // bs
+        r = self.metrics
+        r.inc("ucm_lookups_total")
+        r.inc("ucm_lookup_hit_blocks_total", hit)
+        r.inc("ucm_lookup_miss_blocks_total", max(0, n_full - start - hit))
+        r.inc("ucm_lookup_hit_tokens_total", num_external_tokens)
+        r.inc("ucm_lookup_miss_tokens_total",
+              max(0, request.num_tokens - m.local - num_external_tokens))
 
     # per step ---------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput", meta):

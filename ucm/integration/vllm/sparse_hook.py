@@ -61,6 +61,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ucm import metrics as ucm_metrics
 from ucm.config import Config
 
 log = logging.getLogger("ucm.integration.vllm.sparse")
@@ -118,6 +119,26 @@ def stats() -> Optional[dict]:
     """This process's counters (``None`` while the patch is not applied)."""
     h = _hook
     return None if h is None else h.stats()
+
+
+#: counters of the hook published as ucm.metrics series
+_SERIES = {"sparse_steps": "ucm_sparse_steps_total",
+           "blocks_total": "ucm_sparse_candidate_blocks_total",
+           "blocks_kept": "ucm_sparse_attended_blocks_total"}
+
+
+def drain_metrics() -> dict:
+    """This process's sparse-attention series since the last call (a ucm.metrics payload,
+    with the interval's kept-block ratio)."""
+    h = _hook
+    if h is None:
+        return {}
+    p = h.metrics.drain()
+    cand = p.get("ucm_sparse_candidate_blocks_total", {}).get("", 0)
+    if cand:
+        kept = p.get("ucm_sparse_attended_blocks_total", {}).get("", 0)
+        p["ucm_sparse_kept_block_ratio"] = {"": kept / cand}
+    return p
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +217,7 @@ class SparseHook:
         self.method: Any = None
         self.disabled_reason: Optional[str] = None
         self.counters = dict.fromkeys(self.COUNTERS, 0)
+        self.metrics = ucm_metrics.Recorder()
         sf = cfg["connector.stats_file"]
         self.stats_path = stats_path if stats_path is not None else (sf + STATS_SUFFIX if sf else None)
         self._dirty = False
@@ -231,6 +253,8 @@ class SparseHook:
     def _add(self, **kw) -> None:
         for k, v in kw.items():
             self.counters[k] += v
+            if k in _SERIES:
+                self.metrics.inc(_SERIES[k], v)
         self._dirty = True
 
     def write_stats(self) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import ucm
+from ucm import metrics as ucm_metrics
 
 
 def new_counters() -> dict:
@@ -65,11 +66,15 @@ class WorkerCore:
         self.rank_ids = rank_ids if rank_ids is not None else (lambda ids: ids)
         self.stats_file = stats_file
         self.counters = new_counters()
+        #: ucm.metrics series of this worker (drained by the connector into vLLM's stats)
+        self.metrics = ucm_metrics.Recorder()
+        self.store_metrics = ucm_metrics.StoreCollector(store) if store is not None else None
         # guards the staging pool, the counters a save thread updates and the save jobs in flight
         self.lock = threading.Lock()
         self.free_staging: list = []  # staging buffers of ended saves, reused
         self._forward_t0: Optional[float] = None
         self._stats_fh = None
+        self._published: dict = {}   # the metrics payload drained since the last stats line
 
     # staging ----------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -107,11 +112,28 @@ class WorkerCore:
             if f is None:
                 f = self._stats_fh = open(self.stats_file, "a", buffering=1)
             line = {"t": time.time(), "pid": os.getpid(), **self.counters}
+            if self._published:
+                line["metrics"], self._published = self._published, {}
             if final and self.store is not None:
                 line["store"] = self.store.stats()
             f.write(json.dumps(line, default=str) + "\n")
         except (OSError, ValueError):
             pass
+
+    def drain_metrics(self) -> dict:
+        """This worker's ucm.metrics payload since the last call: transfers, the store's tiers
+        and sparse attention (also the next stats-file line's ``metrics``)."""
+        from ucm.integration.vllm import sparse_hook
+
+        if self.store_metrics is not None:
+            try:
+                self.store_metrics.collect(self.metrics)
+            except Exception:   # a store fault: its tiers' series wait for the next call
+                pass
+        p = ucm_metrics.merge(self.metrics.drain(), sparse_hook.drain_metrics())
+        if self.stats_file:
+            ucm_metrics.merge(self._published, p)
+        return p
 
     def stats(self) -> dict:
         """Counters plus the store's statistics."""

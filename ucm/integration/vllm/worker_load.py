@@ -156,6 +156,11 @@ class WorkerLoad:
         counters["load_failed"] += len(failed)
         counters["load_bytes"] += n * self.core.block_bytes
         counters["load_s"] += seconds
+        m = self.core.metrics
+        m.inc("ucm_load_blocks_total", n)
+        m.inc("ucm_load_bytes_total", n * self.core.block_bytes)
+        m.inc("ucm_load_failed_blocks_total", len(failed))
+        m.observe("ucm_load_seconds", seconds)
         if failed:
             log.warning("ucm: %d of %d blocks failed to load; vLLM recomputes them", len(failed),
                         len(blocks))

@@ -294,6 +294,11 @@ class WorkerSave:
         counters["save_failed"] += len(ok) - n
         counters["save_bytes"] += n * self.core.block_bytes
         counters["save_s"] += seconds
+        m = self.core.metrics
+        m.inc("ucm_save_blocks_total", n)
+        m.inc("ucm_save_bytes_total", n * self.core.block_bytes)
+        m.inc("ucm_save_failed_blocks_total", len(ok) - n)
+        m.observe("ucm_save_seconds", seconds)
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Wait for the background saves in flight (at most ``timeout`` seconds); True when none
