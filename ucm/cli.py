@@ -1,4 +1,4 @@
-"""``ucm`` command line: ``ucm info``, ``ucm config``, ``ucm demo``."""
+"""``ucm`` command line: ``ucm info``, ``ucm config``, ``ucm demo``, ``ucm store``."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,95 @@ def _cmd_config(args) -> int:
     for key, value in cfg.to_dict().items():
         print(f"{key:<24} = {value!r:<28} ({cfg.source(key)})")
     return 0
+
+
+def _store_roots(args) -> list:
+    """posix roots named by --root, else by the configuration's store.posix.roots."""
+    if args.root:
+        return list(args.root)
+    from ucm.config import Config
+
+    cfg = Config.load(args.file, preset=args.preset)
+    roots = cfg["store.posix.roots"] if "store.posix.roots" in cfg.to_dict() else None
+    if not roots:
+        raise ValueError("ucm store: no posix root: pass --root DIR or a configuration whose "
+                         "store.posix.roots names one")
+    return [roots] if isinstance(roots, str) else list(roots)
+
+
+def _bar(total: int, what: str, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, unit="block", disable=quiet, file=sys.stderr)
+
+
+def _size(n) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _cmd_store(args) -> int:
+    from ucm.store.posix_admin import Root
+
+    out, rc = [], 0
+    write = args.action in ("verify", "gc", "clear") and not getattr(args, "no_quarantine", False)
+    for path in _store_roots(args):
+        with Root(path, write=write) as root:
+            if args.action == "du":
+                r = root.du()
+                out.append(r)
+                if not args.json:
+                    print(f"{r['root']}: {_size(r['bytes'])} in {r['blocks']} blocks "
+                          f"(temporary {_size(r['temporary']['bytes'])}, quarantine "
+                          f"{r['quarantine']['files']} files, {_size(r['quarantine']['bytes'])})")
+                    for sp, d in sorted(r["spaces"].items()):
+                        print(f"  space {sp}  namespace {d.get('namespace')}  codec "
+                              f"{d.get('codec')}  {d['blocks']} blocks  {_size(d['bytes'])}")
+            elif args.action == "ls":
+                rows = root.blocks()[:args.limit] if args.limit else root.blocks()
+                out.extend({"root": root.path, "space": s, "id": i, "bytes": n,
+                            "mtime": m} for s, i, n, m, _ in rows)
+                if not args.json:
+                    for s, i, n, m, _ in rows:
+                        print(f"{i}  {s}  {n:>12}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m))}")
+            elif args.action == "inspect":
+                found = root.find(args.id)
+                for s, i, n, m, p in found:
+                    h = root.header(p)
+                    out.append({"root": root.path, "space": s, "path": p, **h})
+                    if not args.json:
+                        print(f"{p}")
+                        for k, v in h.items():
+                            print(f"  {k:<14} {v}")
+            elif args.action == "verify":
+                with _bar(len(root.blocks()), f"verify {root.path}", args.json) as bar:
+                    r = root.verify(quarantine=not args.no_quarantine, progress=bar.update)
+                out.append({"root": root.path, **r})
+                rc = rc or (1 if r["bad"] else 0)
+                if not args.json:
+                    print(f"{root.path}: {r['checked']} blocks checked, {len(r['bad'])} damaged"
+                          f"{', quarantined' if r['quarantined'] else ''}")
+                    for b in r["bad"]:
+                        print(f"  {b['id']} (space {b['space']}): {b['reason']}")
+            elif args.action == "gc":
+                used = root.gc(args.target)
+                out.append({"root": root.path, "bytes": used})
+                if not args.json:
+                    print(f"{root.path}: {_size(used)} in use after collection")
+            elif args.action == "clear":
+                with _bar(0, f"clear {root.path}", args.json) as bar:
+                    r = root.clear(args.namespace, progress=bar.update)
+                out.append({"root": root.path, **r})
+                if not args.json:
+                    print(f"{root.path}: removed {r['removed']} blocks, {_size(r['bytes'])}")
+    if args.action == "inspect" and not out:
+        print(f"ucm: block {args.id} is in no root", file=sys.stderr)
+        rc = 1
+    if args.json:
+        print(json.dumps(out, indent=1, default=str))
+    return rc
 
 
 def _doc_tokens() -> list:
@@ -123,6 +212,26 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the demo's stores")
     p.add_argument("--hashing-only", action="store_true", help="storage-free hashing/index demo (no vLLM)")
     p.set_defaults(fn=_cmd_demo)
+    p = sub.add_parser("store", help="inspect and maintain a posix store: du, ls, inspect, verify, "
+                                     "gc, clear")
+    p.add_argument("--file", help="YAML configuration naming the store (default: $UCM_CONFIG_FILE)")
+    p.add_argument("--preset", help="scenario preset")
+    p.add_argument("--root", action="append", help="a posix root (repeatable; instead of --file)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    ss = p.add_subparsers(dest="action", required=True)
+    ss.add_parser("du", help="bytes and blocks per space and namespace")
+    q = ss.add_parser("ls", help="list blocks")
+    q.add_argument("--limit", type=int, default=0)
+    q = ss.add_parser("inspect", help="a block's header fields")
+    q.add_argument("id", help="block id (32 hex digits)")
+    q = ss.add_parser("verify", help="check every block's checksums; damaged ones are quarantined")
+    q.add_argument("--no-quarantine", action="store_true", help="report only")
+    q = ss.add_parser("gc", help="remove dead writers' files and old quarantine; evict to --target")
+    q.add_argument("--target", type=int, default=None, help="evict down to this many bytes")
+    q = ss.add_parser("clear", help="delete every block of a namespace")
+    q.add_argument("--namespace", action="append", required=True,
+                   help="namespace digest (32 hex digits, as `du` shows; repeatable)")
+    p.set_defaults(fn=_cmd_store)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -86,6 +86,32 @@ class BadBlock(Exception):
         self.foreign = foreign
 
 
+def describe(raw: np.ndarray) -> dict:
+    """The fields of a header without expecting anything of them (for inspection tools):
+    ``{"valid": bool, "reason": str, ...fields}``; ``valid`` when the magic, version, sizes and
+    header checksum hold."""
+    if raw.nbytes < 88:
+        return {"valid": False, "reason": "header truncated"}
+    (magic, version, hsize, ns, bid, cdc, flags, bbytes, sbytes, nsh, _r) = _FIXED.unpack(
+        raw[:80].tobytes())
+    out = {"magic": magic.decode("latin-1"), "version": version, "header_bytes": hsize,
+           "namespace": ns.hex(), "block_id": bid.hex(), "codec": cdc, "flags": flags,
+           "block_bytes": bbytes, "shard_bytes": sbytes, "shards": nsh}
+    if magic != MAGIC:
+        return {**out, "valid": False, "reason": "bad magic"}
+    if version != VERSION:
+        return {**out, "valid": False, "reason": f"format version {version}, expected {VERSION}"}
+    if hsize != header_size(nsh) or raw.nbytes < 88 + 8 * nsh:
+        return {**out, "valid": False, "reason": "header size inconsistent"}
+    body = raw[:88 + 8 * nsh].copy()
+    stored = struct.unpack("<Q", body[80:88].tobytes())[0]
+    body[80:88] = 0
+    if checksum(body) != stored:
+        return {**out, "valid": False, "reason": "header checksum mismatch"}
+    table = np.frombuffer(raw[88:88 + 8 * nsh].tobytes(), dtype="<u8").astype(np.uint64)
+    return {**out, "valid": True, "reason": "", "shard_checksums": table}
+
+
 def parse(raw: np.ndarray, namespace: bytes, block_id: bytes, block_bytes: int, shard_bytes: int,
           codec: int = 0, align: int = ALIGN) -> Header:
     """Validate the first ``header_size`` bytes of a block file against expectations: first

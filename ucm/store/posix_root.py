@@ -178,7 +178,8 @@ class _Root:
                 # and a root just marked (new, or adopted from an older ucm) is counted afresh
                 if made or self._dead_writers() or self._read_usage() is None:
                     self.gc_locked(None)
-        self.open_space(create=not self.read_only)
+        if self.space is not None:      # (None: an administrator's handle on the whole root)
+            self.open_space(create=not self.read_only)
 
     def _initialise(self) -> None:
         """Make an empty directory a ucm root (marker last: a half-made root is still empty of
@@ -410,7 +411,7 @@ class _Root:
                         os.close(afd)
             finally:
                 os.close(sfd)
-        for e in os.scandir(self.quarantine):
+        for e in (os.scandir(self.quarantine) if self.quarantine is not None else ()):
             if _QUARANTINED.match(e.name):
                 st = _lstat(e)
                 if st is not None and stat.S_ISREG(st.st_mode):
