@@ -146,11 +146,12 @@ def test_replace_and_equality():
     assert Config() == Config() and Config() != d
 
 
-def test_readme_documents_every_option():
-    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    assert options_markdown() in readme, "regenerate the README table: python -m ucm config --markdown"
+def test_docs_document_every_option():
+    ref = open(os.path.join(REPO, "docs", "configuration.md"), encoding="utf-8").read()
+    assert options_markdown() in ref, ("regenerate the table in docs/configuration.md: "
+                                       "python -m ucm config --markdown")
     for name in PRESETS:
-        assert name in readme
+        assert name in ref
     assert ucm.Config is Config
 
 

@@ -163,3 +163,11 @@ def test_grafana_dashboard_queries_name_existing_series():
                     assert "tier" in s.labels, f"{n} has no tier label"
                 used.add(s.name)
     assert used == set(M.SERIES), f"series without a panel: {sorted(set(M.SERIES) - used)}"
+
+
+def test_observability_page_lists_every_series():
+    import os
+
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "observability.md")).read()
+    assert M.markdown() in page, ("regenerate the table in docs/observability.md: "
+                                  "python -c 'import ucm.metrics as m; print(m.markdown())'")

@@ -370,3 +370,12 @@ def serve(port: int, store=None, *, addr: str = "127.0.0.1", interval: float = 5
     t = threading.Thread(target=ex._run, args=(interval,), name="ucm-metrics", daemon=True)
     t.start()
     return ex
+
+
+def markdown() -> str:
+    """The series as a Markdown table (docs/observability.md holds it; a test keeps it current)."""
+    rows = ["| series | type | labels | meaning |", "|---|---|---|---|"]
+    for s in SERIES.values():
+        labels = ", ".join(s.labels) or "—"
+        rows.append(f"| `{s.name}` | {s.kind} | {labels} | {s.help} |")
+    return "\n".join(rows) + "\n"
