@@ -146,6 +146,10 @@ def raw_rows(x, shape):
     rounded to the cache's type."""
     y = torch.from_numpy(x).to(TORCH[shape.dtype])
     y = y.permute([0] + [1 + "kthd".index(c) for c in shape.order]).contiguous()
+    if shape.key_order == "dt":           # key planes channel-major ("hktd": [n, H, 2, T, D])
+        assert shape.order == "hktd"
+        y = y.clone()                     # (contiguous() may have returned x's own memory)
+        y[:, :, 0] = y[:, :, 0].transpose(-1, -2).reshape(y[:, :, 0].shape).clone()
     return y.view(torch.uint8).reshape(x.shape[0], shape.raw_bytes)
 
 
@@ -290,6 +294,36 @@ def test_codec(impl, name, dtype, order, monkeypatch):
         assert np.flatnonzero(~ok).tolist() == (LEARNED_NOT_OK if name == "learned" else NOT_OK)
         ran += 1
     assert ran >= len(SHAPES) - 1
+
+
+@impls("encode")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["int8-channel", "int8-token", "int4-channel-g64",
+                                  "int4-token-g32", "sparse-channel-g32", "learned"])
+def test_channel_major_keys(impl, name, dtype, monkeypatch):
+    """vLLM-CPU's layout (key planes [D, T]): every implementation encodes it to the bytes of
+    the same KV stored token-major, and decodes back to channel-major planes."""
+    backend, _ = backend_of("encode", impl, monkeypatch)
+    rng = np.random.default_rng(7)
+    for t, h, d in [(16, 3, 64), (128, 1, 128), (7, 2, 64)]:
+        proj = projection(rng, h, d) if name == "learned" else None
+        spec = make_spec(name, proj)
+        shape = KVShape("hktd", t, h, d, dtype, key_order="dt")
+        if not fits(spec, shape):
+            continue
+        x = kv_rows(rng, dtype, t, h, d)
+        ok = round_trip(backend, spec, shape, raw_rows(x, shape))
+        # the encoding is the token-major one's (the reference's, compared byte for byte above)
+        tm = shape.with_token_major_keys()
+        a = torch.zeros((len(x), encoded_bytes(spec, shape)), dtype=torch.uint8)
+        b = torch.zeros_like(a)
+        compress.encode(spec, shape, raw_rows(x, shape), a, 1, backend=backend)
+        compress.encode(spec, tm, raw_rows(x, tm), b, 1, backend="reference")
+        if spec.method == "learned":
+            assert np.allclose(segment(a.numpy()[ok], spec, shape, "coef"),
+                               segment(b.numpy()[ok], spec, shape, "coef"), rtol=1e-2, atol=1e-2)
+        else:
+            assert torch.equal(a[torch.from_numpy(ok)], b[torch.from_numpy(ok)])
 
 
 @impls("encode")

@@ -220,8 +220,7 @@ def test_codecs_see_vllm_cpu_blocks_as_keys_and_values(dtype, tokens, heads, hea
     ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(tokens) + tokens,
                                    _get_attn_isa(tdtype, tokens, head_dim))
     row = cache[1].reshape(1, -1).view(torch.uint8)
-    rows = C._swap_key_planes(row, shape, True) if shape.key_order == "dt" else row
-    x = to_canonical(rows, shape.with_token_major_keys())[0]      # [2, T, H, D] float32
+    x = to_canonical(row, shape)[0]                               # [2, T, H, D] float32
     assert torch.equal(x[0], key.float()) and torch.equal(x[1], value.float())
     # and a codec's round trip through the engine's layout keeps them within INT8 error
     spec = C.CodecSpec("quantize", 8)

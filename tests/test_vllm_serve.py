@@ -137,7 +137,7 @@ def _ucm_config(store, stats):
     return {"kv_connector": "UCMConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "store": {"pipeline": "memory|posix", "posix": {"roots": [str(store)]}},
-                "cache_capacity": "512MiB",
+                "cache_capacity": "512MiB", "buffer_number": 64,   # 64 blocks of 5.9 MB in memory
                 "connector": {"model_id": "smollm2-serve-test", "stats_file": str(stats)}}}
 
 

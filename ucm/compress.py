@@ -3,8 +3,8 @@ fixed-size byte string and back.
 
 A codec sees a shard as the tensor ``x[kv, t, h, d]`` (keys then values, ``T`` tokens, ``H`` KV
 heads, ``D`` channels) of the cache's element type, whatever the engine's memory order
-(:class:`KVShape`; key planes stored channel-major, ``key_order="dt"``, are transposed here on
-the way in and out, so implementations only see token-major keys). Every encoded shard of a given codec and shape has the same size, so the
+(:class:`KVShape`; every implementation also reads and writes key planes stored channel-major,
+``key_order="dt"``, as vLLM-CPU keeps them). Every encoded shard of a given codec and shape has the same size, so the
 store's geometry stays fixed. Integer payloads and scales are bit-identical between
 implementations (the reference here and the fast paths); the learned codec's coefficients are
 floating point and match within the equivalence tolerance.
@@ -87,27 +87,6 @@ def _check(spec, shape, layer):
         raise ValueError(f"layer {layer}: the projection has {spec.projection.layers} layers")
 
 
-_ELEMENT = {1: "uint8", 2: "int16", 4: "int32"}
-
-
-def _swap_key_planes(rows, shape: KVShape, to_token_major: bool):
-    """A copy of raw rows whose key planes are transposed: channel-major -> token-major
-    (``to_token_major``) or back; values as they are. Every implementation then sees keys
-    stored like values (``shape.key_order == "dt"`` is a layout of the engine's, not a
-    codec's)."""
-    import torch
-
-    n, t, d = rows.shape[0], shape.tokens, shape.head_dim
-    sizes = shape.sizes()
-    x = rows.contiguous().view(getattr(torch, _ELEMENT[shape.esize]))
-    x = x.view([n] + [sizes[c] for c in shape.order[:-2]] + [t * d])
-    out = x.clone()
-    kdim = 1 + shape.order.index("k")
-    a, b = (d, t) if to_token_major else (t, d)
-    out.select(kdim, 0).copy_(x.select(kdim, 0).unflatten(-1, (a, b)).transpose(-1, -2).flatten(-2))
-    return out.view(torch.uint8).view(n, shape.raw_bytes)
-
-
 def encode(spec: CodecSpec, shape: KVShape, src, dst, layer: int = 0, *,
            backend: Optional[str] = None) -> np.ndarray:
     """Encode each row of ``src`` (uint8 ``[n, shape.raw_bytes]``: raw shards of layer
@@ -121,8 +100,6 @@ def encode(spec: CodecSpec, shape: KVShape, src, dst, layer: int = 0, *,
         raise ValueError(f"src on {s.device}, dst on {d.device}: expected one device")
     if s.shape[0] == 0:
         return np.zeros(0, dtype=bool)
-    if shape.key_order == "dt":
-        s, shape = _swap_key_planes(s, shape, True), shape.with_token_major_keys()
     return dispatch.call("encode", spec, shape, s, d, int(layer), backend=backend)
 
 
@@ -135,19 +112,8 @@ def decode(spec: CodecSpec, shape: KVShape, src, dst, layer: int = 0, *,
     d = _rows(dst, shape.raw_bytes, "dst", s.shape[0])
     if s.device != d.device:
         raise ValueError(f"src on {s.device}, dst on {d.device}: expected one device")
-    if s.shape[0] and shape.key_order == "dt":
-        tmp = torch_empty_like(d)
-        dispatch.call("decode", spec, shape.with_token_major_keys(), s, tmp, int(layer),
-                      backend=backend)
-        d.copy_(_swap_key_planes(tmp, shape, False))
-    elif s.shape[0]:
+    if s.shape[0]:
         dispatch.call("decode", spec, shape, s, d, int(layer), backend=backend)
-
-
-def torch_empty_like(t):
-    import torch
-
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _device(args, kwargs):

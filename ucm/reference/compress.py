@@ -21,8 +21,28 @@ def _elements(b: torch.Tensor, dtype) -> torch.Tensor:
     return b.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def swap_key_planes(rows: torch.Tensor, shape: KVShape, to_token_major: bool) -> torch.Tensor:
+    """A copy of raw rows (uint8 ``[n, raw_bytes]``) whose key planes (``T x D`` per head,
+    contiguous: ``shape.order`` ends in ``"td"``) are transposed, channel-major -> token-major
+    (``to_token_major``) or back; the values copied as they are."""
+    n, t, d = rows.shape[0], shape.tokens, shape.head_dim
+    sizes = shape.sizes()
+    x = _elements(rows, _BITS[shape.esize]).reshape([n] + [sizes[c] for c in shape.order[:-2]] + [t * d])
+    out = torch.empty_like(x)
+    kdim = 1 + shape.order.index("k")
+    a, b = (d, t) if to_token_major else (t, d)
+    out.select(kdim, 1).copy_(x.select(kdim, 1))
+    out.select(kdim, 0).copy_(x.select(kdim, 0).unflatten(-1, (a, b)).transpose(-1, -2).flatten(-2))
+    return out.view(torch.uint8).reshape(n, shape.raw_bytes)
+
+
 def to_canonical(rows: torch.Tensor, shape: KVShape) -> torch.Tensor:
     """uint8 ``[n, raw_bytes]`` -> float32 ``[n, 2, T, H, D]``."""
+    if shape.key_order == "dt":
+        rows, shape = swap_key_planes(rows, shape, True), shape.with_token_major_keys()
     sizes = shape.sizes()
     x = _elements(rows, _TORCH[shape.dtype]).reshape([rows.shape[0]] + [sizes[c] for c in shape.order])
     perm = [0] + [1 + shape.order.index(c) for c in "kthd"]
@@ -33,7 +53,8 @@ def from_canonical(x: torch.Tensor, shape: KVShape) -> torch.Tensor:
     """float32 ``[n, 2, T, H, D]`` -> uint8 ``[n, raw_bytes]`` in the shard's memory order."""
     perm = [0] + [1 + "kthd".index(c) for c in shape.order]
     y = x.to(_TORCH[shape.dtype]).permute(perm).contiguous()
-    return y.view(torch.uint8).reshape(x.shape[0], shape.raw_bytes)
+    rows = y.view(torch.uint8).reshape(x.shape[0], shape.raw_bytes)
+    return swap_key_planes(rows, shape, False) if shape.key_order == "dt" else rows
 
 
 def bf16_up(x: torch.Tensor) -> torch.Tensor:

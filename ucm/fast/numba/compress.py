@@ -23,6 +23,7 @@ How it works:
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -523,7 +524,54 @@ def _decode_learned(src, ro, n, y, rs, geo, mean, basis_t, c_off, coef, acc):
 
 
 # ---------------------------------------------------------------------------------------------
+# key planes stored channel-major (KVShape.key_order "dt", vLLM-CPU): transposed around the
+# kernels, which see token-major keys. A plane (T x D of one head) is contiguous (the order ends
+# in "td") and small (<= 64 KiB for 128 x 128 float32): each moves through cache once.
+
+@njit(nogil=True)
+def _keys_to_token_major(x, rs, n, geo, out, ro):
+    """``out`` rows (pitch ``ro`` = the raw row's elements) = ``x`` rows with every key plane
+    [D, T] written as [T, D]."""
+    t_n, h_n, d_n, s_k, s_h = geo[0], geo[1], geo[2], geo[3], geo[5]
+    plane = t_n * d_n
+    for i in range(n):
+        out[i * ro:(i + 1) * ro] = x[i * rs:i * rs + ro]
+        for h in range(h_n):
+            src = x[i * rs + h * s_h:i * rs + h * s_h + plane]
+            dst = out[i * ro + h * s_h:i * ro + h * s_h + plane]
+            for d in range(d_n):
+                for t in range(t_n):
+                    dst[t * d_n + d] = src[d * t_n + t]
+
+
+@njit(nogil=True)
+def _keys_to_channel_major(y, rs, n, geo, scratch):
+    """In place: every key plane [T, D] of ``y``'s rows becomes [D, T]."""
+    t_n, h_n, d_n, s_h = geo[0], geo[1], geo[2], geo[5]
+    plane = t_n * d_n
+    for i in range(n):
+        for h in range(h_n):
+            p = y[i * rs + h * s_h:i * rs + h * s_h + plane]
+            scratch[:plane] = p
+            for t in range(t_n):
+                for d in range(d_n):
+                    p[d * t_n + t] = scratch[t * d_n + d]
+
+
+# ---------------------------------------------------------------------------------------------
 # the ops
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable uint8 buffer of at least ``nbytes`` (fresh pages cost more than
+    the transposition they would hold: reuse them)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _local.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf[:nbytes]
+
 
 def _geometry(shape: KVShape) -> np.ndarray:
     sizes = shape.sizes()
@@ -593,8 +641,13 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         aligned.copy_(src)
         raw = _flat(aligned, shape.raw_bytes, bits)
     x, rs = raw
-    out, ro = _flat(dst, dst.shape[1], np.uint8)
     geo = _geometry(shape)
+    if shape.key_order == "dt":                        # token-major keys in a copy
+        width = shape.raw_bytes // shape.esize
+        tm = _scratch(n * width * shape.esize).view(bits)
+        _keys_to_token_major(x, rs, n, geo, tm, width)
+        x, rs = tm, width
+    out, ro = _flat(dst, dst.shape[1], np.uint8)
     pads = _pads(spec, shape)
     ok = np.empty(n, dtype=bool)
     buf = np.empty(t_n * d_n, dtype=np.float32)
@@ -659,5 +712,7 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         mean, basis_t, r = _projection(spec, shape, layer)
         _decode_learned(enc, ro, n, y, rs, geo, mean, basis_t, *_at(spec, shape, "coef"),
                         np.empty((t_n, r), np.float32), np.empty((t_n, d_n), np.float32))
+    if shape.key_order == "dt":                        # decoded token-major: turn key planes
+        _keys_to_channel_major(y, rs, n, geo, np.empty(t_n * d_n, dtype=bits))
     if target is not dst:
         dst.copy_(target)

@@ -383,6 +383,8 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     under the interpreter); synchronizes once (the ``ok`` flags)."""
     if spec.method == "learned":
         return _ref.encode(spec, shape, src, dst, layer)
+    if shape.key_order == "dt":       # (vLLM-CPU's layout; a torch transposition on the device)
+        src, shape = _ref.swap_key_planes(src, shape, True), shape.with_token_major_keys()
     n = src.shape[0]
     esize = shape.esize
     pitch = _pitch(src)
@@ -406,6 +408,11 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     stream."""
     if spec.method == "learned":
         return _ref.decode(spec, shape, src, dst, layer)
+    if shape.key_order == "dt":
+        tmp = torch.empty(dst.shape, dtype=torch.uint8, device=dst.device)
+        decode(spec, shape.with_token_major_keys(), src, tmp, layer, launch=launch)
+        dst.copy_(_ref.swap_key_planes(tmp, shape, False))
+        return None
     n = src.shape[0]
     enc = src if _aligned_enc(src) else src.clone(memory_format=torch.contiguous_format)
     raw = _as(dst, _TORCH[shape.dtype])
