@@ -34,7 +34,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 SENTINEL = 0xA5
 
 SPECS = {
-    "int8": CodecSpec("quantize", 8),
+    "int8": CodecSpec("quantize", 8),                       # keys per channel
+    "int8-tok": CodecSpec("quantize", 8, key_mode="token"),
     "int4-ch32": CodecSpec("quantize", 4, 32, "channel"),
     "int4-ch64": CodecSpec("quantize", 4, 64, "channel"),
     "int4-tok32": CodecSpec("quantize", 4, 32, "token"),
@@ -154,7 +155,7 @@ def test_encode_decode_exact(triton_on, device, shape, name):
     assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at (row, byte) {diff[:5].tolist()}"
 
 
-@pytest.mark.parametrize("name", ["int8", "int4-tok32", "sparse-ch32"])
+@pytest.mark.parametrize("name", ["int8", "int8-tok", "int4-tok32", "sparse-ch32"])
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
                          + (["cuda"] if HAS_CUDA else []))
 def test_unaligned_rows(triton_on, device, name):
@@ -211,7 +212,7 @@ def test_signed_zero_extremes(triton_on, device, name):
     assert torch.equal(got.cpu(), want)
 
 
-LAUNCHES = [dict(int8_vectors=8, int8_warps=2), dict(int4_heads=2, int4_channel_join=True),
+LAUNCHES = [dict(int8_vectors=8, int8_warps=2, int8_tokens=4), dict(int4_heads=2, int4_channel_join=True),
             dict(int4_heads=3, int4_warps=2, int4_decode_warps=2, int4_decode_warps_token=2),
             dict(int4_split_kv=True), dict(int4_split_kv=False)]
 
@@ -223,10 +224,10 @@ def _launch_params():
     ids = ["int8-small", "heads2-join", "heads3", "split", "nosplit"]
     out = []
     for changes, cid in zip(LAUNCHES, ids):
-        for name in ["int8", "int4-ch32", "int4-tok64", "sparse-ch32"]:
+        for name in ["int8", "int8-tok", "int4-ch32", "int4-tok64", "sparse-ch32"]:
             if HAS_CUDA:
                 out.append(pytest.param("cuda", name, changes, id=f"cuda-{name}-{cid}"))
-            if (name == "int8") == ("int8_vectors" in changes) and name != "int4-tok64":
+            if name.startswith("int8") == ("int8_vectors" in changes) and name != "int4-tok64":
                 out.append(pytest.param("cpu", name, changes, id=f"cpu-{name}-{cid}",
                                         marks=pytest.mark.triton_interpreter))
     return out
@@ -287,7 +288,7 @@ def test_learned_within_one_bf16_step(triton_on, device):
 FUSED_LAYOUTS = {"fa": "kthd", "fa_packed": "kthd", "flashinfer": "kthd", "cpu_BHN2D": "htkd",
                  "padded": "kthd", "heads_slice": "kthd", "vllm_LHBNC": "htkd",
                  "vllm_BLNHC": "thkd"}
-FUSED_SPECS = ["int8", "int4-ch32", "int4-tok64", "sparse-ch32"]
+FUSED_SPECS = ["int8", "int8-tok", "int4-ch32", "int4-tok64", "sparse-ch32"]
 # under the interpreter (CI's CPU run, ~2-4 s a case) a subset with each kind of run structure:
 # one run per block, one per head (head-outer), one per token (token-outer) and padded rows;
 # every layout runs natively on CUDA

@@ -7,8 +7,9 @@ One plain server gives the reference completions. A first ucm server on a fresh 
 return the same completions, show its saves on ``/metrics`` and is then killed (SIGKILL) while
 the saves of a new prompt are in flight. A second server on the same store must start, return
 the same completions (every prompt, the half-saved one too), show hits on ``/metrics``, and shut
-down cleanly on SIGTERM with saves in flight: exit status 0 and a final stats line with every
-save done and none failed.
+down cleanly on SIGTERM with saves in flight (``--shutdown-timeout``, so that vLLM drains instead
+of killing its workers): exit status 0 and a final stats line with every save done and none
+failed.
 """
 import json
 import os
@@ -59,7 +60,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model, tmp_path, name, kv_config=None):
+    def __init__(self, model, tmp_path, name, kv_config=None, extra=()):
         self.port = _free_port()
         self.log_path = tmp_path / f"{name}.log"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -69,6 +70,7 @@ class Server:
                "--max-num-seqs", "4"]
         if kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        cmd += list(extra)
         env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
@@ -176,7 +178,10 @@ def test_serve_over_http(model, prompts, tmp_path):
 
     # second server on the same store: hits, identical completions, clean stop mid-save
     stats = tmp_path / "second.jsonl"
-    second = Server(model, tmp_path, "second", _ucm_config(store, stats))
+    # --shutdown-timeout: vLLM drains on SIGTERM (its default, 0, kills the workers at once:
+    # saves in flight are then lost, never half-published, as the first server showed)
+    second = Server(model, tmp_path, "second", _ucm_config(store, stats),
+                    extra=["--shutdown-timeout", "120"])
     try:
         for k in ("w0", "w1", "w2", "killed"):
             assert second.complete(prompts[k]) == ref[k], k

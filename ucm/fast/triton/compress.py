@@ -47,7 +47,8 @@ import triton
 
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets
 from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode, _int8_decode,
-                                              _int8_encode, _key_scores, jit)
+                                              _int8_encode, _int8c_decode, _int8c_encode,
+                                              _key_scores, jit)
 from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
 from ucm.reference import compress as _ref
 
@@ -60,6 +61,8 @@ class LaunchConfig:
     #: Vectors (of ``head_dim`` channels) per program of the INT8 kernels.
     int8_vectors: int = 32
     int8_warps: int = 4
+    #: Tokens per chunk of the INT8 kernels with keys per channel (a program per shard and head).
+    int8_tokens: int = 16
     #: KV heads per program of the INT4 / sparse kernels (a divisor of the head count is used:
     #: the largest one not above this).
     int4_heads: int = 1
@@ -288,6 +291,14 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
     if idx is None:
         idx = flags                                        # unused
     with _device_ctx(enc):
+        if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
+            jit(_int8c_encode)[(n * L, H)](
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch, flags, padt, n * L,
+                T=T, H=H, D=D, DP=_pow2(D), TB=min(_pow2(T), launch.int8_tokens), L=L, E=E,
+                KS=offs["kscale"], VS=offs["vscale"], NPAD=npad, NPADP=_pow2(npad),
+                INDEXED=indexed, ALIGN=tabs.align, BF16=shape.dtype == "bfloat16",
+                num_warps=launch.int8_warps)
+            return
         if spec.method == "quantize" and spec.bits == 8:
             V = 2 * T * H
             bv = _pow2(launch.int8_vectors)
@@ -333,6 +344,13 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
         idx = tabs.voff                                    # unused
     bf16 = shape.dtype == "bfloat16"
     with _device_ctx(enc):
+        if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
+            jit(_int8c_decode)[(n * L, H)](
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch,
+                T=T, H=H, D=D, DP=_pow2(D), TB=min(_pow2(T), launch.int8_tokens), L=L, E=E,
+                KS=offs["kscale"], VS=offs["vscale"], INDEXED=indexed, ALIGN=tabs.align,
+                BF16=bf16, num_warps=launch.int8_warps)
+            return
         if spec.method == "quantize" and spec.bits == 8:
             V = 2 * T * H
             bv = _pow2(launch.int8_vectors)

@@ -458,6 +458,147 @@ def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch,
         tl.store(raw + (ov + blk * sv)[:, None] + d[None, :], outv, mask=m2)
 
 
+def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_shards,
+                  T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                  TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KS: tl.constexpr,
+                  VS: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
+                  INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr):
+    """INT8 with keys scaled per channel (``key_mode="channel"``): a program per (shard, head).
+    Pass 1: per-channel max |K| over the block's tokens (chunks of ``TB``); pass 2: keys
+    quantized by their channel's scale, values by their token's (as ``_int8_encode``)."""
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i)
+    else:
+        blk = i
+    live = blk >= 0
+    t_lim = tl.where(live, T, 0)         # (the interpreter cannot mask with a vector & a scalar)
+    d_lim = tl.where(live, D, 0)
+    d = tl.arange(0, DP)
+    dm = d < D
+    V = 2 * T * H
+    base = enc + i * enc_pitch + k * E
+    amax = tl.zeros([DP], dtype=tl.float32)
+    bad = tl.zeros([DP], dtype=tl.int32)
+    for t0 in range(0, T, TB):
+        t = t0 + tl.arange(0, TB)
+        tm = t < t_lim
+        m2 = tm[:, None] & dm[None, :]
+        vk = k * V + t * H + h
+        off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+        bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+        if BF16:
+            xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None]
+                         + d[None, :], mask=m2, other=0)
+            x = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        bad = tl.maximum(bad, tl.max(tl.where(a < _INF, 0, 1), axis=0))
+        amax = tl.maximum(amax, tl.max(tl.where(a < _INF, a, 0.0), axis=0))
+    kbits = tl.math.div_rn(amax, 127.0).to(tl.int32, bitcast=True)
+    khi = kbits & -65536
+    kbits = tl.where((kbits & 0xFFFF) != 0, khi + 0x10000, khi)
+    ksc = kbits.to(tl.float32, bitcast=True)
+    kden = tl.where(ksc == 0, 1.0, ksc)
+    kb16 = kbits >> 16
+    tl.store(base + KS + 2 * (h * D + d), (kb16 & 255).to(tl.uint8), mask=d < d_lim)
+    tl.store(base + KS + 2 * (h * D + d) + 1, ((kb16 >> 8) & 255).to(tl.uint8), mask=d < d_lim)
+    for t0 in range(0, T, TB):
+        t = t0 + tl.arange(0, TB)
+        tm = t < t_lim
+        m2 = tm[:, None] & dm[None, :]
+        for kv in range(2):
+            v = (kv * T + t) * H + h
+            off = tl.multiple_of(tl.load(voff + k * V + v, mask=tm, other=0), ALIGN)
+            bst = tl.multiple_of(tl.load(vstride + k * V + v, mask=tm, other=0), ALIGN)
+            if BF16:
+                xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None]
+                             + d[None, :], mask=m2, other=0)
+                x = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            else:
+                x = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            if kv == 0:
+                den = kden[None, :] + tl.zeros([TB, DP], dtype=tl.float32)
+                pos = ksc[None, :] + tl.zeros([TB, DP], dtype=tl.float32)
+            else:
+                a = tl.abs(x)
+                bad = tl.maximum(bad, tl.max(tl.where(a < _INF, 0, 1), axis=0))
+                vbits = tl.math.div_rn(tl.max(tl.where(a < _INF, a, 0.0), axis=1), 127.0).to(
+                    tl.int32, bitcast=True)
+                vhi = vbits & -65536
+                vbits = tl.where((vbits & 0xFFFF) != 0, vhi + 0x10000, vhi)
+                vsc = vbits.to(tl.float32, bitcast=True)
+                vb16 = vbits >> 16
+                tl.store(base + VS + 2 * (t * H + h), (vb16 & 255).to(tl.uint8), mask=tm)
+                tl.store(base + VS + 2 * (t * H + h) + 1, ((vb16 >> 8) & 255).to(tl.uint8), mask=tm)
+                den = tl.where(vsc == 0, 1.0, vsc)[:, None] + tl.zeros([TB, DP], dtype=tl.float32)
+                pos = vsc[:, None] + tl.zeros([TB, DP], dtype=tl.float32)
+            y = tl.math.div_rn(x, den)
+            r = (y + _RINT) - _RINT
+            q = tl.where(pos > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
+            tl.store(base + (v * D)[:, None] + d[None, :], q.to(tl.int8).to(tl.uint8, bitcast=True),
+                     mask=m2)
+    nb = tl.max(bad, axis=0)
+    tl.store(flags + s, 0, mask=live & (nb > 0))
+    tl.store(flags + n_shards, 0, mask=live & (nb > 0))
+    if NPAD > 0:
+        j = tl.arange(0, NPADP)
+        po = tl.load(pad + j, mask=j < NPAD, other=0)
+        tl.store(base + po, tl.zeros([NPADP], dtype=tl.uint8), mask=j < tl.where(live & (h == 0), NPAD, 0))
+
+
+def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch,
+                  T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                  TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KS: tl.constexpr,
+                  VS: tl.constexpr, INDEXED: tl.constexpr, ALIGN: tl.constexpr,
+                  BF16: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i)
+    else:
+        blk = i
+    live = blk >= 0
+    t_lim = tl.where(live, T, 0)         # (the interpreter cannot mask with a vector & a scalar)
+    d_lim = tl.where(live, D, 0)
+    d = tl.arange(0, DP)
+    dm = d < D
+    V = 2 * T * H
+    base = enc + i * enc_pitch + k * E
+    lo = tl.load(base + KS + 2 * (h * D + d), mask=d < d_lim, other=0).to(tl.int32)
+    hi = tl.load(base + KS + 2 * (h * D + d) + 1, mask=d < d_lim, other=0).to(tl.int32)
+    ksc = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)
+    for t0 in range(0, T, TB):
+        t = t0 + tl.arange(0, TB)
+        tm = t < t_lim
+        m2 = tm[:, None] & dm[None, :]
+        for kv in range(2):
+            v = (kv * T + t) * H + h
+            q = tl.load(base + (v * D)[:, None] + d[None, :], mask=m2, other=0)
+            q = q.to(tl.int8, bitcast=True).to(tl.float32)
+            if kv == 0:
+                x = q * ksc[None, :]
+            else:
+                vlo = tl.load(base + VS + 2 * (t * H + h), mask=tm, other=0).to(tl.int32)
+                vhi = tl.load(base + VS + 2 * (t * H + h) + 1, mask=tm, other=0).to(tl.int32)
+                vsc = ((vlo | (vhi << 8)) << 16).to(tl.float32, bitcast=True)
+                x = q * vsc[:, None]
+            if BF16:
+                _b = x.to(tl.int32, bitcast=True)
+                out = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)   # RNE
+            else:
+                out = x.to(raw.dtype.element_ty)
+            off = tl.multiple_of(tl.load(voff + k * V + v, mask=tm, other=0), ALIGN)
+            bst = tl.multiple_of(tl.load(vstride + k * V + v, mask=tm, other=0), ALIGN)
+            tl.store(raw + (off + blk * bst)[:, None] + d[None, :], out, mask=m2)
+
+
 _jitted: dict = {}
 
 
