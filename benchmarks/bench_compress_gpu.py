@@ -191,8 +191,14 @@ def _sweep(torch, tc, spec, shape, raw, enc, dec, repeats):
     if spec.method == "quantize" and spec.bits == 8:
         alts = [dict(int8_vectors=v, int8_warps=w) for v in (16, 32, 64) for w in (4, 8)]
     else:
-        alts = [dict(int4_heads=h, int4_key_vec=v, int4_warps=w) for h in (1, 2, 4)
-                for v in (1, 2) for w in (2, 4, 8)]
+        alts = [dict(int4_heads=h, int4_warps=w, int4_split_kv=split) for h in (1, 2)
+                for w in (2, 4, 8) for split in (False, True)]
+        if spec.key_mode == "channel":
+            alts += [dict(int4_channel_join=True, int4_warps=4, int4_split_kv=split)
+                     for split in (False, True)]
+        else:
+            alts += [dict(int4_token_heads=h, int4_token_warps=w) for h in (1, 2, 4)
+                     for w in (2, 4, 8)]
         alts += [dict(int4_decode_heads=h, int4_decode_warps=w, int4_decode_warps_token=w)
                  for h in (1, 2) for w in (2, 4, 8)]
     out = {}

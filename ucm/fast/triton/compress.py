@@ -4,12 +4,13 @@
 dequantize straight into it, no raw staging rows in between).
 
 Integer formats are bit-identical to the reference: float32 arithmetic, correctly rounded
-divisions (``tl.math.div_rn``: Triton's ``/`` is approximate; the INT4 encode gets
-``rint((x - m) / s)`` without dividing, see :func:`~ucm.fast.triton.compress_kernels._int4_encode`),
-round half to even, the reference's ``bf16_up`` / ``bf16_down`` bit rules, ``q * s`` (exact)
-then ``+ m``, round to nearest even into the cache's type; padding bytes between segments are
-written as zeros. A shard holding NaN or infinite values gets ``ok = False`` and the encoding
-of an all-zero shard (what the reference writes), so even refused rows match byte for byte.
+divisions (``tl.math.div_rn``: Triton's ``/`` is approximate; the per-token INT4 encode gets
+``rint((x - m) / s)`` without dividing, see
+:func:`~ucm.fast.triton.compress_kernels._int4_encode_token`), round half to even, the
+reference's ``bf16_up`` / ``bf16_down`` bit rules, ``q * s`` (exact) then ``+ m``, round to
+nearest even into the cache's type; padding bytes between segments are written as zeros. A shard
+holding NaN or infinite values gets ``ok = False`` and the encoding of an all-zero shard (what
+the reference writes), so even refused rows match byte for byte.
 
 Addressing. Every kernel sees a shard as ``2 * T * H`` *vectors* of ``D`` contiguous elements,
 numbered canonically ``v = (kv * T + t) * H + h``. Two small int64 tables give, per (selected
@@ -26,17 +27,17 @@ encode):
 
 * ``_int8_encode`` / ``_int8_decode``: INT8, a program per ``BV`` consecutive vectors (over all
   shards of the call).
-* ``_int4_encode`` / ``_int4_decode``: INT4 (``quantize`` bits 4, keys per channel or per token
-  group) and ``sparse`` (``SPARSE``: the salient tokens kept exact, the rest INT4), a program per
-  (shard, chunk of heads). A sparse encode first runs ``_salient`` (a program per shard: the
-  tokens of largest ``max |K|`` over heads and channels, ties to the lower token, into the
-  encoding's bitmap), which ``_int4_encode`` then reads, as the decode does.
+* ``_int4_encode_token``: INT4 with keys per token, a program per (shard, 2 to 4 heads).
+* ``_int4_encode`` / ``_int4_decode``: INT4 (``quantize`` bits 4, keys per channel; the decode
+  also keys per token) and ``sparse`` (``SPARSE``: per shard, salient tokens by ``max |K|`` over
+  heads and channels (``_key_scores`` first), ties to the lower token, kept exact; the rest
+  INT4), a program per (shard, chunk of heads); sparse runs one chunk of all heads per shard.
 * ``learned``: the reference (PyTorch einsum, cuBLAS on CUDA tensors).
 
-Launch constants live in :class:`LaunchConfig` (:data:`LAUNCH` is the default); every function
-takes ``launch=``. The interpreter (``TRITON_INTERPRET=1``) runs the kernels on CPU tensors.
-Host time per call: a launch after the first with the same constants calls the compiled kernel
-directly (:func:`_launch`), and the ``ok`` flags live in a reused buffer (:func:`_new_flags`).
+Every kernel takes the encoded rows' pitch in 8-byte units, so that Triton knows their
+alignment when the pitch is not a multiple of 16 (a sparse encoding's often is not). Launch
+constants live in :class:`LaunchConfig` (:data:`LAUNCH` is the default); every function takes
+``launch=``. The interpreter (``TRITON_INTERPRET=1``) runs the kernels on CPU tensors.
 """
 from __future__ import annotations
 
@@ -51,9 +52,8 @@ import torch
 import triton
 
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets
-from ucm.fast.triton import interpreting
-from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode, _int8_decode,
-                                              _int8_encode, _salient, jit)
+from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode, _int4_encode_token,
+                                              _int8_decode, _int8_encode, _key_scores, jit)
 from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
 from ucm.reference import compress as _ref
 
@@ -66,21 +66,22 @@ class LaunchConfig:
     #: Vectors (of ``head_dim`` channels) per program of the INT8 kernels.
     int8_vectors: int = 32
     int8_warps: int = 4
-    #: KV heads per program of the INT4 / sparse encode (rounded down to a power of two, at
-    #: most the head count rounded up to one); 0: as many as make a tile of about
-    #: ``int4_tile_words`` pair words of keys (and as many of values).
-    int4_heads: int = 0
-    int4_tile_words: int = 2048
-    #: Keys per channel: pair words of a vector that one thread holds (1, 2 or 4; at most
-    #: 16 bytes).
-    int4_key_vec: int = 1
-    #: Warps per program of the INT4 / sparse encode, at most; keys per channel take fewer
-    #: where the tile is too narrow to keep each channel's tokens within one thread.
+    #: INT4 with keys per channel, and sparse (``_int4_encode``): KV heads per program (a
+    #: divisor of the head count is used: the largest one not above this).
+    int4_heads: int = 1
     int4_warps: int = 4
-    #: Sparse: heads per step (a power of two) and warps of the pass that selects the exact
-    #: tokens (a program per shard).
-    sparse_select_heads: int = 4
-    sparse_select_warps: int = 4
+    #: Load a head's keys only once its values are quantized and stored (fewer registers live,
+    #: more programs per multiprocessor; the two loads no longer overlap).
+    int4_split_kv: bool = False
+    #: Keys per channel: the per-channel min and max of both halves of a pair word as one
+    #: reduction over the tokens (one exchange between warps instead of four).
+    int4_channel_join: bool = False
+    #: INT4 with keys per token (``_int4_encode_token``): KV heads per program (rounded down to
+    #: a power of two, at most the head count rounded up to one); 0: as many as make a tile of
+    #: about ``int4_token_tile`` pair words of keys (and as many of values).
+    int4_token_heads: int = 0
+    int4_token_tile: int = 2048
+    int4_token_warps: int = 4
     #: KV heads per program of the INT4 / sparse decode (a divisor of the head count is used:
     #: the largest one not above this).
     int4_decode_heads: int = 2
@@ -270,61 +271,13 @@ def _device_ctx(t: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 # launches
 
-#: (kernel, device, constants, argument specialization) -> (compiled kernel, parameter names)
-_compiled: dict = {}
-_direct = [True]
-
-
-def _arg_key(a):
-    """What Triton specializes a kernel on, per argument: a tensor's type and 16-byte alignment;
-    an int's width, divisibility by 16 and being 1."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, int) and not isinstance(a, bool):
-        return int, a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)
-    return type(a), a
-
-
-def _launch(fn, grid: tuple, args: tuple, consts: dict) -> None:
-    """``jit(fn)[grid](*args, **consts)`` (``consts``: the constexpr parameters and launch
-    options). Natively, a later launch with the same constants and argument specialization
-    calls the compiled kernel directly: Triton's per-call binding of some 35 arguments and
-    formatting of its cache key are most of an op's host time. Any mismatch with the compiled
-    kernel's interface turns this off for the process."""
-    kernel = jit(fn)
-    if not _direct[0] or interpreting():
-        kernel[grid](*args, **consts)
-        return
-    key = (fn.__name__, torch.cuda.current_device(), tuple(sorted(consts.items())),
-           tuple(_arg_key(a) for a in args))
-    hit = _compiled.get(key)
-    if hit is not None:
-        ck, names = hit
-        try:
-            ck[tuple(grid) + (1,) * (3 - len(grid))](*args, *[consts[n] for n in names])
-            return
-        except (TypeError, IndexError, AttributeError):    # raised before anything launches
-            _direct[0] = False
-            kernel[grid](*args, **consts)
-            return
-    ck = kernel[grid](*args, **consts)
-    try:
-        names = list(kernel.arg_names[len(args):])
-        if len(kernel.arg_names) != len(ck.src.signature) or not all(n in consts for n in names) \
-                or not callable(getattr(ck, "__getitem__", None)):
-            raise TypeError("unexpected compiled-kernel interface")
-        with _lock:
-            _compiled[key] = (ck, names)
-    except Exception:                                      # another Triton: the JIT path only
-        _direct[0] = False
-
-
 _PAIR = {2: torch.int32, 4: torch.int64}
 _DT = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 
-def _decode_heads(shape: KVShape, launch: LaunchConfig) -> int:
-    hpp = max(1, min(launch.int4_decode_heads, shape.heads))
+def _divisor_heads(shape: KVShape, heads: int) -> int:
+    """The largest divisor of the head count not above ``heads``."""
+    hpp = max(1, min(heads, shape.heads))
     while shape.heads % hpp:
         hpp -= 1
     return hpp
@@ -334,19 +287,11 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
 
-def int4_geometry(spec: CodecSpec, shape: KVShape, launch: LaunchConfig) -> tuple:
-    """(heads per program, key vector words, key tile words (a power of two), warps) of the
-    INT4 / sparse encode. Keys per channel: the lanes and warps of a program go along
-    ``[heads, channels]`` only (``KAP * HP >= 32 * warps``), so that each thread holds all of a
-    channel's tokens and the reduction over them stays within it."""
-    want = launch.int4_heads or launch.int4_tile_words // (_pow2(shape.tokens) * shape.head_dim // 2)
-    hp = min(_pow2_floor(want), _pow2(shape.heads))
-    kv = min(_pow2_floor(launch.int4_key_vec), max(1, 16 // (2 * shape.esize)))
-    kap = _pow2(-(-(shape.head_dim // 2) // kv))
-    warps = _pow2_floor(max(1, launch.int4_warps))
-    if spec.key_mode == "channel":
-        warps = max(1, min(warps, kap * hp // 32))
-    return hp, kv, kap, warps
+def _token_heads(shape: KVShape, launch: LaunchConfig) -> int:
+    """KV heads per program of ``_int4_encode_token``."""
+    want = launch.int4_token_heads or launch.int4_token_tile // (_pow2(shape.tokens) *
+                                                                  (shape.head_dim // 2))
+    return min(_pow2_floor(want), _pow2(shape.heads))
 
 
 def _encodable(spec: CodecSpec, shape: KVShape, raw: torch.Tensor, tabs: _Tables):
@@ -374,32 +319,43 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
             V = 2 * T * H
             bv = _pow2(launch.int8_vectors)
             total = n * L * V
-            _launch(_int8_encode, (triton.cdiv(total, bv),), (
-                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, total, n * L), dict(
+            jit(_int8_encode)[(triton.cdiv(total, bv),)](
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, total, n * L,
                 V=V, L=L, D=D, DP=_pow2(D), E=E, SCALE=offs["scale"], NPAD=npad,
                 NPADP=_pow2(npad), BV=bv, INDEXED=indexed, ALIGN=tabs.align,
-                BF16=shape.dtype == "bfloat16", num_warps=launch.int8_warps))
+                BF16=shape.dtype == "bfloat16", num_warps=launch.int8_warps)
             return
         sparse = spec.method == "sparse"
         G = spec.group
         NG = D // G
+        TP = _pow2(T)
+        if spec.key_mode == "token" and not sparse:
+            hp = _token_heads(shape, launch)
+            jit(_int4_encode_token)[(n * L, triton.cdiv(H, hp))](
+                raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
+                T=T, TP=TP, H=H, HP=hp, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
+                KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"], NPAD=npad,
+                NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
+                num_warps=launch.int4_token_warps)
+            return
+        scores = flags
         if sparse:
-            hs = min(_pow2_floor(launch.sparse_select_heads), _pow2(H))
-            kap = _pow2(D // 2)
-            _launch(_salient, (n * L,), (
-                raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, triton.cdiv(H, hs)), dict(
-                T=T, TP=_pow2(T), H=H, HP=hs, D=D, KAP=kap, L=L, E=E, BITMAP=offs["bitmap"],
-                C=n_salient(spec, shape), TB=_pow2(T, 8), INDEXED=indexed, ALIGN=tabs.palign,
-                DT=_DT[shape.dtype],
-                num_warps=max(1, min(_pow2_floor(launch.sparse_select_warps), kap * hs // 32))))
-        hp, kv, kap, warps = int4_geometry(spec, shape, launch)
-        _launch(_int4_encode, (n * L, triton.cdiv(H, hp)), (
-            raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, n * L), dict(
-            T=T, TP=_pow2(T), H=H, HP=hp, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, KV=kv, KAP=kap,
-            L=L, E=E, KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
-            BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0), CHANNEL=spec.key_mode == "channel",
-            SPARSE=sparse, NPAD=npad, NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign,
-            DT=_DT[shape.dtype], num_warps=warps))
+            scores = torch.zeros((n * L, TP), dtype=torch.int32, device=enc.device)
+            jit(_key_scores)[(n * L, H)](
+                raw, tabs.pvoff, tabs.pvstride, idx, scores, T=T, TP=TP, H=H, NG=NG,
+                NGP=_pow2(NG), GH=G // 2, L=L, INDEXED=indexed, ALIGN=tabs.palign,
+                DT=_DT[shape.dtype], num_warps=launch.int4_warps)
+        hpp = _divisor_heads(shape, launch.int4_heads)
+        jit(_int4_encode)[(n * L, H // hpp)](
+            raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, scores, n * L,
+            T=T, TP=TP, H=H, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
+            KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
+            BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
+            C=n_salient(spec, shape) if sparse else 0, TB=_pow2(T, 8),
+            CHANNEL=spec.key_mode == "channel", SPARSE=sparse, HPP=hpp, NPAD=npad,
+            NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
+            JOIN=launch.int4_channel_join, SPLIT=launch.int4_split_kv,
+            num_warps=launch.int4_warps)
 
 
 def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
@@ -416,21 +372,21 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
             V = 2 * T * H
             bv = _pow2(launch.int8_vectors)
             total = n * L * V
-            _launch(_int8_decode, (triton.cdiv(total, bv),), (
-                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, total), dict(
+            jit(_int8_decode)[(triton.cdiv(total, bv),)](
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, total,
                 V=V, L=L, D=D, DP=_pow2(D), E=E, SCALE=offs["scale"], BV=bv, INDEXED=indexed,
-                ALIGN=tabs.align, BF16=bf16, num_warps=launch.int8_warps))
+                ALIGN=tabs.align, BF16=bf16, num_warps=launch.int8_warps)
             return
-        hpp = _decode_heads(shape, launch)
-        _launch(_int4_decode, (n * L, H // hpp), (
-            raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8), dict(
+        hpp = _divisor_heads(shape, launch.int4_decode_heads)
+        jit(_int4_decode)[(n * L, H // hpp)](
+            raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8,
             T=T, TP=_pow2(T), H=H, D=D, DP=_pow2(D), G=spec.group, L=L, E=E,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
             BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
             CHANNEL=spec.key_mode == "channel", SPARSE=spec.method == "sparse", HPP=hpp,
             INDEXED=indexed, ALIGN=tabs.align, BF16=bf16,
             num_warps=launch.int4_decode_warps if spec.key_mode == "channel"
-            else launch.int4_decode_warps_token))
+            else launch.int4_decode_warps_token)
 
 
 _local = threading.local()

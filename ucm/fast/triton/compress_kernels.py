@@ -19,8 +19,8 @@ _INF = tl.constexpr(float("inf"))
 #: 1.5 * 2**23: for |y| < 2**22, (y + RINT) - RINT is y rounded to an integer, ties to even
 #: (float32 additions round to nearest even; nothing reassociates them).
 _RINT = tl.constexpr(12582912.0)
-#: INT4: groups whose scale is below _TINY are quantized with x, m and s scaled by _SCALE
-#: (exact, a power of two; see _int4_encode).
+#: INT4 per token: groups whose scale is below _TINY are quantized with x, m and s scaled by
+#: _SCALE (exact, a power of two; see _int4_encode_token).
 _TINY = tl.constexpr(2.0 ** -100)
 _SCALE = tl.constexpr(2.0 ** 64)
 
@@ -119,84 +119,264 @@ def _int8_decode(raw, voff, vstride, idx, enc, enc_pitch8, n_vectors,
     tl.store(raw + (off + blk * bst)[:, None] + d[None, :], out, mask=m2)
 
 
-def _salient(raw, voff, vstride, idx, enc, enc_pitch8, nch,
-             T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-             D: tl.constexpr, KAP: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
-             BITMAP: tl.constexpr, C: tl.constexpr, TB: tl.constexpr, INDEXED: tl.constexpr,
-             ALIGN: tl.constexpr, DT: tl.constexpr):
-    """Sparse codec, pass 1, shard ``program_id(0)``: the bitmap of its ``C`` tokens of largest
-    ``max |K[t, :, :]|`` (ties: the lower token), over ``nch`` chunks of ``HP`` heads (tiles
-    ``[tokens, heads, KAP]`` of pair words, as the keys per channel of :func:`_int4_encode`)."""
+def _key_scores(raw, voff, vstride, idx, scores,
+                T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, NG: tl.constexpr,
+                NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr, INDEXED: tl.constexpr,
+                ALIGN: tl.constexpr, DT: tl.constexpr):
+    """Sparse codec, pass 1: ``scores[s, t] = max(scores[s, t], max |K[t, h, :]|)`` for shard
+    ``program_id(0)``, head ``program_id(1)``, as the bits of the float32 (non-negative floats
+    order as their bits). ``raw``, ``voff``, ``vstride`` in pair words (two elements)."""
     s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
     i = s // L
     k = s - i * L
     if INDEXED:
         blk = tl.load(idx + i)
     else:
         blk = i
-    HW: tl.constexpr = D // 2
     t = tl.arange(0, TP)
-    hp = tl.arange(0, HP)
-    a = tl.arange(0, KAP)
-    if KAP > 1:
-        a = a ^ 1
-    am = a < HW
     tm = (t < T) & ((t * 0 + blk) >= 0)
-    acc = tl.zeros([TP, HP, KAP], dtype=tl.float32)
-    for cc in range(nch):
-        h = cc * HP + hp
-        th = tm[:, None] & ((h < H)[None, :])
-        vk = k * (2 * T * H) + t[:, None] * H + h[None, :]
-        kb = (tl.multiple_of(tl.load(voff + vk, mask=th, other=0), [ALIGN, ALIGN])
-              + blk * tl.multiple_of(tl.load(vstride + vk, mask=th, other=0), [ALIGN, ALIGN]))
-        w = tl.load(raw + kb[:, :, None] + a[None, None, :], mask=th[:, :, None] & am[None, None, :],
-                    other=0)
-        if DT == 0:
-            xe = (w << 16).to(tl.float32, bitcast=True)
-            xo = (w & -65536).to(tl.float32, bitcast=True)
-        elif DT == 1:
-            xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            xe = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-            xo = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        acc = tl.maximum(acc, tl.maximum(tl.abs(xe), tl.abs(xo)))
-    score = tl.max(tl.max(acc, axis=2), axis=1)
-    tt = t[:, None]
-    tu = t[None, :]
-    su = tl.reshape(score, [1, TP])
-    st = tl.reshape(score, [TP, 1])
-    beats = ((su > st) | ((su == st) & (tu < tt))) & (tu < T)
-    rank = tl.sum(beats.to(tl.int32), axis=1)
-    sel = (rank < C) & (t < T)
-    bt = tl.arange(0, TB)
-    selb = tl.sum(((tl.reshape(bt, [TB, 1]) == t[None, :]) & sel[None, :]).to(tl.int32), axis=1)
-    byte = tl.sum(tl.reshape(selb << (bt % 8), [TB // 8, 8]), axis=1)
-    jb = tl.arange(0, TB // 8)
-    tl.store(enc + i * (enc_pitch8 * 8) + k * E + BITMAP + jb, byte.to(tl.uint8),
-             mask=(jb < (T + 7) // 8) & ((jb * 0 + blk) >= 0))
+    gi = tl.arange(0, NGP)
+    j = tl.arange(0, GH)
+    vk = k * (2 * T * H) + t * H + h
+    off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+    bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+    m3 = tm[:, None, None] & (gi < NG)[None, :, None] & (j < GH)[None, None, :]
+    w = tl.load(raw + (off + blk * bst)[:, None, None] + (gi * GH)[None, :, None] + j[None, None, :],
+                mask=m3, other=0)
+    if DT == 0:      # bfloat16 pairs in an int32
+        xe = (w << 16).to(tl.float32, bitcast=True)
+        xo = (w & -65536).to(tl.float32, bitcast=True)
+    elif DT == 1:    # float16 pairs in an int32
+        xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:            # float32 pairs in an int64
+        xe = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        xo = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    a = tl.max(tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), axis=2), axis=1)
+    tl.atomic_max(scores + s * TP + t, a.to(tl.int32, bitcast=True), mask=tm)
 
 
-def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
-                 T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-                 D: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                 GH: tl.constexpr, KV: tl.constexpr, KAP: tl.constexpr, L: tl.constexpr,
+def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, scores, n_shards,
+                 T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                 NG: tl.constexpr, NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr,
                  E: tl.constexpr, KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr,
-                 VP: tl.constexpr, BITMAP: tl.constexpr, EXACT: tl.constexpr,
-                 CHANNEL: tl.constexpr, SPARSE: tl.constexpr,
-                 NPAD: tl.constexpr, NPADP: tl.constexpr, INDEXED: tl.constexpr,
-                 ALIGN: tl.constexpr, DT: tl.constexpr):
+                 VP: tl.constexpr, BITMAP: tl.constexpr, EXACT: tl.constexpr, C: tl.constexpr,
+                 TB: tl.constexpr, CHANNEL: tl.constexpr, SPARSE: tl.constexpr,
+                 HPP: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
+                 INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr,
+                 JOIN: tl.constexpr, SPLIT: tl.constexpr):
     """Shard ``program_id(0)`` (row ``s // L``, selected layer ``s % L``), heads
-    ``[program_id(1) * HP, + HP)``. Tiles of *pair words* (channels ``2w`` and ``2w + 1`` of a vector in one int32, or
-    int64 for float32): ``raw``, ``voff`` and ``vstride`` count pair words; the two nibbles of a
-    byte are the two halves of a word. Values, and keys per token: ``[tokens, heads, groups,
-    G / 2]``, a group's reduction over the last axis. Keys per channel: ``[tokens, heads, KAP,
-    KV]``, ``KV`` words of a vector per thread and every token of them in that thread (the
-    reduction over the tokens stays within it; ``KV == 1`` takes the words in the order
-    ``a ^ 1``, which hides their contiguity from the compiler, lest it give a thread several
-    words and spread the tokens over warps; a warp still reads whole lines). SPARSE: the
-    bitmap that :func:`_salient` wrote says which tokens are stored exact (rows ``epos``); the
-    others are quantized into rows ``rpos`` of the INT4 part."""
+    ``[program_id(1) * HPP, + HPP)``. Tiles ``[tokens, groups, G / 2]`` of *pair words* (channels
+    ``2w`` and ``2w + 1`` of a vector in one int32, or int64 for float32): ``raw``, ``voff`` and
+    ``vstride`` count pair words. A group's reduction is a reduction over the last axis and the
+    two nibbles of a byte are the two halves of a word: no reshapes. SPARSE: the salient tokens
+    from ``scores`` (pass 1, :func:`_key_scores`) are stored exact (rows ``epos``), the others
+    quantized into rows ``rpos`` of the INT4 part."""
+    s = tl.program_id(0).to(tl.int64)
+    hc = tl.program_id(1)
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i)
+    else:
+        blk = i
+    HD: tl.constexpr = D // 2
+    t = tl.arange(0, TP)
+    gi = tl.arange(0, NGP)
+    j = tl.arange(0, GH)
+    # (masks are built from blocks only: the interpreter mishandles scalar & block)
+    tm = (t < T) & ((t * 0 + blk) >= 0)
+    gm = gi < NG
+    base = enc + i * (enc_pitch8 * 8) + k * E
+    tab = k * (2 * T * H)
+    if NPAD > 0:
+        jp = tl.arange(0, NPADP)
+        po = tl.load(pad + jp, mask=jp < NPAD, other=0)
+        tl.store(base + po, tl.zeros([NPADP], dtype=tl.uint8),
+                 mask=(jp < NPAD) & ((jp * 0 + blk) >= 0) & ((jp * 0 + hc) == 0))
+    if SPARSE:
+        score = tl.load(scores + s * TP + t, mask=tm, other=0)
+        tt = t[:, None]
+        tu = t[None, :]
+        su = tl.reshape(score, [1, TP])
+        st = tl.reshape(score, [TP, 1])
+        beats = ((su > st) | ((su == st) & (tu < tt))) & (tu < T)
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        sel = (rank < C) & (t < T)
+        epos = tl.sum(((tu < tt) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
+        rpos = t - epos
+        bt = tl.arange(0, TB)
+        selb = tl.sum(((tl.reshape(bt, [TB, 1]) == t[None, :]) & sel[None, :]).to(tl.int32), axis=1)
+        byte = tl.sum(tl.reshape(selb << (bt % 8), [TB // 8, 8]), axis=1)
+        jb = tl.arange(0, TB // 8)
+        tl.store(base + BITMAP + jb, byte.to(tl.uint8),
+                 mask=(jb < (T + 7) // 8) & ((jb * 0 + blk) >= 0) & ((jb * 0 + hc) == 0))
+    else:
+        sel = t < 0
+        epos = t * 0
+        rpos = t
+    keep = tm & (sel.to(tl.int32) == 0)
+    m3 = tm[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
+    km3 = keep[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
+    col = (gi * GH)[None, :, None] + j[None, None, :]           # pair word in the vector
+    gq = keep[:, None] & gm[None, :]
+    p32 = (base + KP).to(tl.pointer_type(tl.int32), bitcast=True)
+    v32 = (base + VP).to(tl.pointer_type(tl.int32), bitcast=True)
+    for hh in range(HPP):
+        h = hc * HPP + hh
+        vk = tab + t * H + h
+        vv = tab + (T + t) * H + h
+        ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+        sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+        ov = tl.multiple_of(tl.load(voff + vv, mask=tm, other=0), ALIGN)
+        sv = tl.multiple_of(tl.load(vstride + vv, mask=tm, other=0), ALIGN)
+        if SPLIT == 0:     # both loads first (more in flight; more registers live)
+            wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
+        wv = tl.load(raw + (ov + blk * sv)[:, None, None] + col, mask=m3, other=0)
+        if DT == 0:
+            ve = (wv << 16).to(tl.float32, bitcast=True)
+            vo = (wv & -65536).to(tl.float32, bitcast=True)
+        elif DT == 1:
+            ve = (wv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            vo = (wv >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            ve = (wv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            vo = (wv >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        fin = (tl.abs(ve) < _INF) & (tl.abs(vo) < _INF)
+        nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
+        tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
+        tl.store(flags + n_shards, 0, mask=nonfinite > 0)  # any bad
+        if SPARSE:
+            em = (sel & tm)[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
+            ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+            tl.store(ex + (((epos * 2 + 1) * H + h) * HD)[:, None, None] + col, wv, mask=em)
+        # ---- values: per token, groups of G channels
+        mn = tl.minimum(tl.min(tl.where(km3, ve, _INF), axis=2), tl.min(tl.where(km3, vo, _INF), axis=2))
+        mx = tl.maximum(tl.max(tl.where(km3, ve, -_INF), axis=2), tl.max(tl.where(km3, vo, -_INF), axis=2))
+        mn, mx = mn + 0.0, mx + 0.0  # a zero extreme counts as +0 (the reference's rule)
+        b = mn.to(tl.int32, bitcast=True)
+        hi = b & -65536
+        mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+        m = mb.to(tl.float32, bitcast=True)
+        b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+        hi = b & -65536
+        sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+        sc = sb.to(tl.float32, bitcast=True)
+        nu = ve - m[:, :, None]
+        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+        qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+        nu = vo - m[:, :, None]
+        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+        qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+        tl.store(v32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
+                 ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
+        tl.store(base + VQ + ((rpos * H + h) * HD)[:, None, None] + col,
+                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
+        if SPLIT:          # keys loaded once the values are stored
+            wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
+        if DT == 0:
+            ke = (wk << 16).to(tl.float32, bitcast=True)
+            ko = (wk & -65536).to(tl.float32, bitcast=True)
+        elif DT == 1:
+            ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        fin = (tl.abs(ke) < _INF) & (tl.abs(ko) < _INF)
+        nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
+        tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
+        tl.store(flags + n_shards, 0, mask=nonfinite > 0)  # any bad
+        if SPARSE:
+            tl.store(ex + ((epos * 2 * H + h) * HD)[:, None, None] + col, wk, mask=em)
+        # ---- keys
+        if CHANNEL:     # per channel over the (kept) tokens: [groups, G / 2] for each half
+            if JOIN:    # the four reductions as one (min = -max(-x)): one exchange across warps
+                red = tl.max(tl.join(tl.join(tl.where(km3, -ke, -_INF), tl.where(km3, ke, -_INF)),
+                                     tl.join(tl.where(km3, -ko, -_INF), tl.where(km3, ko, -_INF))),
+                             axis=0)
+                e2, o2 = tl.split(red)
+                mne, mxe = tl.split(e2)
+                mno, mxo = tl.split(o2)
+                mne = -mne
+                mno = -mno
+            else:
+                mne = tl.min(tl.where(km3, ke, _INF), axis=0)
+                mxe = tl.max(tl.where(km3, ke, -_INF), axis=0)
+                mno = tl.min(tl.where(km3, ko, _INF), axis=0)
+                mxo = tl.max(tl.where(km3, ko, -_INF), axis=0)
+            mne, mxe, mno, mxo = mne + 0.0, mxe + 0.0, mno + 0.0, mxo + 0.0  # zero extremes: +0
+            b = mne.to(tl.int32, bitcast=True)
+            hi = b & -65536
+            mbe = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+            b = mno.to(tl.int32, bitcast=True)
+            hi = b & -65536
+            mbo = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+            me = mbe.to(tl.float32, bitcast=True)
+            mo = mbo.to(tl.float32, bitcast=True)
+            b = tl.math.div_rn(mxe - me, 15.0).to(tl.int32, bitcast=True)
+            hi = b & -65536
+            sbe = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+            b = tl.math.div_rn(mxo - mo, 15.0).to(tl.int32, bitcast=True)
+            hi = b & -65536
+            sbo = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+            se = sbe.to(tl.float32, bitcast=True)
+            so = sbo.to(tl.float32, bitcast=True)
+            nu = ke - me[None, :, :]
+            den = tl.where(se == 0, 1.0, se)[None, :, :]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+            qe = tl.where(se[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            nu = ko - mo[None, :, :]
+            den = tl.where(so == 0, 1.0, so)[None, :, :]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+            qo = tl.where(so[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
+            pw = p32 + h * D + 2 * ((gi * GH)[:, None] + j[None, :])
+            pm = gm[:, None] & (j < GH)[None, :] & ((j * 0 + blk) >= 0)[None, :]
+            tl.store(pw, ((mbe >> 16) & 0xFFFF) | (sbe & -65536), mask=pm)
+            tl.store(pw + 1, ((mbo >> 16) & 0xFFFF) | (sbo & -65536), mask=pm)
+        else:           # per token, groups of G channels
+            mn = tl.minimum(tl.min(tl.where(km3, ke, _INF), axis=2), tl.min(tl.where(km3, ko, _INF), axis=2))
+            mx = tl.maximum(tl.max(tl.where(km3, ke, -_INF), axis=2), tl.max(tl.where(km3, ko, -_INF), axis=2))
+            mn, mx = mn + 0.0, mx + 0.0  # a zero extreme counts as +0 (the reference's rule)
+            b = mn.to(tl.int32, bitcast=True)
+            hi = b & -65536
+            mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+            m = mb.to(tl.float32, bitcast=True)
+            b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+            hi = b & -65536
+            sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+            sc = sb.to(tl.float32, bitcast=True)
+            nu = ke - m[:, :, None]
+            den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+            qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            nu = ko - m[:, :, None]
+            den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
+            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
+            qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
+            tl.store(p32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
+                     ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
+        tl.store(base + KQ + ((rpos * H + h) * HD)[:, None, None] + col,
+                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
+
+
+def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
+                       T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+                       D: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
+                       GH: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KQ: tl.constexpr,
+                       VQ: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
+                       NPAD: tl.constexpr, NPADP: tl.constexpr, INDEXED: tl.constexpr,
+                       ALIGN: tl.constexpr, DT: tl.constexpr):
+    """INT4 with keys per token (like the values): shard ``program_id(0)`` (row ``s // L``,
+    selected layer ``s % L``), heads ``[program_id(1) * HP, + HP)``. Tiles ``[tokens, heads,
+    groups, G / 2]`` of *pair words* (channels ``2w`` and ``2w + 1`` of a vector in one int32,
+    or int64 for float32; ``raw``, ``voff`` and ``vstride`` count pair words): a group's
+    reduction is over the last axis, and the two nibbles of a byte are the two halves of a
+    word."""
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     i = s // L
@@ -221,25 +401,10 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
                  mask=(jp < NPAD) & ((jp * 0 + blk) >= 0) & ((jp * 0 + c) == 0))
     gcol = (gi * GH)[:, None] + j[None, :]                              # [NGP, GH]
     gm2 = (gi < NG)[:, None] & (j < GH)[None, :]
-    if CHANNEL:
-        a = tl.arange(0, KAP)
-        if KV == 1 and KAP > 1:
-            a = a ^ 1
-        kcol = (a * KV)[:, None] + tl.arange(0, KV)[None, :]            # [KAP, KV]
-        km2 = kcol < HW
-    else:
-        kcol = gcol
-        km2 = gm2
-    if SPARSE:
-        byte = tl.load(base + BITMAP + t // 8, mask=tm, other=0).to(tl.int32)
-        sel = (((byte >> (t % 8)) & 1) != 0) & tm
-        epos = tl.sum(((t[None, :] < t[:, None]) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
-        rpos = t - epos
-        ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
-        keep = tm & (sel.to(tl.int32) == 0)
-    else:
-        rpos = t
-        keep = tm
+    kcol = gcol
+    km2 = gm2
+    rpos = t
+    keep = tm
     v32 = (base + VP).to(tl.pointer_type(tl.int32), bitcast=True)
     p32 = (base + KP).to(tl.pointer_type(tl.int32), bitcast=True)
     h = c * HP + hp
@@ -271,20 +436,13 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
         ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     # non-finite values: x * 0 is NaN for them, 0 otherwise (masked lanes load as 0)
     zv = tl.sum(tl.sum(ve * 0.0 + vo * 0.0, axis=3), axis=2)        # [TP, HP]
-    zk = tl.sum(tl.sum(ke * 0.0 + ko * 0.0, axis=3), axis=0)        # [HP, KAP or NGP]
+    zk = tl.sum(tl.sum(ke * 0.0 + ko * 0.0, axis=3), axis=0)        # [HP, NGP]
     z0 = tl.zeros(zv.shape, dtype=tl.int32)
     tl.store(flags + s + z0, z0, mask=zv != zv)
     tl.store(flags + n_shards + z0, z0, mask=zv != zv)            # any bad
     z0 = tl.zeros(zk.shape, dtype=tl.int32)
     tl.store(flags + s + z0, z0, mask=zk != zk)
     tl.store(flags + n_shards + z0, z0, mask=zk != zk)
-    if SPARSE:
-        eo = ((epos * 2)[:, None] * H + h[None, :]) * HW                # [TP, HP]
-        em = (sel & tm)[:, None] & hm[None, :]
-        tl.store(ex + eo[:, :, None, None] + kcol[None, None, :, :], wk,
-                 mask=em[:, :, None, None] & km2[None, None, :, :])
-        tl.store(ex + (eo + H * HW)[:, :, None, None] + gcol[None, None, :, :], wv,
-                 mask=em[:, :, None, None] & gm2[None, None, :, :])
     qrow = rpos[:, None] * H + h[None, :]                              # [TP, HP]
     kq2 = keep[:, None] & hm[None, :]
     gq3 = kq2[:, :, None] & (gi < NG)[None, None, :]
@@ -327,87 +485,33 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
     tl.store(base + VQ + (qrow * HW)[:, :, None, None] + gcol[None, None, :, :],
              (qe | (qo << 4)).to(tl.uint8), mask=kq2[:, :, None, None] & gm2[None, None, :, :])
     # ---- keys
-    if CHANNEL:     # per channel over the (kept) tokens: [heads, KAP, KV] for each half
-        if SPARSE or TP != T:
-            kk = keep[:, None, None, None]
-            mne = tl.min(tl.where(kk, ke, _INF), axis=0)
-            mxe = tl.max(tl.where(kk, ke, -_INF), axis=0)
-            mno = tl.min(tl.where(kk, ko, _INF), axis=0)
-            mxo = tl.max(tl.where(kk, ko, -_INF), axis=0)
-        else:
-            mne = tl.min(ke, axis=0)
-            mxe = tl.max(ke, axis=0)
-            mno = tl.min(ko, axis=0)
-            mxo = tl.max(ko, axis=0)
-        mne, mxe, mno, mxo = mne + 0.0, mxe + 0.0, mno + 0.0, mxo + 0.0  # zero extremes: +0
-        b = mne.to(tl.int32, bitcast=True)
-        hi = b & -65536
-        mbe = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-        b = mno.to(tl.int32, bitcast=True)
-        hi = b & -65536
-        mbo = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-        me = mbe.to(tl.float32, bitcast=True)
-        mo = mbo.to(tl.float32, bitcast=True)
-        b = tl.math.div_rn(mxe - me, 15.0).to(tl.int32, bitcast=True)
-        hi = b & -65536
-        sbe = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-        b = tl.math.div_rn(mxo - mo, 15.0).to(tl.int32, bitcast=True)
-        hi = b & -65536
-        sbo = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-        se = sbe.to(tl.float32, bitcast=True)
-        so = sbo.to(tl.float32, bitcast=True)
-        f = tl.where((se > 0) & (se < _TINY), _SCALE, 1.0)
-        sp = se * f
-        mp = me * f
-        rp = 1.0 / tl.where(sp == 0, 1.0, sp)
-        hs = tl.where(sp == 0, _INF, sp * 0.5)
-        nu = tl.fma(ke, f[None, :, :, :], -mp[None, :, :, :])
-        kf = tl.floor(nu * rp[None, :, :, :])
-        hh = kf * sp[None, :, :, :] + hs[None, :, :, :]
-        ki = kf.to(tl.int32)
-        qe = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
-        f = tl.where((so > 0) & (so < _TINY), _SCALE, 1.0)
-        sp = so * f
-        mp = mo * f
-        rp = 1.0 / tl.where(sp == 0, 1.0, sp)
-        hs = tl.where(sp == 0, _INF, sp * 0.5)
-        nu = tl.fma(ko, f[None, :, :, :], -mp[None, :, :, :])
-        kf = tl.floor(nu * rp[None, :, :, :])
-        hh = kf * sp[None, :, :, :] + hs[None, :, :, :]
-        ki = kf.to(tl.int32)
-        qo = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
-        # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
-        pw = tl.join(((mbe >> 16) & 0xFFFF) | (sbe & -65536), ((mbo >> 16) & 0xFFFF) | (sbo & -65536))
-        pa = (h * D)[:, None, None, None] + 2 * kcol[None, :, :, None] + tl.arange(0, 2)[None, None, None, :]
-        tl.store(p32 + pa, pw, mask=hm[:, None, None, None] & km2[None, :, :, None])
-    else:           # per token, groups of G channels
-        mn = tl.minimum(tl.min(ke, axis=3), tl.min(ko, axis=3)) + 0.0
-        mx = tl.maximum(tl.max(ke, axis=3), tl.max(ko, axis=3)) + 0.0
-        b = mn.to(tl.int32, bitcast=True)
-        hi = b & -65536
-        mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-        m = mb.to(tl.float32, bitcast=True)
-        b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
-        hi = b & -65536
-        sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-        sc = sb.to(tl.float32, bitcast=True)
-        f = tl.where((sc > 0) & (sc < _TINY), _SCALE, 1.0)
-        sp = sc * f
-        mp = m * f
-        rp = 1.0 / tl.where(sp == 0, 1.0, sp)
-        hs = tl.where(sp == 0, _INF, sp * 0.5)
-        nu = tl.fma(ke, f[:, :, :, None], -mp[:, :, :, None])
-        kf = tl.floor(nu * rp[:, :, :, None])
-        hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
-        ki = kf.to(tl.int32)
-        qe = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
-        nu = tl.fma(ko, f[:, :, :, None], -mp[:, :, :, None])
-        kf = tl.floor(nu * rp[:, :, :, None])
-        hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
-        ki = kf.to(tl.int32)
-        qo = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
-        tl.store(p32 + (qrow * NG)[:, :, None] + gi[None, None, :],
-                 ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq3)
+    mn = tl.minimum(tl.min(ke, axis=3), tl.min(ko, axis=3)) + 0.0
+    mx = tl.maximum(tl.max(ke, axis=3), tl.max(ko, axis=3)) + 0.0
+    b = mn.to(tl.int32, bitcast=True)
+    hi = b & -65536
+    mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+    m = mb.to(tl.float32, bitcast=True)
+    b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+    hi = b & -65536
+    sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+    sc = sb.to(tl.float32, bitcast=True)
+    f = tl.where((sc > 0) & (sc < _TINY), _SCALE, 1.0)
+    sp = sc * f
+    mp = m * f
+    rp = 1.0 / tl.where(sp == 0, 1.0, sp)
+    hs = tl.where(sp == 0, _INF, sp * 0.5)
+    nu = tl.fma(ke, f[:, :, :, None], -mp[:, :, :, None])
+    kf = tl.floor(nu * rp[:, :, :, None])
+    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
+    ki = kf.to(tl.int32)
+    qe = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
+    nu = tl.fma(ko, f[:, :, :, None], -mp[:, :, :, None])
+    kf = tl.floor(nu * rp[:, :, :, None])
+    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
+    ki = kf.to(tl.int32)
+    qo = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
+    tl.store(p32 + (qrow * NG)[:, :, None] + gi[None, None, :],
+             ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq3)
     tl.store(base + KQ + (qrow * HW)[:, :, None, None] + kcol[None, None, :, :],
              (qe | (qo << 4)).to(tl.uint8), mask=kq2[:, :, None, None] & km2[None, None, :, :])
 
