@@ -193,10 +193,14 @@ def _sweep(torch, tc, spec, shape, raw, enc, dec, repeats):
     else:
         alts = [dict(int4_heads=h, int4_warps=w, int4_split_kv=split) for h in (1, 2)
                 for w in (2, 4, 8) for split in (False, True)]
-        alts += [dict(int4_decode_warps=w, int4_decode_warps_token=w) for w in (2, 4)]
         if spec.key_mode == "channel":
             alts += [dict(int4_channel_join=True, int4_warps=4, int4_split_kv=split)
                      for split in (False, True)]
+        else:
+            alts += [dict(int4_token_heads=h, int4_token_warps=w) for h in (1, 2, 4)
+                     for w in (2, 4, 8)]
+        alts += [dict(int4_decode_heads=h, int4_decode_warps=w, int4_decode_warps_token=w)
+                 for h in (1, 2) for w in (2, 4, 8)]
     out = {}
     ref_enc, ref_dec = enc.clone(), dec.clone()
     for a in alts:

@@ -213,21 +213,27 @@ def test_signed_zero_extremes(triton_on, device, name):
 
 
 LAUNCHES = [dict(int8_vectors=8, int8_warps=2, int8_tokens=4), dict(int4_heads=2, int4_channel_join=True),
-            dict(int4_heads=3, int4_warps=2, int4_decode_warps=2, int4_decode_warps_token=2),
-            dict(int4_split_kv=True), dict(int4_split_kv=False)]
+            dict(int4_heads=3, int4_warps=2, int4_decode_heads=3, int4_decode_warps=2,
+                 int4_decode_warps_token=2),
+            dict(int4_split_kv=True), dict(int4_split_kv=False),
+            dict(int4_token_heads=1, int4_token_warps=2, int4_decode_heads=1)]
 
 
 def _launch_params():
     """Every launch variant with every codec on CUDA; interpreted (CI's CPU run), each variant
     with the codecs whose kernels it changes (INT8 tiles with INT8; the INT4 variants with
-    per-channel INT4 and sparse)."""
-    ids = ["int8-small", "heads2-join", "heads3", "split", "nosplit"]
+    per-channel INT4 and sparse; the per-token variant with per-token INT4). The shape has 3
+    heads: by default the per-token encode takes 4 per program (one absent)."""
+    ids = ["int8-small", "heads2-join", "heads3", "split", "nosplit", "token-heads1"]
     out = []
     for changes, cid in zip(LAUNCHES, ids):
+        kernel = ("int8" if "int8_vectors" in changes else "token" if "int4_token_heads" in changes
+                  else "int4")
         for name in ["int8", "int8-tok", "int4-ch32", "int4-tok64", "sparse-ch32"]:
             if HAS_CUDA:
                 out.append(pytest.param("cuda", name, changes, id=f"cuda-{name}-{cid}"))
-            if name.startswith("int8") == ("int8_vectors" in changes) and name != "int4-tok64":
+            takes = {"int8": "int8", "int8-tok": "int8", "int4-tok64": "token"}.get(name, "int4")
+            if takes == kernel:
                 out.append(pytest.param("cpu", name, changes, id=f"cpu-{name}-{cid}",
                                         marks=pytest.mark.triton_interpreter))
     return out
@@ -236,7 +242,7 @@ def _launch_params():
 @pytest.mark.parametrize("device,name,changes", _launch_params())
 def test_launch_variants(triton_on, device, name, changes):
     """Other launch constants (several heads per program, the joined channel reduction, small
-    INT8 tiles) give the same bytes."""
+    INT8 tiles, one head per per-token program) give the same bytes."""
     from ucm.fast.triton import compress as tc
 
     spec, shape = SPECS[name], KVShape("hktd", 8, 3, 64, "bfloat16")

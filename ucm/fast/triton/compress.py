@@ -4,8 +4,10 @@
 dequantize straight into it, no raw staging rows in between).
 
 Integer formats are bit-identical to the reference: float32 arithmetic, correctly rounded
-divisions (``tl.math.div_rn``: Triton's ``/`` is approximate), round half to even,
-the reference's ``bf16_up`` / ``bf16_down`` bit rules, ``q * s`` (exact) then ``+ m``, round to
+divisions (``tl.math.div_rn``: Triton's ``/`` is approximate; the per-token INT4 encode gets
+``rint((x - m) / s)`` without dividing, see
+:func:`~ucm.fast.triton.compress_kernels._int4_encode_token`), round half to even, the
+reference's ``bf16_up`` / ``bf16_down`` bit rules, ``q * s`` (exact) then ``+ m``, round to
 nearest even into the cache's type; padding bytes between segments are written as zeros. A shard
 holding NaN or infinite values gets ``ok = False`` and the encoding of an all-zero shard (what
 the reference writes), so even refused rows match byte for byte.
@@ -20,18 +22,22 @@ and ``vstride`` the row pitch; for the fused ops they come from :class:`ucm.layo
 byte runs (a layout whose runs cut a vector, or whose addresses are not multiples of the element
 size, takes the unfused path: Triton gather + encode). One kernel family serves both.
 
-Kernels (:mod:`ucm.fast.triton.compress_kernels`; one launch per call):
+Kernels (:mod:`ucm.fast.triton.compress_kernels`; one launch per call, two for a sparse
+encode):
 
 * ``_int8_encode`` / ``_int8_decode``: INT8, a program per ``BV`` consecutive vectors (over all
   shards of the call).
-* ``_int4_encode`` / ``_int4_decode``: INT4 (``quantize`` bits 4, keys per channel or per token
-  group) and ``sparse`` (``SPARSE``: per shard, salient tokens by ``max |K|`` over heads and
-  channels, ties to the lower token, kept exact; the rest INT4), a program per (shard, chunk of
-  heads); sparse runs one chunk of all heads per shard.
+* ``_int4_encode_token``: INT4 with keys per token, a program per (shard, 2 to 4 heads).
+* ``_int4_encode`` / ``_int4_decode``: INT4 (``quantize`` bits 4, keys per channel; the decode
+  also keys per token) and ``sparse`` (``SPARSE``: per shard, salient tokens by ``max |K|`` over
+  heads and channels (``_key_scores`` first), ties to the lower token, kept exact; the rest
+  INT4), a program per (shard, chunk of heads); sparse runs one chunk of all heads per shard.
 * ``learned``: the reference (PyTorch einsum, cuBLAS on CUDA tensors).
 
-Launch constants live in :class:`LaunchConfig` (:data:`LAUNCH` is the default); every function
-takes ``launch=``. The interpreter (``TRITON_INTERPRET=1``) runs the kernels on CPU tensors.
+Every kernel takes the encoded rows' pitch in 8-byte units, so that Triton knows their
+alignment when the pitch is not a multiple of 16 (a sparse encoding's often is not). Launch
+constants live in :class:`LaunchConfig` (:data:`LAUNCH` is the default); every function takes
+``launch=``. The interpreter (``TRITON_INTERPRET=1``) runs the kernels on CPU tensors.
 """
 from __future__ import annotations
 
@@ -46,9 +52,9 @@ import torch
 import triton
 
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets
-from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode, _int8_decode,
-                                              _int8_encode, _int8c_decode, _int8c_encode,
-                                              _key_scores, jit)
+from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode, _int4_encode_token,
+                                              _int8_decode, _int8_encode, _int8c_decode,
+                                              _int8c_encode, _key_scores, jit)
 from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
 from ucm.reference import compress as _ref
 
@@ -63,19 +69,28 @@ class LaunchConfig:
     int8_warps: int = 4
     #: Tokens per chunk of the INT8 kernels with keys per channel (a program per shard and head).
     int8_tokens: int = 16
-    #: KV heads per program of the INT4 / sparse kernels (a divisor of the head count is used:
-    #: the largest one not above this).
+    #: INT4 with keys per channel, and sparse (``_int4_encode``): KV heads per program (a
+    #: divisor of the head count is used: the largest one not above this).
     int4_heads: int = 1
     int4_warps: int = 4
-    #: Warps of the INT4 / sparse decode, keys per channel and keys per token.
-    int4_decode_warps: int = 4
-    int4_decode_warps_token: int = 8
     #: Load a head's keys only once its values are quantized and stored (fewer registers live,
     #: more programs per multiprocessor; the two loads no longer overlap).
     int4_split_kv: bool = False
     #: Keys per channel: the per-channel min and max of both halves of a pair word as one
     #: reduction over the tokens (one exchange between warps instead of four).
     int4_channel_join: bool = False
+    #: INT4 with keys per token (``_int4_encode_token``): KV heads per program (rounded down to
+    #: a power of two, at most the head count rounded up to one); 0: as many as make a tile of
+    #: about ``int4_token_tile`` pair words of keys (and as many of values).
+    int4_token_heads: int = 0
+    int4_token_tile: int = 2048
+    int4_token_warps: int = 4
+    #: KV heads per program of the INT4 / sparse decode (a divisor of the head count is used:
+    #: the largest one not above this).
+    int4_decode_heads: int = 2
+    #: Warps of the INT4 / sparse decode, keys per channel and keys per token.
+    int4_decode_warps: int = 4
+    int4_decode_warps_token: int = 8
 
     def replace(self, **changes) -> "LaunchConfig":
         return dataclasses.replace(self, **changes)
@@ -103,8 +118,8 @@ def _cached(key, build):
     return val
 
 
-def _format(spec: CodecSpec, shape: KVShape) -> dict:
-    """Segment offsets and the padding bytes of one encoded shard (host ints / int32 array)."""
+def _format(spec: CodecSpec, shape: KVShape) -> tuple:
+    """Segment offsets, the padding bytes (int32 array) and the size of one encoded shard."""
     def build():
         offs = offsets(spec, shape)
         pad = []
@@ -112,14 +127,15 @@ def _format(spec: CodecSpec, shape: KVShape) -> dict:
             end = at + math.prod(shp) * {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2,
                                          "float32": 4}[dt]
             pad.extend(range(end, -(-end // 8) * 8))
-        return {name: at for name, (at, _, _) in offs.items()}, np.array(pad, dtype=np.int32)
+        return ({name: at for name, (at, _, _) in offs.items()}, np.array(pad, dtype=np.int32),
+                encoded_bytes(spec, shape))
     key = ("format", spec.method, spec.bits, spec.group, spec.key_mode, float(spec.salient), shape)
     return _cached(key, build)
 
 
 def _pad_table(spec, shape, device):
     def build():
-        _, pad = _format(spec, shape)
+        _, pad, _ = _format(spec, shape)
         return torch.from_numpy(pad if len(pad) else np.zeros(1, np.int32)).to(device)
     return _cached(("pad", spec.method, spec.bits, spec.group, spec.key_mode,
                     float(spec.salient), shape, str(device)), build)
@@ -229,7 +245,7 @@ def _layout_tables(layout: KVLayout, layers: tuple, shape: KVShape):
 def _as(t: torch.Tensor, dtype: torch.dtype):
     """``t`` (uint8 or typed rows, or a flat anchor) viewed as ``dtype``, or None if its
     address or row pitch does not allow it."""
-    size = torch.tensor([], dtype=dtype).element_size()
+    size = dtype.itemsize
     if t.data_ptr() % size or (t.dim() == 2 and t.shape[0] > 1 and
                                (t.stride(0) * t.element_size()) % size):
         return None
@@ -262,11 +278,23 @@ _PAIR = {2: torch.int32, 4: torch.int64}
 _DT = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 
-def _heads_per_program(shape: KVShape, launch: LaunchConfig) -> int:
-    hpp = max(1, min(launch.int4_heads, shape.heads))
+def _divisor_heads(shape: KVShape, heads: int) -> int:
+    """The largest divisor of the head count not above ``heads``."""
+    hpp = max(1, min(heads, shape.heads))
     while shape.heads % hpp:
         hpp -= 1
     return hpp
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def _token_heads(shape: KVShape, launch: LaunchConfig) -> int:
+    """KV heads per program of ``_int4_encode_token``."""
+    want = launch.int4_token_heads or launch.int4_token_tile // (_pow2(shape.tokens) *
+                                                                  (shape.head_dim // 2))
+    return min(_pow2_floor(want), _pow2(shape.heads))
 
 
 def _encodable(spec: CodecSpec, shape: KVShape, raw: torch.Tensor, tabs: _Tables):
@@ -282,18 +310,17 @@ def _encodable(spec: CodecSpec, shape: KVShape, raw: torch.Tensor, tabs: _Tables
 def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, n, L,
                    launch: LaunchConfig) -> None:
     """``raw``: from :func:`_encodable`."""
-    offs, pad = _format(spec, shape)
+    offs, pad, E = _format(spec, shape)
     padt = _pad_table(spec, shape, enc.device)
     npad = len(pad)
     T, H, D = shape.tokens, shape.heads, shape.head_dim
-    E = encoded_bytes(spec, shape)
     indexed = idx is not None
     if idx is None:
         idx = flags                                        # unused
     with _device_ctx(enc):
         if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
             jit(_int8c_encode)[(n * L, H)](
-                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch, flags, padt, n * L,
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
                 T=T, H=H, D=D, DP=_pow2(D), TB=min(_pow2(T), launch.int8_tokens), L=L, E=E,
                 KS=offs["kscale"], VS=offs["vscale"], NPAD=npad, NPADP=_pow2(npad),
                 INDEXED=indexed, ALIGN=tabs.align, BF16=shape.dtype == "bfloat16",
@@ -304,7 +331,7 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
             bv = _pow2(launch.int8_vectors)
             total = n * L * V
             jit(_int8_encode)[(triton.cdiv(total, bv),)](
-                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch, flags, padt, total, n * L,
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, total, n * L,
                 V=V, L=L, D=D, DP=_pow2(D), E=E, SCALE=offs["scale"], NPAD=npad,
                 NPADP=_pow2(npad), BV=bv, INDEXED=indexed, ALIGN=tabs.align,
                 BF16=shape.dtype == "bfloat16", num_warps=launch.int8_warps)
@@ -313,6 +340,15 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
         G = spec.group
         NG = D // G
         TP = _pow2(T)
+        if spec.key_mode == "token" and not sparse:
+            hp = _token_heads(shape, launch)
+            jit(_int4_encode_token)[(n * L, triton.cdiv(H, hp))](
+                raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
+                T=T, TP=TP, H=H, HP=hp, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
+                KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"], NPAD=npad,
+                NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
+                num_warps=launch.int4_token_warps)
+            return
         scores = flags
         if sparse:
             scores = torch.zeros((n * L, TP), dtype=torch.int32, device=enc.device)
@@ -320,9 +356,9 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
                 raw, tabs.pvoff, tabs.pvstride, idx, scores, T=T, TP=TP, H=H, NG=NG,
                 NGP=_pow2(NG), GH=G // 2, L=L, INDEXED=indexed, ALIGN=tabs.palign,
                 DT=_DT[shape.dtype], num_warps=launch.int4_warps)
-        hpp = _heads_per_program(shape, launch)
+        hpp = _divisor_heads(shape, launch.int4_heads)
         jit(_int4_encode)[(n * L, H // hpp)](
-            raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch, flags, padt, scores, n * L,
+            raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, scores, n * L,
             T=T, TP=TP, H=H, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
             BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
@@ -336,9 +372,8 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
 def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
                    launch: LaunchConfig) -> None:
     """``raw``: the cache's element type (rows or anchor)."""
-    offs, _ = _format(spec, shape)
+    offs, _, E = _format(spec, shape)
     T, H, D = shape.tokens, shape.heads, shape.head_dim
-    E = encoded_bytes(spec, shape)
     indexed = idx is not None
     if idx is None:
         idx = tabs.voff                                    # unused
@@ -346,7 +381,7 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
     with _device_ctx(enc):
         if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
             jit(_int8c_decode)[(n * L, H)](
-                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch,
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8,
                 T=T, H=H, D=D, DP=_pow2(D), TB=min(_pow2(T), launch.int8_tokens), L=L, E=E,
                 KS=offs["kscale"], VS=offs["vscale"], INDEXED=indexed, ALIGN=tabs.align,
                 BF16=bf16, num_warps=launch.int8_warps)
@@ -356,13 +391,13 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
             bv = _pow2(launch.int8_vectors)
             total = n * L * V
             jit(_int8_decode)[(triton.cdiv(total, bv),)](
-                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch, total,
+                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, total,
                 V=V, L=L, D=D, DP=_pow2(D), E=E, SCALE=offs["scale"], BV=bv, INDEXED=indexed,
                 ALIGN=tabs.align, BF16=bf16, num_warps=launch.int8_warps)
             return
-        hpp = _heads_per_program(shape, launch)
+        hpp = _divisor_heads(shape, launch.int4_decode_heads)
         jit(_int4_decode)[(n * L, H // hpp)](
-            raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch,
+            raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8,
             T=T, TP=_pow2(T), H=H, D=D, DP=_pow2(D), G=spec.group, L=L, E=E,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
             BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
@@ -372,9 +407,28 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
             else launch.int4_decode_warps_token)
 
 
+_local = threading.local()
+
+
 def _new_flags(shards: int, device) -> torch.Tensor:
-    """int32 [shards + 1] of ones: per shard, then "all finite"; the kernels store 0s."""
-    return torch.ones(shards + 1, dtype=torch.int32, device=device)
+    """int32 [shards + 1] of ones: per shard, then "all finite"; the kernels store 0s. A view of
+    a buffer per thread and device: the kernels leave it all ones unless a shard is refused,
+    and :func:`_fix_refused` drops it then (the next call allocates a new one), so the common
+    case costs neither an allocation nor a fill. (An op reads its flags back before it returns,
+    so one thread's calls never overlap.)"""
+    bufs = getattr(_local, "flags", None)
+    if bufs is None:
+        bufs = _local.flags = {}
+    buf = bufs.get(device)
+    if buf is None or buf.numel() <= shards:
+        buf = bufs[device] = torch.ones(max(shards + 1, 1024), dtype=torch.int32, device=device)
+    return buf[:shards + 1]
+
+
+def _drop_flags(device) -> None:
+    bufs = getattr(_local, "flags", None)
+    if bufs is not None:
+        bufs.pop(device, None)
 
 
 def _fix_refused(flags: torch.Tensor, spec, shape, dst: torch.Tensor, L: int) -> np.ndarray:
@@ -382,9 +436,10 @@ def _fix_refused(flags: torch.Tensor, spec, shape, dst: torch.Tensor, L: int) ->
     (4 bytes), and of the others only when a shard was refused; refused shards get the
     reference's bytes (the encoding of zeros)."""
     shards = flags.numel() - 1
-    if int(flags[shards].item()) != 0:
+    if flags[shards].item() != 0:
         return np.ones((shards // L, L), dtype=bool)
     ok = flags[:shards].cpu().numpy().reshape(-1, L) != 0
+    _drop_flags(flags.device)                              # it holds zeros now
     E = encoded_bytes(spec, shape)
     zero = _zero_row(spec, shape, dst.device)
     for i, k in zip(*np.nonzero(~ok)):
@@ -414,10 +469,14 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         raw = _encodable(spec, shape, src, tabs)
     enc = dst if _aligned_enc(dst) else torch.empty(dst.shape, dtype=torch.uint8, device=dst.device)
     flags = _new_flags(n, src.device)
-    _encode_launch(spec, shape, raw, tabs, None, enc, _pitch(enc), flags, n, 1, launch)
-    if enc is not dst:
-        dst.copy_(enc)
-    return _fix_refused(flags, spec, shape, dst, 1)[:, 0]
+    try:
+        _encode_launch(spec, shape, raw, tabs, None, enc, _pitch(enc), flags, n, 1, launch)
+        if enc is not dst:
+            dst.copy_(enc)
+        return _fix_refused(flags, spec, shape, dst, 1)[:, 0]
+    except BaseException:
+        _drop_flags(src.device)                            # in an unknown state
+        raise
 
 
 def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor, layer: int,
@@ -495,11 +554,15 @@ def gather_encode(layout: KVLayout, block_indices: torch.Tensor, spec: CodecSpec
     if enc is not dst:
         enc.copy_(dst)                                     # rows of -1 stay as they were
     flags = _new_flags(n * L, dst.device)
-    _encode_launch(spec, shape, raw, found[1], block_indices, enc, _pitch(enc), flags, n, L,
-                   launch)
-    if enc is not dst:
-        dst.copy_(enc)
-    return _fix_refused(flags, spec, shape, dst, L).all(axis=1)
+    try:
+        _encode_launch(spec, shape, raw, found[1], block_indices, enc, _pitch(enc), flags, n, L,
+                       launch)
+        if enc is not dst:
+            dst.copy_(enc)
+        return _fix_refused(flags, spec, shape, dst, L).all(axis=1)
+    except BaseException:
+        _drop_flags(dst.device)                            # in an unknown state
+        raise
 
 
 def decode_scatter(layout: KVLayout, src: torch.Tensor, block_indices: torch.Tensor,

@@ -19,9 +19,13 @@ _INF = tl.constexpr(float("inf"))
 #: 1.5 * 2**23: for |y| < 2**22, (y + RINT) - RINT is y rounded to an integer, ties to even
 #: (float32 additions round to nearest even; nothing reassociates them).
 _RINT = tl.constexpr(12582912.0)
+#: INT4 per token: groups whose scale is below _TINY are quantized with x, m and s scaled by
+#: _SCALE (exact, a power of two; see _int4_encode_token).
+_TINY = tl.constexpr(2.0 ** -100)
+_SCALE = tl.constexpr(2.0 ** 64)
 
 
-def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_vectors, n_shards,
+def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_vectors, n_shards,
                  V: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                  E: tl.constexpr, SCALE: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
                  BV: tl.constexpr, INDEXED: tl.constexpr, ALIGN: tl.constexpr,
@@ -67,7 +71,7 @@ def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_vectors,
     y = tl.math.div_rn(x, den[:, None])
     r = (y + _RINT) - _RINT
     q = tl.where(sc[:, None] > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
-    base = enc + i * enc_pitch + k * E
+    base = enc + i * (enc_pitch8 * 8) + k * E
     tl.store(base[:, None] + (v * D)[:, None] + d[None, :],
              q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
     b16 = bits >> 16
@@ -80,7 +84,7 @@ def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_vectors,
                  mask=(live & (v == 0))[:, None] & (j < NPAD)[None, :])
 
 
-def _int8_decode(raw, voff, vstride, idx, enc, enc_pitch, n_vectors,
+def _int8_decode(raw, voff, vstride, idx, enc, enc_pitch8, n_vectors,
                  V: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                  E: tl.constexpr, SCALE: tl.constexpr, BV: tl.constexpr, INDEXED: tl.constexpr,
                  ALIGN: tl.constexpr, BF16: tl.constexpr):
@@ -100,7 +104,7 @@ def _int8_decode(raw, voff, vstride, idx, enc, enc_pitch, n_vectors,
     bst = tl.multiple_of(tl.load(vstride + tab, mask=live, other=0), ALIGN)
     d = tl.arange(0, DP)
     m2 = live[:, None] & (d < D)[None, :]
-    base = enc + i * enc_pitch + k * E
+    base = enc + i * (enc_pitch8 * 8) + k * E
     q = tl.load(base[:, None] + (v * D)[:, None] + d[None, :], mask=m2, other=0)
     q = q.to(tl.int8, bitcast=True).to(tl.float32)
     lo = tl.load(base + SCALE + 2 * v, mask=live, other=0).to(tl.int32)
@@ -153,7 +157,7 @@ def _key_scores(raw, voff, vstride, idx, scores,
     tl.atomic_max(scores + s * TP + t, a.to(tl.int32, bitcast=True), mask=tm)
 
 
-def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_shards,
+def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, scores, n_shards,
                  T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                  NG: tl.constexpr, NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr,
                  E: tl.constexpr, KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr,
@@ -184,7 +188,7 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_
     # (masks are built from blocks only: the interpreter mishandles scalar & block)
     tm = (t < T) & ((t * 0 + blk) >= 0)
     gm = gi < NG
-    base = enc + i * enc_pitch + k * E
+    base = enc + i * (enc_pitch8 * 8) + k * E
     tab = k * (2 * T * H)
     if NPAD > 0:
         jp = tl.arange(0, NPADP)
@@ -360,7 +364,159 @@ def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, scores, n_
                  (qe | (qo << 4)).to(tl.uint8), mask=km3)
 
 
-def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch,
+def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
+                       T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+                       D: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
+                       GH: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KQ: tl.constexpr,
+                       VQ: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
+                       NPAD: tl.constexpr, NPADP: tl.constexpr, INDEXED: tl.constexpr,
+                       ALIGN: tl.constexpr, DT: tl.constexpr):
+    """INT4 with keys per token (like the values): shard ``program_id(0)`` (row ``s // L``,
+    selected layer ``s % L``), heads ``[program_id(1) * HP, + HP)``. Tiles ``[tokens, heads,
+    groups, G / 2]`` of *pair words* (channels ``2w`` and ``2w + 1`` of a vector in one int32,
+    or int64 for float32; ``raw``, ``voff`` and ``vstride`` count pair words): a group's
+    reduction is over the last axis, and the two nibbles of a byte are the two halves of a
+    word."""
+    s = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i)
+    else:
+        blk = i
+    HW: tl.constexpr = D // 2
+    t = tl.arange(0, TP)
+    hp = tl.arange(0, HP)
+    gi = tl.arange(0, NGP)
+    j = tl.arange(0, GH)
+    # (masks are built from blocks only: the interpreter mishandles scalar & block)
+    tm = (t < T) & ((t * 0 + blk) >= 0)
+    base = enc + i * (enc_pitch8 * 8) + k * E
+    tab = k * (2 * T * H)
+    if NPAD > 0:
+        jp = tl.arange(0, NPADP)
+        po = tl.load(pad + jp, mask=jp < NPAD, other=0)
+        tl.store(base + po, tl.zeros([NPADP], dtype=tl.uint8),
+                 mask=(jp < NPAD) & ((jp * 0 + blk) >= 0) & ((jp * 0 + c) == 0))
+    gcol = (gi * GH)[:, None] + j[None, :]                              # [NGP, GH]
+    gm2 = (gi < NG)[:, None] & (j < GH)[None, :]
+    kcol = gcol
+    km2 = gm2
+    rpos = t
+    keep = tm
+    v32 = (base + VP).to(tl.pointer_type(tl.int32), bitcast=True)
+    p32 = (base + KP).to(tl.pointer_type(tl.int32), bitcast=True)
+    h = c * HP + hp
+    hm = (h < H) & ((hp * 0 + blk) >= 0)
+    th = tm[:, None] & hm[None, :]
+    vk = tab + t[:, None] * H + h[None, :]                          # [TP, HP]
+    kb = (tl.multiple_of(tl.load(voff + vk, mask=th, other=0), [ALIGN, ALIGN])
+          + blk * tl.multiple_of(tl.load(vstride + vk, mask=th, other=0), [ALIGN, ALIGN]))
+    vb = (tl.multiple_of(tl.load(voff + vk + T * H, mask=th, other=0), [ALIGN, ALIGN])
+          + blk * tl.multiple_of(tl.load(vstride + vk + T * H, mask=th, other=0), [ALIGN, ALIGN]))
+    wv = tl.load(raw + vb[:, :, None, None] + gcol[None, None, :, :],
+                 mask=th[:, :, None, None] & gm2[None, None, :, :], other=0)
+    wk = tl.load(raw + kb[:, :, None, None] + kcol[None, None, :, :],
+                 mask=th[:, :, None, None] & km2[None, None, :, :], other=0)
+    if DT == 0:      # bfloat16 pairs in an int32
+        ve = (wv << 16).to(tl.float32, bitcast=True)
+        vo = (wv & -65536).to(tl.float32, bitcast=True)
+        ke = (wk << 16).to(tl.float32, bitcast=True)
+        ko = (wk & -65536).to(tl.float32, bitcast=True)
+    elif DT == 1:    # float16 pairs in an int32
+        ve = (wv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        vo = (wv >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:            # float32 pairs in an int64
+        ve = (wv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        vo = (wv >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    # non-finite values: x * 0 is NaN for them, 0 otherwise (masked lanes load as 0)
+    zv = tl.sum(tl.sum(ve * 0.0 + vo * 0.0, axis=3), axis=2)        # [TP, HP]
+    zk = tl.sum(tl.sum(ke * 0.0 + ko * 0.0, axis=3), axis=0)        # [HP, NGP]
+    z0 = tl.zeros(zv.shape, dtype=tl.int32)
+    tl.store(flags + s + z0, z0, mask=zv != zv)
+    tl.store(flags + n_shards + z0, z0, mask=zv != zv)            # any bad
+    z0 = tl.zeros(zk.shape, dtype=tl.int32)
+    tl.store(flags + s + z0, z0, mask=zk != zk)
+    tl.store(flags + n_shards + z0, z0, mask=zk != zk)
+    qrow = rpos[:, None] * H + h[None, :]                              # [TP, HP]
+    kq2 = keep[:, None] & hm[None, :]
+    gq3 = kq2[:, :, None] & (gi < NG)[None, None, :]
+    # ---- values: per token, groups of G channels. Masked lanes (padding groups, tokens
+    # past T, absent heads) hold zeros and only reach outputs that are not stored.
+    mn = tl.minimum(tl.min(ve, axis=3), tl.min(vo, axis=3)) + 0.0   # a zero extreme counts as +0
+    mx = tl.maximum(tl.max(ve, axis=3), tl.max(vo, axis=3)) + 0.0
+    b = mn.to(tl.int32, bitcast=True)
+    hi = b & -65536
+    mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+    m = mb.to(tl.float32, bitcast=True)
+    b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+    hi = b & -65536
+    sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+    sc = sb.to(tl.float32, bitcast=True)
+    # q = rint(RN((x - m) / s)) without dividing. nu = fma(x, f, -m f) = (x - m) f, one
+    # rounding, with f = 2**64 where s is tiny (exact: it keeps (k + 1/2) s and 1 / s normal),
+    # else 1. y = nu * (1 / s') is within a few ulps of the quotient, so k = floor(y) is the
+    # integer below it or next to it, and the exact product h = (k + 1/2) s' (few significant
+    # bits) decides: nu > h rounds up, nu == h is the tie (to even; RN(nu / s') == k + 1/2 only
+    # if nu == h exactly, for a normal h), nu < h down. q <= 15 without a clamp, as
+    # s >= RN(range / 15); s == 0 gives h = inf, q = 0.
+    f = tl.where((sc > 0) & (sc < _TINY), _SCALE, 1.0)
+    sp = sc * f
+    mp = m * f
+    rp = 1.0 / tl.where(sp == 0, 1.0, sp)
+    hs = tl.where(sp == 0, _INF, sp * 0.5)   # s == 0: q = 0
+    nu = tl.fma(ve, f[:, :, :, None], -mp[:, :, :, None])
+    kf = tl.floor(nu * rp[:, :, :, None])
+    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
+    ki = kf.to(tl.int32)
+    qe = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
+    nu = tl.fma(vo, f[:, :, :, None], -mp[:, :, :, None])
+    kf = tl.floor(nu * rp[:, :, :, None])
+    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
+    ki = kf.to(tl.int32)
+    qo = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
+    tl.store(v32 + (qrow * NG)[:, :, None] + gi[None, None, :],
+             ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq3)
+    tl.store(base + VQ + (qrow * HW)[:, :, None, None] + gcol[None, None, :, :],
+             (qe | (qo << 4)).to(tl.uint8), mask=kq2[:, :, None, None] & gm2[None, None, :, :])
+    # ---- keys
+    mn = tl.minimum(tl.min(ke, axis=3), tl.min(ko, axis=3)) + 0.0
+    mx = tl.maximum(tl.max(ke, axis=3), tl.max(ko, axis=3)) + 0.0
+    b = mn.to(tl.int32, bitcast=True)
+    hi = b & -65536
+    mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+    m = mb.to(tl.float32, bitcast=True)
+    b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+    hi = b & -65536
+    sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+    sc = sb.to(tl.float32, bitcast=True)
+    f = tl.where((sc > 0) & (sc < _TINY), _SCALE, 1.0)
+    sp = sc * f
+    mp = m * f
+    rp = 1.0 / tl.where(sp == 0, 1.0, sp)
+    hs = tl.where(sp == 0, _INF, sp * 0.5)
+    nu = tl.fma(ke, f[:, :, :, None], -mp[:, :, :, None])
+    kf = tl.floor(nu * rp[:, :, :, None])
+    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
+    ki = kf.to(tl.int32)
+    qe = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
+    nu = tl.fma(ko, f[:, :, :, None], -mp[:, :, :, None])
+    kf = tl.floor(nu * rp[:, :, :, None])
+    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
+    ki = kf.to(tl.int32)
+    qo = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
+    tl.store(p32 + (qrow * NG)[:, :, None] + gi[None, None, :],
+             ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq3)
+    tl.store(base + KQ + (qrow * HW)[:, :, None, None] + kcol[None, None, :, :],
+             (qe | (qo << 4)).to(tl.uint8), mask=kq2[:, :, None, None] & km2[None, None, :, :])
+
+
+def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch8,
                  T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                  DP: tl.constexpr, G: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
                  KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
@@ -384,7 +540,7 @@ def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch,
     dm = d < D
     tm = (t < T) & ((t * 0 + blk) >= 0)
     dlive = dm & ((d * 0 + blk) >= 0)
-    base = enc + i * enc_pitch + k * E
+    base = enc + i * (enc_pitch8 * 8) + k * E
     tab = k * V
     if SPARSE:
         byte = tl.load(base + BITMAP + t // 8, mask=tm, other=0).to(tl.int32)
@@ -458,7 +614,7 @@ def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch,
         tl.store(raw + (ov + blk * sv)[:, None] + d[None, :], outv, mask=m2)
 
 
-def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_shards,
+def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
                   T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KS: tl.constexpr,
                   VS: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
@@ -480,7 +636,7 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_shards,
     d = tl.arange(0, DP)
     dm = d < D
     V = 2 * T * H
-    base = enc + i * enc_pitch + k * E
+    base = enc + i * (enc_pitch8 * 8) + k * E
     amax = tl.zeros([DP], dtype=tl.float32)
     bad = tl.zeros([DP], dtype=tl.int32)
     for t0 in range(0, T, TB):
@@ -551,7 +707,7 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch, flags, pad, n_shards,
         tl.store(base + po, tl.zeros([NPADP], dtype=tl.uint8), mask=j < tl.where(live & (h == 0), NPAD, 0))
 
 
-def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch,
+def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
                   T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KS: tl.constexpr,
                   VS: tl.constexpr, INDEXED: tl.constexpr, ALIGN: tl.constexpr,
@@ -570,7 +726,7 @@ def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch,
     d = tl.arange(0, DP)
     dm = d < D
     V = 2 * T * H
-    base = enc + i * enc_pitch + k * E
+    base = enc + i * (enc_pitch8 * 8) + k * E
     lo = tl.load(base + KS + 2 * (h * D + d), mask=d < d_lim, other=0).to(tl.int32)
     hi = tl.load(base + KS + 2 * (h * D + d) + 1, mask=d < d_lim, other=0).to(tl.int32)
     ksc = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)
