@@ -34,8 +34,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 SENTINEL = 0xA5
 
 SPECS = {
-    "int8": CodecSpec("quantize", 8),                       # keys per channel
-    "int8-tok": CodecSpec("quantize", 8, key_mode="token"),
+    "int8": CodecSpec("quantize", 8, key_mode="channel"),
+    "int8-tok": CodecSpec("quantize", 8),                   # (auto: keys per token)
     "int4-ch32": CodecSpec("quantize", 4, 32, "channel"),
     "int4-ch64": CodecSpec("quantize", 4, 64, "channel"),
     "int4-tok32": CodecSpec("quantize", 4, 32, "token"),

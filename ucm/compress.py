@@ -13,13 +13,13 @@ Codecs (:class:`CodecSpec`):
 
 * ``quantize``, ``bits=8``: symmetric INT8: ``s = bf16_up(max|x| / 127)``,
   ``q = clamp(rint(x / s), -127, 127)``, ``x' = q * s``; values one scale per (token, head)
-  vector; keys one scale per (head, channel) over the block's tokens (``key_mode="channel"``,
-  the default) or like the values (``key_mode="token"``).
+  vector; keys like the values (``key_mode="token"``, INT8's default) or one scale per (head,
+  channel) over the block's tokens (``key_mode="channel"``).
 * ``quantize``, ``bits=4``: asymmetric INT4, two values per byte (low nibble first):
   ``m = bf16_down(min)``, ``s = bf16_up((max - m) / 15)``, ``q = clamp(rint((x - m) / s), 0, 15)``,
   ``x' = q * s + m`` (a zero min or max counts as +0, whatever the sign of the zeros). Values:
   groups of ``group`` channels per (token, head). Keys: per channel
-  over the block's tokens as KIVI does (``key_mode="channel"``, the default: a few channels of
+  over the block's tokens as KIVI does (``key_mode="channel"``, INT4's default: a few channels of
   the keys carry outliers across all tokens) or like the values (``key_mode="token"``).
 * ``sparse``: the ``ceil(salient * T)`` tokens whose keys have the largest magnitude
   (``max |K[t, :, :]|``; ties to the lower token) kept exact in the cache's type, the others

@@ -285,10 +285,10 @@ OPTIONS: tuple[Option, ...] = (
            choices=(4, 8)),
     Option("compression.group", "int", 64, "INT4 group size along the head dimension (must "
            "divide it).", choices=(32, 64)),
-    Option("compression.key_mode", "str", "channel", "Keys of 'quantize' and 'sparse': "
-           "'channel' (one scale per channel over the block's tokens, as KIVI) or 'token' "
-           "(like the values).",
-           choices=("channel", "token")),
+    Option("compression.key_mode", "str", "auto", "Keys of 'quantize' and 'sparse': 'channel' "
+           "(one scale per channel over the block's tokens, as KIVI), 'token' (like the values) "
+           "or 'auto' (INT8: token; INT4 and sparse: channel).",
+           choices=("auto", "channel", "token")),
     Option("compression.salient", "float", 0.0625, "'sparse': fraction of each block's tokens "
            "kept exact (those whose keys have the largest magnitude).", min=0.0, max=0.5,
            min_exclusive=True),

@@ -68,7 +68,7 @@ class LaunchConfig:
     int8_vectors: int = 32
     int8_warps: int = 4
     #: Tokens per chunk of the INT8 kernels with keys per channel (a program per shard and head).
-    int8_tokens: int = 16
+    int8_tokens: int = 32
     #: INT4 with keys per channel, and sparse (``_int4_encode``): KV heads per program (a
     #: divisor of the head count is used: the largest one not above this).
     int4_heads: int = 1

@@ -620,8 +620,9 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
                   VS: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
                   INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr):
     """INT8 with keys scaled per channel (``key_mode="channel"``): a program per (shard, head).
-    Pass 1: per-channel max |K| over the block's tokens (chunks of ``TB``); pass 2: keys
-    quantized by their channel's scale, values by their token's (as ``_int8_encode``)."""
+    The per-channel max |K| over the block's tokens, then keys quantized by their channel's
+    scale and values by their token's (as ``_int8_encode``). A block of at most ``TB`` tokens
+    is loaded once; a longer one in chunks of ``TB`` tokens, its keys read twice."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = s // L
@@ -634,25 +635,26 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
     t_lim = tl.where(live, T, 0)         # (the interpreter cannot mask with a vector & a scalar)
     d_lim = tl.where(live, D, 0)
     d = tl.arange(0, DP)
-    dm = d < D
+    dm = d < d_lim
     V = 2 * T * H
     base = enc + i * (enc_pitch8 * 8) + k * E
-    amax = tl.zeros([DP], dtype=tl.float32)
+    tb = tl.arange(0, TB)
     bad = tl.zeros([DP], dtype=tl.int32)
-    for t0 in range(0, T, TB):
-        t = t0 + tl.arange(0, TB)
+    amax = tl.zeros([DP], dtype=tl.float32)
+    xk = tl.zeros([TB, DP], dtype=tl.float32)
+    for t0 in tl.static_range(0, T, TB):
+        t = t0 + tb
         tm = t < t_lim
-        m2 = tm[:, None] & dm[None, :]
         vk = k * V + t * H + h
         off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
         bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
         if BF16:
-            xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None]
-                         + d[None, :], mask=m2, other=0)
-            x = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            _xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None] + d[None, :],
+                          mask=tm[:, None] & dm[None, :], other=0)
+            xk = (_xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
-            x = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        a = tl.abs(x)
+            xk = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=tm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        a = tl.abs(xk)
         bad = tl.maximum(bad, tl.max(tl.where(a < _INF, 0, 1), axis=0))
         amax = tl.maximum(amax, tl.max(tl.where(a < _INF, a, 0.0), axis=0))
     kbits = tl.math.div_rn(amax, 127.0).to(tl.int32, bitcast=True)
@@ -661,43 +663,51 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
     ksc = kbits.to(tl.float32, bitcast=True)
     kden = tl.where(ksc == 0, 1.0, ksc)
     kb16 = kbits >> 16
-    tl.store(base + KS + 2 * (h * D + d), (kb16 & 255).to(tl.uint8), mask=d < d_lim)
-    tl.store(base + KS + 2 * (h * D + d) + 1, ((kb16 >> 8) & 255).to(tl.uint8), mask=d < d_lim)
-    for t0 in range(0, T, TB):
-        t = t0 + tl.arange(0, TB)
+    tl.store(base + KS + 2 * (h * D + d), (kb16 & 255).to(tl.uint8), mask=dm)
+    tl.store(base + KS + 2 * (h * D + d) + 1, ((kb16 >> 8) & 255).to(tl.uint8), mask=dm)
+    for t0 in tl.static_range(0, T, TB):
+        t = t0 + tb
         tm = t < t_lim
         m2 = tm[:, None] & dm[None, :]
-        for kv in range(2):
-            v = (kv * T + t) * H + h
-            off = tl.multiple_of(tl.load(voff + k * V + v, mask=tm, other=0), ALIGN)
-            bst = tl.multiple_of(tl.load(vstride + k * V + v, mask=tm, other=0), ALIGN)
+        vk = k * V + t * H + h
+        if T > TB:                        # chunked: the keys again
+            off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+            bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
             if BF16:
-                xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None]
-                             + d[None, :], mask=m2, other=0)
-                x = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                _xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None] + d[None, :],
+                              mask=m2, other=0)
+                xk = (_xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
             else:
-                x = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            if kv == 0:
-                den = kden[None, :] + tl.zeros([TB, DP], dtype=tl.float32)
-                pos = ksc[None, :] + tl.zeros([TB, DP], dtype=tl.float32)
-            else:
-                a = tl.abs(x)
-                bad = tl.maximum(bad, tl.max(tl.where(a < _INF, 0, 1), axis=0))
-                vbits = tl.math.div_rn(tl.max(tl.where(a < _INF, a, 0.0), axis=1), 127.0).to(
-                    tl.int32, bitcast=True)
-                vhi = vbits & -65536
-                vbits = tl.where((vbits & 0xFFFF) != 0, vhi + 0x10000, vhi)
-                vsc = vbits.to(tl.float32, bitcast=True)
-                vb16 = vbits >> 16
-                tl.store(base + VS + 2 * (t * H + h), (vb16 & 255).to(tl.uint8), mask=tm)
-                tl.store(base + VS + 2 * (t * H + h) + 1, ((vb16 >> 8) & 255).to(tl.uint8), mask=tm)
-                den = tl.where(vsc == 0, 1.0, vsc)[:, None] + tl.zeros([TB, DP], dtype=tl.float32)
-                pos = vsc[:, None] + tl.zeros([TB, DP], dtype=tl.float32)
-            y = tl.math.div_rn(x, den)
-            r = (y + _RINT) - _RINT
-            q = tl.where(pos > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
-            tl.store(base + (v * D)[:, None] + d[None, :], q.to(tl.int8).to(tl.uint8, bitcast=True),
-                     mask=m2)
+                xk = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        y = tl.math.div_rn(xk, kden[None, :] + tl.zeros([TB, DP], dtype=tl.float32))
+        r = (y + _RINT) - _RINT
+        q = tl.where(ksc[None, :] > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
+        tl.store(base + ((t * H + h) * D)[:, None] + d[None, :],
+                 q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
+        vv = k * V + (T + t) * H + h
+        off = tl.multiple_of(tl.load(voff + vv, mask=tm, other=0), ALIGN)
+        bst = tl.multiple_of(tl.load(vstride + vv, mask=tm, other=0), ALIGN)
+        if BF16:
+            _xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None] + d[None, :],
+                          mask=m2, other=0)
+            x = (_xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        bad = tl.maximum(bad, tl.max(tl.where(a < _INF, 0, 1), axis=0))
+        vbits = tl.math.div_rn(tl.max(tl.where(a < _INF, a, 0.0), axis=1), 127.0).to(
+            tl.int32, bitcast=True)
+        vhi = vbits & -65536
+        vbits = tl.where((vbits & 0xFFFF) != 0, vhi + 0x10000, vhi)
+        vsc = vbits.to(tl.float32, bitcast=True)
+        vb16 = vbits >> 16
+        tl.store(base + VS + 2 * (t * H + h), (vb16 & 255).to(tl.uint8), mask=tm)
+        tl.store(base + VS + 2 * (t * H + h) + 1, ((vb16 >> 8) & 255).to(tl.uint8), mask=tm)
+        y = tl.math.div_rn(x, tl.where(vsc == 0, 1.0, vsc)[:, None] + tl.zeros([TB, DP], dtype=tl.float32))
+        r = (y + _RINT) - _RINT
+        q = tl.where(vsc[:, None] > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
+        tl.store(base + (((T + t) * H + h) * D)[:, None] + d[None, :],
+                 q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
     nb = tl.max(bad, axis=0)
     tl.store(flags + s, 0, mask=live & (nb > 0))
     tl.store(flags + n_shards, 0, mask=live & (nb > 0))
@@ -721,38 +731,45 @@ def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
     else:
         blk = i
     live = blk >= 0
-    t_lim = tl.where(live, T, 0)         # (the interpreter cannot mask with a vector & a scalar)
+    t_lim = tl.where(live, T, 0)
     d_lim = tl.where(live, D, 0)
     d = tl.arange(0, DP)
-    dm = d < D
+    dm = d < d_lim
     V = 2 * T * H
     base = enc + i * (enc_pitch8 * 8) + k * E
-    lo = tl.load(base + KS + 2 * (h * D + d), mask=d < d_lim, other=0).to(tl.int32)
-    hi = tl.load(base + KS + 2 * (h * D + d) + 1, mask=d < d_lim, other=0).to(tl.int32)
+    lo = tl.load(base + KS + 2 * (h * D + d), mask=dm, other=0).to(tl.int32)
+    hi = tl.load(base + KS + 2 * (h * D + d) + 1, mask=dm, other=0).to(tl.int32)
     ksc = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)
-    for t0 in range(0, T, TB):
-        t = t0 + tl.arange(0, TB)
+    tb = tl.arange(0, TB)
+    for t0 in tl.static_range(0, T, TB):
+        t = t0 + tb
         tm = t < t_lim
         m2 = tm[:, None] & dm[None, :]
-        for kv in range(2):
-            v = (kv * T + t) * H + h
-            q = tl.load(base + (v * D)[:, None] + d[None, :], mask=m2, other=0)
-            q = q.to(tl.int8, bitcast=True).to(tl.float32)
-            if kv == 0:
-                x = q * ksc[None, :]
-            else:
-                vlo = tl.load(base + VS + 2 * (t * H + h), mask=tm, other=0).to(tl.int32)
-                vhi = tl.load(base + VS + 2 * (t * H + h) + 1, mask=tm, other=0).to(tl.int32)
-                vsc = ((vlo | (vhi << 8)) << 16).to(tl.float32, bitcast=True)
-                x = q * vsc[:, None]
-            if BF16:
-                _b = x.to(tl.int32, bitcast=True)
-                out = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)   # RNE
-            else:
-                out = x.to(raw.dtype.element_ty)
-            off = tl.multiple_of(tl.load(voff + k * V + v, mask=tm, other=0), ALIGN)
-            bst = tl.multiple_of(tl.load(vstride + k * V + v, mask=tm, other=0), ALIGN)
-            tl.store(raw + (off + blk * bst)[:, None] + d[None, :], out, mask=m2)
+        vk = (t * H + h)
+        q = tl.load(base + (vk * D)[:, None] + d[None, :], mask=m2, other=0)
+        xk = q.to(tl.int8, bitcast=True).to(tl.float32) * ksc[None, :]
+        off = tl.multiple_of(tl.load(voff + k * V + vk, mask=tm, other=0), ALIGN)
+        bst = tl.multiple_of(tl.load(vstride + k * V + vk, mask=tm, other=0), ALIGN)
+        if BF16:
+            _b = xk.to(tl.int32, bitcast=True)
+            _o = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)   # RNE
+        else:
+            _o = xk.to(raw.dtype.element_ty)
+        tl.store(raw + (off + blk * bst)[:, None] + d[None, :], _o, mask=m2)
+        vv = (T + t) * H + h
+        q = tl.load(base + (vv * D)[:, None] + d[None, :], mask=m2, other=0)
+        vlo = tl.load(base + VS + 2 * (t * H + h), mask=tm, other=0).to(tl.int32)
+        vhi = tl.load(base + VS + 2 * (t * H + h) + 1, mask=tm, other=0).to(tl.int32)
+        vsc = ((vlo | (vhi << 8)) << 16).to(tl.float32, bitcast=True)
+        xv = q.to(tl.int8, bitcast=True).to(tl.float32) * vsc[:, None]
+        off = tl.multiple_of(tl.load(voff + k * V + vv, mask=tm, other=0), ALIGN)
+        bst = tl.multiple_of(tl.load(vstride + k * V + vv, mask=tm, other=0), ALIGN)
+        if BF16:
+            _b = xv.to(tl.int32, bitcast=True)
+            _o = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)   # RNE
+        else:
+            _o = xv.to(raw.dtype.element_ty)
+        tl.store(raw + (off + blk * bst)[:, None] + d[None, :], _o, mask=m2)
 
 
 _jitted: dict = {}
