@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 require_vllm_module()
 openai = pytest.importorskip("openai")
 
-GEN = 24
+GEN = 16
 
 
 @pytest.fixture(scope="module")
