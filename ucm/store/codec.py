@@ -18,6 +18,7 @@ crosses to the host tiers is the encoded bytes.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from typing import Optional
 
@@ -87,6 +88,30 @@ class CodecStore(KVStore):
         self.enc = want.shard_bytes
         self._codec_stats = Stats(CODEC_FIELDS)
         self._exec = threads.pool(io_threads, "ucm-codec")
+        # host buffers for encoded blocks being loaded, reused: fresh pages cost more than
+        # the decode (a warm prompt's 45 MB of INT8 faulted in each time)
+        self._free_staging: list = []
+        self._staging_lock = threading.Lock()
+
+    def _take_staging(self, n: int, width: int, device):
+        import torch
+
+        if str(device) != "cpu":
+            return torch.empty((n, width), dtype=torch.uint8, device=device)
+        need = n * width
+        with self._staging_lock:
+            for i, buf in enumerate(self._free_staging):
+                if buf.numel() >= need:
+                    return self._free_staging.pop(i)[:need].view(n, width)
+        return torch.empty(max(need, 1 << 20), dtype=torch.uint8)[:need].view(n, width)
+
+    def _give_staging(self, enc) -> None:
+        if enc.device.type != "cpu":
+            return
+        base = enc._base if enc._base is not None else enc
+        with self._staging_lock:
+            if len(self._free_staging) < 4:
+                self._free_staging.append(base.reshape(-1))
 
     # -- encode / decode ------------------------------------------------------------------------
     def _encode(self, src, shards: range):
@@ -145,7 +170,7 @@ class CodecStore(KVStore):
         task = Task("load", ids)
         n = len(ids)
         device = bufs.rows[0].device if bufs.is_cuda else "cpu"
-        enc = torch.empty((n, len(shards) * self.enc), dtype=torch.uint8, device=device)
+        enc = self._take_staging(n, len(shards) * self.enc, device)
         task.add_part()
         t0 = time.perf_counter()
         inner = self.inner.load(ids, shards[0] * self.enc, enc)
@@ -177,6 +202,8 @@ class CodecStore(KVStore):
         except Exception as exc:
             errors.update({int(i): f"codec: {exc!r}" for i in good})
             good = good[:0]
+        finally:
+            self._give_staging(enc)
         self._codec_stats.add(decode_seconds=time.perf_counter() - t0, decoded_bytes=len(good) * span)
         task.finish_part(good, errors, len(good) * span)
 

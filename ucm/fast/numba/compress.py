@@ -415,7 +415,9 @@ def _encode_learned(x, rs, geo, mean, basis_t, out, ro, c_off, pads, ok, buf, to
 
 
 @njit(nogil=True)
-def _decode_q8(src, ro, n, y, rs, geo, chan, q_off, s_off, ks_off, sc):
+def _decode_q8(src, ro, n, y, rs, geo, chan, q_off, s_off, ks_off, sc, keys_dt):
+    """``keys_dt``: write key planes channel-major (element (t, d) at ``d * T + t`` of the
+    plane) directly, instead of transposing them afterwards."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     for i in range(n):
         so = i * ro
@@ -426,19 +428,24 @@ def _decode_q8(src, ro, n, y, rs, geo, chan, q_off, s_off, ks_off, sc):
                 if per_channel:
                     for d in range(d_n):
                         sc[d] = _get_bf16(src, so + ks_off + 2 * (h * d_n + d))
+                transposed = keys_dt and kv == 0
+                plane = y[base:base + t_n * d_n]
                 for t in range(t_n):
                     v = (kv * t_n + t) * h_n + h
                     q = so + q_off + v * d_n
                     qv = src[q:q + d_n]
-                    o = base + t * s_t
-                    yv = y[o:o + d_n]
-                    if per_channel:
-                        for d in range(d_n):
-                            st(yv, d, np.float32(np.int8(qv[d])) * sc[d])
-                    else:
+                    if not per_channel:
                         s = _get_bf16(src, so + s_off + 2 * ((t * h_n + h) if chan else v))
                         for d in range(d_n):
-                            st(yv, d, np.float32(np.int8(qv[d])) * s)
+                            sc[d] = s
+                    if transposed:
+                        for d in range(d_n):
+                            st(plane, d * t_n + t, np.float32(np.int8(qv[d])) * sc[d])
+                    else:
+                        o = base + t * s_t
+                        yv = y[o:o + d_n]
+                        for d in range(d_n):
+                            st(yv, d, np.float32(np.int8(qv[d])) * sc[d])
 
 
 @njit(nogil=True)
@@ -692,7 +699,7 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     tok = np.arange(t_n, dtype=np.int64)
     if spec.method == "quantize" and spec.bits == 8:
         _decode_q8(enc, ro, n, y, rs, geo, spec.key_mode == "channel", *_q8_at(spec, shape),
-                   np.empty(d_n, np.float32))
+                   np.empty(d_n, np.float32), shape.key_order == "dt")
     elif spec.method == "quantize":
         _decode_q4(enc, ro, n, y, rs, geo, spec.group, spec.key_mode == "channel",
                    _at(spec, shape, "kq", "vq", "kp", "vp"), tok, np.empty(d_n, np.float32),
@@ -712,7 +719,8 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         mean, basis_t, r = _projection(spec, shape, layer)
         _decode_learned(enc, ro, n, y, rs, geo, mean, basis_t, *_at(spec, shape, "coef"),
                         np.empty((t_n, r), np.float32), np.empty((t_n, d_n), np.float32))
-    if shape.key_order == "dt":                        # decoded token-major: turn key planes
+    int8 = spec.method == "quantize" and spec.bits == 8
+    if shape.key_order == "dt" and not int8:           # decoded token-major: turn key planes
         _keys_to_channel_major(y, rs, n, geo, np.empty(t_n * d_n, dtype=bits))
     if target is not dst:
         dst.copy_(target)
