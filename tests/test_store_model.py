@@ -1,7 +1,7 @@
 """Every tier and pipeline against the dictionary model of tests/store_model.py: random operation
 sequences (duplicates, present and pending ids, refusals, eviction pressure, prefetch, reopen).
 
-8,000 operations for each of 8 store kinds (64,000 in all) in CI; ``UCM_MODEL_OPS`` sets
+6,000 operations for each of 8 store kinds (48,000 in all) in CI; ``UCM_MODEL_OPS`` sets
 the number per kind, ``UCM_MODEL_SEED`` the first seed."""
 import os
 
@@ -16,7 +16,7 @@ from ucm.store.posix import PosixStore
 from store_model import GEOMETRY, ModelError, block_ids, content, run_model, run_threads
 
 NS = ucm.Namespace("model-test", "bfloat16", 16).digest()
-OPS = int(os.environ.get("UCM_MODEL_OPS", "8000"))
+OPS = int(os.environ.get("UCM_MODEL_OPS", "6000"))
 SEED = int(os.environ.get("UCM_MODEL_SEED", "1"))
 FILE = 4096 + GEOMETRY.block_bytes
 

@@ -436,7 +436,7 @@ def test_cluster_serves_and_survives_a_dead_node(cluster, rng):
 
 # -- the dictionary model (tests/store_model.py) ---------------------------------------------------
 
-MODEL_OPS = int(os.environ.get("UCM_MODEL_OPS", "8000")) // 4
+MODEL_OPS = int(os.environ.get("UCM_MODEL_OPS", "6000")) // 4
 
 
 @pytest.mark.parametrize("roomy", [True, False], ids=["roomy", "tight"])
