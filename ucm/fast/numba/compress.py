@@ -182,14 +182,21 @@ def _unpack(src, o, d_n, qf):
 
 
 @njit
-def _dec4_plane(src, nt, d_n, g, chan, y, base, tok, s_t, q_at, q_ts, p_at, p_ts, lo, hi, qb):
-    """Inverse of :func:`_enc4_plane`: token ``j`` of the plane to ``y[base + tok[j] * s_t:]``."""
+def _dec4_plane(src, nt, d_n, g, chan, y, base, tok, s_t, q_at, q_ts, p_at, p_ts, lo, hi, qb,
+                tr=0):
+    """Inverse of :func:`_enc4_plane`: token ``j`` of the plane to ``y[base + tok[j] * s_t:]``,
+    or, with ``tr`` > 0, into a channel-major plane of ``tr`` tokens (element (t, d) at
+    ``base + d * tr + t``)."""
     if chan:
         for d in range(d_n):
             lo[d] = _get_bf16(src, p_at + 4 * d)
             hi[d] = _get_bf16(src, p_at + 4 * d + 2)
         for j in range(nt):
             _unpack(src, q_at + j * q_ts, d_n, qb)
+            if tr > 0:
+                for d in range(d_n):
+                    st(y, base + d * tr + tok[j], qb[d] * hi[d] + lo[d])
+                continue
             o = base + tok[j] * s_t
             yv = y[o:o + d_n]
             for d in range(d_n):
@@ -202,8 +209,12 @@ def _dec4_plane(src, nt, d_n, g, chan, y, base, tok, s_t, q_at, q_ts, p_at, p_ts
             at = p_at + j * p_ts + 4 * k
             m = _get_bf16(src, at)
             s = _get_bf16(src, at + 2)
-            yv = y[o + k * g:o + (k + 1) * g]
             qv = qb[k * g:(k + 1) * g]
+            if tr > 0:
+                for d in range(g):
+                    st(y, base + (k * g + d) * tr + tok[j], qv[d] * s + m)
+                continue
+            yv = y[o + k * g:o + (k + 1) * g]
             for d in range(g):
                 st(yv, d, qv[d] * s + m)
 
@@ -449,7 +460,8 @@ def _decode_q8(src, ro, n, y, rs, geo, chan, q_off, s_off, ks_off, sc, keys_dt):
 
 
 @njit(nogil=True)
-def _decode_q4(src, ro, n, y, rs, geo, g, chan, offs, tok, lo, hi, qb):
+def _decode_q4(src, ro, n, y, rs, geo, g, chan, offs, tok, lo, hi, qb, keys_dt):
+    """``keys_dt``: write key planes channel-major directly."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     half = d_n // 2
     ng = d_n // g
@@ -460,7 +472,8 @@ def _decode_q4(src, ro, n, y, rs, geo, g, chan, offs, tok, lo, hi, qb):
                 c = chan and kv == 0
                 p_at = so + offs[2 + kv] + (4 * h * d_n if c else 4 * h * ng)
                 _dec4_plane(src, t_n, d_n, g, c, y, i * rs + kv * s_k + h * s_h, tok, s_t,
-                            so + offs[kv] + h * half, h_n * half, p_at, 4 * h_n * ng, lo, hi, qb)
+                            so + offs[kv] + h * half, h_n * half, p_at, 4 * h_n * ng, lo, hi, qb,
+                            t_n if keys_dt and kv == 0 else 0)
 
 
 @njit(nogil=True)
@@ -703,7 +716,8 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     elif spec.method == "quantize":
         _decode_q4(enc, ro, n, y, rs, geo, spec.group, spec.key_mode == "channel",
                    _at(spec, shape, "kq", "vq", "kp", "vp"), tok, np.empty(d_n, np.float32),
-                   np.empty(d_n, np.float32), np.empty(d_n, np.float32))
+                   np.empty(d_n, np.float32), np.empty(d_n, np.float32),
+                   shape.key_order == "dt")
     elif spec.method == "sparse":
         c = n_salient(spec, shape)
         bad = _decode_sparse(enc, ro, n, y, y.view(np.uint8), rs, geo, spec.group,
@@ -719,8 +733,8 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         mean, basis_t, r = _projection(spec, shape, layer)
         _decode_learned(enc, ro, n, y, rs, geo, mean, basis_t, *_at(spec, shape, "coef"),
                         np.empty((t_n, r), np.float32), np.empty((t_n, d_n), np.float32))
-    int8 = spec.method == "quantize" and spec.bits == 8
-    if shape.key_order == "dt" and not int8:           # decoded token-major: turn key planes
+    direct = spec.method == "quantize"                 # (writes channel-major keys itself)
+    if shape.key_order == "dt" and not direct:         # decoded token-major: turn key planes
         _keys_to_channel_major(y, rs, n, geo, np.empty(t_n * d_n, dtype=bits))
     if target is not dst:
         dst.copy_(target)
