@@ -107,7 +107,9 @@ def warm(args, model, ids) -> dict:
            "machine": f"{os.uname().nodename} {os.cpu_count()} cores", "tokens": args.tokens,
            "repeats": args.repeats, "reserved_cpus": args.reserved_cpus, "rounds": []}
     first_tokens = set()
-    for r in range(args.rounds):
+    from ucm import progress
+
+    for r in progress.track(range(args.rounds), "rounds", unit="round"):
         row = {}
         for kind, spec in kinds.items():
             ph = _engine(spec(r), work, f"{kind}-{r}")["phases"][0]
@@ -127,8 +129,11 @@ def warm(args, model, ids) -> dict:
               flush=True)
 
     def per_request(stats, count):
-        keys = ("load_store_s", "scatter_s", "scatter_wait_s", "forward_s")
-        return {k[:-2] + "_ms": (stats or {}).get(k, 0.0) / count * 1000 for k in keys}
+        keys = {"load_store_ms": "ucm_load_store_seconds_total",
+                "scatter_ms": "ucm_load_scatter_seconds_total",
+                "scatter_wait_ms": "ucm_load_scatter_wait_seconds_total",
+                "forward_ms": "ucm_forward_seconds_total"}
+        return {out: (stats or {}).get(k, 0.0) / count * 1000 for out, k in keys.items()}
 
     rounds = out["rounds"]
     out.update({

@@ -119,15 +119,15 @@ def round_(args, model, prompts, warmup, url, work, r, out) -> dict:
         _refuse(out, args.json, f"round {r}: nodes' first tokens differ for prompts {bad}")
     before, after = ph["warmup"].get("connector_stats") or {}, row["node_b_stats"] or {}
     want = n * ((args.tokens - 1) // BS)
-    got = after.get("load_blocks", 0) - before.get("load_blocks", 0)
-    if got != want or after.get("load_failed", 0):
+    got = after.get("ucm_load_blocks_total", 0) - before.get("ucm_load_blocks_total", 0)
+    if got != want or after.get("ucm_load_failed_blocks_total", 0):
         _refuse(out, args.json, f"round {r}: node B loaded {got} full blocks from Redis (expected {want}), "
-                                f"{after.get('load_failed')} failed")
-    saved = a_final["save_blocks"] + a_final["save_tail_blocks"]
-    if a_final["save_failed"] or (before_b and before_b["markers"] != saved):
+                                f"{after.get('ucm_load_failed_blocks_total')} failed")
+    saved = a_final["ucm_save_blocks_total"] + a_final["ucm_save_tail_blocks_total"]
+    if a_final["ucm_save_failed_blocks_total"] or (before_b and before_b["markers"] != saved):
         # (a put that failed on Redis alone is not a failed save for the connector: the memory
         # tier stored the block; only the server's count shows it)
-        _refuse(out, args.json, f"round {r}: node A saved {saved} blocks ({a_final['save_failed']} failed), "
+        _refuse(out, args.json, f"round {r}: node A saved {saved} blocks ({a_final['ucm_save_failed_blocks_total']} failed), "
                                 f"{before_b.get('markers')} of them committed on Redis")
     row.update(ratios(t["cold"], t["warm"]))
     row["redis_blocks_per_prompt"] = got // n

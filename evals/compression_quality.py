@@ -44,6 +44,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 TREE = os.path.dirname(HERE)
 sys.path.insert(0, TREE)
+from ucm import progress  # noqa: E402
 
 BS = 128  # vLLM-CPU block size
 
@@ -179,7 +180,6 @@ def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: st
     with open(path, "w") as f:
         json.dump(spec, f)
     env = dict(os.environ, PYTHONPATH=TREE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    print(f"[{name}] engine ...", flush=True)
     with open(os.path.join(tmp, f"{name}.stderr"), "w") as err:
         p = subprocess.run([sys.executable, "-m", "ucm.demo.engine", path], stdout=subprocess.PIPE,
                            stderr=err, env=env, text=True, timeout=3600)
@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     proj_path = os.path.join(tmp, "projection.npz")
     projection = fit(calib_kv, proj_path)
     recon = reconstruction(eval_kv, projection)
-    runs = {n: engine(model, prompts, CODECS[n], tmp, n, proj_path, args.gen) for n in names}
+    runs = {n: engine(model, prompts, CODECS[n], tmp, n, proj_path, args.gen)
+            for n in progress.track(names, "codecs through vLLM", unit="engine")}
 
     def phase(run, name):
         return next(p for p in run["phases"] if p["name"] == name)
@@ -248,8 +249,8 @@ def main(argv=None) -> int:
                       "identical_fraction": sum(same) / len(same),
                       "first_difference": first_diff, "scored_positions": count,
                       "ppl": math.exp(nll / count) if count else None,
-                      "load_blocks": ppl_stats.get("load_blocks"),
-                      "load_failed": ppl_stats.get("load_failed"),
+                      "load_blocks": ppl_stats.get("ucm_load_blocks_total"),
+                      "load_failed": ppl_stats.get("ucm_load_failed_blocks_total"),
                       "ttft_cold_s": ttft["ttft-cold"], "ttft_warm_s": ttft["ttft-warm"]}
     for n in names:
         results[n]["ppl_change"] = results[n]["ppl"] / results["none"]["ppl"] - 1

@@ -189,16 +189,20 @@ def main(argv=None) -> int:
     print(f"corpus {len(ids)} tokens; contexts {contexts}, documents {docs}, {args.tokens} "
           f"continuation tokens; ratios {ratios}; methods {methods}; options {base_cfg}", flush=True)
     records, decode_checks = [], []
+    from ucm import progress
+
+    bar = progress.bar(sum(docs), "documents", unit="doc")
     for length, count in zip(contexts, docs):
         for i, doc in enumerate(documents(ids, length, args.tokens, count)):
-            t1 = time.time()
             recs, diff = evaluate(model, doc, length, args.tokens, ratios, methods, base_cfg)
             records.extend(recs)
             decode_checks.append(diff)
-            print(f"context {length} doc {i}: {time.time() - t1:.0f} s; decode vs prefill max "
-                  f"|logit diff| {diff:.1e}", flush=True)
+            bar.set_postfix_str(f"context {length} doc {i}: decode vs prefill |logit diff| "
+                                f"{diff:.1e}")
+            bar.update(1)
             if diff > 1e-2:
                 raise SystemExit("decode check failed: dense paged decode differs from the prefill")
+    bar.close()
     rows = summarize(records)
     table = markdown(rows)
     print(table)

@@ -84,7 +84,7 @@ def test_each_layer_is_in_the_cache_when_its_wait_returns(monkeypatch):
     assert not released  # the source (memory-tier rows) stays held until the step ends
     c.finish_overlap()
     assert released == [1] and c._ov is None
-    assert c.core.counters["overlapped_load_blocks"] == 3  # 4 blocks, the tail copied at once
+    assert c.core.metrics.get("ucm_overlapped_load_blocks_total") == 3  # 4 blocks, the tail copied at once
     c.shutdown()
 
 

@@ -79,10 +79,10 @@ def _cache_rows(c, blocks):
 
 def test_layers_saved_during_the_forward(tmp_path):
     c, caches, names = _worker(tmp_path)
-    counters, shard = c.core.counters, c.core.shard
+    counters, shard = c.core.metrics, c.core.shard
     try:
         _step(c, caches, names, [3, 7], salt=1)       # first step: hooks not yet seen
-        assert c.lsave_ok and counters["saves_during_forward"] == 0
+        assert c.lsave_ok and counters.get("ucm_saves_during_forward_total") == 0
         ok, rows = _stored(c, [3, 7], 1)
         assert ok.all() and torch.equal(rows, _cache_rows(c, [3, 7]))
 
@@ -97,7 +97,7 @@ def test_layers_saved_during_the_forward(tmp_path):
             caches[names[k]][:, [1, 5, 9]] += 1.0
             changed.append(k)
         _step(c, caches, names, [1, 5, 9], salt=2, after_hook=overwrite)
-        assert counters["saves_during_forward"] == 1 and changed == list(range(L))
+        assert counters.get("ucm_saves_during_forward_total") == 1 and changed == list(range(L))
         ok, rows = _stored(c, [1, 5, 9], 2)
         assert ok.all()
         for k in range(L):   # each layer's part is what the cache held right after its hook
@@ -108,8 +108,8 @@ def test_layers_saved_during_the_forward(tmp_path):
         _step(c, caches, names, [0, 11], salt=3, hooks={0, 2})  # hooks for two layers only
         ok, rows = _stored(c, [0, 11], 3)
         assert ok.all() and torch.equal(rows, _cache_rows(c, [0, 11]))
-        assert counters["saves_during_forward"] == 2
-        assert counters["save_blocks"] == 7 and counters["save_failed"] == 0
+        assert counters.get("ucm_saves_during_forward_total") == 2
+        assert counters.get("ucm_save_blocks_total") == 7 and counters.get("ucm_save_failed_blocks_total") == 0
         assert c._jobs_in_flight == 0 and not c._req_jobs.get("r")
         assert len(c.core.free_staging) >= 1         # the staging came back to the pool
     finally:
@@ -127,7 +127,7 @@ def test_steps_without_saves_cost_no_job(tmp_path):
             c.layer_done(k)
             assert c._lsave is False
         c.end_step()
-        assert c._lsave is None and c.core.counters["saves_during_forward"] == 0
+        assert c._lsave is None and c.core.metrics.get("ucm_saves_during_forward_total") == 0
     finally:
         c.shutdown()
         c.core.store.close()

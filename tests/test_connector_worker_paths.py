@@ -84,9 +84,9 @@ def round_trip(root: str, *, background: bool = True, during: bool = False,
             assert save.finished({"a"}) == {"a"}
     assert not save._req_jobs and not save._finishing and save._jobs_in_flight == 0
     if save.during:
-        assert core.counters["saves_during_forward"] == 1
-    assert core.counters["save_blocks"] == 3 and core.counters["save_tail_blocks"] == 1
-    assert core.counters["save_failed"] == 0
+        assert core.metrics.get("ucm_saves_during_forward_total") == 1
+    assert core.metrics.get("ucm_save_blocks_total") == 3 and core.metrics.get("ucm_save_tail_blocks_total") == 1
+    assert core.metrics.get("ucm_save_failed_blocks_total") == 0
     save.shutdown()
     if reopen:  # a new process: the memory tier is empty, the posix tier has the blocks
         store.close()
@@ -110,11 +110,11 @@ def round_trip(root: str, *, background: bool = True, during: bool = False,
         assert torch.equal(got[LOADED], want[SAVED]), f"layer {k}: loaded bytes differ"
         untouched = [b for b in range(NB) if b not in LOADED]  # 4 and 5 (failed) included
         assert (got[untouched] == SENTINEL).all(), f"layer {k}: stray write"
-    assert dst.counters["load_blocks"] == 3 and dst.counters["load_tail_blocks"] == 1
-    assert dst.counters["load_failed"] == 2
+    assert dst.metrics.get("ucm_load_blocks_total") == 3 and dst.metrics.get("ucm_load_tail_blocks_total") == 1
+    assert dst.metrics.get("ucm_load_failed_blocks_total") == 2
     load.shutdown()
     store.close()
-    return {"save": dict(core.counters), "load": dict(dst.counters)}
+    return {"save": core.metrics.totals(), "load": dst.metrics.totals()}
 
 
 @pytest.mark.parametrize("background,during,layerwise,reopen", [
@@ -128,7 +128,7 @@ def test_save_then_load_moves_the_bytes(tmp_path, background, during, layerwise,
     counters = round_trip(str(tmp_path), background=background, during=during,
                           layerwise=layerwise, reopen=reopen)
     # two of the blocks asked for were never stored: nothing can be borrowed, all is staged
-    assert counters["load"]["borrowed_load_blocks"] == 0
+    assert counters["load"]["ucm_borrowed_load_blocks_total"] == 0
 
 
 def test_a_load_of_blocks_all_in_the_memory_tier_is_borrowed(tmp_path):
@@ -150,7 +150,7 @@ def test_a_load_of_blocks_all_in_the_memory_tier_is_borrowed(tmp_path):
     load.end_step()
     try:
         assert load.take_errors() == set()
-        assert dst.counters["borrowed_load_blocks"] == len(SAVED)
+        assert dst.metrics.get("ucm_borrowed_load_blocks_total") == len(SAVED)
         for k in range(L):
             got = dst_packed[k].view(torch.int32)
             assert torch.equal(got[LOADED], src_packed[k].view(torch.int32)[SAVED])

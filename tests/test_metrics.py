@@ -128,15 +128,75 @@ def test_serve_exposes_the_store_and_refuses_a_busy_port(tmp_path):
         store.close()
 
 
+def test_recorder_totals_outlive_drains():
+    r = M.Recorder()
+    r.inc("ucm_load_blocks_total", 3)
+    r.observe("ucm_load_seconds", 0.25)
+    r.inc("ucm_tier_load_bytes_total", 10, tier="posix")
+    r.drain()
+    r.inc("ucm_load_blocks_total", 2)
+    r.observe("ucm_load_seconds", 0.5)
+    r.set("ucm_background_cpus", 2)
+    t = r.totals()
+    assert t["ucm_load_blocks_total"] == 5 and r.get("ucm_load_blocks_total") == 5
+    assert t["ucm_load_seconds_count"] == 2 and t["ucm_load_seconds_sum"] == 0.75
+    assert t["ucm_tier_load_bytes_total{tier=posix}"] == 10
+    assert t["ucm_background_cpus"] == 2
+    assert t["ucm_save_failed_blocks_total"] == 0          # never recorded: reads 0
+    assert t["ucm_save_seconds_count"] == 0
+    assert "ucm_tier_used_bytes" not in t                   # gauges never set are absent
+    assert r.drain() == {"ucm_load_blocks_total": {"": 2}, "ucm_load_seconds": {"": [0.5]},
+                         "ucm_background_cpus": {"": 2}}
+    other = M.Recorder()
+    other.add({"ucm_load_blocks_total": {"": 5}, "ucm_load_seconds": {"": [0.25, 0.5]},
+               "ucm_tier_load_bytes_total": {"tier=posix": 10}, "ucm_background_cpus": {"": 2}})
+    assert other.totals() == t
+
+
 def test_jsonlines_sink(tmp_path):
     path = tmp_path / "stats.jsonl"
     sink = M.JsonLinesSink(str(path))
-    sink.write({"ucm_load_blocks_total": {"": 2}}, pid=1)
+    sink.write({"ucm_load_blocks_total": 2}, pid=1)
     sink.write({}, pid=1)
     sink.close()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert lines[0]["metrics"] == {"ucm_load_blocks_total": {"": 2}} and lines[0]["pid"] == 1
+    assert lines[0]["ucm_load_blocks_total"] == 2 and lines[0]["pid"] == 1 and "t" in lines[0]
     assert len(lines) == 2
+    bad = M.JsonLinesSink(str(tmp_path / "no" / "such" / "dir.jsonl"))
+    bad.write({"x": 1})         # an unwritable file drops the line, never raises
+    bad.close()
+
+
+def test_worker_stats_file_is_a_sink_of_its_metrics(tmp_path):
+    """The connector's stats file holds the worker recorder's totals, the same numbers vLLM's
+    stats receive as increments (no separate counters)."""
+    import torch
+
+    import ucm
+    from ucm.config import Config
+    from ucm.integration.vllm.worker_core import WorkerCore
+
+    caches = [torch.zeros(4, 2, 16, 8) for _ in range(2)]
+    layout = ucm.KVLayout.from_views(caches)
+    store = open_store(Config({"store.pipeline": "memory"}), block_bytes=layout.block_bytes,
+                       shard_bytes=layout.shard_bytes(0), namespace=bytes(16))
+    core = WorkerCore(layout, store, "cpu", stats_file=str(tmp_path / "s.jsonl"))
+    drained = M.Recorder()
+    for step in range(3):
+        core.forward_started()
+        core.metrics.inc("ucm_load_blocks_total", 2)
+        core.metrics.observe("ucm_load_seconds", 0.01)
+        core.forward_ended()
+        drained.add(core.drain_metrics())
+        core.write_stats()
+    core.close()
+    lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and "store" in lines[-1] and "store" not in lines[0]
+    assert [ln["ucm_load_blocks_total"] for ln in lines] == [2, 4, 6, 6]
+    assert lines[-1]["ucm_steps_total"] == 3 and lines[-1]["ucm_load_seconds_count"] == 3
+    assert drained.get("ucm_load_blocks_total") == 6 and drained.get("ucm_steps_total") == 3
+    assert core.stats()["ucm_load_blocks_total"] == 6
+    store.close()
 
 
 def test_grafana_dashboard_queries_name_existing_series():

@@ -188,24 +188,24 @@ def test_cold_and_warm_outputs_identical_to_plain_vllm(runs):
         assert warm[i] == ref[i], f"warm prompt {i}"
     cold_stats = runs["ucm"]["phases"][0]["connector_stats"]
     warm_stats = warm_phase["connector_stats"]
-    assert cold_stats["save_blocks"] > 0 and cold_stats["load_blocks"] > 0  # shared prefixes hit already
-    assert warm_stats["load_blocks"] > cold_stats["load_blocks"]
-    assert warm_stats["load_failed"] == 0
+    assert cold_stats["ucm_save_blocks_total"] > 0 and cold_stats["ucm_load_blocks_total"] > 0  # shared prefixes hit already
+    assert warm_stats["ucm_load_blocks_total"] > cold_stats["ucm_load_blocks_total"]
+    assert warm_stats["ucm_load_failed_blocks_total"] == 0
     # warm loads were copied into the cache layer by layer during the forward (the engine had
     # been seen waiting per layer in the cold steps): outputs above are still identical
-    assert warm_stats["overlapped_load_blocks"] - cold_stats["overlapped_load_blocks"] >= len(MAIN)
+    assert warm_stats["ucm_overlapped_load_blocks_total"] - cold_stats["ucm_overlapped_load_blocks_total"] >= len(MAIN)
     # with background saves (the default; TEST_UCM_ASYNC_SAVE=0: synchronous), steps after the
     # first were saved layer by layer during their own forward (vLLM reports each layer through
     # save_kv_layer): the restart test below loads those blocks back from disk
     if os.environ.get("TEST_UCM_ASYNC_SAVE", "1") == "1":
-        assert cold_stats["saves_during_forward"] >= 1
-    assert cold_stats["save_failed"] == 0
+        assert cold_stats["ucm_saves_during_forward_total"] >= 1
+    assert cold_stats["ucm_save_failed_blocks_total"] == 0
     # every prompt's partial last block was stored once (cold) and loaded back (warm): a
     # repeated prompt computes only its last token
     tails = sum(1 for n in NAMES[:8] if len(runs["prompts"][n]) % BS >= 2)
     assert tails == 8
-    assert cold_stats["save_tail_blocks"] == tails
-    assert warm_stats["load_tail_blocks"] - cold_stats["load_tail_blocks"] == tails
+    assert cold_stats["ucm_save_tail_blocks_total"] == tails
+    assert warm_stats["ucm_load_tail_blocks_total"] - cold_stats["ucm_load_tail_blocks_total"] == tails
     for o in warm_phase["outputs"]:
         if o["num_cached_tokens"] is not None:
             assert o["num_cached_tokens"] == len(runs["prompts"][NAMES[o["prompt"]]]) - 1
@@ -217,9 +217,9 @@ def test_restart_gets_hits_from_disk_and_recovers_from_corruption(runs):
     for i in MAIN:
         assert got[i] == ref[i], f"prompt {i} after restart (chunked prefill, all in flight)"
     stats = phase["connector_stats"]
-    assert stats["load_blocks"] > 50  # a fresh process: these came from the posix tier
-    assert stats["overlapped_load_blocks"] > 50  # staged loads, copied during the forward
-    assert stats["load_failed"] >= 1  # the corrupted block, recomputed by vLLM
+    assert stats["ucm_load_blocks_total"] > 50  # a fresh process: these came from the posix tier
+    assert stats["ucm_overlapped_load_blocks_total"] > 50  # staged loads, copied during the forward
+    assert stats["ucm_load_failed_blocks_total"] >= 1  # the corrupted block, recomputed by vLLM
     # the corrupted file itself was moved to quarantine ...
     quarantined = [open(q, "rb").read() for q in glob.glob(str(runs["store"] / ".ucm" / "quarantine" / "*"))]
     assert runs["victim_bytes"] in quarantined
@@ -228,17 +228,17 @@ def test_restart_gets_hits_from_disk_and_recovers_from_corruption(runs):
     if os.path.exists(runs["victim"]):
         with open(runs["victim"], "rb") as f:
             assert f.read() != runs["victim_bytes"]
-        assert stats["save_blocks"] >= 1
+        assert stats["ucm_save_blocks_total"] >= 1
 
 
 def test_shared_prefix_loads_exactly_the_shared_full_blocks(runs):
     ref, _ = _tokens(runs["plain"], "all")
     got, phase = _tokens(runs["restart"], "shared60")
     assert got[SHARED] == ref[SHARED]
-    assert phase["connector_stats"]["load_blocks"] == 1440 // BS  # 11 blocks, no more
+    assert phase["connector_stats"]["ucm_load_blocks_total"] == 1440 // BS  # 11 blocks, no more
     # the engine's first step: not yet seen calling wait_for_layer_load per layer, so this load
     # ended before the forward (no overlap)
-    assert phase["connector_stats"]["overlapped_load_blocks"] == 0
+    assert phase["connector_stats"]["ucm_overlapped_load_blocks_total"] == 0
 
 
 BF16 = ["a1000", "b1600", "pre1"]  # pre1 shares a1000's first 7 full blocks, then differs
@@ -295,11 +295,11 @@ def test_bf16_first_token_and_prompt_logprobs(model, prompts, tmp_path_factory):
         assert worst <= BF16_TOL_MAX and mean <= BF16_TOL_MEAN, \
             f"warm {BF16[i]}: |d logprob| max {worst:.4f}, mean {mean:.4f}"
     cold = cold_ph["connector_stats"]
-    assert cold["save_blocks"] == full and cold["save_tail_blocks"] == 2
+    assert cold["ucm_save_blocks_total"] == full and cold["ucm_save_tail_blocks_total"] == 2
     st = ph["connector_stats"]
-    assert st["load_blocks"] - cold["load_blocks"] == full + 7
-    assert st["load_tail_blocks"] - cold["load_tail_blocks"] == 2
-    assert st["load_failed"] == 0
+    assert st["ucm_load_blocks_total"] - cold["ucm_load_blocks_total"] == full + 7
+    assert st["ucm_load_tail_blocks_total"] - cold["ucm_load_tail_blocks_total"] == 2
+    assert st["ucm_load_failed_blocks_total"] == 0
 
 
 def _full_blocks(seq):
@@ -329,16 +329,16 @@ def test_preemption_outputs_identical_and_connector_consistent(runs, model, prom
         assert out[i] == ref[i], f"{PRE[i]} under preemption"
     st = ph["connector_stats"]
     # the connector saw the resumed requests and loaded their blocks back from the store
-    assert st["resumed_requests"] > 0 and st["resumed_load_blocks"] > 0
-    assert st["load_failed"] == 0 and st["save_failed"] == 0
+    assert st["ucm_resumed_requests_total"] > 0 and st["ucm_resumed_load_blocks_total"] > 0
+    assert st["ucm_load_failed_blocks_total"] == 0 and st["ucm_save_failed_blocks_total"] == 0
     # every full block whose KV was computed (prompt + generated tokens but the last) was saved
     # exactly once: none twice after a resume, none lost
     computed = set()
     for i, name in enumerate(PRE):
         computed |= _full_blocks(prompts[name] + out[i][:-1])
-    assert st["save_blocks"] == len(computed)
+    assert st["ucm_save_blocks_total"] == len(computed)
     # plus each prompt's partial last block, once (none of the four prompts fills its last block)
-    assert st["save_tail_blocks"] == len(PRE)
+    assert st["ucm_save_tail_blocks_total"] == len(PRE)
     assert len(glob.glob(str(tmp / "store" / "*" / "*" / "*.blk"))) == len(computed) + len(PRE)
 
 
@@ -517,8 +517,8 @@ def test_cross_node_prefill_decode_through_distributed_tiers(runs, model, prompt
         full = {n: (len(prompts[n]) - 1) // BS for n in NAMES}
         saved = sum(full[n] for n in A_NAMES)  # 3 + 12 + 0 + 1 (a100: its partial tail only)
         final = json.loads(st_a.read_text().strip().splitlines()[-1])  # written at shutdown
-        assert final["save_blocks"] == saved and final["save_tail_blocks"] == len(A_NAMES)
-        assert final["save_failed"] == 0 and final["load_blocks"] == 0
+        assert final["ucm_save_blocks_total"] == saved and final["ucm_save_tail_blocks_total"] == len(A_NAMES)
+        assert final["ucm_save_failed_blocks_total"] == 0 and final["ucm_load_blocks_total"] == 0
         for tier in tiers.values():
             remote = final["store"][tier.name]  # the tier's own counters, in A's last stats line
             assert remote["dump_failures"] == 0 and remote["unavailable"] == 0, remote
@@ -557,24 +557,24 @@ def test_cross_node_prefill_decode_through_distributed_tiers(runs, model, prompt
             for i, toks in got.items():
                 assert toks == ref[NAMES.index(B_NAMES[i])], f"node B, {ph}: {B_NAMES[i]}"
             st[ph] = phase["connector_stats"]
-            assert st[ph]["load_failed"] == 0 and st[ph]["save_blocks"] == 0, (ph, st[ph])
+            assert st[ph]["ucm_load_failed_blocks_total"] == 0 and st[ph]["ucm_save_blocks_total"] == 0, (ph, st[ph])
         # 1. b1600: all its 12 full blocks and its tail; a1000: the 3 full blocks of a400; all
         #    from Redis
-        assert st["decode"]["load_blocks"] == full["b1600"] + full["a400"]
-        assert st["decode"]["load_tail_blocks"] == 1
+        assert st["decode"]["ucm_load_blocks_total"] == full["b1600"] + full["a400"]
+        assert st["decode"]["ucm_load_tail_blocks_total"] == 1
         assert seen["decode"]["redis"] - reads["redis"] >= full["b1600"] + full["a400"] + 1
         # (Mooncake answered at most one read: the namespace's generation, read from every tier)
         assert seen["decode"]["mooncake"] - reads["mooncake"] <= 1
         # 2. Redis down: a100's tail from the Mooncake Store
-        assert st["redis_down"]["load_blocks"] == st["decode"]["load_blocks"]
-        assert st["redis_down"]["load_tail_blocks"] - st["decode"]["load_tail_blocks"] == 1
+        assert st["redis_down"]["ucm_load_blocks_total"] == st["decode"]["ucm_load_blocks_total"]
+        assert st["redis_down"]["ucm_load_tail_blocks_total"] - st["decode"]["ucm_load_tail_blocks_total"] == 1
         assert seen["redis_down"] - seen["decode"]["mooncake"] >= 1
         # 3. both down: c250 computed
-        assert st["both_down"]["load_blocks"] == st["redis_down"]["load_blocks"]
-        assert st["both_down"]["load_tail_blocks"] == st["redis_down"]["load_tail_blocks"]
+        assert st["both_down"]["ucm_load_blocks_total"] == st["redis_down"]["ucm_load_blocks_total"]
+        assert st["both_down"]["ucm_load_tail_blocks_total"] == st["redis_down"]["ucm_load_tail_blocks_total"]
         # 4. back, same engine process: c250 from Redis
-        assert st["back"]["load_blocks"] - st["both_down"]["load_blocks"] == full["c250"]
-        assert st["back"]["load_tail_blocks"] - st["both_down"]["load_tail_blocks"] == 1
+        assert st["back"]["ucm_load_blocks_total"] - st["both_down"]["ucm_load_blocks_total"] == full["c250"]
+        assert st["back"]["ucm_load_tail_blocks_total"] - st["both_down"]["ucm_load_tail_blocks_total"] == 1
     finally:
         for t in tiers.values():
             t.stop()

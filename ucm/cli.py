@@ -48,9 +48,9 @@ def _store_roots(args) -> list:
 
 
 def _bar(total: int, what: str, quiet: bool):
-    from tqdm import tqdm
+    from ucm import progress
 
-    return tqdm(total=total, desc=what, unit="block", disable=quiet, file=sys.stderr)
+    return progress.bar(total, what, unit="block", quiet=quiet)
 
 
 def _size(n) -> str:

@@ -9,8 +9,8 @@ same names reach an operator whichever way ucm runs:
   :class:`PrometheusSink` built by the connector's ``build_prom_metrics``;
 * in any other process that uses a store, :func:`serve` exposes a
   :class:`PrometheusSink` on its own HTTP port, fed by :class:`StoreCollector`;
-* the connector's JSON-lines stats file (``connector.stats_file``) receives the same payloads
-  (:class:`JsonLinesSink`).
+* the connector's JSON-lines stats file (``connector.stats_file``) receives the same series'
+  totals each step (:class:`JsonLinesSink`).
 
 A *payload* (what :meth:`Recorder.drain` returns and the sinks take) is a JSON-safe dict
 ``{series name: {label key: value}}``: counters hold the increase since the last drain, gauges
@@ -72,11 +72,13 @@ SERIES = {s.name: s for s in (
     Series("ucm_lookup_miss_tokens_total", "counter",
            "Prompt tokens the engine computed after a lookup (beyond its own prefix cache)."),
     # worker: transfers between the engine's KV cache and the store
-    Series("ucm_load_blocks_total", "counter", "Blocks loaded into the engine's KV cache."),
+    Series("ucm_load_blocks_total", "counter",
+           "Full blocks loaded into the engine's KV cache (prompt tails: load_tail_blocks)."),
     Series("ucm_load_bytes_total", "counter", "Bytes loaded into the engine's KV cache."),
     Series("ucm_load_failed_blocks_total", "counter",
            "Blocks whose load failed; the engine recomputed them."),
-    Series("ucm_save_blocks_total", "counter", "Blocks saved from the engine's KV cache."),
+    Series("ucm_save_blocks_total", "counter",
+           "Full blocks saved from the engine's KV cache (prompt tails: save_tail_blocks)."),
     Series("ucm_save_bytes_total", "counter", "Bytes saved from the engine's KV cache."),
     Series("ucm_save_failed_blocks_total", "counter",
            "Blocks whose save failed (not stored; a later request computes them)."),
@@ -86,6 +88,36 @@ SERIES = {s.name: s for s in (
     Series("ucm_save_seconds", "histogram",
            "Time of one save batch: from the gather out of the KV cache to the commit.",
            buckets=LATENCY_BUCKETS),
+    # worker: where the transfer time goes (for tuning; cumulative seconds)
+    Series("ucm_load_tail_blocks_total", "counter",
+           "Partial last blocks of prompts loaded (not counted in ucm_load_blocks_total)."),
+    Series("ucm_save_tail_blocks_total", "counter",
+           "Partial last blocks of prompts saved (not counted in ucm_save_blocks_total)."),
+    Series("ucm_load_store_seconds_total", "counter",
+           "Seconds spent reading loads out of the store (part of ucm_load_seconds)."),
+    Series("ucm_load_scatter_seconds_total", "counter",
+           "Seconds spent copying loaded blocks into the KV cache (part of ucm_load_seconds)."),
+    Series("ucm_load_scatter_wait_seconds_total", "counter",
+           "Seconds a layer's attention waited for its loaded blocks to be copied in."),
+    Series("ucm_save_gather_seconds_total", "counter",
+           "Seconds spent copying saved blocks out of the KV cache (part of ucm_save_seconds)."),
+    Series("ucm_save_waits_total", "counter",
+           "Steps that waited for an earlier save before reusing its KV cache blocks."),
+    Series("ucm_save_wait_seconds_total", "counter", "Seconds those steps waited."),
+    Series("ucm_saves_during_forward_total", "counter",
+           "Saves started layer by layer during the forward instead of after it."),
+    Series("ucm_steps_total", "counter", "Engine steps the worker took part in."),
+    Series("ucm_forward_seconds_total", "counter",
+           "Seconds from the start of a step's loads to its saves (the forward with its loads)."),
+    Series("ucm_resumed_requests_total", "counter",
+           "Preempted requests resumed with their blocks loaded again."),
+    Series("ucm_resumed_load_blocks_total", "counter", "Blocks loaded for resumed requests."),
+    Series("ucm_borrowed_load_blocks_total", "counter",
+           "Loaded blocks copied from a save still in flight instead of read from the store."),
+    Series("ucm_overlapped_load_blocks_total", "counter",
+           "Loaded blocks copied into the KV cache layer by layer during the forward."),
+    Series("ucm_background_cpus", "gauge",
+           "CPUs the worker's background transfers are pinned to (0: not pinned)."),
     # store: per tier
     Series("ucm_tier_hit_blocks_total", "counter", "Blocks a tier's lookups found.", _TIER),
     Series("ucm_tier_load_bytes_total", "counter", "Bytes read from a tier.", _TIER),
@@ -119,11 +151,13 @@ def series(name: str) -> Series:
 
 
 class Recorder:
-    """Thread-safe accumulation of one component's series until the next :meth:`drain`."""
+    """Thread-safe accumulation of one component's series until the next :meth:`drain`, and
+    of its totals since it was made (:meth:`totals`: what the stats file and ``stats()`` show)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._data: dict = {}
+        self._totals: dict = {}
 
     def inc(self, name: str, value: float = 1, **labels) -> None:
         s = series(name)
@@ -132,8 +166,9 @@ class Recorder:
         if value:
             key = s.key(labels)
             with self._lock:
-                d = self._data.setdefault(name, {})
-                d[key] = d.get(key, 0) + value
+                for data in (self._data, self._totals):
+                    d = data.setdefault(name, {})
+                    d[key] = d.get(key, 0) + value
 
     def set(self, name: str, value: float, **labels) -> None:
         s = series(name)
@@ -142,6 +177,7 @@ class Recorder:
         key = s.key(labels)
         with self._lock:
             self._data.setdefault(name, {})[key] = value
+            self._totals.setdefault(name, {})[key] = value
 
     def observe(self, name: str, value: float, **labels) -> None:
         s = series(name)
@@ -149,6 +185,9 @@ class Recorder:
             raise ValueError(f"metric {name} is a {s.kind}, not a histogram")
         key = s.key(labels)
         with self._lock:
+            count_sum = self._totals.setdefault(name, {}).setdefault(key, [0, 0.0])
+            count_sum[0] += 1
+            count_sum[1] += float(value)
             obs = self._data.setdefault(name, {}).setdefault(key, [])
             if len(obs) < MAX_OBSERVATIONS:
                 obs.append(float(value))
@@ -160,6 +199,53 @@ class Recorder:
         with self._lock:
             data, self._data = self._data, {}
         return data
+
+    def add(self, payload: dict) -> None:
+        """Record another component's drained payload as if recorded here."""
+        for name, values in payload.items():
+            kind = series(name).kind
+            for key, v in values.items():
+                labels = dict(zip(SERIES[name].labels, SERIES[name].label_values(key)))
+                if kind == "counter":
+                    self.inc(name, v, **labels)
+                elif kind == "gauge":
+                    self.set(name, v, **labels)
+                else:
+                    for x in v:
+                        self.observe(name, x, **labels)
+
+    def totals(self) -> dict:
+        """Everything recorded since this recorder was made, flat (``{"name{labels}": number}``,
+        histograms as ``name_count`` and ``name_sum`` as Prometheus exposes them); series never
+        recorded read 0 for counters. Not affected by :meth:`drain`."""
+        with self._lock:
+            snap = {name: dict(values) for name, values in self._totals.items()}
+        out = {}
+        for s in SERIES.values():   # what never happened reads 0
+            if not s.labels and s.name not in snap:
+                if s.kind == "counter":
+                    out[s.name] = 0
+                elif s.kind == "histogram":
+                    out[s.name + "_count"], out[s.name + "_sum"] = 0, 0.0
+        for name, values in snap.items():
+            for key, v in values.items():
+                if isinstance(v, list):
+                    out[_label(name + "_count", key)] = v[0]
+                    out[_label(name + "_sum", key)] = v[1]
+                else:
+                    out[_label(name, key)] = v
+        return out
+
+    def get(self, name: str, **labels) -> float:
+        """One series' total (a histogram's sum), 0 when never recorded."""
+        s = series(name)
+        with self._lock:
+            v = self._totals.get(name, {}).get(s.key(labels), 0)
+        return v[1] if isinstance(v, list) else v
+
+
+def _label(name: str, key: str) -> str:
+    return f"{name}{{{key}}}" if key else name
 
 
 def merge(into: dict, other: dict) -> dict:
@@ -179,17 +265,16 @@ def merge(into: dict, other: dict) -> dict:
 
 
 def flat(payload: dict) -> dict:
-    """A payload as ``{"name{labels}": number}`` (histograms as their count and sum): for logs
-    and the stats file's readers."""
+    """A payload as ``{"name{labels}": number}`` (histograms as ``name_count`` and ``name_sum``,
+    as :meth:`Recorder.totals` writes them): for logs."""
     out = {}
     for name, values in payload.items():
         for key, v in values.items():
-            label = f"{name}{{{key}}}" if key else name
             if isinstance(v, list):
-                out[label + ":count"] = len(v)
-                out[label + ":sum"] = sum(v)
+                out[_label(name + "_count", key)] = len(v)
+                out[_label(name + "_sum", key)] = sum(v)
             else:
-                out[label] = v
+                out[_label(name, key)] = v
     return out
 
 
@@ -284,15 +369,17 @@ class PrometheusSink:
 
 
 class JsonLinesSink:
-    """Appends ``{"t": time, **extra, "metrics": payload}`` lines to a file (kept open)."""
+    """Appends ``{"t": time, **extra, **values}`` lines to a file (kept open; a write that fails
+    is dropped: statistics never stop the engine). The connector's ``connector.stats_file``
+    writes its recorder's :meth:`Recorder.totals` here each step."""
 
     def __init__(self, path: str):
         self.path = path
         self._fh = None
         self._lock = threading.Lock()
 
-    def write(self, payload: dict, **extra) -> None:
-        line = json.dumps({"t": time.time(), **extra, "metrics": payload}, default=str)
+    def write(self, values: dict, **extra) -> None:
+        line = json.dumps({"t": time.time(), **extra, **values}, default=str)
         with self._lock:
             try:
                 if self._fh is None:

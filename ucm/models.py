@@ -262,6 +262,9 @@ _CHILD = ("import importlib.util, sys\n"
           "mod._convert(*sys.argv[2:])\n")
 
 
+_CONVERT_STEPS = 8   # the step() lines _convert prints
+
+
 def _run_converter(gguf_path: str, out_dir: str, dtype: str, lock_fd: int) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
@@ -272,13 +275,21 @@ def _run_converter(gguf_path: str, out_dir: str, dtype: str, lock_fd: int) -> No
                              out_dir, dtype], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", pass_fds=(lock_fd,))
+    from ucm import progress
+
     tail: list[str] = []
     try:
-        for line in proc.stdout:
-            tail = (tail + [line.rstrip()])[-40:]
-            if line.startswith("ucm:"):
-                sys.stderr.write(line)
-                sys.stderr.flush()
+        with progress.bar(_CONVERT_STEPS, f"converting {SMOLLM2_NAME}", unit="step") as bar:
+            for line in proc.stdout:
+                tail = (tail + [line.rstrip()])[-40:]
+                if not line.startswith("ucm:"):
+                    continue
+                if bar.disable:   # no bar (UCM_PROGRESS=0): the child's step lines instead
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+                else:
+                    bar.set_postfix_str(line.split("]", 1)[-1].strip()[:60])
+                    bar.update(1)
         rc = proc.wait()
     except BaseException:
         proc.kill()

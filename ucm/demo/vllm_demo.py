@@ -143,18 +143,18 @@ def run(tokens: int = 4000, cache_dir: str | None = None, dtype: str = "bfloat16
     disk_stats = ph(warm, "disk").get("connector_stats") or {}
     shared_stats = ph(warm, "shared60").get("connector_stats") or {}
     mem_stats = ph(warm, "memory").get("connector_stats") or {}
-    loaded_disk = disk_stats.get("load_blocks", 0)
+    loaded_disk = disk_stats.get("ucm_load_blocks_total", 0)
     summary = {
         "tokens_per_prompt": tokens, "dtype": dtype,
         "ttft_plain_s": med(plain, "cold"), "ttft_ucm_cold_s": med(cold, "cold"),
         "ttft_ucm_disk_s": med(warm, "disk"), "ttft_ucm_memory_s": med(warm, "memory"),
         "ttft_ucm_shared60_s": med(warm, "shared60"), "ttft_example_warm_s": med(ex, "warm"),
         "blocks_loaded_from_disk": loaded_disk,
-        "blocks_loaded_shared60": shared_stats.get("load_blocks", 0) - loaded_disk,
+        "blocks_loaded_shared60": shared_stats.get("ucm_load_blocks_total", 0) - loaded_disk,
         "shared60_expected_blocks": int(0.6 * tokens) // 128,
         "hit_rate_warm": loaded_disk / max(1, sum(len(plist[i]) // 128 for i in reps)),
-        "bytes_loaded": mem_stats.get("load_bytes", 0),
-        "load_GBps": mem_stats.get("load_bytes", 0) / mem_stats["load_s"] / 1e9 if mem_stats.get("load_s") else 0.0,
+        "bytes_loaded": mem_stats.get("ucm_load_bytes_total", 0),
+        "load_GBps": mem_stats.get("ucm_load_bytes_total", 0) / mem_stats["ucm_load_seconds_sum"] / 1e9 if mem_stats.get("ucm_load_seconds_sum") else 0.0,
         "first_tokens": first,
         "first_tokens_agree": len({tuple(v) for v in first.values()}) == 1,
         "workdir": work,

@@ -251,7 +251,7 @@ class UCMConnector(KVConnectorBase_V1):
             layout, store, first.device, shard_bytes=shard,
             rank_ids=functools.partial(keys.rank_ids, rank=self._rank, shape=self.shape),
             stats_file=cfg["connector.stats_file"])
-        core.counters["background_cpus"] = len(cpus or ())
+        core.metrics.set("ucm_background_cpus", len(cpus or ()))
         layerwise = bool(cfg["connector.layerwise"])
         self.save_path = WorkerSave(core, background=bool(cfg["connector.async_save"]),
                                     during_forward=bool(cfg["connector.save_during_forward"]),

@@ -80,9 +80,9 @@ class WorkerLoad:
         so (overlapped and layer-wise loads). ``resumed``: requests back after a preemption."""
         core = self.core
         if resumed:  # preempted requests back: their blocks load like any other hit
-            core.counters["resumed_requests"] += len(resumed)
-            core.counters["resumed_load_blocks"] += sum(len(t.blocks) for t in loads
-                                                        if t.req_id in resumed)
+            core.metrics.inc("ucm_resumed_requests_total", len(resumed))
+            core.metrics.inc("ucm_resumed_load_blocks_total",
+                             sum(len(t.blocks) for t in loads if t.req_id in resumed))
         self.finish_overlap()  # (normally done by the previous step's end)
         if not loads or core.store is None:
             return
@@ -108,8 +108,8 @@ class WorkerLoad:
         if ok.any() and not self._scatter_overlapped(staging, idx, self._tails, None):
             ucm.scatter_blocks(core.layout, staging, idx.to(core.device))
         t2 = time.perf_counter()
-        core.counters["load_store_s"] += t1 - t0
-        core.counters["scatter_s"] += t2 - t1
+        core.metrics.inc("ucm_load_store_seconds_total", t1 - t0)
+        core.metrics.inc("ucm_load_scatter_seconds_total", t2 - t1)
         self._record(blocks, ok, t2 - t0)
 
     def _load_borrowed(self, ids, blocks, t0) -> bool:
@@ -139,25 +139,20 @@ class WorkerLoad:
             lent.release()
             raise
         t2 = time.perf_counter()
-        core.counters["load_store_s"] += t1 - t0
-        core.counters["scatter_s"] += t2 - t1
-        core.counters["borrowed_load_blocks"] += len(blocks)
+        core.metrics.inc("ucm_load_store_seconds_total", t1 - t0)
+        core.metrics.inc("ucm_load_scatter_seconds_total", t2 - t1)
+        core.metrics.inc("ucm_borrowed_load_blocks_total", len(blocks))
         self._record(blocks, np.ones(len(blocks), dtype=bool), t2 - t0)
         return True
 
     def _record(self, blocks, ok, seconds) -> None:
-        counters = self.core.counters
         failed = [b for b, good in zip(blocks, ok) if not good]
         self._errors.update(failed)
         n = int(np.sum(ok))
         tails = int(np.sum(ok & self._tails))
-        counters["load_blocks"] += n - tails
-        counters["load_tail_blocks"] += tails
-        counters["load_failed"] += len(failed)
-        counters["load_bytes"] += n * self.core.block_bytes
-        counters["load_s"] += seconds
         m = self.core.metrics
-        m.inc("ucm_load_blocks_total", n)
+        m.inc("ucm_load_blocks_total", n - tails)
+        m.inc("ucm_load_tail_blocks_total", tails)
         m.inc("ucm_load_bytes_total", n * self.core.block_bytes)
         m.inc("ucm_load_failed_blocks_total", len(failed))
         m.observe("ucm_load_seconds", seconds)
@@ -187,7 +182,7 @@ class WorkerLoad:
             ucm.scatter_blocks(core.layout, src, now)
             idx = torch.where(torch.from_numpy(tails), -1, idx)
         ov = Overlap(src, idx, core.n_layers, release)
-        core.counters["overlapped_load_blocks"] += int((idx >= 0).sum())
+        core.metrics.inc("ucm_overlapped_load_blocks_total", int((idx >= 0).sum()))
         if self._executor is None:
             self._executor = ucm_threads.pool(1, "ucm-load")
         self._ov = ov
@@ -239,8 +234,8 @@ class WorkerLoad:
         finally:
             if ov.release is not None:
                 ov.release()
-        self.core.counters["scatter_s"] += ov.seconds
-        self.core.counters["scatter_wait_s"] += time.perf_counter() - t0
+        self.core.metrics.inc("ucm_load_scatter_seconds_total", ov.seconds)
+        self.core.metrics.inc("ucm_load_scatter_wait_seconds_total", time.perf_counter() - t0)
 
     # per layer --------------------------------------------------------------------------------
     def wait_layer(self, k: Optional[int]) -> None:
@@ -258,7 +253,7 @@ class WorkerLoad:
                     self._wait_overlapped(ov, j)
             else:
                 self._wait_overlapped(ov, k)
-            self.core.counters["scatter_wait_s"] += time.perf_counter() - t0
+            self.core.metrics.inc("ucm_load_scatter_wait_seconds_total", time.perf_counter() - t0)
             return
         entry = self._layer_loads.pop(k, None) if k is not None else None
         if entry is None:

@@ -214,7 +214,7 @@ class WorkerSave:
         """The step's end after layer saves: queue the layers vLLM did not report and the commit
         (the request's blocks stay with us until it ran, as for any background save)."""
         rest = [k for k in range(self.core.n_layers) if k not in ls.queued]
-        self.core.counters["saves_during_forward"] += 1
+        self.core.metrics.inc("ucm_saves_during_forward_total", 1)
         self._job_started(ls.reqs)
         if rest:
             self._executor.submit(self._run_layer_save, ls, rest)
@@ -277,7 +277,7 @@ class WorkerSave:
         with core.lock:
             if staging is not None:
                 core.free_staging.append(staging)
-            core.counters["gather_s"] += gather_s
+            core.metrics.inc("ucm_save_gather_seconds_total", gather_s)
             self._count(ok, seconds, is_tail)
             if reqs:
                 for r in reqs:
@@ -286,16 +286,11 @@ class WorkerSave:
                 self._jobs_done.notify_all()
 
     def _count(self, ok, seconds, is_tail=None) -> None:
-        counters = self.core.counters
         n = int(np.sum(ok))
         tails = int(np.sum(ok & is_tail)) if is_tail is not None else 0
-        counters["save_blocks"] += n - tails
-        counters["save_tail_blocks"] += tails
-        counters["save_failed"] += len(ok) - n
-        counters["save_bytes"] += n * self.core.block_bytes
-        counters["save_s"] += seconds
         m = self.core.metrics
-        m.inc("ucm_save_blocks_total", n)
+        m.inc("ucm_save_blocks_total", n - tails)
+        m.inc("ucm_save_tail_blocks_total", tails)
         m.inc("ucm_save_bytes_total", n * self.core.block_bytes)
         m.inc("ucm_save_failed_blocks_total", len(ok) - n)
         m.observe("ucm_save_seconds", seconds)
@@ -311,8 +306,8 @@ class WorkerSave:
             t0 = time.perf_counter()
             done = self._jobs_done.wait_for(lambda: self._jobs_in_flight == 0, timeout)
             if timeout is None:
-                self.core.counters["save_waits"] += 1
-                self.core.counters["save_wait_s"] += time.perf_counter() - t0
+                self.core.metrics.inc("ucm_save_waits_total", 1)
+                self.core.metrics.inc("ucm_save_wait_seconds_total", time.perf_counter() - t0)
             return done
 
     def finished(self, finished_req_ids: set[str]) -> Optional[set[str]]:
