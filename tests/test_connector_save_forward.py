@@ -111,7 +111,7 @@ def test_layers_saved_during_the_forward(tmp_path):
         assert counters.get("ucm_saves_during_forward_total") == 2
         assert counters.get("ucm_save_blocks_total") == 7 and counters.get("ucm_save_failed_blocks_total") == 0
         assert c._jobs_in_flight == 0 and not c._req_jobs.get("r")
-        assert len(c.core.free_staging) >= 1         # the staging came back to the pool
+        assert len(c.core.staging) >= 1         # the staging came back to the pool
     finally:
         c.shutdown()
         c.core.store.close()

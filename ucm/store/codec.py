@@ -18,13 +18,13 @@ crosses to the host tiers is the encoded bytes.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from typing import Optional
 
 import numpy as np
 
 from ucm import compress, threads
+from ucm.buffers import BufferPool
 from ucm.compress import CodecSpec, KVShape
 from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Stats, Task
 
@@ -70,6 +70,12 @@ def _stack(bufs: BlockBuffers, nbytes: int):
     return torch.from_numpy(np.stack([np.asarray(r).reshape(-1).view(np.uint8) for r in bufs.rows]))
 
 
+
+def _host_bytes(n: int):
+    import torch
+
+    return torch.empty(n, dtype=torch.uint8)
+
 class CodecStore(KVStore):
     """``inner`` holds the encoded blocks; see the module doc."""
 
@@ -90,28 +96,18 @@ class CodecStore(KVStore):
         self._exec = threads.pool(io_threads, "ucm-codec")
         # host buffers for encoded blocks being loaded, reused: fresh pages cost more than
         # the decode (a warm prompt's 45 MB of INT8 faulted in each time)
-        self._free_staging: list = []
-        self._staging_lock = threading.Lock()
+        self._staging = BufferPool(_host_bytes, keep=4)
 
     def _take_staging(self, n: int, width: int, device):
         import torch
 
         if str(device) != "cpu":
             return torch.empty((n, width), dtype=torch.uint8, device=device)
-        need = n * width
-        with self._staging_lock:
-            for i, buf in enumerate(self._free_staging):
-                if buf.numel() >= need:
-                    return self._free_staging.pop(i)[:need].view(n, width)
-        return torch.empty(max(need, 1 << 20), dtype=torch.uint8)[:need].view(n, width)
+        return self._staging.take(n * width)[:n * width].view(n, width)
 
     def _give_staging(self, enc) -> None:
-        if enc.device.type != "cpu":
-            return
-        base = enc._base if enc._base is not None else enc
-        with self._staging_lock:
-            if len(self._free_staging) < 4:
-                self._free_staging.append(base.reshape(-1))
+        if enc.device.type == "cpu":
+            self._staging.give((enc._base if enc._base is not None else enc).reshape(-1))
 
     # -- encode / decode ------------------------------------------------------------------------
     def _encode(self, src, shards: range):

@@ -59,7 +59,7 @@ from ucm import threads
 from ucm.ops import alloc_aligned, io_batch, new_io_ops, open_beneath
 from ucm.store import format as fmt
 from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task, subset_buffers as _subset
-from ucm.store.posix_root import (SUFFIX, _Perms, _Root, _close, _err, _unlink_in,  # noqa: F401
+from ucm.store.posix_root import (SUFFIX, Perms, RootDir, _close, _err, _unlink_in,  # noqa: F401
                                   space_name)
 
 log = logging.getLogger("ucm.store.posix")
@@ -68,7 +68,7 @@ class _Pending:
     __slots__ = ("root", "hexid", "key", "tmp", "fd", "fd_direct", "checksums", "shards", "claimed",
                  "inflight", "failed", "discard", "publish")
 
-    def __init__(self, root: _Root, hexid: str, tmp: str, fd: int, fd_direct, n_shards: int):
+    def __init__(self, root: RootDir, hexid: str, tmp: str, fd: int, fd_direct, n_shards: int):
         self.root, self.hexid, self.tmp, self.fd, self.fd_direct = root, hexid, tmp, fd, fd_direct
         self.checksums = np.zeros(n_shards, dtype=np.uint64)
         self.shards = np.zeros(n_shards, dtype=bool)   # written
@@ -118,12 +118,12 @@ class PosixStore(KVStore):
         if per_root < self.file_bytes and not self.read_only:
             raise ValueError(f"cache_capacity ({capacity_bytes} bytes over {len(roots)} roots) is "
                              f"smaller than one block file ({self.file_bytes} bytes)")
-        self.perms = _Perms(group, self.read_only)
+        self.perms = Perms(group, self.read_only)
         self.space = space_name(self.namespace, geometry, self.codec)
-        self.roots: list[_Root] = []
+        self.roots: list[RootDir] = []
         try:
             for r in roots:
-                self.roots.append(_Root(r, per_root, self.file_bytes, self.space, self.perms,
+                self.roots.append(RootDir(r, per_root, self.file_bytes, self.space, self.perms,
                                         self.read_only, stale_tmp_s, self._stats))
         except BaseException:
             for r in self.roots:
@@ -140,7 +140,7 @@ class PosixStore(KVStore):
     def _hex(block_id: np.ndarray) -> str:
         return block_id.astype("<u8").tobytes().hex()
 
-    def _root_of(self, block_id: np.ndarray) -> _Root:
+    def _root_of(self, block_id: np.ndarray) -> RootDir:
         return self.roots[int(block_id[1]) % len(self.roots)]
 
     @staticmethod
@@ -281,7 +281,7 @@ class PosixStore(KVStore):
             log.exception("ucm posix tier: %s task failed", task.kind)
             task.finish_part([], {base + i: f"internal error: {exc!r}" for i in range(len(ids))})
 
-    def _new_temp(self, root: _Root, hexid: str, lfd: int) -> _Pending:
+    def _new_temp(self, root: RootDir, hexid: str, lfd: int) -> _Pending:
         """A preallocated temporary file beside the block's final name (``lfd``: its fan-out
         directory), named after this store's writer so that collection can tell whose it is."""
         if lfd < 0:

@@ -18,7 +18,7 @@ import numpy as np
 from ucm.ops import checksum_units
 from ucm.store import format as fmt
 from ucm.store.base import Stats
-from ucm.store.posix_root import MARKER, META, SUFFIX, _Perms, _Root
+from ucm.store.posix_root import MARKER, META, SUFFIX, Perms, RootDir
 
 Progress = Optional[Callable[[int], None]]
 
@@ -48,7 +48,7 @@ class Root:
                              f"commands only act on directories a ucm store made")
         self.path = path
         self.stats = Stats()
-        self._root = _Root(path, 1 << 62, 0, None, _Perms(None, not write), not write, stale_s,
+        self._root = RootDir(path, 1 << 62, 0, None, Perms(None, not write), not write, stale_s,
                            self.stats)
 
     def close(self) -> None:
@@ -107,7 +107,7 @@ class Root:
                     q_n, q_bytes = q_n + 1, q_bytes + e.stat(follow_symlinks=False).st_size
         usage = None
         if self._root.usagefd is not None:
-            usage = self._root._read_usage()
+            usage = self._root.read_usage()
         total = sum(s["bytes"] for s in spaces.values()) + q_bytes + sum(t[0] for t in temps)
         return {"root": self.path, "bytes": total, "usage_count": usage,
                 "blocks": sum(s["blocks"] for s in spaces.values()), "spaces": spaces,
@@ -169,7 +169,7 @@ class Root:
         name = os.path.basename(path)
         rel = os.path.relpath(os.path.dirname(path), self.path)
         with r.locked():
-            dfd = r._dir_beneath(rel)
+            dfd = r.dir_beneath(rel)
             if dfd is None:
                 return
             try:
@@ -216,7 +216,7 @@ class Root:
                     removed, here = removed + 1, here + size
                     if progress:
                         progress(1)
-                r._write_usage(max(0, r.usage_locked() - here))
+                r.write_usage(max(0, r.usage_locked() - here))
             freed += here
         return {"removed": removed, "bytes": freed}
 

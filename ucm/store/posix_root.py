@@ -59,7 +59,7 @@ def _close(*fds) -> None:
                 pass
 
 
-class _Perms:
+class Perms:
     """File and directory modes, and the group of a shared root."""
 
     def __init__(self, group: Optional[str], read_only: bool = False):
@@ -98,7 +98,7 @@ class _Perms:
                          f"it opens it with store.posix.read_only)")
 
 
-def _open_dir(name: str, dir_fd: int, perms: Optional[_Perms], what: str, create: bool) -> Optional[int]:
+def _open_dir(name: str, dir_fd: int, perms: Optional[Perms], what: str, create: bool) -> Optional[int]:
     """A directory below ``dir_fd`` (one component), created if asked, never through a link.
     None when it does not exist and ``create`` is False."""
     for attempt in (0, 1):
@@ -129,10 +129,10 @@ def _open_dir(name: str, dir_fd: int, perms: Optional[_Perms], what: str, create
     return None
 
 
-class _Root:
+class RootDir:
     """One root directory: its descriptors, lock, usage counter, writer directory and space."""
 
-    def __init__(self, path: str, budget: int, file_bytes: int, space: str, perms: _Perms,
+    def __init__(self, path: str, budget: int, file_bytes: int, space: str, perms: Perms,
                  read_only: bool, stale_s: float, stats):
         self.path, self.budget, self.file_bytes, self.space = path, budget, file_bytes, space
         self.perms, self.read_only, self.stale_s, self._stats = perms, read_only, stale_s, stats
@@ -176,7 +176,7 @@ class _Root:
                 # a dead writer's temporaries may not all have been counted yet (they are
                 # counted right after they are made): remove them and recount exactly
                 # and a root just marked (new, or adopted from an older ucm) is counted afresh
-                if made or self._dead_writers() or self._read_usage() is None:
+                if made or self._dead_writers() or self.read_usage() is None:
                     self.gc_locked(None)
         if self.space is not None:      # (None: an administrator's handle on the whole root)
             self.open_space(create=not self.read_only)
@@ -339,22 +339,22 @@ class _Root:
             self.root._tlock.release()
 
     def locked(self):
-        return _Root._Locked(self)
+        return RootDir._Locked(self)
 
-    def _read_usage(self) -> Optional[int]:
+    def read_usage(self) -> Optional[int]:
         raw = os.pread(self.usagefd, 32, 0).split(b"\n")[0].strip()
         return int(raw) if raw.isdigit() else None
 
-    def _write_usage(self, value: int) -> None:
+    def write_usage(self, value: int) -> None:
         os.pwrite(self.usagefd, b"%-30d\n" % value, 0)
 
     def usage_locked(self) -> int:
-        usage = self._read_usage()
+        usage = self.read_usage()
         return self.gc_locked(None) if usage is None else usage
 
     def add_usage(self, delta: int) -> None:
         with self.locked():
-            self._write_usage(max(0, self.usage_locked() + delta))
+            self.write_usage(max(0, self.usage_locked() + delta))
 
     def reserve(self, n: int) -> int:
         """Count ``n`` temporary files that exist now; returns how many fit the budget (the
@@ -368,9 +368,9 @@ class _Root:
                 usage = self.gc_locked(target)
                 fit = n - max(0, -(-(usage - self.budget) // fb))
                 fit = max(0, min(n, fit))
-                self._write_usage(usage - (n - fit) * fb)
+                self.write_usage(usage - (n - fit) * fb)
                 return fit
-            self._write_usage(usage + n * fb)
+            self.write_usage(usage + n * fb)
             return n
 
     # -- scanning and collection ----------------------------------------------------------------
@@ -482,7 +482,7 @@ class _Root:
         now = time.time()
         usage = sum(t[0] for t in temps) + sum(size for _, size, _, _ in files)
         for size, rel, name, _ in dead_temps:  # a dead writer's: never published
-            dfd = self._dir_beneath(rel)
+            dfd = self.dir_beneath(rel)
             if dfd is not None:
                 try:
                     os.unlink(name, dir_fd=dfd)
@@ -510,7 +510,7 @@ class _Root:
         for f in victims:
             by_dir.setdefault(f[2], []).append(f)
         for rel, group in by_dir.items():
-            dfd = self._dir_beneath(rel)
+            dfd = self.dir_beneath(rel)
             if dfd is None:
                 continue
             try:
@@ -525,10 +525,10 @@ class _Root:
                 os.close(dfd)
         if evicted:
             self._stats.add(evictions=evicted)
-        self._write_usage(max(0, usage))
+        self.write_usage(max(0, usage))
         return usage
 
-    def _dir_beneath(self, rel: str) -> Optional[int]:
+    def dir_beneath(self, rel: str) -> Optional[int]:
         fds, _ = open_beneath(self.fd, [rel], os.O_PATH | os.O_DIRECTORY, keep_open=True)
         return int(fds[0]) if fds[0] > 0 else None
 
@@ -605,7 +605,7 @@ class _Root:
                             pass
                     out.append(None if err == "present" else err)
                 if dropped:
-                    self._write_usage(max(0, self.usage_locked() - dropped * self.file_bytes))
+                    self.write_usage(max(0, self.usage_locked() - dropped * self.file_bytes))
         finally:
             for fd in leaves.values():
                 _close(fd)

@@ -445,18 +445,23 @@ def _decode_q8(src, ro, n, y, rs, geo, chan, q_off, s_off, ks_off, sc, keys_dt):
                     v = (kv * t_n + t) * h_n + h
                     q = so + q_off + v * d_n
                     qv = src[q:q + d_n]
-                    if not per_channel:
+                    o = base + t * s_t
+                    yv = y[o:o + d_n]
+                    if per_channel:           # a scale per channel
+                        if transposed:
+                            for d in range(d_n):
+                                st(plane, d * t_n + t, np.float32(np.int8(qv[d])) * sc[d])
+                        else:
+                            for d in range(d_n):
+                                st(yv, d, np.float32(np.int8(qv[d])) * sc[d])
+                    else:                     # one scale for the token's vector
                         s = _get_bf16(src, so + s_off + 2 * ((t * h_n + h) if chan else v))
-                        for d in range(d_n):
-                            sc[d] = s
-                    if transposed:
-                        for d in range(d_n):
-                            st(plane, d * t_n + t, np.float32(np.int8(qv[d])) * sc[d])
-                    else:
-                        o = base + t * s_t
-                        yv = y[o:o + d_n]
-                        for d in range(d_n):
-                            st(yv, d, np.float32(np.int8(qv[d])) * sc[d])
+                        if transposed:
+                            for d in range(d_n):
+                                st(plane, d * t_n + t, np.float32(np.int8(qv[d])) * s)
+                        else:
+                            for d in range(d_n):
+                                st(yv, d, np.float32(np.int8(qv[d])) * s)
 
 
 @njit(nogil=True)

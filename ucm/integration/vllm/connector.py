@@ -261,7 +261,7 @@ class UCMConnector(KVConnectorBase_V1):
                                     spare_cpu=spare_cpu, before_load=self.save_path.drain)
         first_batch = min(64, layout.num_blocks) * layout.block_bytes  # staging for a long prompt, up front
         self.load_path.reserve(min(first_batch, 512 << 20))
-        core.free_staging.append(core.alloc(min(first_batch, 512 << 20)))
+        core.staging.give(core.alloc(min(first_batch, 512 << 20)))
         log.info("ucm connector: %d layers, %d bytes per block, store %s", len(unique),
                  layout.block_bytes, cfg["store.pipeline"])
 

@@ -161,37 +161,23 @@ def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.as_strided((nb, n, h, d), (s0, 1, s1, n), kv_cache.storage_offset())
 
 
-_layout_ok: dict = {}
+_layout_warned: set = set()
 
 
 def _layout_matches(dtype: torch.dtype, isa: str, num_kv_heads: int, block_size: int,
                     head_dim: int) -> bool:
-    """Write probe keys with vLLM's own cache-update op into a scratch cache and check that
-    :func:`key_cache_view` reads them back (once per configuration)."""
-    key = (dtype, isa, num_kv_heads, block_size, head_dim)
-    if key not in _layout_ok:
-        from vllm import _custom_ops as ops
+    """vLLM's own cache-update op stores keys as :func:`key_cache_view` reads them (channel-major
+    planes), probed once per configuration by :func:`~ucm.integration.vllm.stores.cpu_key_order`."""
+    from ucm.integration.vllm.stores import cpu_key_order
 
-        nb = 2
-        kv = torch.zeros((nb, num_kv_heads, block_size, 2 * head_dim), dtype=dtype)
-        gen = torch.Generator().manual_seed(0)
-        slots = torch.tensor([0, block_size - 1, block_size + 1], dtype=torch.int64)
-        k = torch.randn((len(slots), num_kv_heads, head_dim), generator=gen).to(dtype)
-        v = torch.randn((len(slots), num_kv_heads, head_dim), generator=gen).to(dtype)
-        kc, vc = kv.view(nb, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-        try:
-            ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
-            view = key_cache_view(kv)
-            ok = all(torch.equal(view[s // block_size, s % block_size], k[i])
-                     for i, s in enumerate(slots.tolist()))
-        except Exception as exc:  # an ISA this build lacks, a layout we cannot view
-            log.debug("ucm sparse: layout probe failed: %r", exc)
-            ok = False
-        if not ok:
-            log.warning("ucm sparse: vLLM-CPU's key cache layout for %s (ISA %s) is not the one "
-                        "this hook knows; attention stays dense", dtype, isa)
-        _layout_ok[key] = ok
-    return _layout_ok[key]
+    name = str(dtype).removeprefix("torch.")
+    ok = cpu_key_order(name, block_size, num_kv_heads, head_dim, isa) == "dt"
+    key = (name, isa, num_kv_heads, block_size, head_dim)
+    if not ok and key not in _layout_warned:
+        _layout_warned.add(key)
+        log.warning("ucm sparse: vLLM-CPU's key cache layout for %s (ISA %s) is not the one "
+                    "this hook knows; attention stays dense", dtype, isa)
+    return ok
 
 
 # ---------------------------------------------------------------------------------------------

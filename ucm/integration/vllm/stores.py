@@ -122,12 +122,13 @@ def kv_shape(vllm_config, kv_cache_config):
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_key_order(dtype: str, tokens: int, heads: int, head_dim: int):
+def cpu_key_order(dtype: str, tokens: int, heads: int, head_dim: int, isa: str = ""):
     """How vLLM-CPU's attention stores a block's key planes: ``"td"`` (token-major) or
     ``"dt"`` (channel-major), found by writing known keys and values into one block with the
-    attention backend's own cache op (``cpu_attn_reshape_and_cache``, the ISA it picks for this
-    shape) and reading where they landed; None when the layout is neither (another ISA packing
-    the cache differently: no codec may then read it)."""
+    attention backend's own cache op (``cpu_attn_reshape_and_cache``, with ``isa`` or else the
+    ISA the backend picks for this shape) and reading where they landed; None when the layout
+    is neither (another ISA packing the cache differently: no codec or sparse view may then
+    read it)."""
     import torch
 
     try:
@@ -135,7 +136,7 @@ def cpu_key_order(dtype: str, tokens: int, heads: int, head_dim: int):
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         tdtype = getattr(torch, dtype)
-        isa = _get_attn_isa(tdtype, tokens, head_dim)
+        isa = isa or _get_attn_isa(tdtype, tokens, head_dim)
         t = torch.arange(tokens).view(tokens, 1, 1)
         h = torch.arange(heads).view(1, heads, 1)
         d = torch.arange(head_dim).view(1, 1, head_dim)

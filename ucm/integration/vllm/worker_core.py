@@ -15,6 +15,7 @@ import torch
 
 import ucm
 from ucm import metrics as ucm_metrics
+from ucm.buffers import BufferPool
 
 
 def store_shard_bytes(layout: "ucm.KVLayout") -> int:
@@ -59,7 +60,8 @@ class WorkerCore:
         self.store_metrics = ucm_metrics.StoreCollector(store) if store is not None else None
         # guards the staging pool, the counters a save thread updates and the save jobs in flight
         self.lock = threading.Lock()
-        self.free_staging: list = []  # staging buffers of ended saves, reused
+        #: staging buffers of ended saves, reused
+        self.staging = BufferPool(self.alloc)
         self._forward_t0: Optional[float] = None
 
     # staging ----------------------------------------------------------------------------------
@@ -72,11 +74,7 @@ class WorkerCore:
 
     def take_staging(self, nbytes: int) -> torch.Tensor:
         """A host/device staging buffer of at least nbytes, reused once its save completed."""
-        with self.lock:
-            for i, buf in enumerate(self.free_staging):
-                if buf.numel() >= nbytes:
-                    return self.free_staging.pop(i)
-        return self.alloc(max(nbytes, 1 << 20))
+        return self.staging.take(nbytes)
 
     # step timing and statistics -----------------------------------------------------------------
     def forward_started(self) -> None:

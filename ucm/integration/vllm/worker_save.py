@@ -276,7 +276,7 @@ class WorkerSave:
         core = self.core
         with core.lock:
             if staging is not None:
-                core.free_staging.append(staging)
+                core.staging.give(staging)
             core.metrics.inc("ucm_save_gather_seconds_total", gather_s)
             self._count(ok, seconds, is_tail)
             if reqs:
