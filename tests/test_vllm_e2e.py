@@ -130,15 +130,21 @@ def runs(model, prompts, tmp_path_factory):
     store.mkdir()
     out = {"store": store, "tmp": tmp, "prompts": prompts}
     # 1. plain vLLM, no connector: the reference tokens (also of the preemption test's prompts,
-    #    after NAMES: plain vLLM made to preempt produced the same tokens)
+    #    after NAMES: plain vLLM made to preempt produced the same tokens). It runs beside 2.
+    #    (one OpenMP thread each: their tokens do not depend on what else runs)
     plain_names = NAMES + PRE
-    out["plain"] = _run(_spec(model, prompts, plain_names,
-                              [{"name": "all", "prompts": list(range(len(plain_names)))}]), tmp, "plain")
+    plain = _start(_spec(model, prompts, plain_names,
+                         [{"name": "all", "prompts": list(range(len(plain_names)))}]), tmp, "plain")
     # 2. ucm on an empty store: cold (saves), then warm from the memory tier, same process
     stats = tmp / "stats-ucm.jsonl"
-    out["ucm"] = _run(_spec(model, prompts, NAMES, [{"name": "cold", "prompts": MAIN},
-                                                    {"name": "warm", "prompts": MAIN}],
-                            connector="ucm", store_dir=store, stats=stats), tmp, "ucm")
+    try:
+        out["ucm"] = _run(_spec(model, prompts, NAMES, [{"name": "cold", "prompts": MAIN},
+                                                        {"name": "warm", "prompts": MAIN}],
+                                connector="ucm", store_dir=store, stats=stats), tmp, "ucm")
+    except BaseException:
+        plain.kill()
+        raise
+    out["plain"] = _result(plain, tmp, "plain")
     # 3. restart (new process: hits come from disk), with a corrupted block file on the load
     #    path, chunked prefill (max_num_batched_tokens=512) and all requests in flight together
     files = sorted(glob.glob(str(store / "*" / "*" / "*.blk")))  # <space>/ab/<id>.blk
