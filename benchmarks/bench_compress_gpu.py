@@ -66,7 +66,7 @@ def _shapes():
             "llama70b_like": KVShape("kthd", 16, 8, 128, "bfloat16")}
 
 
-SWEPT = ("int8", "int4_channel_g32", "int4_token_g32", "sparse_channel_g32")
+SWEPT = ("int8", "int8_channel", "int4_channel_g32", "int4_token_g32", "sparse_channel_g32")
 
 
 def kv_rows(torch, shape, n, seed):
@@ -189,17 +189,15 @@ def _decode_kernel(torch, tc, spec, shape, enc, dec, launch):
 
 def _sweep(torch, tc, spec, shape, raw, enc, dec, repeats):
     """Kernel times of alternative launch constants (checked against the default's output)."""
-    if spec.method == "quantize" and spec.bits == 8:
+    if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
+        alts = [dict(int8_channel_warps=w) for w in (1, 2, 4)]
+    elif spec.method == "quantize" and spec.bits == 8:
         alts = [dict(int8_vectors=v, int8_warps=w) for v in (16, 32, 64) for w in (4, 8)]
     else:
-        alts = [dict(int4_heads=h, int4_warps=w, int4_split_kv=split) for h in (1, 2)
-                for w in (2, 4, 8) for split in (False, True)]
+        alts = [dict(int4_token_heads=h, int4_token_warps=w) for h in (1, 2, 4)
+                for w in (2, 4, 8)]
         if spec.key_mode == "channel":
-            alts += [dict(int4_channel_join=True, int4_warps=4, int4_split_kv=split)
-                     for split in (False, True)]
-        else:
-            alts += [dict(int4_token_heads=h, int4_token_warps=w) for h in (1, 2, 4)
-                     for w in (2, 4, 8)]
+            alts += [dict(int4_channel_warp_words=w) for w in (256, 512, 2048)]
         alts += [dict(int4_decode_heads=h, int4_decode_warps=w, int4_decode_warps_token=w)
                  for h in (1, 2) for w in (2, 4, 8)]
     out = {}

@@ -1,9 +1,9 @@
 """Triton KV codecs (ucm.fast.triton.compress) against the PyTorch reference run on the CPU (the
 documented rules), byte for byte: ``encode`` / ``decode`` for INT8, INT4 (keys per channel and
 per token group, groups of 32 and 64) and sparse, over memory orders, element types, odd sizes,
-rows of zeros, constants, exact rounding ties, tiny (subnormal scales) and huge values, NaN and
-infinite rows (``ok`` False, and the reference's bytes even then), unaligned rows; ``learned``
-within one bfloat16 step. The fused ``gather_encode`` / ``decode_scatter`` against the reference
+rows of zeros, constants, exact rounding ties, tiny (subnormal scales), huge and largest values,
+NaN and infinite rows (``ok`` False, and the reference's bytes even then), unaligned rows;
+``learned`` within one bfloat16 step. The fused ``gather_encode`` / ``decode_scatter`` against the reference
 (gather + encode per layer; decode + scatter) over the KV layouts of test_transfer.py, with
 repeated and ``-1`` indices, layer subsets, a non-finite block, and a layout the fused kernels
 cannot address (the unfused fallback).
@@ -87,7 +87,7 @@ def triton_on(monkeypatch):
 def kv_rows(shape: KVShape, gen: torch.Generator):
     """Raw rows (uint8 [n, raw_bytes], CPU) of one shape: random KV with outlier channels and
     tokens, then special rows: zeros, a constant, exact ties for INT8 and for INT4, tiny values,
-    huge values, a NaN, an infinity."""
+    huge values, values up to the type's largest, a NaN, an infinity."""
     T, H, D = shape.tokens, shape.heads, shape.head_dim
     dims = (2, T, H, D)
     rand = lambda: torch.randn(dims, generator=gen)  # noqa: E731
@@ -112,6 +112,9 @@ def kv_rows(shape: KVShape, gen: torch.Generator):
     rows.append(rand() * tiny)
     huge = 500.0 if shape.dtype == "float16" else 1e36
     rows.append((rand() * huge).clamp(-60000, 60000) if shape.dtype == "float16" else rand() * huge)
+    # up to the type's largest finite value (one sign: every group's range stays finite)
+    top = {"float16": 65504.0, "bfloat16": 3.38e38, "float32": 3.4028234e38}[shape.dtype]
+    rows.append(rand().abs().clamp(max=1.0) * top)
     nan = rand()
     nan[1, T - 1, H - 1, D // 2] = float("nan")
     rows.append(nan)
@@ -212,28 +215,25 @@ def test_signed_zero_extremes(triton_on, device, name):
     assert torch.equal(got.cpu(), want)
 
 
-LAUNCHES = [dict(int8_vectors=8, int8_warps=2, int8_tokens=4), dict(int4_heads=2, int4_channel_join=True),
-            dict(int4_heads=3, int4_warps=2, int4_decode_heads=3, int4_decode_warps=2,
-                 int4_decode_warps_token=2),
-            dict(int4_split_kv=True), dict(int4_split_kv=False),
-            dict(int4_token_heads=1, int4_token_warps=2, int4_decode_heads=1)]
+LAUNCHES = [dict(int8_vectors=8, int8_warps=2, int8_tokens=4, int8_channel_warps=4),
+            dict(int4_channel_warp_words=64, int4_token_heads=1, int4_token_warps=2,
+                 int4_decode_heads=1),
+            dict(int4_channel_warp_words=4096, int4_token_heads=2, int4_decode_heads=3,
+                 int4_decode_warps=2, int4_decode_warps_token=2, sparse_select_warps=2)]
 
 
 def _launch_params():
     """Every launch variant with every codec on CUDA; interpreted (CI's CPU run), each variant
-    with the codecs whose kernels it changes (INT8 tiles with INT8; the INT4 variants with
-    per-channel INT4 and sparse; the per-token variant with per-token INT4). The shape has 3
-    heads: by default the per-token encode takes 4 per program (one absent)."""
-    ids = ["int8-small", "heads2-join", "heads3", "split", "nosplit", "token-heads1"]
+    with the codecs whose kernels it changes (INT8 tiles with INT8, the INT4 variants with INT4
+    and sparse). The shape has 3 heads: by default the INT4 encodes take 4 per program (one
+    absent)."""
+    ids = ["int8-small", "int4-small", "int4-large"]
     out = []
     for changes, cid in zip(LAUNCHES, ids):
-        kernel = ("int8" if "int8_vectors" in changes else "token" if "int4_token_heads" in changes
-                  else "int4")
         for name in ["int8", "int8-tok", "int4-ch32", "int4-tok64", "sparse-ch32"]:
             if HAS_CUDA:
                 out.append(pytest.param("cuda", name, changes, id=f"cuda-{name}-{cid}"))
-            takes = {"int8": "int8", "int8-tok": "int8", "int4-tok64": "token"}.get(name, "int4")
-            if takes == kernel:
+            if name.startswith("int8") == cid.startswith("int8"):
                 out.append(pytest.param("cpu", name, changes, id=f"cpu-{name}-{cid}",
                                         marks=pytest.mark.triton_interpreter))
     return out
@@ -241,8 +241,8 @@ def _launch_params():
 
 @pytest.mark.parametrize("device,name,changes", _launch_params())
 def test_launch_variants(triton_on, device, name, changes):
-    """Other launch constants (several heads per program, the joined channel reduction, small
-    INT8 tiles, one head per per-token program) give the same bytes."""
+    """Other launch constants (more or fewer heads per program, other warps, small INT8 tiles)
+    give the same bytes."""
     from ucm.fast.triton import compress as tc
 
     spec, shape = SPECS[name], KVShape("hktd", 8, 3, 64, "bfloat16")

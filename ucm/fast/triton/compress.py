@@ -22,16 +22,23 @@ and ``vstride`` the row pitch; for the fused ops they come from :class:`ucm.layo
 byte runs (a layout whose runs cut a vector, or whose addresses are not multiples of the element
 size, takes the unfused path: Triton gather + encode). One kernel family serves both.
 
-Kernels (:mod:`ucm.fast.triton.compress_kernels`; one launch per call, two for a sparse
-encode):
+Kernels (:mod:`ucm.fast.triton.compress_kernels`; one launch per call, but two for an INT4
+or sparse encode with keys per channel, or a sparse one with keys per token, and three for a
+sparse one with keys per channel):
 
 * ``_int8_encode`` / ``_int8_decode``: INT8, a program per ``BV`` consecutive vectors (over all
   shards of the call).
-* ``_int4_encode_token``: INT4 with keys per token, a program per (shard, 2 to 4 heads).
-* ``_int4_encode`` / ``_int4_decode``: INT4 (``quantize`` bits 4, keys per channel; the decode
-  also keys per token) and ``sparse`` (``SPARSE``: per shard, salient tokens by ``max |K|`` over
-  heads and channels (``_key_scores`` first), ties to the lower token, kept exact; the rest
-  INT4), a program per (shard, chunk of heads); sparse runs one chunk of all heads per shard.
+* ``_int8c_encode`` / ``_int8c_decode``: INT8 with keys per channel, a program per (shard,
+  head).
+* ``_int4_encode_token``: INT4 and sparse values (groups of channels per token), and the keys
+  too when they are per token: a program per (shard, group of heads).
+* ``_int4_encode_channel``: INT4 and sparse keys per channel (``quantize`` bits 4 defaults to
+  them), a program per (shard, head), launched after ``_int4_encode_token``: each kernel lays
+  its tile out for its reductions (over channels for the values, over tokens for these keys).
+* ``_int4_decode``: INT4 and sparse, a program per (shard, chunk of heads).
+* sparse: salient tokens by ``max |K|`` over heads and channels (``_key_select`` first, a
+  program per shard, writes the bitmap the others read; ties to the lower token), kept exact;
+  the rest INT4.
 * ``learned``: the reference (PyTorch einsum, cuBLAS on CUDA tensors).
 
 Every kernel takes the encoded rows' pitch in 8-byte units, so that Triton knows their
@@ -52,9 +59,9 @@ import torch
 import triton
 
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets
-from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode, _int4_encode_token,
-                                              _int8_decode, _int8_encode, _int8c_decode,
-                                              _int8c_encode, _key_scores, jit)
+from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode_channel,
+                                              _int4_encode_token, _int8_decode, _int8_encode,
+                                              _int8c_decode, _int8c_encode, _key_select, jit)
 from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
 from ucm.reference import compress as _ref
 
@@ -67,24 +74,22 @@ class LaunchConfig:
     #: Vectors (of ``head_dim`` channels) per program of the INT8 kernels.
     int8_vectors: int = 32
     int8_warps: int = 4
-    #: Tokens per chunk of the INT8 kernels with keys per channel (a program per shard and head).
+    #: Tokens per chunk of the INT8 kernels with keys per channel (a program per shard and head),
+    #: and the warps of that encode.
     int8_tokens: int = 32
-    #: INT4 with keys per channel, and sparse (``_int4_encode``): KV heads per program (a
-    #: divisor of the head count is used: the largest one not above this).
-    int4_heads: int = 1
-    int4_warps: int = 4
-    #: Load a head's keys only once its values are quantized and stored (fewer registers live,
-    #: more programs per multiprocessor; the two loads no longer overlap).
-    int4_split_kv: bool = False
-    #: Keys per channel: the per-channel min and max of both halves of a pair word as one
-    #: reduction over the tokens (one exchange between warps instead of four).
-    int4_channel_join: bool = False
-    #: INT4 with keys per token (``_int4_encode_token``): KV heads per program (rounded down to
-    #: a power of two, at most the head count rounded up to one); 0: as many as make a tile of
-    #: about ``int4_token_tile`` pair words of keys (and as many of values).
+    int8_channel_warps: int = 2
+    #: INT4 and sparse, values (and keys per token; ``_int4_encode_token``): KV heads per
+    #: program (rounded down to a power of two, at most the head count rounded up to one); 0: as
+    #: many as make a tile of about ``int4_token_tile`` pair words of values and as many of keys
+    #: (twice as many heads when the keys are per channel, in ``_int4_encode_channel``).
     int4_token_heads: int = 0
     int4_token_tile: int = 2048
     int4_token_warps: int = 4
+    #: INT4 and sparse, keys per channel (``_int4_encode_channel``, a program per shard and
+    #: head): a warp per this many pair words of keys (1 to 8 warps).
+    int4_channel_warp_words: int = 1024
+    #: Warps of the sparse codec's first pass (``_key_select``, a program per shard).
+    sparse_select_warps: int = 4
     #: KV heads per program of the INT4 / sparse decode (a divisor of the head count is used:
     #: the largest one not above this).
     int4_decode_heads: int = 2
@@ -290,11 +295,17 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
 
-def _token_heads(shape: KVShape, launch: LaunchConfig) -> int:
-    """KV heads per program of ``_int4_encode_token``."""
-    want = launch.int4_token_heads or launch.int4_token_tile // (_pow2(shape.tokens) *
-                                                                  (shape.head_dim // 2))
+def _token_heads(shape: KVShape, launch: LaunchConfig, keys: bool = True) -> int:
+    """KV heads per program of ``_int4_encode_token`` (twice as many without the keys)."""
+    words = _pow2(shape.tokens) * (shape.head_dim // 2) * (2 if keys else 1)
+    want = launch.int4_token_heads or 2 * launch.int4_token_tile // words
     return min(_pow2_floor(want), _pow2(shape.heads))
+
+
+def _channel_warps(shape: KVShape, launch: LaunchConfig) -> int:
+    """Warps of ``_int4_encode_channel``."""
+    words = _pow2(shape.tokens) * _pow2(shape.head_dim // 2)
+    return max(1, min(8, words // launch.int4_channel_warp_words))
 
 
 def _encodable(spec: CodecSpec, shape: KVShape, raw: torch.Tensor, tabs: _Tables):
@@ -324,7 +335,7 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
                 T=T, H=H, D=D, DP=_pow2(D), TB=min(_pow2(T), launch.int8_tokens), L=L, E=E,
                 KS=offs["kscale"], VS=offs["vscale"], NPAD=npad, NPADP=_pow2(npad),
                 INDEXED=indexed, ALIGN=tabs.align, BF16=shape.dtype == "bfloat16",
-                num_warps=launch.int8_warps)
+                num_warps=launch.int8_channel_warps)
             return
         if spec.method == "quantize" and spec.bits == 8:
             V = 2 * T * H
@@ -340,33 +351,28 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
         G = spec.group
         NG = D // G
         TP = _pow2(T)
-        if spec.key_mode == "token" and not sparse:
-            hp = _token_heads(shape, launch)
-            jit(_int4_encode_token)[(n * L, triton.cdiv(H, hp))](
-                raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
-                T=T, TP=TP, H=H, HP=hp, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
-                KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"], NPAD=npad,
-                NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
-                num_warps=launch.int4_token_warps)
-            return
-        scores = flags
+        channel = spec.key_mode == "channel"
         if sparse:
-            scores = torch.zeros((n * L, TP), dtype=torch.int32, device=enc.device)
-            jit(_key_scores)[(n * L, H)](
-                raw, tabs.pvoff, tabs.pvstride, idx, scores, T=T, TP=TP, H=H, NG=NG,
-                NGP=_pow2(NG), GH=G // 2, L=L, INDEXED=indexed, ALIGN=tabs.palign,
-                DT=_DT[shape.dtype], num_warps=launch.int4_warps)
-        hpp = _divisor_heads(shape, launch.int4_heads)
-        jit(_int4_encode)[(n * L, H // hpp)](
-            raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, scores, n * L,
-            T=T, TP=TP, H=H, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
+            jit(_key_select)[(n * L,)](
+                raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, T=T, TP=TP, H=H,
+                NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E, BITMAP=offs["bitmap"],
+                C=n_salient(spec, shape), TB=_pow2(T, 8), INDEXED=indexed, ALIGN=tabs.palign,
+                DT=_DT[shape.dtype], num_warps=launch.sparse_select_warps)
+        hp = _token_heads(shape, launch, keys=not channel)
+        jit(_int4_encode_token)[(n * L, triton.cdiv(H, hp))](
+            raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
+            T=T, TP=TP, H=H, HP=hp, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
-            BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
-            C=n_salient(spec, shape) if sparse else 0, TB=_pow2(T, 8),
-            CHANNEL=spec.key_mode == "channel", SPARSE=sparse, HPP=hpp, NPAD=npad,
-            NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
-            JOIN=launch.int4_channel_join, SPLIT=launch.int4_split_kv,
-            num_warps=launch.int4_warps)
+            BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0), KEYS=not channel,
+            SPARSE=sparse, NPAD=npad, NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign,
+            DT=_DT[shape.dtype], num_warps=launch.int4_token_warps)
+        if channel:
+            jit(_int4_encode_channel)[(n * L, H)](
+                raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, n * L,
+                T=T, TP=TP, H=H, D=D, HWP=_pow2(D // 2), L=L, E=E, KQ=offs["kq"],
+                KP=offs["kp"], BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
+                SPARSE=sparse, INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
+                num_warps=_channel_warps(shape, launch))
 
 
 def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,

@@ -19,8 +19,9 @@ _INF = tl.constexpr(float("inf"))
 #: 1.5 * 2**23: for |y| < 2**22, (y + RINT) - RINT is y rounded to an integer, ties to even
 #: (float32 additions round to nearest even; nothing reassociates them).
 _RINT = tl.constexpr(12582912.0)
-#: INT4 per token: groups whose scale is below _TINY are quantized with x, m and s scaled by
-#: _SCALE (exact, a power of two; see _int4_encode_token).
+#: The quantizers without a division (_int8c_encode, _int4_encode_token, _int4_encode_channel):
+#: groups whose scale is below _TINY are quantized with x, m and s scaled by _SCALE (exact, a
+#: power of two; see _int4_encode_token).
 _TINY = tl.constexpr(2.0 ** -100)
 _SCALE = tl.constexpr(2.0 ** 64)
 
@@ -119,15 +120,16 @@ def _int8_decode(raw, voff, vstride, idx, enc, enc_pitch8, n_vectors,
     tl.store(raw + (off + blk * bst)[:, None] + d[None, :], out, mask=m2)
 
 
-def _key_scores(raw, voff, vstride, idx, scores,
+def _key_select(raw, voff, vstride, idx, enc, enc_pitch8,
                 T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, NG: tl.constexpr,
-                NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr, INDEXED: tl.constexpr,
-                ALIGN: tl.constexpr, DT: tl.constexpr):
-    """Sparse codec, pass 1: ``scores[s, t] = max(scores[s, t], max |K[t, h, :]|)`` for shard
-    ``program_id(0)``, head ``program_id(1)``, as the bits of the float32 (non-negative floats
-    order as their bits). ``raw``, ``voff``, ``vstride`` in pair words (two elements)."""
+                NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
+                BITMAP: tl.constexpr, C: tl.constexpr, TB: tl.constexpr,
+                INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
+    """Sparse codec, pass 1: the salient tokens of shard ``program_id(0)`` (the ``C`` of largest
+    ``max |K|`` over heads and channels, ties to the lower token) into its bitmap, which the
+    encode kernels then read. The maxima are taken over the bits of ``|K|`` (non-negative
+    floats order as their bits). ``raw``, ``voff``, ``vstride`` in pair words."""
     s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
     i = s // L
     k = s - i * L
     if INDEXED:
@@ -138,230 +140,36 @@ def _key_scores(raw, voff, vstride, idx, scores,
     tm = (t < T) & ((t * 0 + blk) >= 0)
     gi = tl.arange(0, NGP)
     j = tl.arange(0, GH)
-    vk = k * (2 * T * H) + t * H + h
-    off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
-    bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
     m3 = tm[:, None, None] & (gi < NG)[None, :, None] & (j < GH)[None, None, :]
-    w = tl.load(raw + (off + blk * bst)[:, None, None] + (gi * GH)[None, :, None] + j[None, None, :],
-                mask=m3, other=0)
-    if DT == 0:      # bfloat16 pairs in an int32
-        xe = (w << 16).to(tl.float32, bitcast=True)
-        xo = (w & -65536).to(tl.float32, bitcast=True)
-    elif DT == 1:    # float16 pairs in an int32
-        xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:            # float32 pairs in an int64
-        xe = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-        xo = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    a = tl.max(tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), axis=2), axis=1)
-    tl.atomic_max(scores + s * TP + t, a.to(tl.int32, bitcast=True), mask=tm)
-
-
-def _int4_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, scores, n_shards,
-                 T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                 NG: tl.constexpr, NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr,
-                 E: tl.constexpr, KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr,
-                 VP: tl.constexpr, BITMAP: tl.constexpr, EXACT: tl.constexpr, C: tl.constexpr,
-                 TB: tl.constexpr, CHANNEL: tl.constexpr, SPARSE: tl.constexpr,
-                 HPP: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
-                 INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr,
-                 JOIN: tl.constexpr, SPLIT: tl.constexpr):
-    """Shard ``program_id(0)`` (row ``s // L``, selected layer ``s % L``), heads
-    ``[program_id(1) * HPP, + HPP)``. Tiles ``[tokens, groups, G / 2]`` of *pair words* (channels
-    ``2w`` and ``2w + 1`` of a vector in one int32, or int64 for float32): ``raw``, ``voff`` and
-    ``vstride`` count pair words. A group's reduction is a reduction over the last axis and the
-    two nibbles of a byte are the two halves of a word: no reshapes. SPARSE: the salient tokens
-    from ``scores`` (pass 1, :func:`_key_scores`) are stored exact (rows ``epos``), the others
-    quantized into rows ``rpos`` of the INT4 part."""
-    s = tl.program_id(0).to(tl.int64)
-    hc = tl.program_id(1)
-    i = s // L
-    k = s - i * L
-    if INDEXED:
-        blk = tl.load(idx + i)
-    else:
-        blk = i
-    HD: tl.constexpr = D // 2
-    t = tl.arange(0, TP)
-    gi = tl.arange(0, NGP)
-    j = tl.arange(0, GH)
-    # (masks are built from blocks only: the interpreter mishandles scalar & block)
-    tm = (t < T) & ((t * 0 + blk) >= 0)
-    gm = gi < NG
-    base = enc + i * (enc_pitch8 * 8) + k * E
-    tab = k * (2 * T * H)
-    if NPAD > 0:
-        jp = tl.arange(0, NPADP)
-        po = tl.load(pad + jp, mask=jp < NPAD, other=0)
-        tl.store(base + po, tl.zeros([NPADP], dtype=tl.uint8),
-                 mask=(jp < NPAD) & ((jp * 0 + blk) >= 0) & ((jp * 0 + hc) == 0))
-    if SPARSE:
-        score = tl.load(scores + s * TP + t, mask=tm, other=0)
-        tt = t[:, None]
-        tu = t[None, :]
-        su = tl.reshape(score, [1, TP])
-        st = tl.reshape(score, [TP, 1])
-        beats = ((su > st) | ((su == st) & (tu < tt))) & (tu < T)
-        rank = tl.sum(beats.to(tl.int32), axis=1)
-        sel = (rank < C) & (t < T)
-        epos = tl.sum(((tu < tt) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
-        rpos = t - epos
-        bt = tl.arange(0, TB)
-        selb = tl.sum(((tl.reshape(bt, [TB, 1]) == t[None, :]) & sel[None, :]).to(tl.int32), axis=1)
-        byte = tl.sum(tl.reshape(selb << (bt % 8), [TB // 8, 8]), axis=1)
-        jb = tl.arange(0, TB // 8)
-        tl.store(base + BITMAP + jb, byte.to(tl.uint8),
-                 mask=(jb < (T + 7) // 8) & ((jb * 0 + blk) >= 0) & ((jb * 0 + hc) == 0))
-    else:
-        sel = t < 0
-        epos = t * 0
-        rpos = t
-    keep = tm & (sel.to(tl.int32) == 0)
-    m3 = tm[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
-    km3 = keep[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
-    col = (gi * GH)[None, :, None] + j[None, None, :]           # pair word in the vector
-    gq = keep[:, None] & gm[None, :]
-    p32 = (base + KP).to(tl.pointer_type(tl.int32), bitcast=True)
-    v32 = (base + VP).to(tl.pointer_type(tl.int32), bitcast=True)
-    for hh in range(HPP):
-        h = hc * HPP + hh
-        vk = tab + t * H + h
-        vv = tab + (T + t) * H + h
-        ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
-        sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
-        ov = tl.multiple_of(tl.load(voff + vv, mask=tm, other=0), ALIGN)
-        sv = tl.multiple_of(tl.load(vstride + vv, mask=tm, other=0), ALIGN)
-        if SPLIT == 0:     # both loads first (more in flight; more registers live)
-            wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
-        wv = tl.load(raw + (ov + blk * sv)[:, None, None] + col, mask=m3, other=0)
-        if DT == 0:
-            ve = (wv << 16).to(tl.float32, bitcast=True)
-            vo = (wv & -65536).to(tl.float32, bitcast=True)
-        elif DT == 1:
-            ve = (wv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            vo = (wv >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            ve = (wv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-            vo = (wv >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        fin = (tl.abs(ve) < _INF) & (tl.abs(vo) < _INF)
-        nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
-        tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
-        tl.store(flags + n_shards, 0, mask=nonfinite > 0)  # any bad
-        if SPARSE:
-            em = (sel & tm)[:, None, None] & gm[None, :, None] & (j < GH)[None, None, :]
-            ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
-            tl.store(ex + (((epos * 2 + 1) * H + h) * HD)[:, None, None] + col, wv, mask=em)
-        # ---- values: per token, groups of G channels
-        mn = tl.minimum(tl.min(tl.where(km3, ve, _INF), axis=2), tl.min(tl.where(km3, vo, _INF), axis=2))
-        mx = tl.maximum(tl.max(tl.where(km3, ve, -_INF), axis=2), tl.max(tl.where(km3, vo, -_INF), axis=2))
-        mn, mx = mn + 0.0, mx + 0.0  # a zero extreme counts as +0 (the reference's rule)
-        b = mn.to(tl.int32, bitcast=True)
-        hi = b & -65536
-        mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-        m = mb.to(tl.float32, bitcast=True)
-        b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
-        hi = b & -65536
-        sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-        sc = sb.to(tl.float32, bitcast=True)
-        nu = ve - m[:, :, None]
-        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
-        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
-        qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-        nu = vo - m[:, :, None]
-        den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
-        r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
-        qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-        tl.store(v32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
-                 ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
-        tl.store(base + VQ + ((rpos * H + h) * HD)[:, None, None] + col,
-                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
-        if SPLIT:          # keys loaded once the values are stored
-            wk = tl.load(raw + (ok_ + blk * sk)[:, None, None] + col, mask=m3, other=0)
-        if DT == 0:
-            ke = (wk << 16).to(tl.float32, bitcast=True)
-            ko = (wk & -65536).to(tl.float32, bitcast=True)
-        elif DT == 1:
-            ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-            ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        fin = (tl.abs(ke) < _INF) & (tl.abs(ko) < _INF)
-        nonfinite = tl.max(tl.max(tl.max(tl.where(fin, 0, 1), axis=2), axis=1), axis=0)
-        tl.store(flags + s, 0, mask=nonfinite > 0)         # masked elements load as 0
-        tl.store(flags + n_shards, 0, mask=nonfinite > 0)  # any bad
-        if SPARSE:
-            tl.store(ex + ((epos * 2 * H + h) * HD)[:, None, None] + col, wk, mask=em)
-        # ---- keys
-        if CHANNEL:     # per channel over the (kept) tokens: [groups, G / 2] for each half
-            if JOIN:    # the four reductions as one (min = -max(-x)): one exchange across warps
-                red = tl.max(tl.join(tl.join(tl.where(km3, -ke, -_INF), tl.where(km3, ke, -_INF)),
-                                     tl.join(tl.where(km3, -ko, -_INF), tl.where(km3, ko, -_INF))),
-                             axis=0)
-                e2, o2 = tl.split(red)
-                mne, mxe = tl.split(e2)
-                mno, mxo = tl.split(o2)
-                mne = -mne
-                mno = -mno
-            else:
-                mne = tl.min(tl.where(km3, ke, _INF), axis=0)
-                mxe = tl.max(tl.where(km3, ke, -_INF), axis=0)
-                mno = tl.min(tl.where(km3, ko, _INF), axis=0)
-                mxo = tl.max(tl.where(km3, ko, -_INF), axis=0)
-            mne, mxe, mno, mxo = mne + 0.0, mxe + 0.0, mno + 0.0, mxo + 0.0  # zero extremes: +0
-            b = mne.to(tl.int32, bitcast=True)
-            hi = b & -65536
-            mbe = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-            b = mno.to(tl.int32, bitcast=True)
-            hi = b & -65536
-            mbo = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-            me = mbe.to(tl.float32, bitcast=True)
-            mo = mbo.to(tl.float32, bitcast=True)
-            b = tl.math.div_rn(mxe - me, 15.0).to(tl.int32, bitcast=True)
-            hi = b & -65536
-            sbe = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-            b = tl.math.div_rn(mxo - mo, 15.0).to(tl.int32, bitcast=True)
-            hi = b & -65536
-            sbo = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-            se = sbe.to(tl.float32, bitcast=True)
-            so = sbo.to(tl.float32, bitcast=True)
-            nu = ke - me[None, :, :]
-            den = tl.where(se == 0, 1.0, se)[None, :, :]   # zero operands: see _int8_encode
-            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
-            qe = tl.where(se[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-            nu = ko - mo[None, :, :]
-            den = tl.where(so == 0, 1.0, so)[None, :, :]   # zero operands: see _int8_encode
-            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
-            qo = tl.where(so[None, :, :] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-            # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
-            pw = p32 + h * D + 2 * ((gi * GH)[:, None] + j[None, :])
-            pm = gm[:, None] & (j < GH)[None, :] & ((j * 0 + blk) >= 0)[None, :]
-            tl.store(pw, ((mbe >> 16) & 0xFFFF) | (sbe & -65536), mask=pm)
-            tl.store(pw + 1, ((mbo >> 16) & 0xFFFF) | (sbo & -65536), mask=pm)
-        else:           # per token, groups of G channels
-            mn = tl.minimum(tl.min(tl.where(km3, ke, _INF), axis=2), tl.min(tl.where(km3, ko, _INF), axis=2))
-            mx = tl.maximum(tl.max(tl.where(km3, ke, -_INF), axis=2), tl.max(tl.where(km3, ko, -_INF), axis=2))
-            mn, mx = mn + 0.0, mx + 0.0  # a zero extreme counts as +0 (the reference's rule)
-            b = mn.to(tl.int32, bitcast=True)
-            hi = b & -65536
-            mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-            m = mb.to(tl.float32, bitcast=True)
-            b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
-            hi = b & -65536
-            sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-            sc = sb.to(tl.float32, bitcast=True)
-            nu = ke - m[:, :, None]
-            den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
-            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
-            qe = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-            nu = ko - m[:, :, None]
-            den = tl.where(sc == 0, 1.0, sc)[:, :, None]   # zero operands: see _int8_encode
-            r = (tl.math.div_rn(tl.where(nu == 0, 0.25 * den, nu), den) + _RINT) - _RINT
-            qo = tl.where(sc[:, :, None] > 0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-            tl.store(p32 + ((rpos * H + h) * NG)[:, None] + gi[None, :],
-                     ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq)
-        tl.store(base + KQ + ((rpos * H + h) * HD)[:, None, None] + col,
-                 (qe | (qo << 4)).to(tl.uint8), mask=km3)
+    col = (gi * GH)[None, :, None] + j[None, None, :]
+    score = tl.zeros([TP], dtype=tl.int32)
+    for h in range(H):
+        vk = k * (2 * T * H) + t * H + h
+        off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+        bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+        w = tl.load(raw + (off + blk * bst)[:, None, None] + col, mask=m3, other=0)
+        if DT == 0:      # bfloat16 pairs in an int32
+            a = tl.maximum((w << 16) & 0x7FFFFFFF, w & 0x7FFF0000)
+        elif DT == 1:    # float16 pairs in an int32
+            xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            a = tl.maximum(xe.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                           xo.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        else:            # float32 pairs in an int64
+            a = tl.maximum((w & 0x7FFFFFFF).to(tl.int32), ((w >> 32) & 0x7FFFFFFF).to(tl.int32))
+        score = tl.maximum(score, tl.max(tl.max(a, axis=2), axis=1))
+    tt = t[:, None]
+    tu = t[None, :]
+    su = tl.reshape(score, [1, TP])
+    st = tl.reshape(score, [TP, 1])
+    beats = ((su > st) | ((su == st) & (tu < tt))) & (tu < T)
+    sel = (tl.sum(beats.to(tl.int32), axis=1) < C) & (t < T)
+    bt = tl.arange(0, TB)
+    selb = tl.sum(((tl.reshape(bt, [TB, 1]) == t[None, :]) & sel[None, :]).to(tl.int32), axis=1)
+    byte = tl.sum(tl.reshape(selb << (bt % 8), [TB // 8, 8]), axis=1)
+    jb = tl.arange(0, TB // 8)
+    tl.store(enc + i * (enc_pitch8 * 8) + k * E + BITMAP + jb, byte.to(tl.uint8),
+             mask=(jb < (T + 7) // 8) & ((jb * 0 + blk) >= 0))
 
 
 def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
@@ -369,14 +177,18 @@ def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_s
                        D: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
                        GH: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KQ: tl.constexpr,
                        VQ: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
-                       NPAD: tl.constexpr, NPADP: tl.constexpr, INDEXED: tl.constexpr,
-                       ALIGN: tl.constexpr, DT: tl.constexpr):
-    """INT4 with keys per token (like the values): shard ``program_id(0)`` (row ``s // L``,
-    selected layer ``s % L``), heads ``[program_id(1) * HP, + HP)``. Tiles ``[tokens, heads,
-    groups, G / 2]`` of *pair words* (channels ``2w`` and ``2w + 1`` of a vector in one int32,
-    or int64 for float32; ``raw``, ``voff`` and ``vstride`` count pair words): a group's
-    reduction is over the last axis, and the two nibbles of a byte are the two halves of a
-    word."""
+                       BITMAP: tl.constexpr, EXACT: tl.constexpr, KEYS: tl.constexpr,
+                       SPARSE: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
+                       INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
+    """INT4 and sparse: the values, and with ``KEYS`` the keys too (keys per token, like the
+    values; keys per channel are :func:`_int4_encode_channel`'s). Shard ``program_id(0)`` (row
+    ``s // L``, selected layer ``s % L``), heads ``[program_id(1) * HP, + HP)``. Tiles
+    ``[tokens, heads, groups, G / 2]`` of *pair words* (channels ``2w`` and ``2w + 1`` of a
+    vector in one int32, or int64 for float32; ``raw``, ``voff`` and ``vstride`` count pair
+    words): a group's reduction is over the last axis, and the two nibbles of a byte are the
+    two halves of a word. SPARSE: the salient tokens, read from the bitmap (pass 1,
+    :func:`_key_select`), are stored exact (rows ``epos``), the others quantized into rows
+    ``rpos`` of the INT4 part. The programs of heads 0 write the padding."""
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     i = s // L
@@ -399,121 +211,224 @@ def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_s
         po = tl.load(pad + jp, mask=jp < NPAD, other=0)
         tl.store(base + po, tl.zeros([NPADP], dtype=tl.uint8),
                  mask=(jp < NPAD) & ((jp * 0 + blk) >= 0) & ((jp * 0 + c) == 0))
+    if SPARSE:
+        byte = tl.load(base + BITMAP + t // 8, mask=tm, other=0).to(tl.int32)
+        sel = (((byte >> (t % 8)) & 1) != 0) & tm
+        epos = tl.sum(((t[None, :] < t[:, None]) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
+        rpos = t - epos
+    else:
+        sel = t < 0
+        epos = t * 0
+        rpos = t
+    keep = tm & (sel.to(tl.int32) == 0)
     gcol = (gi * GH)[:, None] + j[None, :]                              # [NGP, GH]
     gm2 = (gi < NG)[:, None] & (j < GH)[None, :]
-    kcol = gcol
-    km2 = gm2
-    rpos = t
-    keep = tm
     v32 = (base + VP).to(tl.pointer_type(tl.int32), bitcast=True)
     p32 = (base + KP).to(tl.pointer_type(tl.int32), bitcast=True)
     h = c * HP + hp
     hm = (h < H) & ((hp * 0 + blk) >= 0)
     th = tm[:, None] & hm[None, :]
+    m4 = th[:, :, None, None] & gm2[None, None, :, :]
     vk = tab + t[:, None] * H + h[None, :]                          # [TP, HP]
-    kb = (tl.multiple_of(tl.load(voff + vk, mask=th, other=0), [ALIGN, ALIGN])
-          + blk * tl.multiple_of(tl.load(vstride + vk, mask=th, other=0), [ALIGN, ALIGN]))
     vb = (tl.multiple_of(tl.load(voff + vk + T * H, mask=th, other=0), [ALIGN, ALIGN])
           + blk * tl.multiple_of(tl.load(vstride + vk + T * H, mask=th, other=0), [ALIGN, ALIGN]))
-    wv = tl.load(raw + vb[:, :, None, None] + gcol[None, None, :, :],
-                 mask=th[:, :, None, None] & gm2[None, None, :, :], other=0)
-    wk = tl.load(raw + kb[:, :, None, None] + kcol[None, None, :, :],
-                 mask=th[:, :, None, None] & km2[None, None, :, :], other=0)
-    if DT == 0:      # bfloat16 pairs in an int32
-        ve = (wv << 16).to(tl.float32, bitcast=True)
-        vo = (wv & -65536).to(tl.float32, bitcast=True)
-        ke = (wk << 16).to(tl.float32, bitcast=True)
-        ko = (wk & -65536).to(tl.float32, bitcast=True)
-    elif DT == 1:    # float16 pairs in an int32
-        ve = (wv & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        vo = (wv >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:            # float32 pairs in an int64
-        ve = (wv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-        vo = (wv >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-        ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    # non-finite values: x * 0 is NaN for them, 0 otherwise (masked lanes load as 0)
-    zv = tl.sum(tl.sum(ve * 0.0 + vo * 0.0, axis=3), axis=2)        # [TP, HP]
-    zk = tl.sum(tl.sum(ke * 0.0 + ko * 0.0, axis=3), axis=0)        # [HP, NGP]
-    z0 = tl.zeros(zv.shape, dtype=tl.int32)
-    tl.store(flags + s + z0, z0, mask=zv != zv)
-    tl.store(flags + n_shards + z0, z0, mask=zv != zv)            # any bad
-    z0 = tl.zeros(zk.shape, dtype=tl.int32)
-    tl.store(flags + s + z0, z0, mask=zk != zk)
-    tl.store(flags + n_shards + z0, z0, mask=zk != zk)
+    wv = tl.load(raw + vb[:, :, None, None] + gcol[None, None, :, :], mask=m4, other=0)
+    if KEYS:
+        kb = (tl.multiple_of(tl.load(voff + vk, mask=th, other=0), [ALIGN, ALIGN])
+              + blk * tl.multiple_of(tl.load(vstride + vk, mask=th, other=0), [ALIGN, ALIGN]))
+        wk = tl.load(raw + kb[:, :, None, None] + gcol[None, None, :, :], mask=m4, other=0)
+    if SPARSE:
+        em = (sel & tm)[:, None, None, None] & hm[None, :, None, None] & gm2[None, None, :, :]
+        ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+        tl.store(ex + (((epos * 2 + 1)[:, None] * H + h[None, :]) * HW)[:, :, None, None]
+                 + gcol[None, None, :, :], wv, mask=em)
+        if KEYS:
+            tl.store(ex + (((epos * 2)[:, None] * H + h[None, :]) * HW)[:, :, None, None]
+                     + gcol[None, None, :, :], wk, mask=em)
     qrow = rpos[:, None] * H + h[None, :]                              # [TP, HP]
     kq2 = keep[:, None] & hm[None, :]
     gq3 = kq2[:, :, None] & (gi < NG)[None, None, :]
-    # ---- values: per token, groups of G channels. Masked lanes (padding groups, tokens
-    # past T, absent heads) hold zeros and only reach outputs that are not stored.
-    mn = tl.minimum(tl.min(ve, axis=3), tl.min(vo, axis=3)) + 0.0   # a zero extreme counts as +0
-    mx = tl.maximum(tl.max(ve, axis=3), tl.max(vo, axis=3)) + 0.0
-    b = mn.to(tl.int32, bitcast=True)
-    hi = b & -65536
-    mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-    m = mb.to(tl.float32, bitcast=True)
-    b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
-    hi = b & -65536
-    sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-    sc = sb.to(tl.float32, bitcast=True)
-    # q = rint(RN((x - m) / s)) without dividing. nu = fma(x, f, -m f) = (x - m) f, one
-    # rounding, with f = 2**64 where s is tiny (exact: it keeps (k + 1/2) s and 1 / s normal),
-    # else 1. y = nu * (1 / s') is within a few ulps of the quotient, so k = floor(y) is the
-    # integer below it or next to it, and the exact product h = (k + 1/2) s' (few significant
-    # bits) decides: nu > h rounds up, nu == h is the tie (to even; RN(nu / s') == k + 1/2 only
-    # if nu == h exactly, for a normal h), nu < h down. q <= 15 without a clamp, as
-    # s >= RN(range / 15); s == 0 gives h = inf, q = 0.
-    f = tl.where((sc > 0) & (sc < _TINY), _SCALE, 1.0)
-    sp = sc * f
-    mp = m * f
-    rp = 1.0 / tl.where(sp == 0, 1.0, sp)
-    hs = tl.where(sp == 0, _INF, sp * 0.5)   # s == 0: q = 0
-    nu = tl.fma(ve, f[:, :, :, None], -mp[:, :, :, None])
-    kf = tl.floor(nu * rp[:, :, :, None])
-    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
-    ki = kf.to(tl.int32)
-    qe = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
-    nu = tl.fma(vo, f[:, :, :, None], -mp[:, :, :, None])
-    kf = tl.floor(nu * rp[:, :, :, None])
-    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
-    ki = kf.to(tl.int32)
-    qo = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
-    tl.store(v32 + (qrow * NG)[:, :, None] + gi[None, None, :],
-             ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq3)
-    tl.store(base + VQ + (qrow * HW)[:, :, None, None] + gcol[None, None, :, :],
-             (qe | (qo << 4)).to(tl.uint8), mask=kq2[:, :, None, None] & gm2[None, None, :, :])
-    # ---- keys
-    mn = tl.minimum(tl.min(ke, axis=3), tl.min(ko, axis=3)) + 0.0
-    mx = tl.maximum(tl.max(ke, axis=3), tl.max(ko, axis=3)) + 0.0
-    b = mn.to(tl.int32, bitcast=True)
-    hi = b & -65536
-    mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
-    m = mb.to(tl.float32, bitcast=True)
-    b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
-    hi = b & -65536
-    sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
-    sc = sb.to(tl.float32, bitcast=True)
-    f = tl.where((sc > 0) & (sc < _TINY), _SCALE, 1.0)
-    sp = sc * f
-    mp = m * f
-    rp = 1.0 / tl.where(sp == 0, 1.0, sp)
-    hs = tl.where(sp == 0, _INF, sp * 0.5)
-    nu = tl.fma(ke, f[:, :, :, None], -mp[:, :, :, None])
-    kf = tl.floor(nu * rp[:, :, :, None])
-    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
-    ki = kf.to(tl.int32)
-    qe = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
-    nu = tl.fma(ko, f[:, :, :, None], -mp[:, :, :, None])
-    kf = tl.floor(nu * rp[:, :, :, None])
-    hh = kf * sp[:, :, :, None] + hs[:, :, :, None]
-    ki = kf.to(tl.int32)
-    qo = ki + ((nu > hh) | ((nu == hh) & ((ki & 1) != 0))).to(tl.int32)
-    tl.store(p32 + (qrow * NG)[:, :, None] + gi[None, None, :],
-             ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq3)
-    tl.store(base + KQ + (qrow * HW)[:, :, None, None] + kcol[None, None, :, :],
-             (qe | (qo << 4)).to(tl.uint8), mask=kq2[:, :, None, None] & km2[None, None, :, :])
+    qm4 = kq2[:, :, None, None] & gm2[None, None, :, :]
+    for kv in tl.static_range(2 if KEYS else 1):
+        # values first, then the keys; per token, groups of G channels. Masked lanes (padding
+        # groups, tokens past T, absent heads, salient tokens) hold zeros or their own values
+        # and only reach outputs that are not stored.
+        if kv == 0:
+            w = wv
+        else:
+            w = wk
+        if DT == 0:      # bfloat16 pairs in an int32
+            xe = (w << 16).to(tl.float32, bitcast=True)
+            xo = (w & -65536).to(tl.float32, bitcast=True)
+        elif DT == 1:    # float16 pairs in an int32
+            xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:            # float32 pairs in an int64
+            xe = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            xo = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        # non-finite values: x * 0 is NaN for them, 0 otherwise (masked lanes load as 0); the
+        # flags are stored by the lanes that see one (no reduction across the program)
+        z = tl.sum(tl.sum(xe * 0.0 + xo * 0.0, axis=3), axis=2)      # [TP, HP]
+        z0 = tl.zeros(z.shape, dtype=tl.int32)
+        tl.store(flags + s + z0, z0, mask=z != z)
+        tl.store(flags + n_shards + z0, z0, mask=z != z)            # any bad
+        mn = tl.minimum(tl.min(xe, axis=3), tl.min(xo, axis=3)) + 0.0   # a zero extreme is +0
+        mx = tl.maximum(tl.max(xe, axis=3), tl.max(xo, axis=3)) + 0.0
+        b = mn.to(tl.int32, bitcast=True)
+        hi = b & -65536
+        mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+        m = mb.to(tl.float32, bitcast=True)
+        b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+        hi = b & -65536
+        sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+        sc = sb.to(tl.float32, bitcast=True)
+        # q = rint(RN((x - m) / s)) without dividing. nu = fma(x, f, -m f) = (x - m) f, one
+        # rounding, with f = 2**64 where s is tiny (exact: it keeps (k + 1/2) s and 1 / s
+        # normal), else 1. y = nu * (1 / s') is within a few ulps of the quotient, so k =
+        # floor(y) is the integer below it or next to it, and the exact product h = (k + 1/2)
+        # s' (few significant bits) decides: nu > h rounds up, nu == h is the tie (to even;
+        # RN(nu / s') == k + 1/2 only if nu == h exactly, for a normal h), nu < h down. q <= 15
+        # without a clamp, as s >= RN(range / 15); s == 0 gives h = inf, q = 0. k is read from
+        # the low bits of k + 1.5 * 2**23 (no float to integer conversion).
+        f = tl.where((sc > 0) & (sc < _TINY), _SCALE, 1.0)
+        sp = sc * f
+        mp = m * f
+        rp = 1.0 / tl.where(sp == 0, 1.0, sp)
+        hs = tl.where(sp == 0, _INF, sp * 0.5)   # s == 0: q = 0
+        nu = tl.fma(xe, f[:, :, :, None], -mp[:, :, :, None])
+        kf = tl.floor(nu * rp[:, :, :, None])
+        hh = tl.fma(kf, sp[:, :, :, None], hs[:, :, :, None])
+        qb = (kf + _RINT).to(tl.int32, bitcast=True)
+        qe = qb + ((nu > hh) | ((nu == hh) & ((qb & 1) != 0))).to(tl.int32)
+        nu = tl.fma(xo, f[:, :, :, None], -mp[:, :, :, None])
+        kf = tl.floor(nu * rp[:, :, :, None])
+        hh = tl.fma(kf, sp[:, :, :, None], hs[:, :, :, None])
+        qb = (kf + _RINT).to(tl.int32, bitcast=True)
+        qo = qb + ((nu > hh) | ((nu == hh) & ((qb & 1) != 0))).to(tl.int32)
+        if kv == 0:
+            pp = v32
+            qq = base + VQ
+        else:
+            pp = p32
+            qq = base + KQ
+        tl.store(pp + (qrow * NG)[:, :, None] + gi[None, None, :],
+                 ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=gq3)
+        tl.store(qq + (qrow * HW)[:, :, None, None] + gcol[None, None, :, :],
+                 (qe + (qo << 4)).to(tl.uint8), mask=qm4)   # (the low bytes of k + RINT: q)
+
+
+def _int4_encode_channel(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shards,
+                         T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr,
+                         D: tl.constexpr, HWP: tl.constexpr, L: tl.constexpr,
+                         E: tl.constexpr, KQ: tl.constexpr, KP: tl.constexpr,
+                         BITMAP: tl.constexpr, EXACT: tl.constexpr, SPARSE: tl.constexpr,
+                         INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
+    """INT4 and sparse with keys per channel: the keys (the values are
+    :func:`_int4_encode_token`'s). Shard ``program_id(0)``, head ``program_id(1)``: a tile
+    ``[tokens, D / 2]`` of pair words whose accesses declare a contiguity of two words, so
+    that the threads lie along the channels, two words each, and the tokens along the threads
+    (and across warps only past ``32 * 32`` pair words a warp): a channel's minimum and maximum
+    over the tokens are reduced within the thread, and its scale and constants computed by the
+    one thread that holds it. (Laid out for vector loads, as the values are, every thread would
+    hold a token of many channels and recompute their constants: most of the work.)
+    Quantization as in :func:`_int4_encode_token`. SPARSE: the salient tokens (read from the
+    bitmap, as there) are stored exact and left out of the minima and maxima."""
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = s // L
+    k = s - i * L
+    if INDEXED:
+        blk = tl.load(idx + i)
+    else:
+        blk = i
+    HW: tl.constexpr = D // 2
+    t = tl.arange(0, TP)
+    w = tl.arange(0, HWP)
+    # (masks are built from blocks only: the interpreter mishandles scalar & block)
+    tm = (t < T) & ((t * 0 + blk) >= 0)
+    wm = (w < HW) & ((w * 0 + blk) >= 0)
+    base = enc + i * (enc_pitch8 * 8) + k * E
+    if SPARSE:
+        byte = tl.load(base + BITMAP + t // 8, mask=tm, other=0).to(tl.int32)
+        sel = (((byte >> (t % 8)) & 1) != 0) & tm
+        epos = tl.sum(((t[None, :] < t[:, None]) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
+        rpos = t - epos
+    else:
+        sel = t < 0
+        epos = t * 0
+        rpos = t
+    keep = tm & (sel.to(tl.int32) == 0)
+    vk = k * (2 * T * H) + t * H + h
+    kb = (tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+          + blk * tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN))
+    wk = tl.load(tl.max_contiguous(raw + kb[:, None] + w[None, :], [1, 2]),
+                 mask=tm[:, None] & wm[None, :], other=0)
+    if SPARSE:
+        ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+        tl.store(tl.max_contiguous(ex + (((epos * 2) * H + h) * HW)[:, None] + w[None, :], [1, 2]),
+                 wk, mask=(sel & tm)[:, None] & wm[None, :])
+    if DT == 0:      # bfloat16 pairs in an int32
+        ke = (wk << 16).to(tl.float32, bitcast=True)
+        ko = (wk & -65536).to(tl.float32, bitcast=True)
+    elif DT == 1:    # float16 pairs in an int32
+        ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:            # float32 pairs in an int64
+        ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    # non-finite values: x * 0 is NaN for them, 0 otherwise (masked lanes load as 0); summed
+    # over the tokens, the flags stored by the lanes that see one
+    z = tl.sum(ke * 0.0 + ko * 0.0, axis=0)                         # [HWP]
+    z0 = tl.zeros(z.shape, dtype=tl.int32)
+    tl.store(flags + s + z0, z0, mask=z != z)
+    tl.store(flags + n_shards + z0, z0, mask=z != z)                # any bad
+    if SPARSE or T < TP:   # rows left out of the extremes: salient tokens, tokens past T
+        km = keep[:, None]
+        mne = tl.min(tl.where(km, ke, _INF), axis=0)
+        mxe = tl.max(tl.where(km, ke, -_INF), axis=0)
+        mno = tl.min(tl.where(km, ko, _INF), axis=0)
+        mxo = tl.max(tl.where(km, ko, -_INF), axis=0)
+    else:
+        mne = tl.min(ke, axis=0)
+        mxe = tl.max(ke, axis=0)
+        mno = tl.min(ko, axis=0)
+        mxo = tl.max(ko, axis=0)
+    p32 = (base + KP).to(tl.pointer_type(tl.int32), bitcast=True) + h * D
+    for half in tl.static_range(2):     # channels 2w, then 2w + 1
+        if half == 0:
+            x = ke
+            mn = mne + 0.0                  # a zero extreme counts as +0
+            mx = mxe + 0.0
+        else:
+            x = ko
+            mn = mno + 0.0
+            mx = mxo + 0.0
+        b = mn.to(tl.int32, bitcast=True)
+        hi = b & -65536
+        mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+        m = mb.to(tl.float32, bitcast=True)
+        b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+        hi = b & -65536
+        sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+        sc = sb.to(tl.float32, bitcast=True)
+        f = tl.where((sc > 0) & (sc < _TINY), _SCALE, 1.0)
+        sp = sc * f
+        mp = m * f
+        rp = 1.0 / tl.where(sp == 0, 1.0, sp)
+        hs = tl.where(sp == 0, _INF, sp * 0.5)
+        nu = tl.fma(x, f[None, :], -mp[None, :])
+        kf = tl.floor(nu * rp[None, :])
+        hh = tl.fma(kf, sp[None, :], hs[None, :])
+        qb = (kf + _RINT).to(tl.int32, bitcast=True)
+        q = qb + ((nu > hh) | ((nu == hh) & ((qb & 1) != 0))).to(tl.int32)
+        # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
+        tl.store(p32 + 2 * w + half, ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=wm)
+        if half == 0:
+            qe = q
+        else:
+            tl.store(tl.max_contiguous(base + KQ + ((rpos * H + h) * HW)[:, None] + w[None, :],
+                                       [1, 2]),
+                     (qe + (q << 4)).to(tl.uint8), mask=keep[:, None] & wm[None, :])
 
 
 def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch8,
@@ -621,8 +536,20 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
                   INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr):
     """INT8 with keys scaled per channel (``key_mode="channel"``): a program per (shard, head).
     The per-channel max |K| over the block's tokens, then keys quantized by their channel's
-    scale and values by their token's (as ``_int8_encode``). A block of at most ``TB`` tokens
-    is loaded once; a longer one in chunks of ``TB`` tokens, its keys read twice."""
+    scale and values by their token's. A block of at most ``TB`` tokens is loaded once, keys
+    and values before any store (a store may alias a later load, so nothing is issued ahead of
+    it); a longer one in chunks of ``TB`` tokens, its keys read twice.
+
+    The maxima are taken over the bits of ``|x|`` as integers (non-negative floats order as
+    their bits, and NaN's bits are above infinity's): one reduction gives the scale and says
+    whether the shard holds a non-finite value. ``q = rint(RN(x / s))`` is computed without a
+    division, as in ``_int4_encode_token``: ``y = x f (1 / s')`` (``s' = s f``), ``k =
+    floor(y)`` is within one of the quotient's integer part, and the exact ``h = (k + 1/2) s'``
+    (at most 16 significant bits) decides: ``x f > h`` rounds up, ``==`` is the tie (to even),
+    ``<`` down. ``f = 2**64`` where ``s`` is tiny (exact: it keeps ``h`` and ``1 / s'`` normal),
+    else 1. An ``h`` that overflows is above every finite ``x``, as its exact value is. ``|q| <=
+    127`` without a clamp (``s >= RN(max |x| / 127)``); ``s == 0`` gives ``h = inf``: 0. ``q``
+    is read from ``k + 1.5 * 2**23``'s low bits (no float to integer conversion)."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = s // L
@@ -639,78 +566,102 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
     V = 2 * T * H
     base = enc + i * (enc_pitch8 * 8) + k * E
     tb = tl.arange(0, TB)
-    bad = tl.zeros([DP], dtype=tl.int32)
-    amax = tl.zeros([DP], dtype=tl.float32)
+    i16 = raw.to(tl.pointer_type(tl.int16), bitcast=True)
+    kmax = tl.zeros([DP], dtype=tl.int32)       # max |K| per channel, as bits
+    bad = tl.zeros([TB], dtype=tl.int32)        # max |V| over the shard's values, as bits
     xk = tl.zeros([TB, DP], dtype=tl.float32)
-    for t0 in tl.static_range(0, T, TB):
-        t = t0 + tb
-        tm = t < t_lim
-        vk = k * V + t * H + h
-        off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
-        bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
-        if BF16:
-            _xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None] + d[None, :],
-                          mask=tm[:, None] & dm[None, :], other=0)
-            xk = (_xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    xv = tl.zeros([TB, DP], dtype=tl.float32)
+    if T <= TB:                          # one chunk: keys and values loaded together
+        tm = tb < t_lim
+        m2 = tm[:, None] & dm[None, :]
+        vk = k * V + tb * H + h
+        ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+        sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+        ov = tl.multiple_of(tl.load(voff + vk + T * H, mask=tm, other=0), ALIGN)
+        sv = tl.multiple_of(tl.load(vstride + vk + T * H, mask=tm, other=0), ALIGN)
+        if BF16:     # bfloat16 -> float32 by its bits (the interpreter's cast loses subnormals)
+            xk = (tl.load(i16 + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2,
+                          other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            xv = (tl.load(i16 + (ov + blk * sv)[:, None] + d[None, :], mask=m2,
+                          other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
-            xk = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=tm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-        a = tl.abs(xk)
-        bad = tl.maximum(bad, tl.max(tl.where(a < _INF, 0, 1), axis=0))
-        amax = tl.maximum(amax, tl.max(tl.where(a < _INF, a, 0.0), axis=0))
-    kbits = tl.math.div_rn(amax, 127.0).to(tl.int32, bitcast=True)
+            xk = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            xv = tl.load(raw + (ov + blk * sv)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        kmax = tl.max(xk.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+    else:
+        for t0 in tl.static_range(0, T, TB):
+            t = t0 + tb
+            tm = t < t_lim
+            vk = k * V + t * H + h
+            ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+            sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+            if BF16:
+                xb = tl.load(i16 + (ok_ + blk * sk)[:, None] + d[None, :],
+                             mask=tm[:, None] & dm[None, :], other=0).to(tl.int32) << 16
+            else:
+                xb = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :], mask=tm[:, None] & dm[None, :],
+                             other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+            kmax = tl.maximum(kmax, tl.max(xb & 0x7FFFFFFF, axis=0))
+    # key scales, per channel: s = bf16_up(amax / 127)
+    kbits = tl.math.div_rn(kmax.to(tl.float32, bitcast=True), 127.0).to(tl.int32, bitcast=True)
     khi = kbits & -65536
     kbits = tl.where((kbits & 0xFFFF) != 0, khi + 0x10000, khi)
     ksc = kbits.to(tl.float32, bitcast=True)
-    kden = tl.where(ksc == 0, 1.0, ksc)
-    kb16 = kbits >> 16
-    tl.store(base + KS + 2 * (h * D + d), (kb16 & 255).to(tl.uint8), mask=dm)
-    tl.store(base + KS + 2 * (h * D + d) + 1, ((kb16 >> 8) & 255).to(tl.uint8), mask=dm)
+    kf_ = tl.where((ksc > 0) & (ksc < _TINY), _SCALE, 1.0)
+    ksp = ksc * kf_
+    krp = 1.0 / tl.where(ksp == 0, 1.0, ksp)
+    khs = tl.where(ksp == 0, _INF, ksp * 0.5)    # s == 0: q = 0
     for t0 in tl.static_range(0, T, TB):
         t = t0 + tb
         tm = t < t_lim
         m2 = tm[:, None] & dm[None, :]
-        vk = k * V + t * H + h
-        if T > TB:                        # chunked: the keys again
-            off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
-            bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+        if T > TB:                        # chunked: the keys again, and this chunk's values
+            vk = k * V + t * H + h
+            ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
+            sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
+            ov = tl.multiple_of(tl.load(voff + vk + T * H, mask=tm, other=0), ALIGN)
+            sv = tl.multiple_of(tl.load(vstride + vk + T * H, mask=tm, other=0), ALIGN)
             if BF16:
-                _xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None] + d[None, :],
-                              mask=m2, other=0)
-                xk = (_xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                xk = (tl.load(i16 + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2,
+                              other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                xv = (tl.load(i16 + (ov + blk * sv)[:, None] + d[None, :], mask=m2,
+                              other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
             else:
-                xk = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        y = tl.math.div_rn(xk, kden[None, :] + tl.zeros([TB, DP], dtype=tl.float32))
-        r = (y + _RINT) - _RINT
-        q = tl.where(ksc[None, :] > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
+                xk = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                xv = tl.load(raw + (ov + blk * sv)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        # ---- keys
+        nu = xk * kf_[None, :]
+        fl = tl.floor(nu * krp[None, :])
+        hh = tl.fma(fl, ksp[None, :], khs[None, :])
+        b = (fl + _RINT).to(tl.int32, bitcast=True)
+        q = b + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
         tl.store(base + ((t * H + h) * D)[:, None] + d[None, :],
                  q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
-        vv = k * V + (T + t) * H + h
-        off = tl.multiple_of(tl.load(voff + vv, mask=tm, other=0), ALIGN)
-        bst = tl.multiple_of(tl.load(vstride + vv, mask=tm, other=0), ALIGN)
-        if BF16:
-            _xb = tl.load(raw.to(tl.pointer_type(tl.int16), bitcast=True) + (off + blk * bst)[:, None] + d[None, :],
-                          mask=m2, other=0)
-            x = (_xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            x = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        bad = tl.maximum(bad, tl.max(tl.where(a < _INF, 0, 1), axis=0))
-        vbits = tl.math.div_rn(tl.max(tl.where(a < _INF, a, 0.0), axis=1), 127.0).to(
-            tl.int32, bitcast=True)
+        # ---- values, per token
+        vmax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        bad = tl.maximum(bad, vmax)
+        vbits = tl.math.div_rn(vmax.to(tl.float32, bitcast=True), 127.0).to(tl.int32, bitcast=True)
         vhi = vbits & -65536
         vbits = tl.where((vbits & 0xFFFF) != 0, vhi + 0x10000, vhi)
         vsc = vbits.to(tl.float32, bitcast=True)
-        vb16 = vbits >> 16
-        tl.store(base + VS + 2 * (t * H + h), (vb16 & 255).to(tl.uint8), mask=tm)
-        tl.store(base + VS + 2 * (t * H + h) + 1, ((vb16 >> 8) & 255).to(tl.uint8), mask=tm)
-        y = tl.math.div_rn(x, tl.where(vsc == 0, 1.0, vsc)[:, None] + tl.zeros([TB, DP], dtype=tl.float32))
-        r = (y + _RINT) - _RINT
-        q = tl.where(vsc[:, None] > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
+        vf = tl.where((vsc > 0) & (vsc < _TINY), _SCALE, 1.0)
+        vsp = vsc * vf
+        vrp = 1.0 / tl.where(vsp == 0, 1.0, vsp)
+        vhs = tl.where(vsp == 0, _INF, vsp * 0.5)
+        nu = xv * vf[:, None]
+        fl = tl.floor(nu * vrp[:, None])
+        hh = tl.fma(fl, vsp[:, None], vhs[:, None])
+        b = (fl + _RINT).to(tl.int32, bitcast=True)
+        q = b + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
         tl.store(base + (((T + t) * H + h) * D)[:, None] + d[None, :],
                  q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
-    nb = tl.max(bad, axis=0)
-    tl.store(flags + s, 0, mask=live & (nb > 0))
-    tl.store(flags + n_shards, 0, mask=live & (nb > 0))
+        tl.store((base + VS).to(tl.pointer_type(tl.int16), bitcast=True) + t * H + h,
+                 (vbits >> 16).to(tl.int16), mask=tm)
+    tl.store((base + KS).to(tl.pointer_type(tl.int16), bitcast=True) + h * D + d,
+             (kbits >> 16).to(tl.int16), mask=dm)
+    nb = tl.maximum(tl.max(kmax, axis=0), tl.max(bad, axis=0))
+    tl.store(flags + s, 0, mask=live & (nb >= 0x7F800000))
+    tl.store(flags + n_shards, 0, mask=live & (nb >= 0x7F800000))
     if NPAD > 0:
         j = tl.arange(0, NPADP)
         po = tl.load(pad + j, mask=j < NPAD, other=0)
