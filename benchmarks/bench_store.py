@@ -454,7 +454,9 @@ def run_ab(args) -> dict:
     base = prepare_base(args.base, args.scratch)
     trees = {"base": base, "this": TREE}
     times = {c: {"base": [], "this": []} for c in args.cases.split(",")}
-    for rnd in range(args.rounds):
+    from ucm import progress
+
+    for rnd in progress.track(range(args.rounds), "A/B rounds", unit="round"):
         for case in times:
             for side in (("base", "this") if rnd % 2 == 0 else ("this", "base")):
                 work = tempfile.mkdtemp(prefix="ucm-ab-", dir=args.scratch)
@@ -462,7 +464,6 @@ def run_ab(args) -> dict:
                     times[case][side].append(_worker("_ab-worker", trees[side], [case, work], cwd=work)["seconds"])
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
-        print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
     rows = []
     print(f"{'case':<18} {'base ms':>9} {'this ms':>9} {'this/base':>9}")
     for case, t in times.items():
