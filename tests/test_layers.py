@@ -21,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ucm"
 
 LAYERS = [
     ("base", ["ucm._version", "ucm.errors", "ucm.threads", "ucm.config", "ucm.dispatch",
-              "ucm.ids", "ucm.murmur", "ucm.layout", "ucm.codecs", "ucm.metrics"]),
+              "ucm.ids", "ucm.murmur", "ucm.layout", "ucm.codecs", "ucm.metrics",
+              "ucm.progress", "ucm.buffers"]),
     ("implementations", ["ucm.reference", "ucm.reference.*", "ucm.fast", "ucm.fast.*",
                          "ucm._native"]),
     ("ops", ["ucm.ops", "ucm.transfer", "ucm.compress", "ucm.sparse.ops"]),
