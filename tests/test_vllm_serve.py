@@ -214,7 +214,6 @@ def test_serve_over_http(model, prompts, tmp_path, servers):
         assert m.get("ucm_lookup_hit_blocks_total", 0) >= 10 + 11 + 5, m
         assert m.get("ucm_load_blocks_total", 0) >= 26, m
         assert m.get("ucm_load_failed_blocks_total", 0) == 0, m
-        quickstart_check(second, m)
         assert second.complete(prompts["drain"]) == ref["drain"]
     except BaseException:
         second.kill()
@@ -225,7 +224,6 @@ def test_serve_over_http(model, prompts, tmp_path, servers):
     assert final is not None, "no final stats line: the connector did not shut down"
     assert final["ucm_save_failed_blocks_total"] == 0, final
     assert final["ucm_save_blocks_total"] >= 11, final     # "drain": 11 full blocks, saved before exit
-    quickstart_store_commands(store)
 
 
 # --- docs/quickstart.md: its commands, run as written (address, model and root substituted) ---
@@ -249,34 +247,3 @@ def test_quickstart_server_config_is_valid():
     cfg = Config.load(kv["kv_connector_extra_config"])
     assert cfg["store.pipeline"] == "memory|posix" and cfg["store.posix.roots"]
     assert "vllm.entrypoints.openai.api_server" in launch
-
-
-def quickstart_check(server, before: dict) -> None:
-    """Section 3's requests and /metrics grep against a running ucm server: the second request
-    hits what the first saved."""
-    block = next(b for b in _quickstart_blocks() if "/metrics" in b)
-    script = (block.replace("localhost:8000", f"127.0.0.1:{server.port}")
-              .replace("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"))
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert out.returncode == 0, out.stderr
-    shown = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines())
-    names = {k.split("{")[0] for k in shown}
-    assert names == {"ucm_lookup_hit_blocks_total", "ucm_save_blocks_total",
-                     "ucm_load_blocks_total"}, out.stdout
-    after = server.metrics()
-    assert after["ucm_lookup_hit_blocks_total"] > before["ucm_lookup_hit_blocks_total"], (before, after)
-
-
-def quickstart_store_commands(store) -> None:
-    """Section 3's ``ucm store`` commands on the store the servers used."""
-    block = next(b for b in _quickstart_blocks() if "ucm store" in b)
-    ucm_bin = os.path.join(os.path.dirname(sys.executable), "ucm")
-    for line in block.strip().splitlines():
-        cmd = line.split("#")[0].split()
-        assert cmd[:2] == ["ucm", "store"], line
-        cmd = [ucm_bin] + [str(store) if a == "/var/cache/ucm" else a for a in cmd[1:]]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, (line, out.stdout, out.stderr)
-        assert out.stdout.strip(), line
