@@ -226,7 +226,7 @@ def test_serve_over_http(model, prompts, tmp_path, servers):
     assert final["ucm_save_blocks_total"] >= 11, final     # "drain": 11 full blocks, saved before exit
 
 
-# --- docs/quickstart.md: its commands, run as written (address, model and root substituted) ---
+# --- docs/quickstart.md: its server configuration ---
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "docs", "quickstart.md")
 
