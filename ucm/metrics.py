@@ -229,11 +229,7 @@ class Recorder:
                     out[s.name + "_count"], out[s.name + "_sum"] = 0, 0.0
         for name, values in snap.items():
             for key, v in values.items():
-                if isinstance(v, list):
-                    out[_label(name + "_count", key)] = v[0]
-                    out[_label(name + "_sum", key)] = v[1]
-                else:
-                    out[_label(name, key)] = v
+                _put_flat(out, name, key, *((v[0], v[1]) if isinstance(v, list) else (v,)))
         return out
 
     def get(self, name: str, **labels) -> float:
@@ -246,6 +242,16 @@ class Recorder:
 
 def _label(name: str, key: str) -> str:
     return f"{name}{{{key}}}" if key else name
+
+
+def _put_flat(out: dict, name: str, key: str, value, total=None) -> None:
+    """One series' value under its flat name; a histogram (``total`` given: ``value`` is its
+    count) as ``name_count`` and ``name_sum``."""
+    if total is None:
+        out[_label(name, key)] = value
+    else:
+        out[_label(name + "_count", key)] = value
+        out[_label(name + "_sum", key)] = total
 
 
 def merge(into: dict, other: dict) -> dict:
@@ -270,11 +276,7 @@ def flat(payload: dict) -> dict:
     out = {}
     for name, values in payload.items():
         for key, v in values.items():
-            if isinstance(v, list):
-                out[_label(name + "_count", key)] = len(v)
-                out[_label(name + "_sum", key)] = sum(v)
-            else:
-                out[_label(name, key)] = v
+            _put_flat(out, name, key, *((len(v), sum(v)) if isinstance(v, list) else (v,)))
     return out
 
 

@@ -92,7 +92,7 @@ class WorkerCore:
         there)."""
         if self.stats_sink is None:
             return
-        self._collect_store()
+        self._collect()
         extra = {"pid": os.getpid()}
         if final and self.store is not None:
             try:
@@ -101,7 +101,7 @@ class WorkerCore:
                 pass
         self.stats_sink.write(self.metrics.totals(), **extra)
 
-    def _collect_store(self) -> None:
+    def _collect(self) -> None:
         from ucm.integration.vllm import sparse_hook
 
         self.metrics.add(sparse_hook.drain_metrics())
@@ -114,12 +114,12 @@ class WorkerCore:
     def drain_metrics(self) -> dict:
         """This worker's ucm.metrics payload since the last call: transfers, the store's tiers
         and sparse attention."""
-        self._collect_store()
+        self._collect()
         return self.metrics.drain()
 
     def stats(self) -> dict:
         """The totals of :attr:`metrics` plus the store's statistics."""
-        self._collect_store()
+        self._collect()
         out = self.metrics.totals()
         if self.store is not None:
             out["store"] = self.store.stats()
