@@ -24,8 +24,11 @@ install: $(STAMP)
 # themselves.
 REFERENCE_TESTS := tests/test_hashing.py tests/test_copy.py tests/test_fileio.py tests/test_store.py
 
+# Two pytest-xdist workers, a file each (the vLLM modules first: tests/conftest.py); each
+# worker's engines bind their compute to one core, as vLLM does.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	UCM_BACKEND=reference $(PY) -m pytest $(REFERENCE_TESTS) $(PYTEST_ARGS)
 	$(PY) -m pytest benchmarks --benchmark-disable -q
 

@@ -80,7 +80,17 @@ def _old_interpreter() -> bool:
         return False
 
 
+# The longest modules run first: under pytest-xdist (make test: two workers, a file each) they
+# then start at once instead of last, and the short files fill the other worker meanwhile.
+FIRST = ("test_vllm_e2e.py", "test_vllm_serve.py", "test_vllm_sparse.py",
+         "test_integration_patch.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = os.path.basename(str(item.fspath))
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+    items.sort(key=rank)   # (stable: each module's own order stays)
     if INTERPRETER_PROCESS:
         if GPU_MACHINE and _old_interpreter():
             old = pytest.mark.skip(reason="Triton < 3.9: its interpreter cannot run these kernels "

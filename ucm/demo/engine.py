@@ -114,6 +114,7 @@ def run(spec: dict) -> dict:
                 if plp:
                     item.update(_prompt_logprobs(prompts[i], o.prompt_logprobs, o.num_cached_tokens or 0))
                 res["outputs"].append(item)
+        _drain_in_process(llm)
         if spec.get("stats_file"):
             res["connector_stats"] = _last_stats(spec["stats_file"])
         out["phases"].append(res)
@@ -122,6 +123,21 @@ def run(spec: dict) -> dict:
                           if hasattr(m, "value")}
     del llm
     return out
+
+
+def _drain_in_process(llm, limit_s: float = 60.0) -> None:
+    """With the engine core in this process nothing steps the engine between ``generate``
+    calls, so requests whose KV the connector is still saving stay pending (their saves not yet
+    reported): step until the scheduler holds no request, as the engine-core process's loop
+    does on its own."""
+    sched = getattr(getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None),
+                    "scheduler", None)
+    if sched is None:     # (an engine-core process: it drains by itself)
+        return
+    deadline = time.monotonic() + limit_s
+    while sched.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.002)
 
 
 def _handshake(path: str, limit_s: float = 600.0) -> None:
@@ -181,6 +197,29 @@ def _last_complete_line(path: str):
     return None
 
 
+def bind_in_process() -> None:
+    """With vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) nobody
+    binds the compute threads (vLLM does it when it starts a worker process): bind this
+    thread, and the OpenMP threads it will start, as vLLM would, before torch starts them:
+    ``VLLM_CPU_OMP_THREADS_BIND`` (a CPU list), else the CPUs vLLM's automatic binding takes
+    (all but the last ``VLLM_CPU_NUM_OF_RESERVED_CPU``, default 1). ucm then places its
+    background threads beside them, as in a worker process."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" or not hasattr(os, "sched_setaffinity"):
+        return
+    mask = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").strip()
+    if mask == "nobind":
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if mask == "auto":
+        reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"))
+        cpus = cpus[:max(1, len(cpus) - reserved)]
+    else:
+        cpus = [int(c) for part in mask.split(",") for c in
+                (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))]
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+    os.sched_setaffinity(0, cpus)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
@@ -190,6 +229,7 @@ def main(argv=None) -> int:
     # the OpenMP threads: +8-10% decode time on 2 cores, benchmarks/RESULTS.md).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.update({k: str(v) for k, v in (spec.get("env") or {}).items()})
+    bind_in_process()
     result = run(spec)
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
