@@ -353,11 +353,11 @@ def _caches(kind, dtype, t, h, d, blocks=5, layers=3):
     return ts, KVLayout.from_views(views, of), shape
 
 
-@pytest.mark.parametrize("kind", ["cpu", "packed", "cuda"])
-@pytest.mark.parametrize("name,dtype", [("int8-token", "float32"), ("int8-channel", "bfloat16"),
-                                        ("int4-channel-g32", "float16"),
-                                        ("int4-token-g64", "float32"),
-                                        ("sparse-channel-g32", "bfloat16"), ("learned", "float32")])
+@pytest.mark.parametrize("name,dtype,kind", [
+    ("int8-token", "float32", "cpu"), ("int8-channel", "bfloat16", "packed"),
+    ("int8-token", "float16", "cuda"), ("int4-channel-g32", "float16", "cpu"),
+    ("int4-token-g64", "float32", "packed"), ("sparse-channel-g32", "bfloat16", "cpu"),
+    ("sparse-token-g32", "float32", "cuda"), ("learned", "float32", "cpu")])
 def test_decode_scatter(name, dtype, kind, monkeypatch):
     """The numba decode_scatter (straight into the cache's blocks where a layer's block is one
     run, through a staging row elsewhere) writes the reference's bytes into the same blocks and
