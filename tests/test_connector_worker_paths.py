@@ -160,6 +160,75 @@ def test_a_load_of_blocks_all_in_the_memory_tier_is_borrowed(tmp_path):
         store.close()
 
 
+@pytest.mark.parametrize("method,where,overlap", [
+    ("int8", "memory", True), ("int8", "posix", False), ("int4", "memory", False),
+    ("int4", "posix", True)])
+def test_compressed_loads_decode_straight_into_the_cache(tmp_path, method, where, overlap):
+    """With a compressing store the load path reads the encoded blocks (lent by the memory
+    tier, or staged from the posix tier after a restart) and decodes them into the cache
+    blocks, whole or layer by layer overlapping the forward: each loaded block holds exactly
+    the codec's decoding of the saved one, every other block its sentinel, and the codec
+    counts the decoded bytes."""
+    from ucm.compress import KVShape, decode, encode
+    from ucm.store.factory import codec_spec
+
+    cfg = Config({"store.pipeline": "memory|posix", "store.posix.roots": [str(tmp_path)],
+                  "compression.enabled": True, "compression.method": "quantize",
+                  "compression.bits": 8 if method == "int8" else 4, "compression.group": 32})
+    h, bs, d = 2, 16, 32
+    shape = KVShape("hktd", bs, h, d, "float32", key_order="dt")
+    g = torch.Generator().manual_seed(5)
+    src_packed = torch.randn(L, NB, h, bs, 2 * d, generator=g)
+
+    def geometry(packed):
+        return ucm.KVLayout.from_views([packed[k] for k in range(L)])
+
+    layout = geometry(src_packed)
+    kw = dict(block_bytes=layout.block_bytes, shard_bytes=layout.shard_bytes(0), namespace=NS,
+              kv_shape=shape)
+    store = open_store(cfg, **kw)
+    core = WorkerCore(layout, store, "cpu")
+    assert core.codec is store
+    save = WorkerSave(core, background=True, during_forward=False)
+    ids = _ids(SAVED, 21)
+    save.begin_step(_transfers(ids, SAVED))
+    assert save.end_step() and save.drain(timeout=30)
+    save.shutdown()
+    if where == "posix":
+        store.close()
+        store = open_store(cfg, **kw)
+    dst_packed = torch.empty(L, NB, h, bs, 2 * d)
+    dst_packed.view(torch.int32).fill_(SENTINEL)
+    dst = WorkerCore(geometry(dst_packed), store, "cpu")
+    load = WorkerLoad(dst, overlap=overlap, spare_cpu=True)
+    load.hook_ok = overlap       # (vLLM seen waiting for every layer: loads may overlap)
+    try:
+        load.start(_transfers(ids, LOADED))
+        for k in range(L):
+            load.wait_layer(k)
+        load.end_step()
+        assert load.take_errors() == set()
+        m = dst.metrics
+        assert m.get("ucm_borrowed_load_blocks_total") == (len(SAVED) if where == "memory" else 0)
+        assert m.get("ucm_overlapped_load_blocks_total") == (3 if overlap else 0)  # (tail: now)
+        spec = codec_spec(cfg)
+        for k in range(L):
+            raw = src_packed[k][SAVED].reshape(len(SAVED), -1).view(torch.uint8)
+            enc = torch.empty((len(SAVED), store.enc), dtype=torch.uint8)
+            assert encode(spec, shape, raw, enc, k, backend="reference").all()
+            want = torch.empty_like(raw)
+            decode(spec, shape, enc, want, k, backend="reference")
+            got = dst_packed[k]
+            assert torch.equal(got[LOADED].reshape(len(SAVED), -1).view(torch.uint8), want), \
+                f"layer {k}: not the codec's decoding"
+            assert (got[[b for b in range(NB) if b not in LOADED]].view(torch.int32) ==
+                    SENTINEL).all(), f"layer {k}: stray write"
+        assert store.stats()["codec"]["decoded_bytes"] == len(SAVED) * layout.block_bytes
+    finally:
+        load.shutdown()
+        store.close()
+
+
 _NO_VLLM = """
 import sys
 sys.path.insert(0, sys.argv[1])

@@ -327,6 +327,81 @@ def test_channel_major_keys(impl, name, dtype, monkeypatch):
             assert torch.equal(a[torch.from_numpy(ok)], b[torch.from_numpy(ok)])
 
 
+def _caches(kind, dtype, t, h, d, blocks=5, layers=3):
+    """A paged cache of ``layers`` layers filled with a sentinel, its layout and KVShape:
+    ``cpu``: vLLM-CPU's (a tensor ``[B, H, T, 2D]`` per layer, key planes channel-major: a
+    block of a layer is one run); ``packed``: the same blocks in one allocation
+    ``[B, layers, H, T, 2D]`` (a layer's view strided over the others); ``cuda``: the
+    FlashAttention layout ``[2, B, T, H, D]`` per layer (a layer's block is two runs)."""
+    from ucm.layout import KVLayout
+
+    tt = TORCH[dtype]
+    if kind == "cpu":
+        ts = [torch.empty((blocks, h, t, 2 * d), dtype=tt) for _ in range(layers)]
+        views, of = ts, None
+    elif kind == "packed":
+        ts = [torch.empty((blocks, layers, h, t, 2 * d), dtype=tt)]
+        views, of = [ts[0][:, k] for k in range(layers)], None
+    else:
+        ts = [torch.empty((2, blocks, t, h, d), dtype=tt) for _ in range(layers)]
+        views = [v for c in ts for v in c.unbind(0)]
+        of = [k for k in range(layers) for _ in range(2)]
+    for c in ts:
+        c.view(torch.uint8).fill_(SENTINEL)
+    shape = KVShape("kthd", t, h, d, dtype) if kind == "cuda" else \
+        KVShape("hktd", t, h, d, dtype, key_order="dt")
+    return ts, KVLayout.from_views(views, of), shape
+
+
+@pytest.mark.parametrize("name,dtype,kind", [
+    ("int8-token", "float32", "cpu"), ("int8-channel", "bfloat16", "packed"),
+    ("int8-token", "float16", "cuda"), ("int4-channel-g32", "float16", "cpu"),
+    ("int4-token-g64", "float32", "packed"), ("sparse-channel-g32", "bfloat16", "cpu"),
+    ("sparse-token-g32", "float32", "cuda"), ("learned", "float32", "cpu")])
+def test_decode_scatter(name, dtype, kind, monkeypatch):
+    """The numba decode_scatter (straight into the cache's blocks where a layer's block is one
+    run, through a staging row elsewhere) writes the reference's bytes into the same blocks and
+    nothing else: rows of -1 skipped, blocks in any order, a subset of the layers in any order."""
+    backend, _ = backend_of("decode_scatter", ("numba", "cpu", False), monkeypatch)
+    rng = np.random.default_rng(11)
+    t, h, d = (16, 3, 64) if name != "learned" else (16, 2, 64)
+    proj = projection(rng, h, d, layers=3) if name == "learned" else None
+    spec = make_spec(name, proj)
+    _, _, shape = _caches(kind, dtype, t, h, d)
+    E = encoded_bytes(spec, shape)
+    layers = (2, 0)
+    x = kv_rows(rng, dtype, t, h, d)[[0, 1, 2, 3, 8, 9, 11, 12]]  # finite rows
+    if name == "learned":
+        x = x[[0, 2, 3, 5]]
+    n = len(x)
+    src = torch.zeros((n, len(layers) * E + 24), dtype=torch.uint8)[:, 8:8 + len(layers) * E]
+    for k, layer in enumerate(layers):   # (a row stride larger than the row)
+        enc = torch.empty((n, E), dtype=torch.uint8)
+        assert compress.encode(spec, shape, raw_rows(x[np.roll(np.arange(n), k)], shape), enc,
+                               layer, backend="reference").all()
+        src[:, k * E:(k + 1) * E] = enc
+    idx = torch.full((n,), -1, dtype=torch.int64)
+    idx[[0, 2, 3, n - 1]] = torch.tensor([4, 0, 2, 1])
+    out = {}
+    for b in ("reference", backend):
+        ts, layout, _ = _caches(kind, dtype, t, h, d)
+        compress.decode_scatter(layout, src, idx, spec, shape, layers, backend=b)
+        out[b] = [c.view(torch.uint8).clone() for c in ts]
+    for want, got in zip(out["reference"], out[backend]):
+        if name == "learned":   # floating point: within the codec's tolerance, sentinels equal
+            same = want == got
+            w, g = (v.view(TORCH[dtype]).float() for v in (want, got))
+            close = torch.isclose(w, g, rtol=1e-2, atol=1e-2) | (want.view(TORCH[dtype]) ==
+                                                                 got.view(TORCH[dtype]))
+            assert close.all() and same.float().mean() > 0.2
+        else:
+            assert torch.equal(want, got)
+    ts, layout, _ = _caches(kind, dtype, t, h, d)
+    compress.decode_scatter(layout, src, torch.full((n,), -1, dtype=torch.int64), spec, shape,
+                            layers, backend=backend)
+    assert all(bool((c.view(torch.uint8) == SENTINEL).all()) for c in ts)
+
+
 @impls("encode")
 @pytest.mark.parametrize("layouts", [("strided", "strided"), ("unaligned", "unaligned"),
                                      ("strided", "unaligned"), ("unaligned", "contiguous")],

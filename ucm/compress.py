@@ -147,9 +147,6 @@ def _check_fused(layout, spec, shape, layers) -> tuple:
 
     _check_layout(layout)
     layers = layout.select(layers)
-    if shape.key_order != "td":
-        raise ValueError(f"shape: the fused ops take keys stored like values (key_order 'td'), "
-                         f"got {shape.key_order!r}")
     for layer in layers:
         _check(spec, shape, layer)
         if layout.shard_bytes(layer) != shape.raw_bytes:
@@ -204,6 +201,10 @@ def _layout_device(args, kwargs):
     return getattr(layout, "device", None)
 
 
+def layout_on_cpu(*args, **kwargs):
+    return fast.cpu_takes(_layout_device(args, kwargs))
+
+
 def layout_on_cuda(*args, **kwargs):
     return fast.triton_takes(_layout_device(args, kwargs))
 
@@ -215,3 +216,8 @@ FUSED_IMPLEMENTATIONS = (
              fast.triton_status, layout_on_cuda),
 )
 dispatch.register_table(FUSED_OPS, FUSED_IMPLEMENTATIONS)
+# on CPU the decode writes straight into the cache's blocks (the load path's critical step);
+# the encode side has no fused CPU implementation (saves run off the critical path)
+dispatch.register("decode_scatter", "numba", "ucm.fast.numba.compress:decode_scatter",
+                  platforms=frozenset({"cpu", "cuda"}), priority=10, probe=fast.numba_status,
+                  verifier=layout_on_cpu)

@@ -203,6 +203,32 @@ class CodecStore(KVStore):
         self._codec_stats.add(decode_seconds=time.perf_counter() - t0, decoded_bytes=len(good) * span)
         task.finish_part(good, errors, len(good) * span)
 
+    # -- encoded rows, for a caller that decodes into its own memory (the vLLM worker decodes
+    #    straight into the paged cache: the decoded KV is written once) ------------------------
+    @property
+    def encoded_row_bytes(self) -> int:
+        """Bytes of one whole encoded block (every shard)."""
+        return self.inner.geometry.block_bytes
+
+    def load_encoded(self, block_ids, dst) -> Task:
+        """Load whole encoded blocks into the rows of ``dst`` (uint8 ``[n, encoded_row_bytes]``);
+        decode them with :meth:`decode_scatter`."""
+        return self.inner.load(block_ids, 0, dst)
+
+    def borrow_encoded(self, block_ids):
+        """The inner store's :meth:`~ucm.store.base.KVStore.borrow`: its rows hold encoded
+        blocks."""
+        return self.inner.borrow(block_ids)
+
+    def decode_scatter(self, layout, src, block_indices, layers=None) -> None:
+        """Decode encoded rows ``src`` (whole blocks, or the shards of ``layers``) straight into
+        blocks ``block_indices`` of the paged cache ``layout`` (:func:`ucm.compress.decode_scatter`;
+        shard ``k`` is layer ``k``); counted as decoded bytes."""
+        t0 = time.perf_counter()
+        compress.decode_scatter(layout, src, block_indices, self.spec, self.shape, layers)
+        n = int((block_indices >= 0).sum()) * len(layout.select(layers))
+        self._codec_stats.add(decode_seconds=time.perf_counter() - t0, decoded_bytes=n * self.raw)
+
     def lookup(self, block_ids) -> list[bool]:
         return self.inner.lookup(block_ids)
 

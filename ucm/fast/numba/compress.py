@@ -28,7 +28,7 @@ import threading
 import numpy as np
 import torch
 
-from ucm.codecs import CodecSpec, KVShape, n_salient, offsets, rank
+from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets, rank
 from ucm.fast.numba._elements import (bf16_down, bf16_to_f32, bf16_up, dot_rows, f2i, hi4, i2f,
                                       inf_mag, key, ld, lo4, mag, mag32, st, to_bf16, unkey)
 from ucm.fast.numba._jit import njit
@@ -426,15 +426,17 @@ def _encode_learned(x, rs, geo, mean, basis_t, out, ro, c_off, pads, ok, buf, to
 
 
 @njit(nogil=True)
-def _decode_q8(src, ro, n, y, rs, geo, chan, q_off, s_off, ks_off, sc, keys_dt):
-    """``keys_dt``: write key planes channel-major (element (t, d) at ``d * T + t`` of the
-    plane) directly, instead of transposing them afterwards."""
+def _decode_q8(src, so_, y, yo, geo, chan, q_off, s_off, ks_off, sc, keys_dt):
+    """Row ``i``: encoded at byte ``so_[i]`` of ``src``, decoded to element ``yo[i]`` of ``y``
+    (the decode kernels all take such offsets, so they write into a staging row or straight into
+    a block of the paged cache alike). ``keys_dt``: write key planes channel-major (element
+    (t, d) at ``d * T + t`` of the plane) directly, instead of transposing them afterwards."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
-    for i in range(n):
-        so = i * ro
+    for i in range(so_.shape[0]):
+        so = so_[i]
         for kv in range(2):
             for h in range(h_n):
-                base = i * rs + kv * s_k + h * s_h
+                base = yo[i] + kv * s_k + h * s_h
                 per_channel = chan and kv == 0
                 if per_channel:
                     for d in range(d_n):
@@ -465,24 +467,24 @@ def _decode_q8(src, ro, n, y, rs, geo, chan, q_off, s_off, ks_off, sc, keys_dt):
 
 
 @njit(nogil=True)
-def _decode_q4(src, ro, n, y, rs, geo, g, chan, offs, tok, lo, hi, qb, keys_dt):
+def _decode_q4(src, so_, y, yo, geo, g, chan, offs, tok, lo, hi, qb, keys_dt):
     """``keys_dt``: write key planes channel-major directly."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     half = d_n // 2
     ng = d_n // g
-    for i in range(n):
-        so = i * ro
+    for i in range(so_.shape[0]):
+        so = so_[i]
         for kv in range(2):
             for h in range(h_n):
                 c = chan and kv == 0
                 p_at = so + offs[2 + kv] + (4 * h * d_n if c else 4 * h * ng)
-                _dec4_plane(src, t_n, d_n, g, c, y, i * rs + kv * s_k + h * s_h, tok, s_t,
+                _dec4_plane(src, t_n, d_n, g, c, y, yo[i] + kv * s_k + h * s_h, tok, s_t,
                             so + offs[kv] + h * half, h_n * half, p_at, 4 * h_n * ng, lo, hi, qb,
                             t_n if keys_dt and kv == 0 else 0)
 
 
 @njit(nogil=True)
-def _decode_sparse(src, ro, n, y, yb, rs, geo, g, chan, n_exact, offs, tok, exact, lo, hi, qb):
+def _decode_sparse(src, so_, y, yb, yo, geo, g, chan, n_exact, offs, tok, exact, lo, hi, qb):
     """``yb``: ``y``'s bytes. Returns -1, or the first row whose bitmap does not mark
     ``n_exact`` tokens."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
@@ -490,8 +492,8 @@ def _decode_sparse(src, ro, n, y, yb, rs, geo, g, chan, n_exact, offs, tok, exac
     ng = d_n // g
     es = y.itemsize
     n_rest = t_n - n_exact
-    for i in range(n):
-        so = i * ro
+    for i in range(so_.shape[0]):
+        so = so_[i]
         bm = src[so + offs[4]:so + offs[4] + (t_n + 7) // 8]
         j = 0
         r = 0
@@ -508,7 +510,7 @@ def _decode_sparse(src, ro, n, y, yb, rs, geo, g, chan, n_exact, offs, tok, exac
             return i
         for kv in range(2):
             for h in range(h_n):
-                base = i * rs + kv * s_k + h * s_h
+                base = yo[i] + kv * s_k + h * s_h
                 for j in range(n_exact):
                     at = so + offs[5] + (((j * 2 + kv) * h_n + h) * d_n) * es
                     o = (base + exact[j] * s_t) * es
@@ -521,16 +523,16 @@ def _decode_sparse(src, ro, n, y, yb, rs, geo, g, chan, n_exact, offs, tok, exac
 
 
 @njit(nogil=True)
-def _decode_learned(src, ro, n, y, rs, geo, mean, basis_t, c_off, coef, acc):
+def _decode_learned(src, so_, y, yo, geo, mean, basis_t, c_off, coef, acc):
     """``basis_t`` float32 [2, H, R, D] (the basis transposed). Scratch: ``coef`` float32
     [T, R], ``acc`` float32 [T, D]."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     r_n = basis_t.shape[2]
-    for i in range(n):
-        so = i * ro
+    for i in range(so_.shape[0]):
+        so = so_[i]
         for kv in range(2):
             for h in range(h_n):
-                base = i * rs + kv * s_k + h * s_h
+                base = yo[i] + kv * s_k + h * s_h
                 mu = mean[kv, h]
                 bt = basis_t[kv, h]
                 for t in range(t_n):
@@ -570,13 +572,13 @@ def _keys_to_token_major(x, rs, n, geo, out, ro):
 
 
 @njit(nogil=True)
-def _keys_to_channel_major(y, rs, n, geo, scratch):
-    """In place: every key plane [T, D] of ``y``'s rows becomes [D, T]."""
+def _keys_to_channel_major(y, yo, geo, scratch):
+    """In place: every key plane [T, D] of the rows at ``y[yo[i]:]`` becomes [D, T]."""
     t_n, h_n, d_n, s_h = geo[0], geo[1], geo[2], geo[5]
     plane = t_n * d_n
-    for i in range(n):
+    for i in range(yo.shape[0]):
         for h in range(h_n):
-            p = y[i * rs + h * s_h:i * rs + h * s_h + plane]
+            p = y[yo[i] + h * s_h:yo[i] + h * s_h + plane]
             scratch[:plane] = p
             for t in range(t_n):
                 for d in range(d_n):
@@ -700,32 +702,24 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     return ok
 
 
-def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
-           layer: int) -> None:
-    """Same contract as :func:`ucm.reference.compress.decode` (CPU tensors)."""
-    n = src.shape[0]
+def _decode_rows(spec: CodecSpec, shape: KVShape, enc: np.ndarray, so: np.ndarray,
+                 y: np.ndarray, yo: np.ndarray, layer: int) -> None:
+    """Decode the encoded rows at bytes ``so`` of ``enc`` into the raw rows at elements ``yo``
+    of ``y`` (``y`` of the element bits of ``shape.dtype``)."""
     t_n, d_n = shape.tokens, shape.head_dim
-    bits = _BITS[shape.dtype]
-    target = dst
-    raw = _flat(dst, shape.raw_bytes, bits)
-    if raw is None:                                    # unaligned elements: through a copy
-        target = torch.empty((n, shape.raw_bytes), dtype=torch.uint8)
-        raw = _flat(target, shape.raw_bytes, bits)
-    y, rs = raw
-    enc, ro = _flat(src, src.shape[1], np.uint8)
     geo = _geometry(shape)
     tok = np.arange(t_n, dtype=np.int64)
     if spec.method == "quantize" and spec.bits == 8:
-        _decode_q8(enc, ro, n, y, rs, geo, spec.key_mode == "channel", *_q8_at(spec, shape),
+        _decode_q8(enc, so, y, yo, geo, spec.key_mode == "channel", *_q8_at(spec, shape),
                    np.empty(d_n, np.float32), shape.key_order == "dt")
     elif spec.method == "quantize":
-        _decode_q4(enc, ro, n, y, rs, geo, spec.group, spec.key_mode == "channel",
+        _decode_q4(enc, so, y, yo, geo, spec.group, spec.key_mode == "channel",
                    _at(spec, shape, "kq", "vq", "kp", "vp"), tok, np.empty(d_n, np.float32),
                    np.empty(d_n, np.float32), np.empty(d_n, np.float32),
                    shape.key_order == "dt")
     elif spec.method == "sparse":
         c = n_salient(spec, shape)
-        bad = _decode_sparse(enc, ro, n, y, y.view(np.uint8), rs, geo, spec.group,
+        bad = _decode_sparse(enc, so, y, y.view(np.uint8), yo, geo, spec.group,
                              spec.key_mode == "channel", c,
                              _at(spec, shape, "kq", "vq", "kp", "vp", "bitmap", "exact"),
                              np.empty(t_n, np.int64), np.empty(c, np.int64),
@@ -736,10 +730,72 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
                              f"(not a sparse shard of this codec)")
     else:
         mean, basis_t, r = _projection(spec, shape, layer)
-        _decode_learned(enc, ro, n, y, rs, geo, mean, basis_t, *_at(spec, shape, "coef"),
+        _decode_learned(enc, so, y, yo, geo, mean, basis_t, *_at(spec, shape, "coef"),
                         np.empty((t_n, r), np.float32), np.empty((t_n, d_n), np.float32))
     direct = spec.method == "quantize"                 # (writes channel-major keys itself)
     if shape.key_order == "dt" and not direct:         # decoded token-major: turn key planes
-        _keys_to_channel_major(y, rs, n, geo, np.empty(t_n * d_n, dtype=bits))
+        _keys_to_channel_major(y, yo, geo, np.empty(t_n * d_n, dtype=_BITS[shape.dtype]))
+
+
+def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
+           layer: int) -> None:
+    """Same contract as :func:`ucm.reference.compress.decode` (CPU tensors)."""
+    n = src.shape[0]
+    bits = _BITS[shape.dtype]
+    target = dst
+    raw = _flat(dst, shape.raw_bytes, bits)
+    if raw is None:                                    # unaligned elements: through a copy
+        target = torch.empty((n, shape.raw_bytes), dtype=torch.uint8)
+        raw = _flat(target, shape.raw_bytes, bits)
+    y, rs = raw
+    enc, ro = _flat(src, src.shape[1], np.uint8)
+    rows = np.arange(n, dtype=np.int64)
+    _decode_rows(spec, shape, enc, rows * ro, y, rows * rs, layer)
     if target is not dst:
         dst.copy_(target)
+
+
+def decode_scatter(layout, src: torch.Tensor, block_indices: torch.Tensor, spec: CodecSpec,
+                   shape: KVShape, layers: tuple) -> None:
+    """Same contract as :func:`ucm.reference.compress_transfer.decode_scatter` (CPU tensors):
+    where a selected layer's block is one contiguous run of its view (vLLM-CPU's cache), each
+    row decodes straight into the block, so the decoded KV is written once, into the cache;
+    other layouts decode into a staging row and scatter it."""
+    from ucm import transfer as ucm_transfer
+    from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_VIEW
+
+    good = np.flatnonzero(block_indices.numpy() >= 0)
+    if not len(good):
+        return
+    blocks = block_indices.numpy()[good]
+    enc, ro = _flat(src, src.shape[1], np.uint8)
+    E, es = encoded_bytes(spec, shape), shape.esize
+    for k, layer in enumerate(layers):
+        so = good * ro + k * E
+        tab = layout.table(layer)
+        view = layout.views[int(tab[0, COL_VIEW])] if len(tab) == 1 else None
+        if view is None or (int(tab[0, COL_BASE]) + int(tab[0, COL_OFFSET])) % es \
+                or int(tab[0, COL_BLOCK_STRIDE]) % es or int(tab[0, COL_LENGTH]) != shape.raw_bytes:
+            staging = torch.empty((len(good), shape.raw_bytes), dtype=torch.uint8)
+            rows = np.arange(len(good), dtype=np.int64)
+            y, rs = _flat(staging, shape.raw_bytes, _BITS[shape.dtype])
+            _decode_rows(spec, shape, enc, so, y, rows * rs, layer)
+            ucm_transfer.scatter_blocks(layout, staging, torch.from_numpy(blocks), layers=[layer])
+            continue
+        # the view's whole memory as one flat array of elements; row i's block starts at
+        # block * stride + the run's offset
+        stride, off = int(tab[0, COL_BLOCK_STRIDE]), int(tab[0, COL_OFFSET])
+        y = _view_bytes(view, (layout.num_blocks - 1) * stride + off + shape.raw_bytes)
+        _decode_rows(spec, shape, enc, so, y.view(_BITS[shape.dtype]),
+                     (blocks * stride + off) // es, layer)
+
+
+def _view_bytes(view: torch.Tensor, span: int) -> np.ndarray:
+    """The ``span`` bytes of memory from ``view``'s first element on, as a flat uint8 array
+    (whatever the view's strides)."""
+    storage = view.untyped_storage()
+    at = view.data_ptr() - storage.data_ptr()
+    if at < 0 or at + span > storage.nbytes():
+        raise ValueError(f"decode_scatter: {span} bytes from the view's start leave its storage")
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage, at, (span,), (1,))
+    return flat.numpy()

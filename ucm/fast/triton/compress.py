@@ -552,7 +552,8 @@ def gather_encode(layout: KVLayout, block_indices: torch.Tensor, spec: CodecSpec
     n, L = block_indices.shape[0], len(layers)
     if n == 0:
         return np.ones(0, dtype=bool)
-    found = None if spec.method == "learned" else _layout_tables(layout, layers, shape)
+    found = None if spec.method == "learned" or shape.key_order == "dt" else \
+        _layout_tables(layout, layers, shape)
     raw = None if found is None else _encodable(spec, shape, found[0], found[1])
     if raw is None:
         return _unfused_gather_encode(layout, block_indices, spec, shape, dst, layers, launch)
@@ -580,7 +581,8 @@ def decode_scatter(layout: KVLayout, src: torch.Tensor, block_indices: torch.Ten
     n, L = block_indices.shape[0], len(layers)
     if n == 0:
         return
-    found = None if spec.method == "learned" else _layout_tables(layout, layers, shape)
+    found = None if spec.method == "learned" or shape.key_order == "dt" else \
+        _layout_tables(layout, layers, shape)
     raw = None if found is None else _as(found[0], _TORCH[shape.dtype])
     if raw is None:
         return _unfused_decode_scatter(layout, src, block_indices, spec, shape, layers, launch)

@@ -16,6 +16,7 @@ import torch
 import ucm
 from ucm import metrics as ucm_metrics
 from ucm.buffers import BufferPool
+from ucm.store.codec import CodecStore
 
 
 def store_shard_bytes(layout: "ucm.KVLayout") -> int:
@@ -49,6 +50,9 @@ class WorkerCore:
                  stats_file: Optional[str] = None):
         self.layout = layout
         self.store = store
+        #: the store's compression stage, when it compresses: loads then read the encoded
+        #: blocks and decode them straight into the paged cache (no decoded staging copy)
+        self.codec = store if isinstance(store, CodecStore) else None
         self.device = torch.device(device)
         self.n_layers = layout.num_layers
         self.block_bytes = layout.block_bytes

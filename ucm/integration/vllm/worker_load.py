@@ -2,7 +2,10 @@
 
 * :meth:`WorkerLoad.start` (vLLM's ``start_load_kv``): one batched load into a staging buffer,
   one scatter into the cache; with every block in the memory tier (CPU caches), one copy from
-  the tier's pool straight into the cache (a "borrowed" load, no staging). Blocks that fail to
+  the tier's pool straight into the cache (a "borrowed" load, no staging). With a compressing
+  store the rows hold encoded blocks and the "scatter" decodes them straight into the cache
+  (:func:`ucm.compress.decode_scatter`: the decoded KV is written once, and on CUDA only the
+  encoded bytes cross to the device). Blocks that fail to
   load are reported by :meth:`WorkerLoad.take_errors` (``get_block_ids_with_load_errors``) and
   vLLM recomputes them (``ucm.integration.patch()`` makes vLLM also drop them, and the blocks
   computed after them, from its prefix cache, so no other request attends to them);
@@ -96,17 +99,20 @@ class WorkerLoad:
         t0 = time.perf_counter()
         if core.device.type == "cpu" and self._load_borrowed(ids, blocks, t0):
             return
-        staging = self._staging_rows(len(ids), core.block_bytes)
+        codec = core.codec
+        staging = self._staging_rows(len(ids), core.block_bytes if codec is None
+                                     else codec.encoded_row_bytes)
         try:
-            res = core.store.wait(core.store.load(ids, 0, staging))
-            ok = res.ok
+            task = core.store.load(ids, 0, staging) if codec is None else \
+                codec.load_encoded(ids, staging)
+            ok = core.store.wait(task).ok
         except Exception as exc:
             log.warning("ucm: load failed (%r); %d blocks will be recomputed", exc, len(ids))
             ok = np.zeros(len(ids), dtype=bool)
         t1 = time.perf_counter()
         idx = torch.tensor([b if good else -1 for b, good in zip(blocks, ok)], dtype=torch.int64)
         if ok.any() and not self._scatter_overlapped(staging, idx, self._tails, None):
-            ucm.scatter_blocks(core.layout, staging, idx.to(core.device))
+            self._copy(staging, idx.to(core.device))
         t2 = time.perf_counter()
         core.metrics.inc("ucm_load_store_seconds_total", t1 - t0)
         core.metrics.inc("ucm_load_scatter_seconds_total", t2 - t1)
@@ -117,7 +123,7 @@ class WorkerLoad:
         (no staging buffer). False (nothing done) when some block is elsewhere."""
         core = self.core
         try:
-            lent = core.store.borrow(ids)
+            lent = core.store.borrow(ids) if core.codec is None else core.codec.borrow_encoded(ids)
         except Exception as exc:
             log.debug("ucm: borrow failed (%r); loading through staging", exc)
             return False
@@ -134,7 +140,7 @@ class WorkerLoad:
         try:
             if not self._scatter_overlapped(lent.pool, idx, tails, lent.release):
                 with lent:
-                    ucm.scatter_blocks(core.layout, lent.pool, idx)
+                    self._copy(lent.pool, idx)
         except BaseException:
             lent.release()
             raise
@@ -179,7 +185,7 @@ class WorkerLoad:
             return False
         if tails.any():
             now = torch.where(torch.from_numpy(tails), idx, -1)
-            ucm.scatter_blocks(core.layout, src, now)
+            self._copy(src, now)
             idx = torch.where(torch.from_numpy(tails), -1, idx)
         ov = Overlap(src, idx, core.n_layers, release)
         core.metrics.inc("ucm_overlapped_load_blocks_total", int((idx >= 0).sum()))
@@ -189,10 +195,22 @@ class WorkerLoad:
         ov.future = self._executor.submit(self._overlap_job, ov)
         return True
 
+    def _copy(self, src: torch.Tensor, idx: torch.Tensor, layers=None) -> None:
+        """Rows ``src`` (whole blocks, or the shards of ``layers``) into the cache blocks
+        ``idx`` (-1: skip): a copy, or with a compressing store a decode straight into them."""
+        core = self.core
+        if core.codec is None:
+            ucm.scatter_blocks(core.layout, src, idx, layers=layers)
+        else:
+            core.codec.decode_scatter(core.layout, src, idx, layers)
+
     def _scatter_layer(self, ov: Overlap, k: int) -> None:
-        layout = self.core.layout
-        a, n = layout.shard_offset(k), layout.shard_bytes(k)
-        ucm.scatter_blocks(layout, ov.src[:, a:a + n], ov.idx, layers=[k])
+        layout, codec = self.core.layout, self.core.codec
+        if codec is None:
+            a, n = layout.shard_offset(k), layout.shard_bytes(k)
+        else:  # encoded rows: shard k (layer k) at k * its encoded size
+            a, n = k * codec.enc, codec.enc
+        self._copy(ov.src[:, a:a + n], ov.idx, [k])
 
     def _overlap_job(self, ov: Overlap) -> None:
         t0 = time.perf_counter()
