@@ -24,11 +24,13 @@ install: $(STAMP)
 # themselves.
 REFERENCE_TESTS := tests/test_hashing.py tests/test_copy.py tests/test_fileio.py tests/test_store.py
 
-# Two pytest-xdist workers, a file each (the vLLM modules first: tests/conftest.py); each
-# worker's engines bind their compute to one core, as vLLM does.
+# Two pytest-xdist workers, a file each (the vLLM modules first: tests/conftest.py; each
+# engine binds its compute to one core, as vLLM does), then the tests that measure CPU use
+# (marker "serial") alone.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m serial $(PYTEST_ARGS)
 	UCM_BACKEND=reference $(PY) -m pytest $(REFERENCE_TESTS) $(PYTEST_ARGS)
 	$(PY) -m pytest benchmarks --benchmark-disable -q
 

@@ -65,6 +65,7 @@ def _cpu_share_while_waiting(delay: float) -> tuple[float, object, float]:
     return cpu / wall, got, time.monotonic() - sent["t"]
 
 
+@pytest.mark.serial  # CPU time of a spinning thread: measured alone, not beside other tests
 def test_vllm_spins_by_default_and_the_patched_reader_sleeps():
     share, got, _ = _cpu_share_while_waiting(0.4)
     assert got == {"step": 2}

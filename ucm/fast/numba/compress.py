@@ -761,8 +761,8 @@ def decode_scatter(layout, src: torch.Tensor, block_indices: torch.Tensor, spec:
     where a selected layer's block is one contiguous run of its view (vLLM-CPU's cache), each
     row decodes straight into the block, so the decoded KV is written once, into the cache;
     other layouts decode into a staging row and scatter it."""
-    from ucm import transfer as ucm_transfer
     from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_VIEW
+    from ucm.reference import transfer as ref_transfer
 
     good = np.flatnonzero(block_indices.numpy() >= 0)
     if not len(good):
@@ -780,10 +780,9 @@ def decode_scatter(layout, src: torch.Tensor, block_indices: torch.Tensor, spec:
             rows = np.arange(len(good), dtype=np.int64)
             y, rs = _flat(staging, shape.raw_bytes, _BITS[shape.dtype])
             _decode_rows(spec, shape, enc, so, y, rows * rs, layer)
-            ucm_transfer.scatter_blocks(layout, staging, torch.from_numpy(blocks), layers=[layer])
+            ref_transfer.scatter_blocks(layout, staging, torch.from_numpy(blocks), (layer,))
             continue
-        # the view's whole memory as one flat array of elements; row i's block starts at
-        # block * stride + the run's offset
+        # the view's memory as one flat array; row i's block at block * stride + the run's offset
         stride, off = int(tab[0, COL_BLOCK_STRIDE]), int(tab[0, COL_OFFSET])
         y = _view_bytes(view, (layout.num_blocks - 1) * stride + off + shape.raw_bytes)
         _decode_rows(spec, shape, enc, so, y.view(_BITS[shape.dtype]),
