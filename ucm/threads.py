@@ -33,7 +33,8 @@ _cpus: frozenset | None = None   # where background threads go (None: where they
 _ENV = "UCM_BACKGROUND_CPUS"
 
 
-def _parse_list(text: str) -> set[int]:
+def parse_cpu_list(text: str) -> set[int]:
+    """CPU ids of a Linux CPU list such as ``"0-3,8"``."""
     out: set[int] = set()
     for part in text.replace(" ", "").split(","):
         if not part:
@@ -48,7 +49,7 @@ def allowed_cpus() -> set[int]:
     for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.cpus"):
         try:
             with open(path) as f:
-                cpus = _parse_list(f.read().strip())
+                cpus = parse_cpu_list(f.read().strip())
             if cpus:
                 return cpus
         except (OSError, ValueError):
@@ -81,7 +82,7 @@ def compute_cpus(allowed: set[int]) -> set[int]:
         try:
             with open(f"/proc/self/task/{tid}/status") as f:
                 line = next((x for x in f if x.startswith("Cpus_allowed_list:")), "")
-            cpus = _parse_list(line.split(":", 1)[1].strip()) if line else set()
+            cpus = parse_cpu_list(line.split(":", 1)[1].strip()) if line else set()
         except (OSError, ValueError):
             continue
         if cpus and cpus < allowed:
@@ -98,7 +99,7 @@ def place_beside_current_thread() -> frozenset | None:
         set_background(None)
     elif env:
         try:
-            cpus = _parse_list(env)
+            cpus = parse_cpu_list(env)
         except ValueError:
             raise ValueError(f"{_ENV}: expected a CPU list such as '3,5-7', or 'none'; got "
                              f"{os.environ[_ENV]!r}") from None

@@ -214,8 +214,9 @@ def bind_in_process() -> None:
         reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"))
         cpus = cpus[:max(1, len(cpus) - reserved)]
     else:
-        cpus = [int(c) for part in mask.split(",") for c in
-                (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))]
+        from ucm.threads import parse_cpu_list
+
+        cpus = sorted(parse_cpu_list(mask))
     os.environ["OMP_NUM_THREADS"] = str(len(cpus))
     os.sched_setaffinity(0, cpus)
 
