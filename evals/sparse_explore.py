@@ -44,6 +44,7 @@ from evals import sparse_model  # noqa: E402
 from evals.sparse_model import SmolLM2, run_continuation  # noqa: E402
 from evals.sparse_quality import corpus_ids, documents, markdown, summarize  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
+from ucm.sparse.esa import ESA  # noqa: E402
 from ucm.sparse.quest import Quest  # noqa: E402
 
 # per-KV-head selections waiting for this layer's attention: batch row -> (tables [Hkv, K],
@@ -83,9 +84,10 @@ class QuestPerKVHead(Quest):
     """Quest bound, each KV head selecting its own top-``budget`` blocks (harness only)."""
 
     name = "quest-kvhead"
+    kind = "quest"
 
     def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
-        bound = self.score_per_head(q, block_table, num_blocks, "quest", tables)   # [b, Hq, M]
+        bound = self.score_per_head(q, block_table, num_blocks, self.kind, tables)  # [b, Hq, M]
         b, Hq, M = bound.shape
         Hkv = self.num_kv_heads
         shares = torch.softmax(bound / math.sqrt(self.head_dim), -1)
@@ -99,6 +101,15 @@ class QuestPerKVHead(Quest):
             _PER_HEAD[int(st.req_id[3:])] = (tabs[i * Hkv:(i + 1) * Hkv],
                                              lens[i * Hkv:(i + 1) * Hkv])
         return sel[::Hkv], count[::Hkv]     # KV head 0's selection stands for the row
+
+
+class MeanPerKVHead(QuestPerKVHead):
+    """Mean keys (ESA's scoring, re-selected every step), each KV head selecting its own
+    top-``budget`` blocks (harness only)."""
+
+    name = "mean-kvhead"
+    reprs = ("mean",)
+    kind = "mean"
 
 
 class QuestPrevExact(Quest):
@@ -122,6 +133,37 @@ class QuestPrevExact(Quest):
             c = int(count[i])
             st.extra[layer] = (sel[i, :c].long(), exact[i, :c])
         return sel, count
+
+
+class ESADrift(ESA):
+    """ESA re-selecting when the query drifts: a row re-selects in a layer when the cosine
+    similarity between its current query and the query of its last selection falls below
+    ``threshold`` for any query head, or after ``retrieval_stride`` steps (harness only)."""
+
+    name = "esa-drift"
+
+    def __init__(self, config=None, threshold=0.9, **shape):
+        super().__init__(config, **shape)
+        self.threshold = threshold
+        self.calls_total = 0
+
+    def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
+        qf = torch.nn.functional.normalize(q.float(), dim=-1)
+        for i, st in enumerate(states):
+            self.calls_total += 1
+            prev = st.extra.get(("q", layer))
+            since = st.extra.get(("since", layer), 0)
+            fresh = (prev is None or since + 1 >= self.retrieval_stride
+                     or float((qf[i] * prev).sum(-1).min()) < self.threshold)
+            if fresh:
+                st.extra[("q", layer)] = qf[i].clone()
+                st.extra[("since", layer)] = 0
+                st.calls[layer] = 0          # ESA.select re-selects rows whose count is 0
+            else:
+                st.extra[("since", layer)] = since + 1
+                st.calls[layer] = since + 1
+        return super().select(layer, states, q, k_cache, block_table, seq_lens, num_blocks,
+                              budget, tables)
 
 
 def _round8(x: torch.Tensor, kind: str, fmt: str) -> torch.Tensor:
@@ -162,12 +204,18 @@ def _build(name: str, opt: str, ratio: float, shape: dict):
 
     cfg = {"sparse_method": "esa", "sparse_ratio": ratio, "min_blocks": 16,
            "sparse_repr_group": int(opt.lstrip("g")) if opt else 0}
-    if name == "esa1":
-        return ucm.sparse.create(dict(cfg, retrieval_stride=1), method="esa", **shape)
+    if name[:3] == "esa" and name[3:].isdigit():     # esaN: ESA re-selecting every N steps
+        return ucm.sparse.create(dict(cfg, retrieval_stride=int(name[3:])), method="esa", **shape)
+    if name.startswith("esa-drift"):   # esa-drift<threshold>[/<max stride>]
+        thr, _, most = name[len("esa-drift"):].partition("/")
+        return ESADrift(dict(cfg, retrieval_stride=int(most or 8)), threshold=float(thr or 0.9),
+                        **shape)
     if name == "esa-async":    # stride 8, each re-selection attended from the next step on
         return ucm.sparse.create(dict(cfg, esa_async_retrieval=True), method="esa", **shape)
     if name == "quest-kvhead":
         return QuestPerKVHead(cfg, **shape)
+    if name == "mean-kvhead":
+        return MeanPerKVHead(cfg, **shape)
     if name == "quest-prev":
         return QuestPrevExact(cfg, **shape)
     return ucm.sparse.create(cfg, method=name, **shape)
@@ -205,6 +253,10 @@ def main(argv=None) -> int:
         dense_nll = -dense_lp.gather(1, targets[:, None])[:, 0]
         print(f"doc {d}: {time.time() - t0:.0f} s; dense decode vs prefill max |logit diff| "
               f"{float((res.logits[0] - res.dense_logits).abs().max()):.1e}", flush=True)
+        for v, m in zip(variants, rows[1:]):
+            if isinstance(m, ESADrift):
+                print(f"  {v}: re-selected in {m.retrievals / max(m.calls_total, 1):.2f} of the "
+                      f"sparse layer-steps", flush=True)
         for r, v in enumerate(variants, start=1):
             lp = torch.log_softmax(res.logits[r], -1)
             records.append({

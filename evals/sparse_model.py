@@ -300,8 +300,8 @@ class SmolLM2:
 
 def method_variant(name: str, cfg: dict, **shape):
     """A harness row's sparse method from ``NAME[:OPT+OPT...]``: ``kvhead`` = per-KV-head
-    selection (quest, oracle), ``gN`` = ``sparse_repr_group`` N; e.g. ``quest:kvhead+g2``.
-    ``cfg`` (ucm options) is not modified."""
+    selection (quest, oracle), ``gN`` = ``sparse_repr_group`` N, ``sN`` = ``retrieval_stride``
+    N (ESA); e.g. ``quest:kvhead+g2``, ``esa:g2+s1``. ``cfg`` (ucm options) is not modified."""
     import ucm.sparse
 
     base, _, opts = name.partition(":")
@@ -311,8 +311,11 @@ def method_variant(name: str, cfg: dict, **shape):
             extra["per_kv_head"] = True
         elif opt[:1] == "g" and opt[1:].isdigit():
             cfg["sparse_repr_group"] = int(opt[1:])
+        elif opt[:1] == "s" and opt[1:].isdigit():
+            cfg["retrieval_stride"] = int(opt[1:])
         else:
-            raise ValueError(f"--methods: unknown option {opt!r} in {name!r} (expected kvhead or gN)")
+            raise ValueError(f"--methods: unknown option {opt!r} in {name!r} (expected kvhead, "
+                             f"gN or sN)")
     return ucm.sparse.create(cfg, method=base, **extra, **shape)
 
 

@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated; options after ':' joined by '+': kvhead = per-KV-head "
-                   "selection (quest, oracle), gN = sparse_repr_group N (e.g. quest:kvhead+g2)")
+                   "selection (quest, oracle), gN = sparse_repr_group N, sN = retrieval_stride N "
+                   "(e.g. quest:kvhead+g2, esa:g2+s1)")
     p.add_argument("--config", default="{}", help="JSON dict of extra ucm options for every method "
                    "(e.g. windows, sparse_dense_layers)")
     p.add_argument("--quick", action="store_true", help="one 2K document, 16 tokens (~1 minute)")

@@ -1,0 +1,257 @@
+"""H200 decode speed of every sparse configuration at every ratio: the speed half of the Pareto
+table (``evals/sparse_pareto.py`` joins it with the quality half).
+
+    PYTHONPATH=. python3 benchmarks/bench_sparse_pareto.py --json benchmarks/results/sparse_pareto_speed_h200.json
+
+Shape and cache as ``benchmarks/bench_sparse.py`` (Llama-3-8B decode, one layer: 32 query heads,
+8 KV heads, head dim 128, bf16, 16-token blocks handed out in a random order; 8 x 32K and
+1 x 128K; init window 1, local window 4). For each ratio in ``--ratios`` and each configuration
+of :data:`CONFIGS` one CUDA graph holds one retrieval (scoring, selection, the attention's
+table) and ``stride`` attentions; its replay time divided by ``stride`` is the configuration's
+time per decode step, and the speed-up is the dense Triton kernel's graph time over it (the
+same run). Scoring and selection are always included.
+
+Before timing, each configuration's retrieval is checked on the timed inputs against the
+PyTorch reference: the scores of its tables (relative error), and its selection (the same
+blocks, up to float32 rounding of the head mass: at least 99.9% of the selected blocks agree);
+a failed check stops the run without any speed-up.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_sparse import (BS, D, DTYPE, HKV, HQ, INIT_WINDOW, LOCAL_WINDOW,  # noqa: E402
+                                     SHAPES, bench, make_case)
+from ucm.sparse import ops  # noqa: E402
+
+RATIOS = (0.7, 0.5, 0.3, 0.2)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One timed configuration: how a method retrieves on a GPU."""
+    name: str
+    kind: str            # "mean" (int8 means, ESA) or "quest" (bf16 bounds)
+    group: int           # tokens per sub-block summary
+    stride: int          # decode steps per retrieval
+    per_kv_head: bool = False
+    asynchronous: bool = False   # the retrieval beside the step's first attention
+
+
+#: the shipped methods' GPU paths and the candidates measured against them
+CONFIGS = (
+    Spec("esa (stride 8, g4)", "mean", 4, 8),
+    Spec("esa async (stride 8, g4)", "mean", 4, 8, asynchronous=True),
+    Spec("esa stride 1, g4", "mean", 4, 1),
+    Spec("esa stride 1, g2", "mean", 2, 1),
+    Spec("esa stride 2, g2", "mean", 2, 2),
+    Spec("esa stride 4, g2", "mean", 2, 4),
+    Spec("esa async stride 2, g2", "mean", 2, 2, asynchronous=True),
+    Spec("esa async stride 4, g2", "mean", 2, 4, asynchronous=True),
+    Spec("quest (g4)", "quest", 4, 1),
+    Spec("mean per KV head, g2", "mean", 2, 1, per_kv_head=True),
+    Spec("mean per KV head, g2, stride 4", "mean", 2, 4, per_kv_head=True),
+    Spec("quest per KV head, g2", "quest", 2, 1, per_kv_head=True),
+)
+
+
+def tables_for(k, kind: str, group: int) -> dict:
+    """The summary tables of every cache block, as the methods keep them for a bf16 cache on a
+    GPU: int8 means with per-row scales, or bf16 Quest bounds."""
+    from ucm.fast.triton import sparse as tri
+
+    n = k.shape[0]
+    ids = torch.arange(n, dtype=torch.int32, device=k.device)
+    G = BS // group
+    if kind == "mean":
+        t = dict(mean=torch.empty(n, G, HKV, D, dtype=torch.int8, device=k.device),
+                 mean_scale=torch.empty(n, G, HKV, device=k.device))
+    else:
+        t = {x: torch.empty(n, G, HKV, D, dtype=DTYPE, device=k.device) for x in ("kmin", "kmax")}
+    tri.update_block_reprs(k, ids, torch.full_like(ids, BS), **t)
+    return t
+
+
+class Retrieval:
+    """One configuration's retrieval on one case: ``run()`` -> (table, lens) for the attention."""
+
+    def __init__(self, spec: Spec, q, table, lens, tabs, budget_n: int):
+        self.spec, self.q, self.table, self.lens, self.tabs = spec, q, table, lens, tabs
+        B, M = table.shape
+        self.nblk = torch.full((B,), M, dtype=torch.int32, device=q.device)
+        self.budget = torch.full((B,), budget_n, dtype=torch.int32, device=q.device)
+        self.width = ops.select_width(M, budget_n, INIT_WINDOW, LOCAL_WINDOW)
+        self.sk = dict(init_window=INIT_WINDOW, local_window=LOCAL_WINDOW, width=self.width)
+        self.scale = D ** -0.5
+
+    def run(self):
+        from ucm.fast.triton import sparse as tri
+
+        s = self.spec
+        if not s.per_kv_head:
+            _, _, t, n = tri.score_select_head_mass(
+                self.q, self.table, self.nblk, self.budget, kind=s.kind, scale=self.scale,
+                seq_lens=self.lens, block_size=BS, **self.tabs, **self.sk)
+            return t, n
+        B, M = self.table.shape
+        per_head = tri.score_blocks(self.q, self.table, self.nblk, kind=s.kind, reduce="none",
+                                    **self.tabs)
+        mass = torch.softmax(per_head * self.scale, -1).reshape(B, HKV, HQ // HKV, M).mean(2)
+        sel, count = tri.select_blocks(mass.reshape(B * HKV, M),
+                                       self.nblk.repeat_interleave(HKV),
+                                       self.budget.repeat_interleave(HKV), **self.sk)
+        t, n = tri.sparse_block_table(self.table.repeat_interleave(HKV, 0),
+                                      self.lens.repeat_interleave(HKV), sel, count, BS)
+        return t.reshape(B, HKV, -1), n.reshape(B, HKV)
+
+    def reference(self):
+        """The same selection through the PyTorch reference (float32 scores)."""
+        s = self.spec
+        B, M = self.table.shape
+        kw = ({"mean": self.tabs["mean"], "mean_scale": self.tabs["mean_scale"]}
+              if s.kind == "mean" else self.tabs)
+        per_head = ops.score_blocks(self.q, self.table, self.nblk, kind=s.kind, reduce="none",
+                                    backend="reference", **kw)
+        sk = dict(init_window=INIT_WINDOW, local_window=LOCAL_WINDOW)
+        if not s.per_kv_head:
+            mass = torch.softmax(per_head * self.scale, -1).mean(1)
+            sel, count = ops.select_blocks(mass, self.nblk, self.budget, backend="reference", **sk)
+            return ops.sparse_block_table(self.table, self.lens, sel, count, BS,
+                                          backend="reference"), per_head
+        mass = torch.softmax(per_head * self.scale, -1).reshape(B, HKV, HQ // HKV, M).mean(2)
+        sel, count = ops.select_blocks(mass.reshape(B * HKV, M), self.nblk.repeat_interleave(HKV),
+                                       self.budget.repeat_interleave(HKV), backend="reference",
+                                       **sk)
+        t, n = ops.sparse_block_table(self.table.repeat_interleave(HKV, 0),
+                                      self.lens.repeat_interleave(HKV), sel, count, BS,
+                                      backend="reference")
+        return (t.reshape(B, HKV, -1), n.reshape(B, HKV)), per_head
+
+
+def agreement(a, b) -> float:
+    """Share of the attended blocks that two (table, lens) selections have in common."""
+    (ta, la), (tb, lb) = a, b
+    ta, tb = ta.reshape(-1, ta.shape[-1]), tb.reshape(-1, tb.shape[-1])
+    la, lb = la.reshape(-1), lb.reshape(-1)
+    same = total = 0
+    for i in range(ta.shape[0]):
+        na, nb = -(-int(la[i]) // BS), -(-int(lb[i]) // BS)
+        x, y = set(ta[i, :na].tolist()), set(tb[i, :nb].tolist())
+        same += len(x & y)
+        total += max(len(x), len(y))
+    return same / max(total, 1)
+
+
+def time_shape(batch: int, tokens: int, ratios, specs) -> dict:
+    from ucm.fast.triton import sparse as tri
+
+    q, k, v, table, lens = make_case(batch, tokens, seed=11)
+    # do_bench_cudagraph runs fn on a fresh stream that does not wait for the default one:
+    # the case must be written before the dense decode reads its table
+    torch.cuda.synchronize()
+    scale = D ** -0.5
+    M = table.shape[1]
+    dense = bench(lambda: tri.decode(q, k, v, table, lens, scale), graph=True)
+    out = dict(batch=batch, tokens=tokens, dense_graph_ms=dense, ratios={})
+    side = torch.cuda.Stream()
+    tabs_cache: dict = {}
+    kf, vf = k.float(), v.float()
+    for ratio in ratios:
+        budget_n = math.ceil(ratio * M)
+        row = {}
+        for spec in specs:
+            key = (spec.kind, spec.group)
+            if key not in tabs_cache:
+                tabs_cache[key] = tables_for(k, spec.kind, spec.group)
+            r = Retrieval(spec, q, table, lens, tabs_cache[key], budget_n)
+            got = r.run()
+            want, per_head_ref = r.reference()
+            tri_scores = tri.score_blocks(q, table, r.nblk, kind=spec.kind, reduce="none",
+                                          **tabs_cache[key])
+            err = float((tri_scores - per_head_ref).abs().max()
+                        / per_head_ref.abs().max().clamp_min(1e-30))
+            agree = agreement(got, want)
+            ok = err < 1e-4 and agree >= 0.999
+            attn_ref = ops.paged_decode_attention(q.float(), kf, vf, *want,
+                                                  backend="reference")
+            attn = tri.decode(q, k, v, *want, scale)
+            attn_err = float((attn.float() - attn_ref).norm() / attn_ref.norm())
+            ok &= attn_err < 1e-2
+            t_cur, n_cur = got
+
+            def step(r=r, spec=spec, t_cur=t_cur, n_cur=n_cur):
+                first = 0
+                if spec.asynchronous:
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        t, n = r.run()
+                    o = tri.decode(q, k, v, t_cur, n_cur, scale, beside=True)
+                    torch.cuda.current_stream().wait_stream(side)
+                    first = 1
+                else:
+                    t, n = r.run()
+                for _ in range(spec.stride - first):
+                    o = tri.decode(q, k, v, t, n, scale)
+                return o
+
+            ms = bench(step, graph=True) / spec.stride if ok else None
+            row[spec.name] = dict(spec=asdict(spec), budget_blocks=budget_n, ms=ms,
+                                  speedup=dense / ms if ms else None, check=dict(
+                                      score_rel_err=err, selection_agreement=agree,
+                                      attention_rel_err=attn_err, passed=ok))
+            print(f"{batch}x{tokens} ratio {ratio} {spec.name:34s} "
+                  + (f"{dense / ms:5.2f}x ({ms * 1e3:6.1f} us)" if ms else "CHECK FAILED")
+                  + f"  [scores {err:.1e}, selection {agree:.4f}, attention {attn_err:.1e}]",
+                  flush=True)
+        out["ratios"][str(ratio)] = row
+    del k, v, kf, vf
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    import triton
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
+    ap.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_sparse_pareto: needs a CUDA device", file=sys.stderr)
+        return 2
+    ratios = [float(x) for x in args.ratios.split(",")]
+    specs = [s for s in CONFIGS if not args.only or s.name in args.only.split(",")]
+    t0 = time.time()
+    report = dict(machine=dict(gpu=torch.cuda.get_device_name(), host=platform.node(),
+                               torch=torch.__version__, triton=triton.__version__),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, block_size=BS,
+                             dtype=str(DTYPE), init_window=INIT_WINDOW,
+                             local_window=LOCAL_WINDOW),
+                  command="python benchmarks/bench_sparse_pareto.py " + " ".join(argv or sys.argv[1:]),
+                  timings=[time_shape(b, t, ratios, specs) for b, t in SHAPES])
+    report["seconds"] = time.time() - t0
+    failed = [n for s in report["timings"] for r in s["ratios"].values() for n, x in r.items()
+              if not x["check"]["passed"]]
+    report["failed_checks"] = failed
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
