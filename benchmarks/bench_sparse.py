@@ -34,9 +34,7 @@ no speedup is ever reported for wrong results. Then times, with CUDA events
     by ``stride``, for ESA at ``retrieval_stride`` 8 and 1 and Quest. Variants: "method" (what
     ESA computes on CUDA when every row re-selects: ``score_select_head_mass`` with
     ``seq_lens``, whose last launch writes the attention's table, then the attentions);
-    "method_async" (``esa_async_retrieval``: the re-selection on a second stream beside the
-    step's first attention, which reads the previous table on ``beside_share`` of its planned
-    slices); "method_table" (the selection, then the table kernel); "sum" (scores summed over
+    "method_table" (the selection, then the table kernel); "sum" (scores summed over
     heads, no head mass: not a method). Speedup = dense / step, with the byte floor of each
     (dense bytes / (selected K/V + table bytes / stride)).
 
@@ -291,8 +289,6 @@ def check(report: dict) -> bool:
         errors["sparse_attention"] = rel_err(out, sp_want) if not torch.isnan(out).any() else 1.0
         errors["folded_table_attention"] = rel_err(
             tri.decode_selected(q, k, v, table, lens, *sel_r, scale=scale), sp_want)
-        errors["beside_attention"] = rel_err(tri.decode(q, k, v, stab, slens, scale, beside=True),
-                                             sp_want)
         limits = {n: (1e-2 if "attention" in n else 1e-4 if "mass" in n else 1e-5)
                   for n in errors}
         passed = (all(errors[n] < limits[n] for n in errors) and all(same.values())
@@ -411,13 +407,10 @@ def time_shape(batch: int, tokens: int, sweep: bool = False) -> dict:
                                                                  lens, block_size=BS, **sk),
         "table": lambda: tri.sparse_block_table(table, lens, sel, count, BS),
         "attention_table": lambda: tri.decode(q, k, v, stab, slens, scale),
-        "attention_table_beside": lambda: tri.decode(q, k, v, stab, slens, scale, beside=True),
         "attention_folded": lambda: tri.decode_selected(q, k, v, table, lens, sel, count,
                                                         scale=scale),
     }
     parts_graph = {name: bench(fn, graph=True) for name, fn in parts.items()}
-
-    side = torch.cuda.Stream()                  # ESA's asynchronous retrieval
 
     def step_fn(method: str, stride: int, variant: str):
         """One graph: one scoring + selection, then ``stride`` attentions (see the module
@@ -425,17 +418,7 @@ def time_shape(batch: int, tokens: int, sweep: bool = False) -> dict:
         kind, kw = kinds[method]
 
         def steps():
-            first = 0
-            if variant == "method_async":   # beside the first attention, on a second stream
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    _, _, t, n = tri.score_select_head_mass(
-                        q, table, nblk, budget, kind=kind, scale=scale, seq_lens=lens,
-                        block_size=BS, **kw, **sk)
-                o = tri.decode(q, k, v, stab, slens, scale, beside=True)
-                torch.cuda.current_stream().wait_stream(side)
-                first = 1
-            elif variant == "method":
+            if variant == "method":
                 _, _, t, n = tri.score_select_head_mass(q, table, nblk, budget, kind=kind,
                                                         scale=scale, seq_lens=lens,
                                                         block_size=BS, **kw, **sk)
@@ -447,7 +430,7 @@ def time_shape(batch: int, tokens: int, sweep: bool = False) -> dict:
                 s = tri.score_blocks(q, table, nblk, kind=kind, reduce="sum", **kw)
                 _, _, t, n = tri.select_sparse_table(s, nblk, budget, table, lens,
                                                      block_size=BS, **sk)
-            for _ in range(stride - first):
+            for _ in range(stride):
                 o = tri.decode(q, k, v, t, n, scale)
             return o
         return steps
@@ -455,9 +438,7 @@ def time_shape(batch: int, tokens: int, sweep: bool = False) -> dict:
     configs = [("esa", STRIDE), ("esa", 1), ("quest", 1)]
     per_step = {}
     for method, stride in configs:
-        for variant in ("method", "method_async", "method_table", "sum"):
-            if variant == "method_async" and method != "esa":
-                continue
+        for variant in ("method", "method_table", "sum"):
             per_step[f"{method}_stride{stride}_{variant}"] = bench(
                 step_fn(method, stride, variant), graph=True) / stride
     sel_kv = kv_bytes * budget_n / m

@@ -6,13 +6,12 @@ A quick, comparable setting (default: 2K context, two documents x 24 teacher-for
 :func:`evals.sparse_model.run_continuation` run (they share the dense prefill), pooled over
 the documents with :func:`evals.sparse_quality.summarize`. Variants:
 
-* ``quest`` / ``esa1`` (ESA re-selecting every step, to isolate its scoring) / ``kvstar`` /
+* ``quest`` / ``esaN`` (ESA re-selecting every N steps; ``esa1`` isolates its scoring) / ``kvstar`` /
   ``esa``, with ``sparse_repr_group`` 0 (no suffix: one summary per block) or ``:g8`` / ``:g4`` /
   ``:g2`` / ``:g1`` (summaries of 8 / 4 / 2 / 1 tokens; a block scores as its best sub-block);
-* ``esa-async``: ESA (stride 8) with ``esa_async_retrieval`` (each re-selection attended from
-  the next decode step on);
 * ``quest-kvhead``: each KV head its own top-``budget`` blocks (harness only: a vLLM request has
   one block table for all heads, so this measures what the shared selection costs);
+* ``mean-kvhead``: mean keys (ESA's scoring, every step), each KV head its own blocks;
 * ``quest-prev``: the blocks selected at the previous step are scored by the exact attention
   they received then (their estimated total share redistributed by it), the others by the Quest
   bound;
@@ -44,7 +43,6 @@ from evals import sparse_model  # noqa: E402
 from evals.sparse_model import SmolLM2, run_continuation  # noqa: E402
 from evals.sparse_quality import corpus_ids, documents, markdown, summarize  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
-from ucm.sparse.esa import ESA  # noqa: E402
 from ucm.sparse.quest import Quest  # noqa: E402
 
 # per-KV-head selections waiting for this layer's attention: batch row -> (tables [Hkv, K],
@@ -135,37 +133,6 @@ class QuestPrevExact(Quest):
         return sel, count
 
 
-class ESADrift(ESA):
-    """ESA re-selecting when the query drifts: a row re-selects in a layer when the cosine
-    similarity between its current query and the query of its last selection falls below
-    ``threshold`` for any query head, or after ``retrieval_stride`` steps (harness only)."""
-
-    name = "esa-drift"
-
-    def __init__(self, config=None, threshold=0.9, **shape):
-        super().__init__(config, **shape)
-        self.threshold = threshold
-        self.calls_total = 0
-
-    def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
-        qf = torch.nn.functional.normalize(q.float(), dim=-1)
-        for i, st in enumerate(states):
-            self.calls_total += 1
-            prev = st.extra.get(("q", layer))
-            since = st.extra.get(("since", layer), 0)
-            fresh = (prev is None or since + 1 >= self.retrieval_stride
-                     or float((qf[i] * prev).sum(-1).min()) < self.threshold)
-            if fresh:
-                st.extra[("q", layer)] = qf[i].clone()
-                st.extra[("since", layer)] = 0
-                st.calls[layer] = 0          # ESA.select re-selects rows whose count is 0
-            else:
-                st.extra[("since", layer)] = since + 1
-                st.calls[layer] = since + 1
-        return super().select(layer, states, q, k_cache, block_table, seq_lens, num_blocks,
-                              budget, tables)
-
-
 def _round8(x: torch.Tensor, kind: str, fmt: str) -> torch.Tensor:
     """``x`` rounded through 8 bits per last-axis row (scaled by the row's largest magnitude)."""
     xf = x.float()
@@ -206,12 +173,6 @@ def _build(name: str, opt: str, ratio: float, shape: dict):
            "sparse_repr_group": int(opt.lstrip("g")) if opt else 0}
     if name[:3] == "esa" and name[3:].isdigit():     # esaN: ESA re-selecting every N steps
         return ucm.sparse.create(dict(cfg, retrieval_stride=int(name[3:])), method="esa", **shape)
-    if name.startswith("esa-drift"):   # esa-drift<threshold>[/<max stride>]
-        thr, _, most = name[len("esa-drift"):].partition("/")
-        return ESADrift(dict(cfg, retrieval_stride=int(most or 8)), threshold=float(thr or 0.9),
-                        **shape)
-    if name == "esa-async":    # stride 8, each re-selection attended from the next step on
-        return ucm.sparse.create(dict(cfg, esa_async_retrieval=True), method="esa", **shape)
     if name == "quest-kvhead":
         return QuestPerKVHead(cfg, **shape)
     if name == "mean-kvhead":
@@ -253,10 +214,6 @@ def main(argv=None) -> int:
         dense_nll = -dense_lp.gather(1, targets[:, None])[:, 0]
         print(f"doc {d}: {time.time() - t0:.0f} s; dense decode vs prefill max |logit diff| "
               f"{float((res.logits[0] - res.dense_logits).abs().max()):.1e}", flush=True)
-        for v, m in zip(variants, rows[1:]):
-            if isinstance(m, ESADrift):
-                print(f"  {v}: re-selected in {m.retrievals / max(m.calls_total, 1):.2f} of the "
-                      f"sparse layer-steps", flush=True)
         for r, v in enumerate(variants, start=1):
             lp = torch.log_softmax(res.logits[r], -1)
             records.append({

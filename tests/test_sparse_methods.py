@@ -173,12 +173,11 @@ def test_esa_reselects_exactly_every_stride():
     assert m.retrievals == 2 * math.ceil(steps / stride)
 
 
-def test_esa_async_retrieval_applies_from_the_next_step(monkeypatch):
-    """esa_async_retrieval: a re-selection computed at step t is attended from step t + 1 (step t
-    still attends to the previous selection); the first selection is used at once. Synchronous
-    ESA uses it at step t. Two sets of planted blocks, the query switching from one to the other
-    on a re-selection step, tell them apart. When every row selects for this very step, the
-    table comes from the selection op (no sparse_block_table call) and equals it."""
+def test_esa_reselection_is_used_at_once_with_the_folded_table(monkeypatch):
+    """A re-selection computed at step t is attended at step t itself. Two sets of planted
+    blocks, the query switching from one to the other on a re-selection step, tell it apart.
+    When every row selects for this very step, the table comes from the selection op (no
+    sparse_block_table call) and equals it."""
     k = cache(seed=21)
     table, lens = tables([64 * BS + 4], seed=22)
     g = torch.Generator().manual_seed(23)
@@ -193,31 +192,23 @@ def test_esa_async_retrieval_applies_from_the_next_step(monkeypatch):
         calls["n"] += 1
         return real(*a, **kw)
     monkeypatch.setattr(ucm.sparse.ops, "sparse_block_table", counted)
-    seen = {}
-    for mode in (False, True):
-        m = make("esa", sparse_ratio=0.125, retrieval_stride=2, esa_async_retrieval=mode)
-        m.request_begin("a", 1)
-        got = []
-        for step, q in enumerate((qa, qa, qb, qb, qb)):
-            m.step_begin()
-            before = calls["n"]
-            out = m.attention_begin(1, ["a"], q, k, table, lens)
-            got.append(set(check_selection(m, table, lens, out, 0)))
-            if step == 0 or (step % 2 == 0 and not mode):   # fresh for this step: folded table
-                assert calls["n"] == before, (mode, step)
-                n = torch.tensor([math.ceil(int(lens[0]) / BS)], dtype=torch.int32)
-                sel = torch.tensor([sorted(got[-1])], dtype=torch.int32)
-                want = real(table, lens, sel, torch.tensor([len(got[-1])], dtype=torch.int32), BS)
-                assert torch.equal(out[0][:, :sel.shape[1]], want[0]) and torch.equal(out[1], want[1])
-        seen[mode] = got
-    sync, late = seen[False], seen[True]
-    for got in (sync, late):
-        assert set(hot_a) <= got[0] and set(hot_a) <= got[1]
-        assert set(hot_b) <= got[3] and set(hot_b) <= got[4]
-    assert set(hot_b) <= sync[2] and not set(hot_b) <= late[2]      # async: step 2 still on A
-    assert set(hot_a) <= late[2]
+    m = make("esa", sparse_ratio=0.125, retrieval_stride=2)
+    m.request_begin("a", 1)
+    got = []
+    for step, q in enumerate((qa, qa, qb, qb, qb)):
+        m.step_begin()
+        before = calls["n"]
+        out = m.attention_begin(1, ["a"], q, k, table, lens)
+        got.append(set(check_selection(m, table, lens, out, 0)))
+        if step % 2 == 0:                        # fresh for this step: the folded table
+            assert calls["n"] == before, step
+            sel = torch.tensor([sorted(got[-1])], dtype=torch.int32)
+            want = real(table, lens, sel, torch.tensor([len(got[-1])], dtype=torch.int32), BS)
+            assert torch.equal(out[0][:, :sel.shape[1]], want[0]) and torch.equal(out[1], want[1])
+    assert set(hot_a) <= got[0] and set(hot_a) <= got[1]
+    assert set(hot_b) <= got[2] and set(hot_b) <= got[3] and set(hot_b) <= got[4]
     with pytest.raises(ValueError, match="esa_async_retrieval"):
-        make("esa", esa_async_retrieval="sometimes")
+        make("esa", esa_async_retrieval=True)     # removed: an unknown option, named
 
 
 def test_adaptive_budget_follows_concentration():

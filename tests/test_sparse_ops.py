@@ -620,32 +620,6 @@ def test_decode_slice_counts_triton(triton_ready):
     assert split_length(48, 2, 16) == (2, 32)
 
 
-def test_decode_beside_triton(triton_ready, monkeypatch):
-    """decode(beside=True) (a launch sharing the GPU with ESA's asynchronous retrieval): fewer
-    slices than planned, beside_share of them, and the same attention as the reference."""
-    tri, _ = tri_modules()
-    from ucm.fast.triton.sparse import attention
-
-    g = gen(31)
-    q, k, v, table, lens = paged_case(g, B=2, M=12, bs=4, dtype=torch.bfloat16, lens=[47, 30])
-    want = ops.paged_decode_attention(q.float(), k.float(), v.float(), table, lens,
-                                      backend="reference")
-    seen = []
-    real = attention.split_length
-
-    def spy(max_tokens, splits, tile):
-        seen.append(splits)
-        return real(max_tokens, splits, tile)
-    monkeypatch.setattr(attention, "split_length", spy)
-    cfg = launch(**SMALL_SPLITS)
-    for beside in (False, True):
-        out = tri.decode(q, k, v, table, lens, 16 ** -0.5, beside=beside, launch=cfg)
-        assert rel(out, want) < TOL[torch.bfloat16], beside
-    planned = seen[0]
-    assert planned > 1 and seen[-1] == max(1, round(planned * cfg.beside_share))
-    assert seen[-1] < planned
-
-
 def test_decode_merge_channels_triton(triton_ready):
     """The merge launch over chunks of channels (16: 4 chunks of a 64-channel head) or all of
     them in one program: the same attention as the reference."""

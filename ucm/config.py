@@ -237,10 +237,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("local_window", "int", 2, "Trailing blocks always kept by sparse attention.", min=0),
     Option("retrieval_stride", "int", 8, "Decode steps between two block re-selections (ESA).",
            min=1),
-    Option("esa_async_retrieval", "bool", False, "ESA applies each re-selection from the next "
-           "decode step on (the step that computes it still attends to the previous selection), "
-           "so that an engine can run the retrieval beside that step's attention, as the seed "
-           "design's ESA does; the first selection of a request is always used at once."),
     Option("adaptive_mass", "float", 0.95, "Attention mass the adaptive method keeps.", min=0.0,
            max=1.0, min_exclusive=True),
     Option("sparse_dense_layers", "int", 0, "The first this many layers always attend densely "

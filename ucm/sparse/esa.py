@@ -8,12 +8,6 @@ from the current query (``q_h . mean`` per query head, combined as shares of att
 first sparse step and then every ``retrieval_stride`` steps; in between, the previous selection is
 reused, extended by the blocks that are new since (the windows and the last block are always
 current, so a step never misses the token being decoded or its neighbours).
-
-``esa_async_retrieval``: a re-selection (not a request's first) takes effect from the next step
-on; the step that computes it attends to the previous selection, so an engine can run the
-retrieval beside that step's attention (the seed design's asynchronous retrieval). When every row
-of a call selects afresh for this very step, the attention's table comes from the selection's
-own last launch (``score_select_head_mass`` with ``seq_lens``).
 """
 from __future__ import annotations
 
@@ -30,33 +24,26 @@ class ESA(SparseMethod):
     def __init__(self, config=None, **shape):
         super().__init__(config, **shape)
         self.retrieval_stride = int(self.config["retrieval_stride"])
-        self.async_retrieval = bool(self.config["esa_async_retrieval"])
         self.retrievals = 0          # fresh selections made (all requests, layers)
 
     def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
         n = num_blocks.tolist()
         due = [i for i, st in enumerate(states)
                if layer not in st.selection or st.calls.get(layer, 0) % self.retrieval_stride == 0]
-        later = {i for i in due if self.async_retrieval and layer in states[i].selection}
         rows: list = [None] * len(states)
-        pending: dict = {}           # row -> a selection that takes effect from the next step
         folded = ()
         if due:
             di = torch.tensor(due, device=q.device)
-            fold = len(due) == len(states) and not later   # every row attends to its new selection
+            fold = len(due) == len(states)   # every row attends to its new selection
             out = self.score_pick_by_mass(q[di], block_table[di], num_blocks[di], budget[di],
                                           "mean", tables, seq_lens=seq_lens if fold else None)
             sel, count = out[:2]
             for j, i in enumerate(due):
-                chosen = sel[j, :int(count[j])].tolist()
-                if i in later:
-                    pending[i] = chosen
-                else:
-                    rows[i] = chosen
+                rows[i] = sel[j, :int(count[j])].tolist()
             folded = tuple(out[2:])
             self.retrievals += len(due)
         for i, st in enumerate(states):
             if rows[i] is None:
                 rows[i] = sorted(set(st.selection[layer]).union(self.forced(n[i])))
-            st.selection[layer] = pending.get(i, rows[i])
+            st.selection[layer] = rows[i]
         return pack_selection(rows, q.device) + folded

@@ -188,14 +188,12 @@ def plan(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device,
 
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *,
-           sel=None, count=None, num_splits: Optional[int] = None, beside: bool = False,
+           sel=None, count=None, num_splits: Optional[int] = None,
            launch: LaunchConfig = LAUNCH):
     """:func:`paged_decode_attention` with the launch's options: with ``sel, count`` from
     :func:`~ucm.fast.triton.sparse.select_blocks`, over the selected blocks only
     (:func:`decode_selected`); ``num_splits``: about that many slices instead of the planned
-    count; ``beside``: the launch shares the GPU with work on another stream (ESA's
-    asynchronous retrieval) and takes ``launch.beside_share`` of the planned slices.
-    Asynchronous."""
+    count. Asynchronous."""
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     group = Hq // Hkv
@@ -215,9 +213,6 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, out=None, *
         sel_strides = count_strides = (0, 0)
     if num_splits is None:
         num_splits, split_tokens = plan(B, Hkv, max_tokens, q.device, launch)
-        if beside:
-            num_splits, split_tokens = split_length(
-                max_tokens, max(1, round(num_splits * launch.beside_share)), tile)
     else:
         num_splits, split_tokens = split_length(max_tokens, num_splits, tile)
     opart = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)

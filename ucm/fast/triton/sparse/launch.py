@@ -34,10 +34,6 @@ class LaunchConfig:
     decode_min_split_tokens: int = 256
     #: Channels per program of the merge launch: more programs when the batch is small.
     merge_channels: int = 32
-    #: Share of the planned slices that a decode running beside other work takes
-    #: (``decode(..., beside=True)``, ESA's asynchronous retrieval): leaving part of the GPU to
-    #: the retrieval shortens the pair.
-    beside_share: float = 0.6
 
     # -- scoring (mean / Quest / Hamming) -------------------------------------------------------
     #: Sub-block rows one mean / Quest program holds per KV head (sets its block tile).
