@@ -235,15 +235,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("min_blocks", "int", 16, "Requests with fewer blocks than this stay dense.", min=1),
     Option("init_window", "int", 1, "Leading blocks always kept by sparse attention.", min=0),
     Option("local_window", "int", 2, "Trailing blocks always kept by sparse attention.", min=0),
-    Option("retrieval_stride", "int", 8, "Decode steps between two block re-selections (ESA).",
-           min=1),
+    Option("retrieval_stride", "int", 4, "Decode steps between two block re-selections (ESA). "
+           "4 keeps SmolLM2's perplexity within the seed design's bounds at every ratio while "
+           "meeting its speed-ups on the H200; 8 loses 2-21% of perplexity (benchmarks/"
+           "RESULTS.md, 'Sparse attention Pareto table').", min=1),
     Option("adaptive_mass", "float", 0.95, "Attention mass the adaptive method keeps.", min=0.0,
            max=1.0, min_exclusive=True),
     Option("sparse_dense_layers", "int", 0, "The first this many layers always attend densely "
            "(every sparse method).", min=0),
-    Option("sparse_repr_group", "int", 4, "Tokens per sub-block summary of ESA/KVStar/Quest "
+    Option("sparse_repr_group", "int", 2, "Tokens per sub-block summary of ESA/KVStar/Quest "
            "(a block scores as its best sub-block; a divisor of the block size); 0 or >= the "
-           "block size = one summary per block.", min=0),
+           "block size = one summary per block. 2 halves ESA's KL to dense against 4 at ratio "
+           "0.2 for twice the table bytes (int8 means on a GPU: 1/8 of the K/V bytes).", min=0),
     Option("sparse_repr_dtype", "str", "auto", "dtype of the mean-key summary tables (ESA, "
            "KVStar, adaptive): 'int8' keeps int8 rows with one float32 scale per row (half the "
            "bytes of bfloat16 for scoring to read; measured to cost no accuracy); 'bfloat16' or "
@@ -418,7 +421,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # interactive multi-turn chat: the last turns stay in memory, saves never wait for disk,
     # sparse selections follow the conversation closely
     "realtime_chat": {"buffer_number": 4096, "store.write_back": True,
-                      "connector.save_generated": True, "retrieval_stride": 4},
+                      "connector.save_generated": True, "retrieval_stride": 2},
     # offline batches: throughput first (sparser decode, more I/O threads); outputs are rarely
     # prompts again, so generated blocks are not stored
     "batch": {"sparse_ratio": 0.2, "buffer_number": 4096, "store.io_threads": 8,

@@ -30,7 +30,7 @@ What the base class does, so that a method only has to say how it scores blocks:
   ``kmin`` / ``kmax`` tables hold ``G = block_size // t`` rows per block,
   ``[num_blocks, G, Hkv, D]``, written by one :func:`ucm.sparse.ops.update_block_reprs` call, and
   one :func:`ucm.sparse.ops.score_blocks` call scores a block per head as the maximum over its
-  sub-blocks (inside the op): a tighter Quest bound and a sharper mean key. The default is 4;
+  sub-blocks (inside the op): a tighter Quest bound and a sharper mean key. The default is 2;
   ``0`` (or a group >= the block size) keeps one summary per block (``G = 1``).
 * **Table dtype.** bfloat16 when the cache is bfloat16 (scoring reads half the bytes; summaries
   are computed in float32 and stored rounded), else float32. ``sparse_repr_dtype`` = ``int8``

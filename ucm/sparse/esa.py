@@ -1,6 +1,6 @@
 """ESA: retrieval by mean keys, re-selected every ``retrieval_stride`` decode steps.
 
-Each block is represented by the mean keys of its ``sparse_repr_group`` sub-blocks (default 4
+Each block is represented by the mean keys of its ``sparse_repr_group`` sub-blocks (default 2
 tokens; a block scores as its best sub-block). A request's selection in a layer is computed
 from the current query (``q_h . mean`` per query head, combined as shares of attention by
 :meth:`SparseMethod.head_mass`; top blocks within the budget: one

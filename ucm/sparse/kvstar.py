@@ -2,7 +2,7 @@
 
 Scoring: for each query head only the ``kvstar_channels`` channels with the largest ``|q|`` count
 (``q . mean`` over those channels; the others carry little of the dot product and mostly noise),
-with the best of the block's ``sparse_repr_group`` sub-block means (default 4 tokens); heads are
+with the best of the block's ``sparse_repr_group`` sub-block means (default 2 tokens); heads are
 combined as shares of attention (:meth:`SparseMethod.head_mass`).
 
 Voting: a request keeps, per layer, the queries of its last ``kvstar_votes`` decode steps

@@ -4,7 +4,7 @@ Each block keeps the per-channel minimum and maximum of its keys; ``sum_d max(q_
 q_d kmax_d)`` bounds every ``q . k`` in the block from above. Blocks are selected every step by
 that bound, combined over query heads as shares of attention (:meth:`SparseMethod.head_mass`:
 per-head softmax over blocks, averaged; on SmolLM2 this lost less perplexity than summing the
-bounds over heads). The bounds are kept per ``sparse_repr_group`` sub-block (default 4 tokens) and
+bounds over heads). The bounds are kept per ``sparse_repr_group`` sub-block (default 2 tokens) and
 a block scores as its best sub-block: a tighter bound (``benchmarks/RESULTS-archive.md``, "Scoring
 improvements").
 
