@@ -208,6 +208,66 @@ def time_shape(batch: int, tokens: int, ratios, specs) -> dict:
     return out
 
 
+def sweep_scoring(report: dict) -> None:
+    """Time the mean scoring (int8, per head) and ESA's whole retrieval
+    (``score_select_head_mass`` with the table) for 2- and 4-token means over a grid of scoring
+    launch constants, at both shapes and ratio 0.2; prints the best per group and shape."""
+    import itertools
+
+    from ucm.fast.triton import sparse as tri
+
+    out = {}
+    for batch, tokens in SHAPES:
+        q, k, v, table, lens = make_case(batch, tokens, seed=11)
+        torch.cuda.synchronize()
+        M = table.shape[1]
+        nblk = torch.full((batch,), M, dtype=torch.int32, device=q.device)
+        budget_n = math.ceil(0.2 * M)
+        budget = torch.full((batch,), budget_n, dtype=torch.int32, device=q.device)
+        sk = dict(init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+                  width=ops.select_width(M, budget_n, INIT_WINDOW, LOCAL_WINDOW))
+        for group in (2, 4):
+            tabs = tables_for(k, "mean", group)
+            want = tri.score_blocks(q, table, nblk, kind="mean", reduce="none", **tabs)
+            rows, cfgs = {}, {}
+            for score_rows, per_sm, warps, stages, loop in itertools.product(
+                    (64, 128, 256), (1, 2, 4), (4, 8), (2,), (2, 3)):
+                cfg = tri.LAUNCH.replace(score_rows=score_rows, score_programs_per_sm=per_sm,
+                                         score_warps=warps, score_stages=stages,
+                                         score_loop_stages=loop)
+                name = f"rows{score_rows}_sm{per_sm}_w{warps}_s{stages}_l{loop}"
+                cfgs[name] = cfg
+                try:
+                    got = tri.score_blocks(q, table, nblk, kind="mean", reduce="none",
+                                           launch=cfg, **tabs)
+                    if not torch.equal(got, want):
+                        rows[name] = "differs"
+                        continue
+                    rows[name] = bench(lambda cfg=cfg: tri.score_blocks(
+                        q, table, nblk, kind="mean", reduce="none", launch=cfg, **tabs),
+                        graph=True)
+                except Exception as exc:  # a configuration that does not fit: recorded
+                    rows[name] = repr(exc)[:120]
+            timed = {n: t for n, t in rows.items() if isinstance(t, float)}
+            best = sorted(timed, key=timed.get)[:5]
+            default = ("rows64_sm2_w4_s2_l3", timed.get("rows64_sm2_w4_s2_l3"))
+            full = {}
+            for name in best[:2] + [default[0]]:
+                cfg = cfgs[name]
+                full[name] = bench(lambda cfg=cfg: tri.score_select_head_mass(
+                    q, table, nblk, budget, kind="mean", scale=D ** -0.5, seq_lens=lens,
+                    block_size=BS, launch=cfg, **tabs, **sk), graph=True)
+            key = f"{batch}x{tokens}_g{group}"
+            out[key] = dict(scoring_ms=rows, best=best, retrieval_ms=full)
+            print(f"{key}: scoring default {default[1] * 1e3:.1f} us; best "
+                  + ", ".join(f"{n} {timed[n] * 1e3:.1f}" for n in best)
+                  + "; retrieval " + ", ".join(f"{n} {t * 1e3:.1f}" for n, t in full.items()),
+                  flush=True)
+        del k, v
+        torch.cuda.empty_cache()
+    report["scoring_sweep"] = out
+
+
 def main(argv=None) -> int:
     import triton
 
@@ -215,10 +275,19 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--sweep-scoring", action="store_true",
+                    help="only time the mean scoring over a grid of launch constants")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_sparse_pareto: needs a CUDA device", file=sys.stderr)
         return 2
+    if args.sweep_scoring:
+        report = {"command": " ".join(sys.argv)}
+        sweep_scoring(report)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return 0
     ratios = [float(x) for x in args.ratios.split(",")]
     specs = [s for s in CONFIGS if not args.only or s.name in args.only.split(",")]
     t0 = time.time()

@@ -36,8 +36,11 @@ class LaunchConfig:
     merge_channels: int = 32
 
     # -- scoring (mean / Quest / Hamming) -------------------------------------------------------
-    #: Sub-block rows one mean / Quest program holds per KV head (sets its block tile).
-    score_rows: int = 64
+    #: Sub-block rows one mean / Quest program holds per KV head (sets its block tile). 128:
+    #: the per-head int8 mean scoring of 2-token sub-blocks took 41.7 / 22.7 us against 46.1 /
+    #: 25.0 with 64 (8 x 32K / 1 x 128K, ``bench_sparse_pareto.py --sweep-scoring``), and
+    #: 4-token sub-blocks 22.9 / 12.4 against 24.9 / 12.6.
+    score_rows: int = 128
     #: The tile shrinks (to 16 rows at least) until the grid has this many programs per
     #: multiprocessor, so that a batch of one request still fills the GPU.
     score_programs_per_sm: int = 2
