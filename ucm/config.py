@@ -236,9 +236,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("init_window", "int", 1, "Leading blocks always kept by sparse attention.", min=0),
     Option("local_window", "int", 2, "Trailing blocks always kept by sparse attention.", min=0),
     Option("retrieval_stride", "int", 4, "Decode steps between two block re-selections (ESA). "
-           "4 keeps SmolLM2's perplexity within the seed design's bounds at every ratio while "
-           "meeting its speed-ups on the H200; 8 loses 2-21% of perplexity (benchmarks/"
-           "RESULTS.md, 'Sparse attention Pareto table').", min=1),
+           "4: SmolLM2's perplexity +0.0/+0.7/+3.3/+4.0% at ratios 0.7/0.5/0.3/0.2 and the "
+           "H200 speed-ups 1.25-3.5x; 8 is faster and loses 1.4-16% (benchmarks/RESULTS.md, "
+           "'Sparse attention Pareto table').", min=1),
     Option("adaptive_mass", "float", 0.95, "Attention mass the adaptive method keeps.", min=0.0,
            max=1.0, min_exclusive=True),
     Option("sparse_dense_layers", "int", 0, "The first this many layers always attend densely "
