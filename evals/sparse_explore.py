@@ -92,6 +92,7 @@ class QuestPerKVHead(Quest):
         per_kv = shares.reshape(b, Hkv, Hq // Hkv, M).mean(2).reshape(b * Hkv, M)
         sel, count = self.pick(per_kv, num_blocks.repeat_interleave(Hkv),
                                budget.repeat_interleave(Hkv))
+        self._last_sel = [sel[r, :int(count[r])].tolist() for r in range(sel.shape[0])]
         tabs, lens = ops.sparse_block_table(block_table.repeat_interleave(Hkv, 0),
                                             seq_lens.repeat_interleave(Hkv), sel, count,
                                             self.block_size)
@@ -102,12 +103,51 @@ class QuestPerKVHead(Quest):
 
 
 class MeanPerKVHead(QuestPerKVHead):
-    """Mean keys (ESA's scoring, re-selected every step), each KV head selecting its own
-    top-``budget`` blocks (harness only)."""
+    """Mean keys (ESA's scoring), each KV head selecting its own top-``budget`` blocks, re-selected
+    every ``stride`` steps; in between each head keeps its selection, extended by the windows
+    and the new last block, as ESA does (harness only)."""
 
     name = "mean-kvhead"
     reprs = ("mean",)
     kind = "mean"
+    stride = 1
+
+    def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
+        Hkv = self.num_kv_heads
+        due = [i for i, st in enumerate(states)
+               if ("kvsel", layer) not in st.extra or st.calls.get(layer, 0) % self.stride == 0]
+        if due:
+            di = torch.tensor(due)
+            sel, count = super().select(layer, [states[i] for i in due], q[di], k_cache,
+                                        block_table[di], seq_lens[di], num_blocks[di],
+                                        budget[di], tables)
+            # super() left the rows' tables in _PER_HEAD under their request numbers; keep the
+            # logical selections per head for the steps in between
+            for j, i in enumerate(due):
+                st = states[i]
+                heads = []
+                for h in range(Hkv):
+                    row = self._last_sel[j * Hkv + h]
+                    heads.append(row)
+                st.extra[("kvsel", layer)] = heads
+        for i, st in enumerate(states):
+            if i in due:
+                continue
+            n = int(num_blocks[i])
+            heads = [sorted(set(h).union(self.forced(n))) for h in st.extra[("kvsel", layer)]]
+            st.extra[("kvsel", layer)] = heads
+            width = max(len(h) for h in heads)
+            sel = torch.full((Hkv, width), -1, dtype=torch.int32)
+            for h, row in enumerate(heads):
+                sel[h, :len(row)] = torch.tensor(row, dtype=torch.int32)
+            count = torch.tensor([len(r) for r in heads], dtype=torch.int32)
+            tabs, lens = ops.sparse_block_table(block_table[i:i + 1].repeat_interleave(Hkv, 0),
+                                                seq_lens[i:i + 1].repeat_interleave(Hkv), sel,
+                                                count, self.block_size)
+            _PER_HEAD[int(st.req_id[3:])] = (tabs, lens)
+        rows = [sorted(st.extra[("kvsel", layer)][0]) for st in states]
+        from ucm.sparse.base import pack_selection
+        return pack_selection(rows, q.device)     # KV head 0's selection stands for the row
 
 
 class QuestPrevExact(Quest):
@@ -175,8 +215,10 @@ def _build(name: str, opt: str, ratio: float, shape: dict):
         return ucm.sparse.create(dict(cfg, retrieval_stride=int(name[3:])), method="esa", **shape)
     if name == "quest-kvhead":
         return QuestPerKVHead(cfg, **shape)
-    if name == "mean-kvhead":
-        return MeanPerKVHead(cfg, **shape)
+    if name.startswith("mean-kvhead"):        # mean-kvhead[-sN]: re-selected every N steps
+        m = MeanPerKVHead(cfg, **shape)
+        m.stride = int(name.partition("-s")[2] or 1)
+        return m
     if name == "quest-prev":
         return QuestPrevExact(cfg, **shape)
     return ucm.sparse.create(cfg, method=name, **shape)
