@@ -399,9 +399,7 @@ class _RedisTier:
     """A real redis-server on loopback as the shared tier, counts read with redis-py. Its
     append-only file is written before each reply, so a SIGKILLed server comes back with every
     acknowledged block (the kernel keeps what was written; fsync only matters for a machine
-    crash). It is fsynced every second, not on every write: an fsync of each multi-MB value took
-    node A's dumps past the tier's timeout when the parallel suite kept the disk busy (14 failed
-    dumps, 41 s for 6 blocks, against 1.3 s for 20 on the Mooncake Store in the same run)."""
+    crash), and fsynced every second rather than on every multi-MB write."""
 
     name = "redis"
 
@@ -480,9 +478,10 @@ class _MooncakeTier:
 
 REMOTE_TIERS = {"redis": _RedisTier, "mooncake": _MooncakeTier}
 # The nodes' store.remote.timeout_s: this test checks sharing and a server that dies (a refused
-# connection fails at once whatever the timeout), not the detection of a slow one; a busy 2-core
-# machine may take longer than the default to take in a batch of values.
-REMOTE_TIMEOUT_S = 5.0
+# connection fails at once whatever the timeout), not the detection of a slow one. Under the
+# parallel suite on 2 cores, node A's Redis batches took longer than 5 s: 14 and 16 of its dumps
+# failed in two runs (38-41 s of dumping for 4-6 blocks) and the tier was marked down.
+REMOTE_TIMEOUT_S = 30.0
 REMOTE_BACKOFF_S = 0.5
 
 
