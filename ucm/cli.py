@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -188,6 +189,56 @@ def _hashing_demo(args) -> int:
     return 0
 
 
+def _parse_capacity(text: str):
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def _cmd_replay(args) -> int:
+    from ucm import replay as rp
+
+    if (args.trace is None) == (args.synthetic is None):
+        raise ValueError("replay: give a TRACE file or --synthetic KIND (one of them)")
+    if args.synthetic:
+        trace = rp.synthetic_trace(args.synthetic, n_requests=args.limit or 6000)
+    else:
+        trace = rp.load_trace(args.trace, on_error=args.on_error, block_tokens=args.block_tokens,
+                              limit=args.limit or None)
+    for line, why in trace.skipped[:20]:
+        print(f"ucm replay: skipped line {line}: {why}", file=sys.stderr)
+    if len(trace.skipped) > 20:
+        print(f"ucm replay: ... {len(trace.skipped) - 20} more lines skipped", file=sys.stderr)
+    try:
+        caps = [_parse_capacity(c) for c in args.capacities.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--capacities {args.capacities!r}: expected fractions (0.05) or block "
+                         f"counts (9000), comma-separated") from None
+    for c in caps:
+        rp.resolve_capacity(c, trace.distinct_blocks)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    costs = rp.Costs({"memory": args.memory_load_s, "posix": args.posix_load_s},
+                     args.prefill_s_per_token)
+    rows = rp.sweep(trace, caps, policies, progress=not args.quiet, tiers=args.tiers,
+                    lower_capacity=args.lower_capacity, admission=args.admission, costs=costs,
+                    kv_bytes_per_token=args.kv_bytes_per_token)
+    print(f"{len(trace.requests)} requests, {trace.blocks} prompt blocks, {trace.distinct_blocks} "
+          f"distinct ({len(trace.skipped)} lines skipped)")
+    print(f"{'capacity':>10} {'blocks':>8} {'policy':>8} {'hit rate':>9} {'tokens':>7} "
+          f"{'evictions':>10} {'saved s':>9}")
+    for r in rows:
+        ev = sum(r.get("evictions", {}).values()) if "evictions" in r else ""
+        saved = f"{r['prefill_saved_s']:9.1f}" if "prefill_saved_s" in r else " " * 9
+        print(f"{r['capacity_fraction']:10.4f} {r['capacity_blocks']:8d} {r['policy']:>8} "
+              f"{r['hit_rate']:9.4f} {r['token_hit_rate']:7.4f} {ev!s:>10} {saved}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trace": args.trace or f"synthetic:{args.synthetic}", "rows": rows,
+                       "skipped": trace.skipped}, f, indent=1)
+    if args.png:
+        rp.plot(rows, args.png, title=f"prefix hit rate: {os.path.basename(args.trace or args.synthetic)}")
+        print(f"chart: {args.png}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ucm", description=__doc__)
     from ucm._version import __version__
@@ -232,6 +283,30 @@ def main(argv=None) -> int:
     q.add_argument("--namespace", action="append", required=True,
                    help="namespace digest (32 hex digits, as `du` shows; repeatable)")
     p.set_defaults(fn=_cmd_store)
+    p = sub.add_parser("replay", help="hit rate of the store's policies on a request trace, "
+                                      "against LRU and the offline optimum")
+    p.add_argument("trace", nargs="?", help="JSON-lines trace (.gz or plain), see ucm/replay.py")
+    p.add_argument("--synthetic", choices=["agentic"], help="replay a generated workload instead")
+    p.add_argument("--capacities", default="0.01,0.02,0.05,0.1,0.2,0.5,1.0",
+                   help="first-tier capacities: fractions of the distinct blocks or block counts")
+    p.add_argument("--policies", default="lru,arc,prefix", help="comma-separated: lru, arc, prefix")
+    p.add_argument("--tiers", default="memory", choices=["memory", "memory|posix"])
+    p.add_argument("--lower-capacity", type=_parse_capacity, default=None,
+                   help="posix tier capacity (default 4x the memory tier)")
+    p.add_argument("--admission", default="all", choices=["all", "second_hit"])
+    p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block")
+    p.add_argument("--kv-bytes-per-token", type=int, default=131072,
+                   help="modelled KV bytes per token (default: Llama-3-8B bf16)")
+    p.add_argument("--memory-load-s", type=float, default=2e-4, help="seconds to load a block from memory")
+    p.add_argument("--posix-load-s", type=float, default=2e-3, help="seconds to load a block from posix")
+    p.add_argument("--prefill-s-per-token", type=float, default=1e-4, help="seconds to prefill a token")
+    p.add_argument("--on-error", default="stop", choices=["stop", "skip"],
+                   help="malformed trace lines: stop at the first, or skip them (reported)")
+    p.add_argument("--limit", type=int, default=0, help="replay the first N requests only")
+    p.add_argument("--png", default=None, help="chart of hit rate against capacity")
+    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_cmd_replay)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

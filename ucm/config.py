@@ -272,6 +272,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("store.memory.capacity", "size", 0, "Byte size of the memory tier's pinned pool "
            "(int or '8GiB'; rounded down to whole blocks, at least one); 0 = buffer_number "
            "blocks.", min=0),
+    Option("store.memory.policy", "str", "lru", "Which committed block the memory tier evicts "
+           "when it needs a slot: 'lru', 'arc' (recency and frequency, adaptive) or 'prefix' "
+           "(ucm's: chains trimmed from the tip, re-read blocks protected when sampled shadow "
+           "caches show it pays; see ucm/store/policy.py and `ucm replay`).",
+           choices=("lru", "arc", "prefix")),
+    Option("store.admission", "str", "all", "Which blocks the tiers below the first store: "
+           "'all', or 'second_hit' (a block dumped a second time, or read from the first tier; "
+           "saves slow-tier writes on blocks that are never read again).",
+           choices=("all", "second_hit")),
     # compression (ucm/compress.py, the store stage in ucm/store/codec.py)
     Option("compression.enabled", "bool", False, "Encode KV blocks before storing them (every "
            "tier of the pipeline holds the encoded blocks; a store configured with another codec "

@@ -139,7 +139,8 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
     else:
         from ucm.store.pipeline import PipelineStore
 
-        store = PipelineStore(built, write_back=config["store.write_back"])
+        store = PipelineStore(built, write_back=config["store.write_back"],
+                              admission=config["store.admission"])
     if spec is None:
         return store
     from ucm.store.codec import CodecStore
@@ -153,7 +154,8 @@ def _memory_from_config(cls, geometry, config, namespace):
     capacity = config["store.memory.capacity"]
     slots = max(1, capacity // geometry.block_bytes) if capacity else config["buffer_number"]
     return cls(geometry, buffer_number=slots, io_threads=config["store.io_threads"],
-               wait_timeout_s=config["store.wait_timeout_s"], namespace=namespace)
+               wait_timeout_s=config["store.wait_timeout_s"], namespace=namespace,
+               policy=config["store.memory.policy"])
 
 
 _BUDGET_LOGGED: set = set()

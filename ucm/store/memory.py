@@ -2,9 +2,11 @@
 
 The pool is one aligned allocation (huge pages where the kernel grants them), page-locked with
 ``cudaHostRegister`` when a CUDA device is present so GPU copies run at the PCIe ceiling and
-asynchronously. Committed blocks live in a :class:`ucm.BlockIndex` (id → slot) in LRU order;
-a dump takes a free slot or evicts the least recently used committed block that no load is
-reading. Dumped-but-uncommitted blocks hold their slot until ``commit``.
+asynchronously. Committed blocks live in a :class:`ucm.BlockIndex` (id → slot); a dump takes a
+free slot or evicts a committed block that no load is reading, chosen by the tier's ``policy``
+(:mod:`ucm.store.policy`): ``lru`` is kept by the index itself, ``arc`` and ``prefix`` by a
+policy object beside it. A load, and a dump that finds the block already stored, count as a
+use. Dumped-but-uncommitted blocks hold their slot until ``commit``.
 
 Copies: CPU buffers move with the native multi-threaded ``copy_segments``; CUDA buffers with
 ``copy_(non_blocking=True)`` on a side stream that first waits for the caller's stream, so a
@@ -22,6 +24,7 @@ import numpy as np
 
 from ucm.ops import BlockIndex, alloc_aligned, copy_segments
 from ucm.store.base import Borrowed, BlockBuffers, BlockGeometry, KVStore, Task
+from ucm.store.policy import make_policy
 
 log = logging.getLogger("ucm.store.memory")
 
@@ -55,12 +58,14 @@ class MemoryStore(KVStore):
 
     def __init__(self, geometry: BlockGeometry, buffer_number: int, io_threads: int = 4,
                  wait_timeout_s: float = 30.0, pin: Optional[bool] = None, copy_threads: int = 2,
-                 namespace: bytes = bytes(16)):
+                 namespace: bytes = bytes(16), policy: str = "lru"):
         super().__init__(geometry, wait_timeout_s, namespace)
         if isinstance(buffer_number, bool) or not isinstance(buffer_number, (int, np.integer)) \
                 or buffer_number < 1:
             raise ValueError(f"buffer_number must be an int >= 1, got {buffer_number!r}")
         self.n_slots = int(buffer_number)
+        self.policy = policy
+        self._policy = None if policy == "lru" else make_policy(policy, self.n_slots)
         self.pool = None  # allocated on first use or by prepare(): a lookup-only view costs nothing
         self.pinned = False
         self._want_pin = pin
@@ -123,6 +128,18 @@ class MemoryStore(KVStore):
         """Up to ``k`` slots: free ones first, then by evicting least recently used blocks that
         no load is reading (one batched index call, not one per block)."""
         out = [self._free.pop() for _ in range(min(k, len(self._free)))]
+        if self._policy is not None and len(out) < k:
+            refs = self._refs
+            busy = None
+            if refs.any():
+                busy = lambda key: refs[int(self._index.lookup(_id(key))[0])] > 0  # noqa: E731
+            keys = self._policy.evict(k - len(out), busy)
+            if keys:
+                slots = self._index.remove(np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(-1, 2))
+                freed = slots[slots >= 0].tolist()
+                self._stats.add(evictions=len(freed))
+                out.extend(freed)
+            return out
         tries = 0
         while len(out) < k and len(self._index) and tries < 4:
             tries += 1
@@ -146,8 +163,20 @@ class MemoryStore(KVStore):
             slots = self._index.lookup(ids)
             found = slots >= 0
             np.add.at(self._refs, slots[found], 1)
-            self._index.touch(ids[found])
+            self._use(ids[found])
         return slots
+
+    def _use(self, ids) -> None:
+        """Blocks read again, in chain order (caller holds the lock)."""
+        if self._policy is None:
+            self._index.touch(ids)
+        else:
+            self._policy.hit([ids[i].tobytes() for i in range(len(ids))])
+
+    def _inserted(self, ids) -> None:
+        """Blocks just published, in chain order (caller holds the lock)."""
+        if self._policy is not None:
+            self._policy.insert([ids[i].tobytes() for i in range(len(ids))])
 
     def _unhold(self, slots) -> None:
         with self._lock:
@@ -172,6 +201,8 @@ class MemoryStore(KVStore):
         with self._lock:
             self._ensure_pool()
             present = self._index.lookup(ids) >= 0
+            if present.any():  # asked to store it again: the block was needed again
+                self._use(ids[present])
             keys = [ids[i].tobytes() for i in range(len(ids))]
             fresh = [i for i in range(len(ids)) if not present[i] and keys[i] not in self._pending]
             fresh_set = set(fresh)
@@ -239,8 +270,8 @@ class MemoryStore(KVStore):
         if mine:
             del self._pending[p.key]
         if mine and not p.failed and p.shards.all():
-            self._index.insert(np.frombuffer(p.key, dtype=np.uint64).reshape(1, 2),
-                               np.asarray([p.slot], dtype=np.int64))
+            self._index.insert(_id(p.key), np.asarray([p.slot], dtype=np.int64))
+            self._inserted(_id(p.key))
             self._stats.add(commits=1)
         else:
             self._release(p)
@@ -276,6 +307,7 @@ class MemoryStore(KVStore):
                     self._release(p)
             if rows:  # one index call for the batch
                 self._index.insert(ids[rows], np.asarray(slots, dtype=np.int64))
+                self._inserted(ids[rows])
         self._stats.add(commits=len(rows))
 
     def _load(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
@@ -379,10 +411,14 @@ class MemoryStore(KVStore):
         d = self._stats.snapshot()
         with self._lock:
             d.update(slots=self.n_slots, committed=len(self._index), pending=len(self._pending),
-                     free=len(self._free), pinned=self.pinned, allocated=self.pool is not None,
+                     free=len(self._free), pinned=self.pinned, policy=self.policy, allocated=self.pool is not None,
                      used_bytes=len(self._index) * self.geometry.block_bytes,
                      capacity_bytes=self.n_slots * self.geometry.block_bytes)
         return {self.name: d}
+
+
+def _id(key: bytes) -> np.ndarray:
+    return np.frombuffer(key, dtype=np.uint64).reshape(1, 2)
 
 
 def _runs(bufs: BlockBuffers, rows: list, slots: list, nbytes: int, whole_blocks: bool):

@@ -7,6 +7,11 @@
 * dump: write-through to every tier (a block succeeds if at least one tier stored it), or
   write-back: only the first tier, with lower tiers written in the background after commit;
 * commit: in every tier; stats: each tier's counters plus the pipeline's hits per tier.
+
+Write admission (``store.admission="second_hit"``, :mod:`ucm.store.policy`): the tiers below the first
+store a block only once it proved useful: the second time it is dumped, or when a load reads it
+from the first tier (then it is written down in the background). A refused block is simply not
+in that tier; the first tier still holds it.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from typing import Sequence
 import numpy as np
 
 from ucm.ids import as_ids
-from ucm.store.base import BlockBuffers, KVStore, Task, combine, subset_buffers as _subset
+from ucm.store.base import BlockBuffers, KVStore, Task, TaskResult, combine, subset_buffers as _subset
+from ucm.store.policy import ADMISSIONS, SecondHitAdmission
 
 log = logging.getLogger("ucm.store.pipeline")
 
@@ -26,8 +32,12 @@ log = logging.getLogger("ucm.store.pipeline")
 class PipelineStore(KVStore):
     name = "pipeline"
 
-    def __init__(self, tiers: Sequence[KVStore], write_back: bool = False):
+    def __init__(self, tiers: Sequence[KVStore], write_back: bool = False, admission: str = "all",
+                 admission_window: int = 1 << 16):
         tiers = list(tiers)
+        if admission not in ADMISSIONS:
+            raise ValueError(f"store.admission: {admission!r}: expected one of "
+                             f"{', '.join(ADMISSIONS)}")
         if not tiers:
             raise ValueError("store.pipeline: at least one tier")
         geo = tiers[0].geometry
@@ -48,6 +58,9 @@ class PipelineStore(KVStore):
         self._lock = threading.Lock()
         self._bg = threads.pool(2, "ucm-pipeline")
         self._inflight: set = set()
+        self._admission = SecondHitAdmission(admission_window) \
+            if admission == "second_hit" and len(tiers) > 1 else None
+        self._decided: dict = {}  # key -> admitted, for blocks between dump and commit
 
     @property
     def process_local(self) -> bool:
@@ -122,6 +135,8 @@ class PipelineStore(KVStore):
                     good = rows[r.ok]
                     self._promote(ids[good], _subset(bufs, good), tier_k)
                 task.finish_part(rows[r.ok], {int(rows[i]): e for i, e in r.errors.items()}, r.nbytes)
+                if tier_k == 0 and self._admission is not None and r.ok.any():
+                    self._background(self._write_down, ids[rows[r.ok]])
             sub.on_done(done)
         return task.seal()
 
@@ -166,14 +181,36 @@ class PipelineStore(KVStore):
             top.commit(ids[good], res.ok)
 
     # -- dump / commit --------------------------------------------------------------------------
+    def _admitted(self, ids) -> np.ndarray:
+        """Rows the lower tiers may store; one decision per block from its first dump until
+        its commit (a layer-wise save dumps each block once per layer)."""
+        if self._admission is None:
+            return np.arange(len(ids))
+        keys = [ids[i].tobytes() for i in range(len(ids))]
+        with self._lock:
+            new = [k for k in keys if k not in self._decided]
+            for k, ok in zip(new, self._admission.admit(new)):
+                self._decided[k] = ok
+            if len(self._decided) > 4 * self._admission.window:  # commits that never came
+                self._decided.clear()
+            return np.asarray([i for i, k in enumerate(keys) if self._decided.get(k, True)],
+                              dtype=np.int64)
+
     def _dump(self, ids, offset, bufs: BlockBuffers, shards) -> Task:
         targets = self.tiers[:1] if self.write_back else self.tiers
-        subs = [t._dump(ids, offset, bufs, shards) for t in targets]
+        rows = [np.arange(len(ids))] + [self._admitted(ids)] * (len(targets) - 1)
+        subs = [t._dump(ids[r], offset, _subset(bufs, r), shards) for t, r in zip(targets, rows)]
         task = Task("dump", ids)
         task.add_part()
 
         def finish(_):
-            results = [s.wait(0) for s in subs]
+            results = []
+            for sub, r in zip(subs, rows):  # back to the caller's rows (refused rows: not ok)
+                res = sub.wait(0)
+                ok_full = np.zeros(len(ids), dtype=bool)
+                ok_full[r[res.ok]] = True
+                results.append(TaskResult(ok_full, {int(r[i]): e for i, e in res.errors.items()},
+                                          res.nbytes, res.seconds))
             ok = np.zeros(len(ids), dtype=bool)
             for r in results:
                 ok |= r.ok
@@ -182,7 +219,7 @@ class PipelineStore(KVStore):
                 errors[int(i)] = "; ".join(f"{t.name}: {r.errors.get(int(i), '?')}"
                                            for t, r in zip(targets, results))
             for t, r in zip(targets, results):
-                if not r.all_ok and ok.any():
+                if r.errors and ok.any():
                     log.info("ucm pipeline: %s failed %d of %d blocks another tier stored",
                              t.name, int((~r.ok & ok).sum()), len(ids))
             task.finish_part(np.flatnonzero(ok), errors, max((r.nbytes for r in results), default=0))
@@ -194,10 +231,20 @@ class PipelineStore(KVStore):
         targets = self.tiers[:1] if self.write_back else self.tiers
         for t in targets:
             t.commit(ids, flags)
+        if self._admission is not None:
+            with self._lock:
+                for i in range(len(ids)):
+                    self._decided.pop(ids[i].tobytes(), None)
         if self.write_back and flags.any():
             self._background(self._write_back, ids[flags])
 
     def _write_back(self, ids) -> None:
+        if self._admission is not None:
+            with self._lock:
+                ids = ids[np.asarray(self._admission.admit([ids[i].tobytes() for i in range(len(ids))]),
+                                     dtype=bool)]
+            if not len(ids):
+                return
         host = np.empty((len(ids), self.geometry.block_bytes), dtype=np.uint8)
         r = self.tiers[0].wait(self.tiers[0].load(ids, 0, host))
         good = np.flatnonzero(r.ok)
@@ -206,6 +253,18 @@ class PipelineStore(KVStore):
         for tier in self.tiers[1:]:
             res = tier.wait(tier.dump(ids[good], 0, host[good]))
             tier.commit(ids[good], res.ok)
+
+    def _write_down(self, ids) -> None:
+        """Blocks read from the first tier proved useful: written to the lower tiers that do
+        not hold them yet."""
+        held = np.zeros(len(ids), dtype=bool)
+        for tier in self.tiers[1:]:
+            held |= np.asarray(tier.lookup(ids), dtype=bool)
+        missing = ids[~held]
+        if len(missing):
+            with self._lock:
+                self._admission.note([missing[i].tobytes() for i in range(len(missing))])
+            self._write_back(missing)
 
     def _background(self, fn, *args) -> None:
         fut = self._bg.submit(fn, *args)
