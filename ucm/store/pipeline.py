@@ -134,9 +134,10 @@ class PipelineStore(KVStore):
                     # may overwrite it (a later copy of it could store the wrong bytes).
                     good = rows[r.ok]
                     self._promote(ids[good], _subset(bufs, good), tier_k)
-                task.finish_part(rows[r.ok], {int(rows[i]): e for i, e in r.errors.items()}, r.nbytes)
                 if tier_k == 0 and self._admission is not None and r.ok.any():
+                    # queued before the load reports done, so a flush() after it waits for it
                     self._background(self._write_down, ids[rows[r.ok]])
+                task.finish_part(rows[r.ok], {int(rows[i]): e for i, e in r.errors.items()}, r.nbytes)
             sub.on_done(done)
         return task.seal()
 

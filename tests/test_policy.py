@@ -1,0 +1,224 @@
+"""Eviction policies and write admission (ucm/store/policy.py) on their own, inside the memory
+tier and inside a memory|posix pipeline: random operation sequences against a set model, the
+memory tier's data under every policy, busy blocks, chain trimming, admission decisions."""
+import random
+
+import numpy as np
+import pytest
+
+from ucm.config import Config
+from ucm.store.base import BlockGeometry
+from ucm.store.memory import MemoryStore
+from ucm.store.pipeline import PipelineStore
+from ucm.store.policy import (ARCPolicy, LRUPolicy, POLICIES, PrefixPolicy, SecondHitAdmission,
+                              make_policy)
+from ucm.store.posix import PosixStore
+
+CLASSES = [LRUPolicy, ARCPolicy, PrefixPolicy]
+
+
+def key(i: int) -> bytes:
+    return int(i * 0x9E3779B97F4A7C15 % (1 << 64)).to_bytes(8, "little") + i.to_bytes(8, "little")
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.name)
+def test_random_operations_match_a_set_model(cls):
+    rng = random.Random(7)
+    cap = 24
+    pol = cls(cap)
+    model: set = set()
+    for _ in range(4000):
+        op = rng.random()
+        if op < 0.45:  # a request's chain: the tier evicts first, then inserts the new ones
+            chain = [key(rng.randrange(80)) for _ in range(rng.randrange(1, 6))]
+            chain = list(dict.fromkeys(chain))
+            new = [k for k in chain if k not in model]
+            over = len(model) + len(new) - cap
+            if over > 0:
+                busy = set(rng.sample(sorted(model), min(3, len(model))))
+                out = pol.evict(over, busy.__contains__)
+                assert len(out) == len(set(out)) == min(over, len(model) - len(busy))
+                assert not set(out) & busy, "a busy block was evicted"
+                assert set(out) <= model
+                model -= set(out)
+                new = new[:cap - len(model)]
+            pol.insert(new)
+            model |= set(new)
+        elif op < 0.8:
+            ks = [key(rng.randrange(80)) for _ in range(3)]
+            pol.hit(ks)
+        else:
+            ks = [key(rng.randrange(80)) for _ in range(2)]
+            pol.remove(ks)
+            model -= set(ks)
+        assert len(pol) == len(model) <= cap
+        for i in range(80):
+            assert (key(i) in pol) == (key(i) in model)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.name)
+def test_evict_more_than_held_and_everything_busy(cls):
+    pol = cls(4)
+    pol.insert([key(1), key(2)])
+    assert pol.evict(3, lambda k: True) == []
+    assert len(pol) == 2
+    assert sorted(pol.evict(5)) == sorted([key(1), key(2)])
+    assert len(pol) == 0 and pol.evict(1) == []
+
+
+def test_lru_policy_evicts_in_least_recent_order():
+    pol = LRUPolicy(8)
+    pol.insert([key(i) for i in range(5)])
+    pol.hit([key(0), key(2)])
+    assert pol.evict(3) == [key(1), key(3), key(4)]
+
+
+def test_prefix_policy_trims_a_chain_from_its_tip():
+    """A chain's deeper blocks go first: a cached block without its parent is never a hit."""
+    pol = PrefixPolicy(16)
+    chain = [key(i) for i in range(6)]
+    pol.insert(chain)
+    assert pol.evict(2) == [chain[5], chain[4]]
+    pol.hit(chain[:4])  # read again, in chain order: the tip still goes first
+    assert pol.evict(1) == [chain[3]]
+
+
+def test_arc_protects_blocks_read_again_from_a_scan():
+    pol = ARCPolicy(8)
+    hot = [key(i) for i in range(4)]
+    pol.insert(hot)
+    pol.hit(hot)
+    for i in range(100, 140):  # a scan of blocks read once
+        if len(pol) >= 8:
+            pol.evict(1)
+        pol.insert([key(i)])
+    assert all(k in pol for k in hot)
+
+
+def test_unknown_policy_and_bad_capacity():
+    with pytest.raises(ValueError, match="lru, arc, prefix"):
+        make_policy("lfu", 4)
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixPolicy(0)
+    with pytest.raises(ValueError, match="lru, arc, prefix"):
+        MemoryStore(BlockGeometry(8, 8), 4, policy="mru")
+    with pytest.raises(ValueError, match="window"):
+        SecondHitAdmission(0)
+
+
+def test_config_names_the_policy_key_and_its_values():
+    with pytest.raises(ValueError, match=r"'store.memory.policy'.*'prefix'"):
+        Config({"store": {"memory": {"policy": "lfu"}}})
+    with pytest.raises(ValueError, match=r"'store.admission'.*'second_hit'"):
+        Config({"store": {"admission": "never"}})
+    assert Config({"store": {"memory": {"policy": "prefix"}}})["store.memory.policy"] == "prefix"
+
+
+def _ids(nums) -> np.ndarray:
+    return np.array([[n * 7919 + 1, n] for n in nums], dtype=np.uint64)
+
+
+def _payload(ids: np.ndarray, nbytes: int) -> np.ndarray:
+    """Bytes that name their block: a wrong block's bytes can never pass."""
+    out = np.empty((len(ids), nbytes), dtype=np.uint8)
+    for i, (a, b) in enumerate(ids.tolist()):
+        out[i] = np.random.default_rng([a, b]).integers(0, 256, nbytes, dtype=np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_memory_tier_random_requests_keep_every_block_its_own_bytes(policy):
+    rng = random.Random(3)
+    geo = BlockGeometry(64, 32)
+    store = MemoryStore(geo, buffer_number=12, io_threads=2, pin=False, policy=policy)
+    committed_ever = set()
+    try:
+        for _ in range(300):
+            start = rng.randrange(40)
+            chain = _ids(range(start, start + rng.randrange(1, 6)))
+            k = store.lookup_prefix(chain)
+            if k:
+                dst = np.zeros((k, 64), dtype=np.uint8)
+                r = store.wait(store.load(chain[:k], 0, dst))
+                good = np.flatnonzero(r.ok)
+                assert (dst[good] == _payload(chain[:k][good], 64)).all()
+            rest = chain[k:]
+            if len(rest):
+                # layer by layer, as the connector saves
+                t1 = store.dump(rest, 0, _payload(rest, 64)[:, :32])
+                t2 = store.dump(rest, 32, np.ascontiguousarray(_payload(rest, 64)[:, 32:]))
+                ok = store.wait(t1).ok & store.wait(t2).ok
+                store.commit(rest, ok)
+                committed_ever |= {tuple(x) for x in rest[ok].tolist()}
+            st = store.stats()["memory"]
+            assert st["committed"] <= 12 and st["policy"] == policy
+        assert store.stats()["memory"]["evictions"] > 0
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("policy", ["arc", "prefix"])
+def test_memory_tier_never_evicts_a_borrowed_block(policy):
+    geo = BlockGeometry(8, 8)
+    store = MemoryStore(geo, buffer_number=4, io_threads=1, pin=False, policy=policy)
+    try:
+        first = _ids(range(4))
+        store.commit(first, store.wait(store.dump(first, 0, _payload(first, 8))).ok)
+        held = store.borrow(first[:2])
+        for n in range(10, 30):  # a stream of new blocks
+            ids = _ids([n])
+            store.commit(ids, store.wait(store.dump(ids, 0, _payload(ids, 8))).ok)
+        assert store.lookup(first[:2]) == [True, True]
+        pool = held.pool.numpy() if hasattr(held.pool, "numpy") else held.pool
+        assert (pool[held.rows] == _payload(first[:2], 8)).all()
+        held.release()
+    finally:
+        store.close()
+
+
+def test_second_hit_admission_decides_once_per_block():
+    adm = SecondHitAdmission(window=3)
+    assert adm.admit([key(1), key(2)]) == [False, False]
+    assert adm.admit([key(1)]) == [True]
+    for i in range(10, 14):  # key(2) falls out of the window
+        adm.admit([key(i)])
+    assert adm.admit([key(2)]) == [False]
+
+
+def test_pipeline_admits_to_the_slow_tier_on_the_second_offer_or_a_first_tier_hit(tmp_path):
+    geo = BlockGeometry(64, 32)
+    mem = MemoryStore(geo, buffer_number=2, io_threads=1, pin=False)
+    posix = PosixStore(geo, roots=[str(tmp_path)], io_threads=1, capacity_bytes=1 << 20)
+    store = PipelineStore([mem, posix], admission="second_hit")
+    try:
+        a, b, c = _ids([1]), _ids([2]), _ids([3])
+
+        def save(ids):  # layer-wise: one decision for both halves
+            t1 = store.dump(ids, 0, _payload(ids, 64)[:, :32])
+            t2 = store.dump(ids, 32, np.ascontiguousarray(_payload(ids, 64)[:, 32:]))
+            ok = store.wait(t1).ok & store.wait(t2).ok
+            store.commit(ids, ok)
+            store.flush()
+            return ok
+
+        assert save(a).all()
+        assert posix.lookup(a) == [False] and mem.lookup(a) == [True]
+        save(b), save(c)  # a is evicted from the 2-slot memory tier
+        assert store.lookup(a) == [False]
+        assert save(a).all()  # offered again: proved useful, now on disk
+        assert posix.lookup(a) == [True]
+        dst = np.zeros((1, 64), dtype=np.uint8)
+        assert store.wait(store.load(c, 0, dst)).all_ok  # a first-tier hit on c
+        store.flush()
+        assert posix.lookup(c) == [True]
+        assert posix.lookup(b) == [False]  # offered once, never read
+        got = np.zeros((1, 64), dtype=np.uint8)
+        assert posix.wait(posix.load(c, 0, got)).all_ok and (got == _payload(c, 64)).all()
+    finally:
+        store.close()
+
+
+def test_pipeline_refuses_an_unknown_admission():
+    geo = BlockGeometry(8, 8)
+    with pytest.raises(ValueError, match="store.admission"):
+        PipelineStore([MemoryStore(geo, 2, pin=False)], admission="lfu")
