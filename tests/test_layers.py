@@ -9,7 +9,8 @@ tables). The layers:
 3. public ops: ``ucm.ops``, ``ucm.transfer``, ``ucm.compress``, ``ucm.sparse.ops``, which
    validate and dispatch;
 4. services: ``ucm.store.*``, the sparse methods ``ucm.sparse.*``, the package's root;
-5. applications: ``ucm.integration.*``, ``ucm.cli``, ``ucm.demo.*``, ``ucm.models``.
+5. applications: ``ucm.integration.*``, ``ucm.cli``, ``ucm.demo.*``, ``ucm.models``,
+   ``ucm.replay``.
 """
 import ast
 import fnmatch
@@ -28,7 +29,7 @@ LAYERS = [
     ("ops", ["ucm.ops", "ucm.transfer", "ucm.compress", "ucm.sparse.ops"]),
     ("services", ["ucm.store", "ucm.store.*", "ucm.sparse", "ucm.sparse.*", "ucm"]),
     ("applications", ["ucm.integration", "ucm.integration.*", "ucm.cli", "ucm.__main__",
-                      "ucm.demo", "ucm.demo.*", "ucm.models"]),
+                      "ucm.demo", "ucm.demo.*", "ucm.models", "ucm.replay"]),
 ]
 
 
