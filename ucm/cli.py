@@ -215,20 +215,34 @@ def _cmd_replay(args) -> int:
     for c in caps:
         rp.resolve_capacity(c, trace.distinct_blocks)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    costs = rp.Costs({"memory": args.memory_load_s, "posix": args.posix_load_s},
-                     args.prefill_s_per_token)
+    block_bytes = args.kv_bytes_per_token * args.block_tokens
+    if args.measure_costs:  # measured with 2 MiB blocks here, scaled to the modelled block
+        m = rp.measure_costs(2 << 20, prefill_s_per_token=args.prefill_s_per_token)
+        scale = block_bytes / (2 << 20)
+        costs = rp.Costs({k: v * scale for k, v in m.load_s.items()}, args.prefill_s_per_token)
+        print("measured load per modelled block: " + ", ".join(
+            f"{k} {v * 1e3:.2f} ms" for k, v in costs.load_s.items()))
+    else:
+        costs = rp.Costs({"memory": args.memory_load_s, "posix": args.posix_load_s},
+                         args.prefill_s_per_token)
+    if args.prefetch and args.tiers == "memory":
+        raise ValueError("--prefetch needs a slower tier to prefetch from: --tiers 'memory|posix'")
     rows = rp.sweep(trace, caps, policies, progress=not args.quiet, tiers=args.tiers,
                     lower_capacity=args.lower_capacity, admission=args.admission, costs=costs,
-                    kv_bytes_per_token=args.kv_bytes_per_token)
+                    kv_bytes_per_token=args.kv_bytes_per_token, prefetch=args.prefetch,
+                    engines=args.engines)
     print(f"{len(trace.requests)} requests, {trace.blocks} prompt blocks, {trace.distinct_blocks} "
           f"distinct ({len(trace.skipped)} lines skipped)")
-    print(f"{'capacity':>10} {'blocks':>8} {'policy':>8} {'hit rate':>9} {'tokens':>7} "
-          f"{'evictions':>10} {'saved s':>9}")
+    print(f"{'capacity':>10} {'blocks':>8} {'policy':>8} {'prefetch':>8} {'hit rate':>9} "
+          f"{'tokens':>7} {'evictions':>10} {'saved s':>9} {'load s':>8} {'queue s':>8}")
     for r in rows:
-        ev = sum(r.get("evictions", {}).values()) if "evictions" in r else ""
-        saved = f"{r['prefill_saved_s']:9.1f}" if "prefill_saved_s" in r else " " * 9
-        print(f"{r['capacity_fraction']:10.4f} {r['capacity_blocks']:8d} {r['policy']:>8} "
-              f"{r['hit_rate']:9.4f} {r['token_hit_rate']:7.4f} {ev!s:>10} {saved}")
+        if "evictions" in r:
+            extra = (f"{'yes' if r['prefetch'] else 'no':>8} {r['hit_rate']:9.4f} "
+                     f"{r['token_hit_rate']:7.4f} {sum(r['evictions'].values()):10d} "
+                     f"{r['prefill_saved_s']:9.1f} {r['load_s']:8.2f} {r['mean_queue_s']:8.3f}")
+        else:
+            extra = f"{'':>8} {r['hit_rate']:9.4f} {r['token_hit_rate']:7.4f}"
+        print(f"{r['capacity_fraction']:10.4f} {r['capacity_blocks']:8d} {r['policy']:>8} {extra}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"trace": args.trace or f"synthetic:{args.synthetic}", "rows": rows,
@@ -300,6 +314,11 @@ def main(argv=None) -> int:
     p.add_argument("--memory-load-s", type=float, default=2e-4, help="seconds to load a block from memory")
     p.add_argument("--posix-load-s", type=float, default=2e-3, help="seconds to load a block from posix")
     p.add_argument("--prefill-s-per-token", type=float, default=1e-4, help="seconds to prefill a token")
+    p.add_argument("--measure-costs", action="store_true",
+                   help="measure the tiers' per-block load time here (2 MiB blocks, scaled)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="also replay with queued requests' blocks promoted ahead of use")
+    p.add_argument("--engines", type=int, default=4, help="engines serving the trace (timing model)")
     p.add_argument("--on-error", default="stop", choices=["stop", "skip"],
                    help="malformed trace lines: stop at the first, or skip them (reported)")
     p.add_argument("--limit", type=int, default=0, help="replay the first N requests only")

@@ -20,6 +20,7 @@ same accesses (it evicts the block used furthest in the future; a block never us
 from __future__ import annotations
 
 import gzip
+import heapq
 import json
 import math
 import os
@@ -176,6 +177,9 @@ class ReplayResult:
     prefill_total_s: float       # recompute time of every prompt token
     load_s: float = 0.0          # load time on the critical path
     admission: str = "all"
+    prefetch: bool = False
+    prefetched_blocks: int = 0   # promoted ahead of use
+    mean_queue_s: float = 0.0    # mean wait for an engine
 
     def row(self) -> dict:
         return asdict(self)
@@ -190,10 +194,20 @@ def _token_counts(req: Request, block_tokens: int) -> np.ndarray:
 
 def replay(trace: Trace, capacity, policy: str = "lru", tiers: str = "memory",
            lower_capacity=None, admission: str = "all", costs: Optional[Costs] = None,
-           kv_bytes_per_token: int = 131072, progress: bool = False) -> ReplayResult:
+           kv_bytes_per_token: int = 131072, prefetch: bool = False, engines: int = 4,
+           progress: bool = False) -> ReplayResult:
     """Replay ``trace`` through the real store at one capacity (blocks or a fraction, see
     :func:`resolve_capacity`) of the first tier; ``tiers="memory|posix"`` adds a posix tier of
-    ``lower_capacity`` (default: 4× the memory tier) with the ``admission`` rule."""
+    ``lower_capacity`` (default: 4× the memory tier) with the ``admission`` rule.
+
+    Timing model (for the load time on the critical path and the queueing it causes): requests
+    arrive at their timestamps and wait for the first free of ``engines`` engines; an engine
+    spends the loads of the prefix hits (per tier, ``costs.load_s``) plus the prefill of the
+    other tokens on it. With ``prefetch``, an arriving request's blocks that only the posix tier
+    holds are promoted by the store's own ``prefetch`` on one background stream; if that
+    finishes before an engine takes the request, they load at memory cost."""
+    if isinstance(engines, bool) or not isinstance(engines, int) or engines < 1:
+        raise ValueError(f"engines must be an int >= 1, got {engines!r}")
     from ucm.store.base import BlockGeometry
     from ucm.store.memory import MemoryStore
 
@@ -230,23 +244,53 @@ def replay(trace: Trace, capacity, policy: str = "lru", tiers: str = "memory",
     buf = np.zeros((max(len(r.hash_ids) for r in trace.requests), 8), dtype=np.uint8)
     from ucm.progress import track
 
+    lower = store.tiers[1] if tiers != "memory" else None
+    engines_free = [0.0] * engines  # when each engine is free next (a heap)
+    lane_free = 0.0                 # when the prefetch stream is free next
+    waited = critical_load = 0.0
+    prefetched = 0
+
+    def in_memory(rows_ids) -> np.ndarray:
+        return np.asarray(mem.lookup(rows_ids), dtype=bool)
+
     try:
         for req in track(trace.requests, f"replay {policy} @{cap}", "req", quiet=not progress):
+            arrival = req.timestamp_ms / 1000.0
             ids = block_ids(req.hash_ids)
             tcount = _token_counts(req, trace.block_tokens)
+            ready_at = None
+            if prefetch and lower is not None:
+                # the request is queued: its blocks that only the lower tier holds move up now,
+                # on one background stream, while it waits for an engine
+                k0 = store.lookup_prefix(ids)
+                up = int((~in_memory(ids[:k0])).sum()) if k0 else 0
+                if up:
+                    store.prefetch(ids[:k0])
+                    store.flush()
+                    lane_free = max(arrival, lane_free) + up * costs.load_s.get("posix", 0.0)
+                    ready_at = lane_free
+                    prefetched += up
+            start = max(arrival, heapq.heappop(engines_free))
             k = store.lookup_prefix(ids)
+            load = 0.0
             if k:
-                if tiers != "memory":
-                    where = store._where(ids[:k])
-                    for t, name in enumerate(names):
-                        n_t = int((where == t).sum())
-                        per_tier[name] += n_t
-                        load_s += n_t * costs.load_s.get(name, 0.0)
-                else:
-                    per_tier["memory"] += k
-                    load_s += k * costs.load_s.get("memory", 0.0)
+                mem_rows = in_memory(ids[:k])
+                n_mem, n_low = int(mem_rows.sum()), int((~mem_rows).sum())
+                if ready_at is not None and ready_at > start:
+                    # promoted too late: the engine waited for the slower reads after all
+                    n_low = min(up, k)
+                    n_mem = k - n_low
+                per_tier["memory"] += n_mem
+                if lower is not None:
+                    per_tier["posix"] += n_low
+                load = n_mem * costs.load_s.get("memory", 0.0) + n_low * costs.load_s.get("posix", 0.0)
                 r = store.wait(store.load(ids[:k], 0, buf[:k]))
                 k = int(np.argmin(r.ok)) if not r.all_ok else k  # a failed load ends the prefix
+            load_s += load
+            critical_load += load
+            waited += start - arrival
+            service = load + int(tcount[k:].sum()) * costs.prefill_s_per_token
+            heapq.heappush(engines_free, start + service)
             hits += k
             tok_hits += int(tcount[:k].sum())
             blocks += len(ids)
@@ -255,7 +299,7 @@ def replay(trace: Trace, capacity, policy: str = "lru", tiers: str = "memory",
             if len(rest):
                 r = store.wait(store.dump(rest, 0, buf[:len(rest)]))
                 store.commit(rest, r.ok)
-            if tiers != "memory":
+            if lower is not None:
                 store.flush()
         st = store.stats()
     finally:
@@ -269,13 +313,46 @@ def replay(trace: Trace, capacity, policy: str = "lru", tiers: str = "memory",
     return ReplayResult(policy, cap, cap / distinct, tiers, hits / blocks, tok_hits / toks,
                         per_tier, read, written, evictions,
                         tok_hits * costs.prefill_s_per_token - load_s, prefill_total, load_s,
-                        admission)
+                        admission, prefetch, prefetched, waited / len(trace.requests))
+
+
+def measure_costs(block_bytes: int = 2 << 20, n_blocks: int = 32, rounds: int = 5,
+                  prefill_s_per_token: float = 1e-4, root: Optional[str] = None) -> Costs:
+    """Per-block load time of the memory and posix tiers on this machine, measured with real
+    blocks of ``block_bytes`` (median of ``rounds`` batch loads of ``n_blocks``; the posix
+    blocks are read back through the page cache, as a recently written block is)."""
+    import time
+
+    from ucm.store.base import BlockGeometry
+    from ucm.store.memory import MemoryStore
+    from ucm.store.posix import PosixStore
+
+    geo = BlockGeometry(block_bytes, block_bytes)
+    ids = block_ids(range(1, n_blocks + 1))
+    src = np.random.default_rng(0).integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
+    dst = np.empty_like(src)
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="ucm-costs-", dir=root) as tmp:
+        for name, store in (("memory", MemoryStore(geo, n_blocks, pin=False)),
+                            ("posix", PosixStore(geo, roots=[tmp], capacity_bytes=4 * n_blocks * (block_bytes + (1 << 20))))):
+            try:
+                store.commit(ids, store.wait(store.dump(ids, 0, src)).ok)
+                times = []
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    r = store.wait(store.load(ids, 0, dst))
+                    times.append(time.perf_counter() - t0)
+                    if not r.all_ok or not np.array_equal(dst, src):
+                        raise RuntimeError(f"{name} tier: measured loads came back wrong")
+                out[name] = float(np.median(times)) / n_blocks
+            finally:
+                store.close()
+    return Costs(out, prefill_s_per_token)
 
 
 def belady(trace: Trace, capacity) -> tuple:
     """Offline optimum (Belady's MIN) over the trace's block accesses at ``capacity``:
     ``(block hit rate, token hit rate)`` of prefix hits."""
-    import heapq
 
     cap = resolve_capacity(capacity, trace.distinct_blocks)
     seq = [h for r in trace.requests for h in r.hash_ids]
@@ -311,8 +388,9 @@ def belady(trace: Trace, capacity) -> tuple:
 
 
 def sweep(trace: Trace, capacities: Iterable, policies: Sequence[str] = POLICIES,
-          with_optimum: bool = True, progress: bool = False, **kw) -> list:
-    """Rows (dicts) of :func:`replay` for every policy and capacity, plus ``optimum`` rows."""
+          with_optimum: bool = True, progress: bool = False, prefetch: bool = False, **kw) -> list:
+    """Rows (dicts) of :func:`replay` for every policy and capacity (with ``prefetch``: each
+    without and with it), plus ``optimum`` rows."""
     from ucm.progress import bar
 
     capacities = list(capacities)
@@ -321,7 +399,8 @@ def sweep(trace: Trace, capacities: Iterable, policies: Sequence[str] = POLICIES
              quiet=not progress) as pb:
         for cap in capacities:
             for pol in policies:
-                rows.append(replay(trace, cap, pol, **kw).row())
+                for pf in ((False, True) if prefetch else (False,)):
+                    rows.append(replay(trace, cap, pol, prefetch=pf, **kw).row())
                 pb.update(1)
             if with_optimum:
                 blocks = resolve_capacity(cap, trace.distinct_blocks)
