@@ -435,3 +435,46 @@ def test_random_soak(root, tp):
         assert sum(r.request.num_preemptions for r in reqs) > 0, "no preemption"
         assert sum(bool(r.ext) for r in reqs) > 10, "too few store hits"
         assert any(r.request.status == RequestStatus.FINISHED_ABORTED for r in reqs)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefetch of queued requests (connector.prefetch, vLLM's on_new_request)
+
+
+def _memory_tier(engine, rank=0):
+    store = engine.workers[rank].core.store
+    return store.tiers[0], store
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+@pytest.mark.parametrize("tp", TPS)
+def test_queued_requests_blocks_move_to_memory_while_they_wait(root, tp, prefetch):
+    """A new engine whose blocks are only on disk; one request runs at a time. The requests
+    queued behind the first have their blocks promoted into the memory tier before vLLM
+    schedules them, so their loads read memory; without prefetch they read the disk."""
+    prompts = [_prompt(40 + i, 90) for i in range(3)]
+    _run(root, tp, prompts)
+    opts = {"prefetch": prefetch}
+    with _engine(root, tp, connector=opts, max_num_seqs=1) as e:
+        for p in prompts:
+            e.add(p, max_tokens=4)
+        e.step()  # r1 runs; r2 and r3 wait
+        for r in range(tp):
+            mem, store = _memory_tier(e, r)
+            store.flush()  # (the promotion runs in the background)
+            sched = e.connector.sched
+            ids = np.concatenate([sched._hashes(sched._state(e.reqs[rid].request), (len(p) - 1) // BLOCK)
+                                  for rid, p in zip(("r2", "r3"), prompts[1:])])
+            held = mem.lookup(e.workers[r].core.rank_ids(ids))
+            assert all(held) if prefetch else not any(held), held
+            hinted = e.workers[r].core.metrics.totals().get("ucm_prefetch_hint_blocks_total", 0)
+            assert (hinted == len(ids)) if prefetch else hinted == 0
+        e.run()
+        reqs = [e.reqs[f"r{i}"] for i in (1, 2, 3)]
+        assert [r.ext for r in reqs] == [expected_hits(len(p)) for p in prompts]
+        assert all(_finished(r) for r in reqs)
+        hits = e.workers[0].core.store.stats()["pipeline"]["hits_by_tier"]
+        assert_scheduler_empty(e)
+    # the queued requests' blocks were found in memory with prefetch, on disk without it
+    full = sum(expected_hits(len(p)) // BLOCK for p in prompts[1:])
+    assert (hits["memory"] >= full) if prefetch else hits["memory"] < full, hits

@@ -405,6 +405,9 @@ OPTIONS: tuple[Option, ...] = (
            "through the first decode steps (where it costs memory bandwidth). Used once vLLM was "
            "seen calling that hook for every layer of a step; else the whole save starts at the "
            "end of the step. CPU engines (GPU engines always save at the end of the step)."),
+    Option("connector.prefetch", "bool", True, "When a request joins vLLM's waiting queue, look "
+           "its blocks up and have the workers move those that only slower tiers hold (posix, "
+           "distributed) into the memory tier while it waits (the store's prefetch)."),
     Option("connector.partial_tail", "bool", True, "Also store a prompt's partial last block "
            "under an id of its exact tokens, so a repeated prompt computes only its last token."),
     Option("connector.overlap_load", "bool", True, "Copy loaded blocks into the paged cache "

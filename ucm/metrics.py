@@ -109,6 +109,9 @@ SERIES = {s.name: s for s in (
     Series("ucm_steps_total", "counter", "Engine steps the worker took part in."),
     Series("ucm_forward_seconds_total", "counter",
            "Seconds from the start of a step's loads to its saves (the forward with its loads)."),
+    Series("ucm_prefetch_hint_blocks_total", "counter",
+           "Blocks of queued requests the scheduler asked the workers to prefetch (the store "
+           "moves those that only slower tiers hold into memory)."),
     Series("ucm_resumed_requests_total", "counter",
            "Preempted requests resumed with their blocks loaded again."),
     Series("ucm_resumed_load_blocks_total", "counter", "Blocks loaded for resumed requests."),

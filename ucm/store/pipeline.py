@@ -74,8 +74,8 @@ class PipelineStore(KVStore):
         target = max(int(value), self.generation())
         return min(t.set_generation(target) for t in self.tiers)
 
-    def _where(self, ids: np.ndarray) -> np.ndarray:
-        """Index of the first tier holding each block, or -1."""
+    def _where(self, ids: np.ndarray, count: bool = True) -> np.ndarray:
+        """Index of the first tier holding each block, or -1 (``count``: in the hit rates)."""
         where = np.full(len(ids), -1, dtype=np.int64)
         todo = np.arange(len(ids))
         for k, tier in enumerate(self.tiers):
@@ -84,10 +84,11 @@ class PipelineStore(KVStore):
             found = np.asarray(tier.lookup(ids[todo]), dtype=bool)
             where[todo[found]] = k
             todo = todo[~found]
-        with self._lock:
-            self._lookups += len(ids)
-            for k in range(len(self.tiers)):
-                self._hits[k] += int((where == k).sum())
+        if count:
+            with self._lock:
+                self._lookups += len(ids)
+                for k in range(len(self.tiers)):
+                    self._hits[k] += int((where == k).sum())
         return where
 
     def lookup(self, block_ids) -> list[bool]:
@@ -164,22 +165,16 @@ class PipelineStore(KVStore):
     def prefetch(self, block_ids) -> None:
         """Promote blocks that only lower tiers hold into the first tier, in the background."""
         ids = as_ids(block_ids, "block_ids")
-        where = self._where(ids)
+        where = self._where(ids, count=False)  # a hint, not a request: not in the hit rates
         lower = np.flatnonzero(where > 0)
         if not len(lower):
             return
         self._background(self._prefetch, ids[lower])
 
     def _prefetch(self, ids) -> None:
+        """Read the blocks from the tier that holds them; a whole-block load promotes them."""
         host = np.empty((len(ids), self.geometry.block_bytes), dtype=np.uint8)
-        t = self.load(ids, 0, host)
-        r = self.wait(t)
-        if r.ok.any():
-            good = np.flatnonzero(r.ok)
-            top = self.tiers[0]
-            task = top.dump(ids[good], 0, host[good])
-            res = top.wait(task)
-            top.commit(ids[good], res.ok)
+        self.wait(self.load(ids, 0, host))
 
     # -- dump / commit --------------------------------------------------------------------------
     def _admitted(self, ids) -> np.ndarray:

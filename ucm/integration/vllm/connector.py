@@ -78,6 +78,7 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     resumed: list = field(default_factory=list)  # requests resumed after a preemption this step
     barrier: bool = False  # wait for every save in flight before this step writes the cache
     idle: bool = False  # the step computes nothing (vLLM polls the connector)
+    prefetch: list = field(default_factory=list)  # ids [n, 2] of queued requests' stored blocks
 
 
 def _layer_order(name: str):
@@ -191,6 +192,9 @@ class UCMConnector(KVConnectorBase_V1):
                                    ) -> tuple[Optional[int], bool]:
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request: "Request") -> None:
+        self.sched.on_new_request(request)
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -267,6 +271,9 @@ class UCMConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        hints = getattr(connector_metadata, "prefetch", None)
+        if hints and self.core is not None:
+            self.core.prefetch(hints)
         if self.save_path is not None:  # (saves None: the metadata is not ucm's)
             ours = isinstance(connector_metadata, UCMConnectorMetadata)
             self.save_path.begin_step(connector_metadata.saves if ours else None,

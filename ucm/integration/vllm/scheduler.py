@@ -125,6 +125,8 @@ class ConnectorScheduler:
             if cfg["compression.enabled"] else None
         self._async = bool(cfg["connector.async_save"]) and not cfg["connector.layerwise"]
         self._tail = bool(cfg["connector.partial_tail"])
+        self._prefetch = bool(cfg["connector.prefetch"])
+        self._hints: dict[str, np.ndarray] = {}  # request id -> ids to prefetch (queued requests)
         # ids of partial tails live in their own namespace: a tail of t tokens is never
         # mistaken for a full block (and vice versa)
         self._tail_ns = murmur3_x64_128(ns.digest() + b"ucm-partial-tail-v1", 0)
@@ -231,6 +233,25 @@ class ConnectorScheduler:
                   tail is not None)
         return ext, False
 
+    def on_new_request(self, request: "Request") -> None:
+        """A request joined the waiting queue: the blocks the store holds for it become a
+        prefetch hint, sent to the workers with the next step unless that step schedules the
+        request (then its load runs at once and a hint would only repeat it)."""
+        if not (self._prefetch and self.is_consumer):
+            return
+        st = self._state(request)
+        n_full = (request.num_tokens - 1) // self.block_size
+        if st is None or n_full < 1:
+            return
+        try:
+            ids = self._hashes(st, n_full)
+            hit = self._prefix_hits(ids)
+        except Exception as exc:  # a hint is an optimisation: a fault costs nothing but it
+            log.debug("ucm: prefetch lookup failed (%r)", exc)
+            return
+        if hit:
+            self._hints[request.request_id] = ids[:hit]
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         st = self._state(request)
@@ -270,6 +291,10 @@ class ConnectorScheduler:
         # step: saves still reading them must finish before the step writes the cache.
         meta.barrier = self._async and bool(getattr(scheduler_output, "preempted_req_ids", None))
         scheduled = scheduler_output.num_scheduled_tokens
+        if self._hints:
+            now = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+            meta.prefetch = [ids for rid, ids in self._hints.items() if rid not in now]
+            self._hints.clear()
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:

@@ -5,6 +5,7 @@ described by a :class:`ucm.KVLayout` over plain tensors.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -17,6 +18,8 @@ import ucm
 from ucm import metrics as ucm_metrics
 from ucm.buffers import BufferPool
 from ucm.store.codec import CodecStore
+
+log = logging.getLogger("ucm.integration")
 
 
 def store_shard_bytes(layout: "ucm.KVLayout") -> int:
@@ -67,6 +70,19 @@ class WorkerCore:
         #: staging buffers of ended saves, reused
         self.staging = BufferPool(self.alloc)
         self._forward_t0: Optional[float] = None
+
+    def prefetch(self, hints: list) -> None:
+        """Queued requests' stored blocks (base ids, one array per request): the store promotes
+        those that only slower tiers hold into its first tier in the background. A hint is an
+        optimisation: a fault is logged and costs nothing else."""
+        if self.store is None:
+            return
+        try:
+            ids = self.rank_ids(np.concatenate(hints))
+            self.store.prefetch(ids)
+            self.metrics.inc("ucm_prefetch_hint_blocks_total", len(ids))
+        except Exception as exc:
+            log.debug("ucm: prefetch failed (%r)", exc)
 
     # staging ----------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> torch.Tensor:
