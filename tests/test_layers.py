@@ -10,7 +10,7 @@ tables). The layers:
    validate and dispatch;
 4. services: ``ucm.store.*``, the sparse methods ``ucm.sparse.*``, the package's root;
 5. applications: ``ucm.integration.*``, ``ucm.cli``, ``ucm.demo.*``, ``ucm.models``,
-   ``ucm.replay``.
+   ``ucm.replay``, ``ucm.autotune``.
 """
 import ast
 import fnmatch
@@ -29,7 +29,7 @@ LAYERS = [
     ("ops", ["ucm.ops", "ucm.transfer", "ucm.compress", "ucm.sparse.ops"]),
     ("services", ["ucm.store", "ucm.store.*", "ucm.sparse", "ucm.sparse.*", "ucm"]),
     ("applications", ["ucm.integration", "ucm.integration.*", "ucm.cli", "ucm.__main__",
-                      "ucm.demo", "ucm.demo.*", "ucm.models", "ucm.replay"]),
+                      "ucm.demo", "ucm.demo.*", "ucm.models", "ucm.replay", "ucm.autotune"]),
 ]
 
 

@@ -253,6 +253,49 @@ def _cmd_replay(args) -> int:
     return 0
 
 
+def _cmd_tune(args) -> int:
+    from ucm.autotune import AutoTuner, TuneError
+
+    constraints = {k: v for k, v in (("max_memory_gb", args.max_memory_gb),
+                                     ("max_disk_gb", args.max_disk_gb),
+                                     ("max_latency_ms", args.max_latency_ms)) if v is not None}
+    prompts = []
+    try:
+        opener = open(args.requests, encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--requests {args.requests!r}: {exc.strerror}") from None
+    with opener as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                toks = obj["prompt_token_ids"] if isinstance(obj, dict) else obj
+                if not isinstance(toks, list) or not all(isinstance(t, int) and t >= 0 for t in toks):
+                    raise ValueError("expected a list of token ids")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"--requests line {n}: {exc} (JSON lines: a list of token ids or "
+                                 f"{{\"prompt_token_ids\": [...]}})") from None
+            prompts.append(toks)
+    if args.model:
+        model = args.model
+    else:
+        from ucm.models import ensure_smollm2
+
+        model = ensure_smollm2()
+    tuner = AutoTuner(args.workload, constraints, measure_vllm=not args.no_vllm,
+                      progress=not args.quiet)
+    try:
+        tuner.tune(model, prompts)
+    except TuneError as exc:
+        raise ValueError(str(exc)) from None
+    print(tuner.report_markdown())
+    if args.report:
+        for path in tuner.write_report(args.report):
+            print(f"report: {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ucm", description=__doc__)
     from ucm._version import __version__
@@ -326,6 +369,20 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=_cmd_replay)
+    p = sub.add_parser("tune", help="measure and choose a configuration for a workload under "
+                                    "memory, disk and latency constraints (ucm.autotune)")
+    p.add_argument("--workload", default="chat", choices=["chat", "batch", "long_context"])
+    p.add_argument("--requests", required=True,
+                   help="sample requests: JSON lines, each a list of token ids or "
+                        "{\"prompt_token_ids\": [...]}, in arrival order")
+    p.add_argument("--model", default=None, help="model directory (default: the demo's SmolLM2)")
+    p.add_argument("--max-memory-gb", type=float, default=None)
+    p.add_argument("--max-disk-gb", type=float, default=None, help="0: no disk tier")
+    p.add_argument("--max-latency-ms", type=float, default=None, help="mean TTFT bound")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM TTFT stage")
+    p.add_argument("--report", default=None, help="directory for report.md and report.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(fn=_cmd_tune)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -8,7 +8,7 @@ real, separate process (a restart is a new process) and nothing leaks between ru
 The spec (JSON) holds: ``model``, ``dtype``, ``connector`` (null | "ucm" | "example"),
 ``extra_config`` (kv_connector_extra_config), ``kv_role``, ``max_num_batched_tokens``,
 ``max_model_len``, ``prefix_caching`` (vLLM's own prefix cache, off by default),
-``gpu_memory_utilization``, ``num_gpu_blocks_override`` (a KV cache of
+``gpu_memory_utilization``, ``max_num_seqs``, ``num_gpu_blocks_override`` (a KV cache of
 exactly that many blocks), ``log_stats`` (report vLLM's counters, e.g. ``vllm:num_preemptions``,
 under ``"metrics"``, and per generated output ``decode_s``: engine-core time from its first to
 its last token), ``prompts`` (lists of token ids), ``phases`` (list of {"name", "prompts":
@@ -61,6 +61,8 @@ def llm_kwargs(spec: dict) -> dict:
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
     if spec.get("log_stats"):
         kwargs["disable_log_stats"] = False
+    if spec.get("max_num_seqs"):
+        kwargs["max_num_seqs"] = spec["max_num_seqs"]
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True

