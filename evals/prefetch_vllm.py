@@ -9,6 +9,8 @@
    the requests at once: each request is a stored document followed by ``--suffix`` new tokens,
    so each one computes for a while and the others wait (``max_num_seqs=1``). One engine runs
    with ``connector.prefetch`` off, the other with it on; they run one after the other.
+   With ``--o-direct`` the posix tier reads around the page cache, as a disk larger than the
+   host's memory (or a network filesystem) would be read.
 3. From each engine's connector statistics: seconds spent reading the store inside the step
    that needs the blocks (``ucm_load_store_seconds_total``, on the critical path), blocks
    loaded, blocks served from the memory tier without a copy, and prefetch hints.
@@ -56,6 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--prefix", type=int, default=2048, help="stored tokens per request")
     ap.add_argument("--suffix", type=int, default=256, help="new tokens per request")
+    ap.add_argument("--o-direct", action="store_true",
+                    help="the posix tier bypasses the page cache (reads come from the disk)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from ucm.models import ensure_smollm2
@@ -70,7 +74,8 @@ def main(argv=None) -> int:
     t0 = time.time()
 
     def spec(prompts, root_dir, prefetch, stats, max_num_seqs):
-        extra = {"store": {"pipeline": "memory|posix", "posix": {"roots": [root_dir]}},
+        extra = {"store": {"pipeline": "memory|posix",
+                           "posix": {"roots": [root_dir], "o_direct": args.o_direct}},
                  "connector": {"prefetch": prefetch, "stats_file": stats}}
         return dict(model=model, dtype="bfloat16", connector="ucm", extra_config=extra,
                     prompts=prompts, block_size=BS, max_model_len=args.prefix + args.suffix + 64,
