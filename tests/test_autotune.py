@@ -123,3 +123,10 @@ def test_cli_tune(model, tmp_path, capsys):
     assert main(["tune", "--requests", str(path), "--model", model, "--max-memory-gb", "0",
                  "--max-disk-gb", "0", "--no-vllm", "--quiet"]) == 2
     assert "contradict" in capsys.readouterr().err
+
+
+def test_memory_below_one_block_with_a_disk_tier_means_the_disk_alone(model):
+    t = AutoTuner("chat", {"max_memory_gb": 1e-6}, measure_vllm=False, progress=False)
+    cfg = t.tune(model, workload(10))
+    assert cfg["store.pipeline"] == "posix"
+    assert [s.name for s in t.stages] == ["io threads"]

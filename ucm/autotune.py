@@ -151,7 +151,7 @@ class AutoTuner:
         from ucm import replay as rp
 
         st = Stage("capacity and policy")
-        tiers = "memory|posix" if disk and slots >= 1 else "memory"
+        tiers = "memory|posix" if disk else "memory"
         lower = None
         if disk:
             gb = self.constraints.get("max_disk_gb")
@@ -164,7 +164,7 @@ class AutoTuner:
                  quiet=not self.progress) as pb:
             for pol in rp.POLICIES:
                 for adm in admissions:
-                    r = rp.replay(trace, max(1, slots), pol, tiers=tiers, lower_capacity=lower,
+                    r = rp.replay(trace, slots, pol, tiers=tiers, lower_capacity=lower,
                                   admission=adm, costs=costs, kv_bytes_per_token=block_bytes // trace.block_tokens)
                     st.rows.append(dict(policy=pol, admission=adm, tiers=tiers,
                                         memory_blocks=r.capacity_blocks, hit_rate=r.hit_rate,
@@ -242,10 +242,13 @@ class AutoTuner:
         disk = self.constraints.get("max_disk_gb", 1) != 0
         trace = requests_to_trace(sample_requests, self.block_size)
         self.stages = []
-        pol = self._policy_stage(trace, slots, block_bytes, disk).choice
-        pipeline = pol["tiers"] if slots >= 1 else "posix"
-        values = {"buffer_number": max(1, slots), "store.pipeline": pipeline,
-                  "store.memory.policy": pol["policy"], "store.admission": pol["admission"]}
+        if slots >= 1:
+            pol = self._policy_stage(trace, slots, block_bytes, disk).choice
+            values = {"buffer_number": slots, "store.pipeline": pol["tiers"],
+                      "store.memory.policy": pol["policy"], "store.admission": pol["admission"]}
+        else:  # no room for one block in memory: the disk tier alone (nothing to evict by policy)
+            values = {"store.pipeline": "posix"}
+        pipeline = values["store.pipeline"]
         if disk:
             if "max_disk_gb" in self.constraints:
                 values["cache_capacity"] = int(self.constraints["max_disk_gb"] * 2**30)
