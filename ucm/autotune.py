@@ -29,8 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -256,8 +254,7 @@ class AutoTuner:
         preset = self.nearest_preset(max(1, slots), pipeline)
         if "cache_capacity" in values:
             preset["cache_capacity"] = values["cache_capacity"]
-        tuned = {k: v for k, v in preset.items() if k not in values or k == "store.pipeline"}
-        tuned.update(values)
+        tuned = {**preset, **values}
         self.candidates = {"tuned": tuned, f"preset {self.preset}": preset}
         if self.measure_vllm:
             res = self._ttft_stage(model, self.candidates, list(sample_requests))
@@ -354,25 +351,20 @@ def measure_ttft(model: str, values: dict, prompts: list, *, dtype: str = "bfloa
     """TTFT (seconds) of ``prompts`` served one at a time, in order, by a fresh vLLM engine
     (``ucm.demo.engine`` in a child process) with the ucm configuration ``values`` and a store
     of its own in a temporary directory."""
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from ucm.demo.engine import run_in_child
+
     with tempfile.TemporaryDirectory(prefix="ucm-tune-ttft-") as tmp:
         extra = dict(values)
         extra["store.posix.roots"] = [os.path.join(tmp, "store")]
         os.makedirs(extra["store.posix.roots"][0])
-        longest = max(len(p) for p in prompts)
         spec = dict(model=model, dtype=dtype, connector="ucm", extra_config=extra,
                     prompts=[list(map(int, p)) for p in prompts], block_size=block_size,
-                    max_model_len=longest + 64,
+                    max_model_len=max(len(p) for p in prompts) + 64,
                     phases=[{"name": "ttft", "prompts": list(range(len(prompts))), "ttft": True}])
-        path = os.path.join(tmp, "spec.json")
-        with open(path, "w") as f:
-            json.dump(spec, f)
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-                   OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=cpu or "0",
-                   PYTHONPATH=repo_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, "-m", "ucm.demo.engine", path], env=env,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise TuneError(f"model {model!r}: the vLLM engine failed: {proc.stderr[-2000:]}")
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
+                   OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=cpu or "0")
+        try:
+            out = run_in_child(spec, tmp, "ttft", env)
+        except RuntimeError as exc:
+            raise TuneError(f"model {model!r}: {exc}") from None
     return [o["ttft"] for o in out["phases"][0]["outputs"]]

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
+from typing import Optional
 
 
 def _kv_config(spec: dict):
@@ -70,6 +72,20 @@ def llm_kwargs(spec: dict) -> dict:
     if kv is not None:
         kwargs["kv_transfer_config"] = kv
     return kwargs
+
+
+def run_in_child(spec: dict, workdir: str, name: str, env: Optional[dict] = None) -> dict:
+    """Run ``spec`` in a fresh process (``python -m ucm.demo.engine``, environment ``env`` over
+    this one's) and return its result; RuntimeError with the end of its stderr if it fails."""
+    path = os.path.join(workdir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    proc = subprocess.run([sys.executable, "-m", "ucm.demo.engine", path], capture_output=True,
+                          text=True, env=dict(os.environ, **(env or {})))
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
+        raise RuntimeError(f"engine '{name}' failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run(spec: dict) -> dict:

@@ -15,12 +15,10 @@ the same everywhere, and writes a chart (PNG). Every engine is a separate proces
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -65,24 +63,16 @@ def _prompts(model: str, n_tokens: int) -> dict:
 
 
 def _engine(spec: dict, workdir: str, name: str) -> dict:
-    path = os.path.join(workdir, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(spec, f)
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from ucm.demo.engine import run_in_child
+
     # One reserved CPU for every engine: vLLM-CPU reserves one more when any KV connector is set
     # (for NIXL), so by default a connector engine computes on other cores than a plain one
     # (measured on 2 cores: 4,000-token prefill 1.9-2.0 s with a connector vs 3.9-4.1 s without).
-    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    env = {k: v for k, v in (("VLLM_CPU_KVCACHE_SPACE", "2"), ("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"))
+           if k not in os.environ}
     t0 = time.time()
     _say(f"  starting engine '{name}' (loading the model takes about 30 s)...")
-    proc = subprocess.Popen([sys.executable, "-m", "ucm.demo.engine", path], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    out, err = proc.communicate()
-    if proc.returncode != 0:
-        tail = "\n".join(err.strip().splitlines()[-25:])
-        raise RuntimeError(f"engine '{name}' failed (exit {proc.returncode}):\n{tail}")
-    result = json.loads(out.strip().splitlines()[-1])
+    result = run_in_child(spec, workdir, name, env)
     _say(f"  engine '{name}' done in {time.time() - t0:.0f} s")
     return result
 

@@ -126,7 +126,7 @@ class ConnectorScheduler:
         self._async = bool(cfg["connector.async_save"]) and not cfg["connector.layerwise"]
         self._tail = bool(cfg["connector.partial_tail"])
         self._prefetch = bool(cfg["connector.prefetch"])
-        self._hints: dict[str, np.ndarray] = {}  # request id -> ids to prefetch (queued requests)
+        self._arrived: dict = {}  # request id -> request, added since the last step (prefetch)
         # ids of partial tails live in their own namespace: a tail of t tokens is never
         # mistaken for a full block (and vice versa)
         self._tail_ns = murmur3_x64_128(ns.digest() + b"ucm-partial-tail-v1", 0)
@@ -234,23 +234,32 @@ class ConnectorScheduler:
         return ext, False
 
     def on_new_request(self, request: "Request") -> None:
-        """A request joined the waiting queue: the blocks the store holds for it become a
-        prefetch hint, sent to the workers with the next step unless that step schedules the
-        request (then its load runs at once and a hint would only repeat it)."""
-        if not (self._prefetch and self.is_consumer):
-            return
-        st = self._state(request)
-        n_full = (request.num_tokens - 1) // self.block_size
-        if st is None or n_full < 1:
-            return
-        try:
-            ids = self._hashes(st, n_full)
-            hit = self._prefix_hits(ids)
-        except Exception as exc:  # a hint is an optimisation: a fault costs nothing but it
-            log.debug("ucm: prefetch lookup failed (%r)", exc)
-            return
-        if hit:
-            self._hints[request.request_id] = ids[:hit]
+        """A request joined the waiting queue. It is looked up when the step is built, and only
+        if that step does not schedule it (then its load runs at once): the blocks the store
+        holds for it become a prefetch hint to the workers."""
+        if self._prefetch and self.is_consumer:
+            self._arrived[request.request_id] = request
+
+    def _prefetch_hints(self, scheduled_now: set) -> list:
+        """Stored block ids of the requests that arrived since the last step and still wait."""
+        hints = []
+        for rid, request in self._arrived.items():
+            if rid in scheduled_now:
+                continue
+            st = self._state(request)
+            n_full = (request.num_tokens - 1) // self.block_size
+            if st is None or n_full < 1:
+                continue
+            try:
+                ids = self._hashes(st, n_full)
+                hit = self._prefix_hits(ids)
+            except Exception as exc:  # a hint is an optimisation: a fault costs nothing but it
+                log.debug("ucm: prefetch lookup failed (%r)", exc)
+                continue
+            if hit:
+                hints.append(ids[:hit])
+        self._arrived.clear()
+        return hints
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -291,10 +300,9 @@ class ConnectorScheduler:
         # step: saves still reading them must finish before the step writes the cache.
         meta.barrier = self._async and bool(getattr(scheduler_output, "preempted_req_ids", None))
         scheduled = scheduler_output.num_scheduled_tokens
-        if self._hints:
+        if self._arrived:
             now = {new.req_id for new in scheduler_output.scheduled_new_reqs}
-            meta.prefetch = [ids for rid, ids in self._hints.items() if rid not in now]
-            self._hints.clear()
+            meta.prefetch = self._prefetch_hints(now)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -430,6 +438,7 @@ class ConnectorScheduler:
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
         st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self._arrived.pop(request.request_id, None)
         # With background saves vLLM keeps the blocks until the worker reports the request's
         # saves done (get_finished); the worker tracks exactly the requests it got saves for.
         return bool(self._async and st is not None and st.saved), None
