@@ -3,7 +3,7 @@ small budget.
 
 A quick, comparable setting (default: 2K context, two documents x 24 teacher-forced tokens,
 ``sparse_ratio`` 0.2), every variant one batch row of the same
-:func:`evals.sparse_model.run_continuation` run (they share the dense prefill), pooled over
+:func:`ucm.reference.llama.run_continuation` run (they share the dense prefill), pooled over
 the documents with :func:`evals.sparse_quality.summarize`. Variants:
 
 * ``quest`` / ``esaN`` (ESA re-selecting every N steps; ``esa1`` isolates its scoring) / ``kvstar`` /
@@ -39,8 +39,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from evals import sparse_model  # noqa: E402
-from evals.sparse_model import SmolLM2, run_continuation  # noqa: E402
+from ucm.reference import llama as sparse_model  # noqa: E402
+from ucm.models import ensure_smollm2  # noqa: E402
+from ucm.reference.llama import Llama, run_continuation  # noqa: E402
 from evals.sparse_quality import corpus_ids, documents, markdown, summarize  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
 from ucm.sparse.quest import Quest  # noqa: E402
@@ -240,9 +241,7 @@ def main(argv=None) -> int:
     sparse_model.paged_attention = _paged_attention_per_head
     variants = args.variants.split(",")
     t0 = time.time()
-    model = SmolLM2.load()
-    from ucm.models import ensure_smollm2
-
+    model = Llama.load(ensure_smollm2())
     ids = corpus_ids(ensure_smollm2())
     shape = dict(num_layers=model.num_layers, num_q_heads=model.num_q_heads,
                  num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, block_size=16)

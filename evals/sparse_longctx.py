@@ -61,12 +61,12 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.
 
 @torch.inference_mode()
 def record(context: int, steps: int, offset: int, out: str) -> None:
-    from evals.sparse_model import SmolLM2, _rms_norm
+    from ucm.reference.llama import Llama, _rms_norm
     from evals.sparse_quality import corpus_ids
     from ucm.models import ensure_smollm2
 
     path = ensure_smollm2()
-    model = SmolLM2.load(path)
+    model = Llama.load(path)
     ids = corpus_ids(path)[offset:offset + context + steps]
     if len(ids) < context + steps:
         raise SystemExit(f"the corpus has no {context + steps} tokens after offset {offset}")

@@ -4,7 +4,7 @@ mass of every sparse method against dense attention, on real text.
 Contexts of 2K, 4K and 8K tokens of Python documentation (CPython's ``pydoc_data.topics``, the
 text the vLLM benchmarks use), several documents each (distinct offsets in the text); each
 context is prefilled densely, then ``T`` continuation tokens are teacher-forced one decode step at
-a time (``evals/sparse_model.py``), each method choosing the blocks every layer attends to
+a time (``ucm/reference/llama.py``), each method choosing the blocks every layer attends to
 at every step, for every ``sparse_ratio``. Per method and ratio, pooled over the documents of a
 context length:
 
@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from evals.sparse_model import SmolLM2, method_variant, run_continuation  # noqa: E402
+from evals.sparse_model import method_variant  # noqa: E402
+from ucm.reference.llama import Llama, run_continuation  # noqa: E402
 
 METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
 RATIOS = (0.7, 0.5, 0.3, 0.2)
@@ -65,7 +66,7 @@ def documents(ids: list, length: int, tokens: int, count: int) -> list:
     return [ids[s:s + span] for s in starts]
 
 
-def self_check(model: SmolLM2, path: str, ids: list) -> dict:
+def self_check(model: Llama, path: str, ids: list) -> dict:
     """Max |logit difference| against transformers' LlamaForCausalLM on 128 tokens (if present)."""
     try:
         from transformers import LlamaForCausalLM
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     path = ensure_smollm2()
-    model = SmolLM2.load(path)
+    model = Llama.load(path)
     ids = corpus_ids(path)
     check = self_check(model, path, ids)
     print(f"corpus {len(ids)} tokens; contexts {contexts}, documents {docs}, {args.tokens} "

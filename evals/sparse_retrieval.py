@@ -3,7 +3,7 @@
 For each task x length x depth (``evals/retrieval_tasks.py``: pass key, multi-key needle
 with distractors, key-value recall) the prompt (question included) is prefilled densely except
 its last token; that token and the answer tokens are then fed as decode steps
-(``evals/sparse_model.py``, paged cache, block size 16), one batch row per method and
+(``ucm/reference/llama.py``, paged cache, block size 16), one batch row per method and
 ``sparse_ratio`` plus one dense row, each method choosing the blocks every layer attends to at
 every step (``ucm.sparse.create``). So *every* answer token is predicted under sparse attention
 (in vLLM the first answer token would come from the dense prefill: this is stricter). An
@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import retrieval_tasks as rt  # noqa: E402
-from evals.sparse_model import SmolLM2, method_variant, run_continuation  # noqa: E402
+from evals.sparse_model import method_variant  # noqa: E402
+from ucm.reference.llama import Llama, run_continuation  # noqa: E402
 
 METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
 RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5)
@@ -225,7 +226,7 @@ def main(argv=None) -> dict:
 
         args.model = ensure_smollm2()
     tok = load_tokenizer(args.model)
-    model = SmolLM2.load(args.model)
+    model = Llama.load(args.model)
     base_cfg = {"min_blocks": 16, **args.config}
     instances = []
     t_start = time.perf_counter()

@@ -22,7 +22,7 @@ What it does, all deterministic for a given ``--seed``:
 4. evaluates greedy exact match (teacher-forced: every answer token must be the argmax) per
    task x length x depth on fresh seeds and writes ``eval.json``;
 5. saves a Hugging Face folder (``model.safetensors`` in bfloat16, ``config.json``, tokenizer)
-   that ``transformers``, vLLM and ``evals/sparse_model.py`` load.
+   that ``transformers``, vLLM and ``ucm.reference.llama`` load.
 
 Run on a GPU (about 6 minutes on one H200, including start-up and evaluation)::
 

@@ -78,7 +78,7 @@ def test_tune_picks_the_measured_best_policy_within_the_memory_budget(model, tmp
     distinct = requests_to_trace(reqs, 32).distinct_blocks
     gb = distinct // 4 * block_bytes / 2**30
     t = AutoTuner("chat", {"max_memory_gb": gb, "max_disk_gb": 0}, measure_vllm=False,
-                  progress=False)
+                  progress=False, tune_block_size=False)
     cfg = t.tune(model, reqs)
     assert cfg["store.pipeline"] == "memory"
     assert cfg["buffer_number"] * block_bytes <= gb * 2**30
@@ -129,4 +129,116 @@ def test_memory_below_one_block_with_a_disk_tier_means_the_disk_alone(model):
     t = AutoTuner("chat", {"max_memory_gb": 1e-6}, measure_vllm=False, progress=False)
     cfg = t.tune(model, workload(10))
     assert cfg["store.pipeline"] == "posix"
-    assert [s.name for s in t.stages] == ["io threads"]
+    assert [s.name for s in t.stages] == ["io threads", "block size"]
+
+
+# ---------------------------------------------------------------------------------------------
+# block size and sparse decode: measured on a small random Llama written as a real checkpoint
+
+def write_llama(d, layers=2, vocab=97, seed=0):
+    """A Hugging Face folder (config.json + model.safetensors) of a small random Llama."""
+    import math
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    H, I = 48, 64
+    cfg = {"num_hidden_layers": layers, "num_attention_heads": 6, "num_key_value_heads": 2,
+           "hidden_size": H, "head_dim": 8, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "intermediate_size": I}
+    w = {"model.embed_tokens.weight": torch.randn(vocab, H, generator=g),
+         "model.norm.weight": 1 + 0.1 * torch.randn(H, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (48, H)), ("self_attn.k_proj", (16, H)),
+                            ("self_attn.v_proj", (16, H)), ("self_attn.o_proj", (H, 48)),
+                            ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
+                            ("mlp.down_proj", (H, I))):
+            w[p + name + ".weight"] = 3 * torch.randn(*shape, generator=g) / math.sqrt(shape[1])
+        w[p + "input_layernorm.weight"] = torch.ones(H)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(H)
+    header, blobs, off = {}, [], 0
+    for name, t in w.items():
+        b = t.contiguous().numpy().astype("<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+    return str(d)
+
+
+def long_requests(n=3, tokens=560, vocab=97, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, tokens).tolist() for _ in range(n)]
+
+
+def test_block_size_stage_keeps_the_memory_budget_and_saves_the_most(model):
+    reqs = workload()        # shared 320-token prompts: 128-token blocks lose their last 64
+    gb = 0.02
+    t = AutoTuner("chat", {"max_memory_gb": gb, "max_disk_gb": 0}, measure_vllm=False,
+                  progress=False)
+    cfg = t.tune(model, reqs)
+    st = [s for s in t.stages if s.name == "block size"][0]
+    assert [r["block_size"] for r in st.rows] == [16, 32, 64, 128]
+    by = {r["block_size"]: r for r in st.rows}
+    assert by[128]["token_hit_rate"] < by[64]["token_hit_rate"]
+    best = max(st.rows, key=lambda r: r["prefill_saved_s"])
+    assert t.engine_args["block_size"] == best["block_size"]
+    kv = model_shape(model).kv_bytes_per_token
+    assert cfg["buffer_number"] * kv * t.engine_args["block_size"] <= gb * 2**30
+    assert st.choice["prefill_cost"].startswith("default")   # config.json alone: no weights
+    assert "engine settings" in t.report_markdown()
+
+
+def test_sparse_stage_picks_the_sparsest_ratio_within_the_bound(tmp_path):
+    from ucm.autotune import SPARSE_METHODS, SPARSE_RATIOS
+
+    model = write_llama(tmp_path / "llama")
+    reqs = long_requests()
+    runs = {}
+    for bound in (1e-9, 1e6):
+        t = AutoTuner("chat", {"max_ppl_increase": bound, "max_disk_gb": 0},
+                      measure_vllm=False, progress=False, tune_block_size=False, sparse_tokens=8)
+        cfg = t.tune(model, reqs)
+        st = [s for s in t.stages if s.name == "sparse decode"][0]
+        assert {(r["method"], r["ratio"]) for r in st.rows} == \
+            {(m, r) for m in SPARSE_METHODS for r in SPARSE_RATIOS}
+        ran = [r for r in st.rows if not r["note"]]
+        assert all(r["steps"] == 8 * len(reqs) for r in ran)
+        # head_dim 8 rules out kvstar's 16 channels: reported, not run
+        assert {r["method"] for r in st.rows if r["note"]} == {"kvstar"}
+        assert all("kvstar_channels" in r["note"] for r in st.rows if r["note"])
+        runs[bound] = (cfg, st)
+    # measured, not assumed: sparse decode changes this model's predictions
+    rows = runs[1e6][1].rows
+    assert any(abs(r["ppl_change_pct"]) > 1e-3 for r in rows)
+    cfg, st = runs[1e6]                       # everything allowed: the sparsest ratio
+    assert cfg["sparse_ratio"] == min(SPARSE_RATIOS) and cfg["sparse_method"] in SPARSE_METHODS
+    at = [r for r in st.rows if r["ratio"] == min(SPARSE_RATIOS) and not r["note"]]
+    assert st.choice["sparse_method"] == min(at, key=lambda r: r["ppl_change_pct"])["method"]
+    cfg, st = runs[1e-9]                      # nothing within the bound (unless a change < 0)
+    within = [r for r in st.rows if r["ppl_change_pct"] <= 1e-9]
+    if within:
+        assert cfg["sparse_ratio"] == min(r["ratio"] for r in within)
+    else:
+        assert cfg["sparse_method"] == "none" and "within" in st.choice["why"]
+
+
+def test_sparse_stage_bad_models_and_short_requests(model, tmp_path):
+    short = AutoTuner("chat", {"max_ppl_increase": 1, "max_disk_gb": 0}, measure_vllm=False,
+                      progress=False, tune_block_size=False)
+    cfg = short.tune(model, workload(6))      # no request reaches min_blocks: stays dense
+    assert cfg["sparse_method"] == "none"
+    assert "min_blocks" in [s for s in short.stages if s.name == "sparse decode"][0].choice["why"]
+    t = AutoTuner("chat", {"max_ppl_increase": 1, "max_disk_gb": 0}, measure_vllm=False,
+                  progress=False, tune_block_size=False)
+    with pytest.raises(TuneError, match="model.safetensors"):
+        t.tune(model, long_requests())        # config.json alone: no weights to run
+    llama = write_llama(tmp_path / "llama")
+    with pytest.raises(TuneError, match="vocabulary"):
+        t.tune(llama, long_requests(vocab=500))
+    with pytest.raises(TuneError, match="max_ppl_increase=0"):
+        AutoTuner(constraints={"max_ppl_increase": 0})

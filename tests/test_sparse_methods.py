@@ -533,10 +533,10 @@ def test_bad_input_names_the_argument():
 
 
 # ---------------------------------------------------------------------------------------------
-# the harness model (evals/sparse_model.py), with small random weights
+# the harness model (ucm/reference/llama.py), with small random weights
 
 def tiny_model():
-    from evals.sparse_model import SmolLM2
+    from ucm.reference.llama import Llama
 
     g = torch.Generator().manual_seed(0)
     H, I, V, L = 48, 64, 97, 2
@@ -554,11 +554,11 @@ def tiny_model():
             w[p + name + ".weight"] = torch.randn(*shape, generator=g) / math.sqrt(shape[1])
         w[p + "input_layernorm.weight"] = torch.ones(H)
         w[p + "post_attention_layernorm.weight"] = torch.ones(H)
-    return SmolLM2(cfg, w)
+    return Llama(cfg, w)
 
 
 def test_model_paged_attention_matches_the_op():
-    from evals.sparse_model import paged_attention
+    from ucm.reference.llama import paged_attention
 
     k, v = cache(seed=7), cache(seed=8)
     table, lens = tables([30 * BS + 3, 12 * BS])
@@ -576,7 +576,7 @@ def test_model_paged_attention_matches_the_op():
 
 
 def test_model_decode_matches_prefill_and_runs_methods():
-    from evals.sparse_model import run_continuation
+    from ucm.reference.llama import run_continuation
 
     model = tiny_model()
     g = torch.Generator().manual_seed(1)

