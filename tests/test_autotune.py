@@ -9,6 +9,7 @@ import pytest
 from ucm import replay as rp
 from ucm.autotune import AutoTuner, TuneError, model_shape, requests_to_trace
 from ucm.cli import main
+from tiny_llama import write_llama
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
            "hidden_size": 576}
@@ -135,41 +136,6 @@ def test_memory_below_one_block_with_a_disk_tier_means_the_disk_alone(model):
 # ---------------------------------------------------------------------------------------------
 # block size and sparse decode: measured on a small random Llama written as a real checkpoint
 
-def write_llama(d, layers=2, vocab=97, seed=0):
-    """A Hugging Face folder (config.json + model.safetensors) of a small random Llama."""
-    import math
-
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    H, I = 48, 64
-    cfg = {"num_hidden_layers": layers, "num_attention_heads": 6, "num_key_value_heads": 2,
-           "hidden_size": H, "head_dim": 8, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-           "rope_theta": 10000.0, "intermediate_size": I}
-    w = {"model.embed_tokens.weight": torch.randn(vocab, H, generator=g),
-         "model.norm.weight": 1 + 0.1 * torch.randn(H, generator=g)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for name, shape in (("self_attn.q_proj", (48, H)), ("self_attn.k_proj", (16, H)),
-                            ("self_attn.v_proj", (16, H)), ("self_attn.o_proj", (H, 48)),
-                            ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
-                            ("mlp.down_proj", (H, I))):
-            w[p + name + ".weight"] = 3 * torch.randn(*shape, generator=g) / math.sqrt(shape[1])
-        w[p + "input_layernorm.weight"] = torch.ones(H)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(H)
-    header, blobs, off = {}, [], 0
-    for name, t in w.items():
-        b = t.contiguous().numpy().astype("<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg))
-    (d / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
-    return str(d)
-
-
 def long_requests(n=3, tokens=560, vocab=97, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, tokens).tolist() for _ in range(n)]
@@ -182,7 +148,10 @@ def test_block_size_stage_keeps_the_memory_budget_and_saves_the_most(model):
                   progress=False)
     cfg = t.tune(model, reqs)
     st = [s for s in t.stages if s.name == "block size"][0]
-    assert [r["block_size"] for r in st.rows] == [16, 32, 64, 128]
+    from ucm.autotune import engine_block_sizes
+
+    assert [r["block_size"] for r in st.rows] == list(engine_block_sizes())
+    assert engine_block_sizes("cpu") == (32, 64, 128) and 16 in engine_block_sizes("cuda")
     by = {r["block_size"]: r for r in st.rows}
     assert by[128]["token_hit_rate"] < by[64]["token_hit_rate"]
     best = max(st.rows, key=lambda r: r["prefill_saved_s"])
@@ -196,7 +165,7 @@ def test_block_size_stage_keeps_the_memory_budget_and_saves_the_most(model):
 def test_sparse_stage_picks_the_sparsest_ratio_within_the_bound(tmp_path):
     from ucm.autotune import SPARSE_METHODS, SPARSE_RATIOS
 
-    model = write_llama(tmp_path / "llama")
+    model = write_llama(tmp_path / "llama", scale=3.0)
     reqs = long_requests()
     runs = {}
     for bound in (1e-9, 1e6):
@@ -237,7 +206,7 @@ def test_sparse_stage_bad_models_and_short_requests(model, tmp_path):
                   progress=False, tune_block_size=False)
     with pytest.raises(TuneError, match="model.safetensors"):
         t.tune(model, long_requests())        # config.json alone: no weights to run
-    llama = write_llama(tmp_path / "llama")
+    llama = write_llama(tmp_path / "llama", scale=3.0)
     with pytest.raises(TuneError, match="vocabulary"):
         t.tune(llama, long_requests(vocab=500))
     with pytest.raises(TuneError, match="max_ppl_increase=0"):

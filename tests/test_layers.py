@@ -6,9 +6,10 @@ tables). The layers:
 1. base: version, errors, threads, configuration, dispatch, ids and their hash, KV layouts,
    KV codec formats;
 2. implementations: ``ucm.reference.*`` and ``ucm.fast.*`` (the native extension included);
-3. public ops: ``ucm.ops``, ``ucm.transfer``, ``ucm.compress``, ``ucm.sparse.ops``, which
-   validate and dispatch;
-4. services: ``ucm.store.*``, the sparse methods ``ucm.sparse.*``, the package's root;
+3. public ops: ``ucm.ops``, ``ucm.transfer``, ``ucm.compress``, ``ucm.sparse.ops``,
+   ``ucm.blend.ops``, which validate and dispatch;
+4. services: ``ucm.store.*``, the sparse methods ``ucm.sparse.*``, Blend ``ucm.blend.*``, the
+   package's root;
 5. applications: ``ucm.integration.*``, ``ucm.cli``, ``ucm.demo.*``, ``ucm.models``,
    ``ucm.replay``, ``ucm.autotune``.
 """
@@ -26,8 +27,9 @@ LAYERS = [
               "ucm.progress", "ucm.buffers"]),
     ("implementations", ["ucm.reference", "ucm.reference.*", "ucm.fast", "ucm.fast.*",
                          "ucm._native"]),
-    ("ops", ["ucm.ops", "ucm.transfer", "ucm.compress", "ucm.sparse.ops"]),
-    ("services", ["ucm.store", "ucm.store.*", "ucm.sparse", "ucm.sparse.*", "ucm"]),
+    ("ops", ["ucm.ops", "ucm.transfer", "ucm.compress", "ucm.sparse.ops", "ucm.blend.ops"]),
+    ("services", ["ucm.store", "ucm.store.*", "ucm.sparse", "ucm.sparse.*", "ucm.blend",
+                  "ucm.blend.*", "ucm"]),
     ("applications", ["ucm.integration", "ucm.integration.*", "ucm.cli", "ucm.__main__",
                       "ucm.demo", "ucm.demo.*", "ucm.models", "ucm.replay", "ucm.autotune"]),
 ]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ucm.sparse
+from tiny_llama import tiny_model
 from ucm.config import Config
 from ucm.sparse import ops
 
@@ -534,28 +535,6 @@ def test_bad_input_names_the_argument():
 
 # ---------------------------------------------------------------------------------------------
 # the harness model (ucm/reference/llama.py), with small random weights
-
-def tiny_model():
-    from ucm.reference.llama import Llama
-
-    g = torch.Generator().manual_seed(0)
-    H, I, V, L = 48, 64, 97, 2
-    cfg = {"num_hidden_layers": L, "num_attention_heads": 6, "num_key_value_heads": 2,
-           "hidden_size": H, "head_dim": 8, "vocab_size": V, "rms_norm_eps": 1e-5,
-           "rope_theta": 10000.0}
-    w = {"model.embed_tokens.weight": torch.randn(V, H, generator=g),
-         "model.norm.weight": 1 + 0.1 * torch.randn(H, generator=g)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        for name, shape in (("self_attn.q_proj", (48, H)), ("self_attn.k_proj", (16, H)),
-                            ("self_attn.v_proj", (16, H)), ("self_attn.o_proj", (H, 48)),
-                            ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
-                            ("mlp.down_proj", (H, I))):
-            w[p + name + ".weight"] = torch.randn(*shape, generator=g) / math.sqrt(shape[1])
-        w[p + "input_layernorm.weight"] = torch.ones(H)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(H)
-    return Llama(cfg, w)
-
 
 def test_model_paged_attention_matches_the_op():
     from ucm.reference.llama import paged_attention

@@ -20,7 +20,8 @@ Stages, each a measurement on this machine (the report keeps every figure):
    sparse (``min_blocks``), teacher-forced on the reference model (:mod:`ucm.reference.llama`,
    the weights of ``model``), against dense attention; the sparsest ratio whose perplexity
    change stays within the bound wins (ties: the smaller change). None within it: dense.
-4. **Block size**: the sample requests hashed at :data:`BLOCK_SIZES` tokens per block and
+4. **Block size**: the sample requests hashed at each of :data:`BLOCK_SIZES` the engine's
+   attention takes (:func:`engine_block_sizes`: multiples of 32 on vLLM-CPU) and
    replayed at the same memory budget, with the tiers' load time measured on blocks of each
    size and the prefill time per token measured on the reference model; the size that saves
    the most prefill time wins. The choice is an engine setting (vLLM's ``block_size``):
@@ -55,8 +56,20 @@ CONSTRAINTS = ("max_latency_ms", "max_memory_gb", "max_disk_gb", "max_ppl_increa
 #: sparse methods and ratios the sparse stage measures (the harness baselines are not deployable)
 SPARSE_METHODS = ("esa", "quest", "kvstar", "gsa", "adaptive")
 SPARSE_RATIOS = (0.7, 0.5, 0.3, 0.2)
-#: tokens per KV block the block-size stage compares (vLLM's CPU and GPU backends take these)
+#: tokens per KV block the block-size stage compares, where the engine's attention takes them
+#: (vLLM-CPU's attention needs a multiple of 32, FlashAttention a multiple of 16)
 BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def engine_block_sizes(device: Optional[str] = None) -> tuple:
+    """The sizes of :data:`BLOCK_SIZES` the engine on ``device`` (default: CUDA when present,
+    else CPU) can run."""
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    step = 32 if device == "cpu" else 16
+    return tuple(b for b in BLOCK_SIZES if b % step == 0)
 
 
 class TuneError(ValueError):
@@ -360,7 +373,7 @@ class AutoTuner:
         pf, how = self._prefill_s_per_token(model, prompts)
         mem_bytes = self._memory_bytes(shape.kv_bytes_per_token * self.block_size)
         tiers = values["store.pipeline"]
-        for bs in BLOCK_SIZES:
+        for bs in engine_block_sizes():
             block_bytes = shape.kv_bytes_per_token * bs
             slots = mem_bytes // block_bytes
             try:

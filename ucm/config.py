@@ -127,8 +127,20 @@ def _str_list(v, text):
     raise _Bad("a list of strings (or a comma-separated string)")
 
 
+def _int_list(v, text):
+    if isinstance(v, str):
+        try:
+            v = [int(s) for s in v.replace(",", " ").split()]
+        except ValueError:
+            raise _Bad("a list of integers (or a comma-separated string of them)") from None
+    if isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
+                                            for x in v):
+        return list(v)
+    raise _Bad("a list of integers (or a comma-separated string of them)")
+
+
 _PARSERS: dict[str, Callable] = {"bool": _bool, "int": _int, "float": _float, "str": _str,
-                                 "size": _size, "list[str]": _str_list}
+                                 "size": _size, "list[str]": _str_list, "list[int]": _int_list}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +166,8 @@ class Option:
         if self.choices is not None:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         base = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string",
-                "size": "a size in bytes", "list[str]": "a list of strings"}[self.type]
+                "size": "a size in bytes", "list[str]": "a list of strings",
+                "list[int]": "a list of integers"}[self.type]
         if self.min is not None or self.max is not None:
             lo = "-inf" if self.min is None else f"{self.min:g}"
             hi = "inf" if self.max is None else f"{self.max:g}"
@@ -422,6 +435,21 @@ OPTIONS: tuple[Option, ...] = (
            "overlapped copy runs (same-engine A/B, warm 4,000-token prompt: 0.87-0.90x TTFT). "
            "Costs about one poll period per step (~0.1 ms; 0.2% of a 50 ms step, more for "
            "short steps). 0: vLLM's spin. GPU engines are never changed.", min=0.0),
+    # Blend: non-prefix reuse of chunk KV
+    Option("blend.enabled", "bool", True, "Blend: a request that marks its prompt as chunks "
+           "(kv_transfer_params {'ucm_blend': ...}, or blend.separator) reuses each stored "
+           "chunk's KV wherever the chunk sits, recomputing a fraction of its tokens "
+           "(docs/blend.md)."),
+    Option("blend.recompute_ratio", "float", 0.15, "Fraction of a blended region's stored "
+           "tokens recomputed past the check layer: those whose stored KV deviates most from "
+           "what a full prefill computes.", min=0, max=1),
+    Option("blend.check_layer", "int", 1, "Layer where Blend measures the deviation; the "
+           "layers up to it are computed for every token.", min=0),
+    Option("blend.separator", "list[int]", [], "Token ids that separate chunks in every prompt "
+           "(the text before the first and after the last separator is not a chunk); empty: "
+           "only requests that mark chunks blend."),
+    Option("blend.store_chunks", "bool", True, "A chunk the store lacks is computed on its own "
+           "(as if it began the sequence) and stored, so the next prompt holding it blends it."),
     Option("connector.load_failure", "str", "recompute", "What vLLM does with blocks that fail to "
            "load: 'recompute' them (ucm sets vLLM's kv_load_failure_policy) or leave vLLM's own "
            "setting ('engine'; vLLM's default fails the request).", choices=("recompute", "engine")),

@@ -4,6 +4,8 @@
   ``"kv_connector": "UCMConnector"`` works without ``kv_connector_module_path``;
 * installs the sparse-attention hooks when the configuration enables a sparse method (the
   sparse-attention work registers its hook here through :func:`register_patch`);
+* remembers the model the runner loaded, for Blend's forward in the connector's worker
+  (``blend_model``, see :mod:`ucm.integration.vllm.blend_hook`);
 * makes vLLM drop blocks whose load failed from its prefix cache under the ``recompute``
   policy, as it does under ``fail`` (``evict_failed_loads``, see
   :mod:`ucm.integration.vllm.failed_loads`);
@@ -116,7 +118,7 @@ register_patch("connector_registration", _register_connector, _unregister_connec
 # -- patches registered by other modules (they import vLLM) -------------------------------------
 
 _HOOK_MODULES = ("ucm.integration.vllm.sparse_hook", "ucm.integration.vllm.engine_wait",
-                 "ucm.integration.vllm.failed_loads")
+                 "ucm.integration.vllm.failed_loads", "ucm.integration.vllm.blend_hook")
 
 
 def _register_hooks() -> None:

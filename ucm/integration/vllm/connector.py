@@ -79,6 +79,7 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     barrier: bool = False  # wait for every save in flight before this step writes the cache
     idle: bool = False  # the step computes nothing (vLLM polls the connector)
     prefetch: list = field(default_factory=list)  # ids [n, 2] of queued requests' stored blocks
+    blends: list = field(default_factory=list)  # ucm.blend.chunks.BlendJob records to run
 
 
 def _layer_order(name: str):
@@ -174,6 +175,7 @@ class UCMConnector(KVConnectorBase_V1):
         self.core: Optional[WorkerCore] = None
         self.load_path: Optional[WorkerLoad] = None
         self.save_path: Optional[WorkerSave] = None
+        self.blend_path = None  # worker_blend.WorkerBlend (blend.enabled)
         if role == KVConnectorRole.SCHEDULER:
             self.sched = ConnectorScheduler(self.cfg, self.ns, self.shape, vllm_config,
                                             kv_cache_config, ktc, is_producer=self.is_producer,
@@ -263,11 +265,53 @@ class UCMConnector(KVConnectorBase_V1):
         self.load_path = WorkerLoad(core, layerwise=layerwise,
                                     overlap=bool(cfg["connector.overlap_load"]),
                                     spare_cpu=spare_cpu, before_load=self.save_path.drain)
+        if cfg["blend.enabled"]:
+            self.blend_path = self._blend_path(kv_caches, unique, layout)
         first_batch = min(64, layout.num_blocks) * layout.block_bytes  # staging for a long prompt, up front
         self.load_path.reserve(min(first_batch, 512 << 20))
         core.staging.give(core.alloc(min(first_batch, 512 << 20)))
         log.info("ucm connector: %d layers, %d bytes per block, store %s", len(unique),
                  layout.block_bytes, cfg["store.pipeline"])
+
+    def _blend_path(self, kv_caches, names, layout):
+        """The worker's Blend path over the engine's caches (its model is taken at the first
+        job: ``blend_hook.current_model``)."""
+        from ucm.integration.vllm import blend_hook
+        from ucm.integration.vllm.worker_blend import WorkerBlend
+
+        mc, pc = self._vllm_config.model_config, self._vllm_config.parallel_config
+        heads, dim = mc.get_num_kv_heads(pc), mc.get_head_size()
+        caches = [kv_caches[n] for n in names]
+        problem = None
+        try:
+            views = [blend_hook.cache_views(c, heads, dim) for c in caches]
+        except blend_hook.BlendUnsupported as exc:
+            views, problem = None, str(exc)
+
+        def make_scratch(n: int):
+            scratch = [c.new_zeros((2, n) + tuple(c.shape[2:])) if c.dim() == 5 and c.shape[0] == 2
+                       else c.new_zeros((n,) + tuple(c.shape[1:])) for c in caches]
+            lay = ucm.KVLayout.from_views(scratch)
+            if lay.block_bytes != layout.block_bytes:
+                raise blend_hook.BlendUnsupported("the scratch cache's block bytes differ from "
+                                                  "the engine's")
+            return lay, [blend_hook.cache_views(c, heads, dim) for c in scratch]
+
+        def model():
+            if problem is not None:
+                raise blend_hook.BlendUnsupported(problem)
+            m = blend_hook.current_model()
+            if m is None:
+                raise blend_hook.BlendUnsupported("the model is unknown to ucm (the blend_model "
+                                                  "patch is off: UCM_DISABLE_PATCHES?)")
+            return blend_hook.VllmBlendModel(m)
+
+        if problem is not None:
+            log.warning("ucm blend: unavailable (%s); Blend requests are computed in full", problem)
+        return WorkerBlend(self.core, views or [], self.block_size, make_scratch, model,
+                           ratio=float(self.cfg["blend.recompute_ratio"]),
+                           check_layer=int(self.cfg["blend.check_layer"]),
+                           on_failed=lambda blocks: self.load_path.add_errors(blocks))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -290,6 +334,13 @@ class UCMConnector(KVConnectorBase_V1):
             meta = self._get_connector_metadata()
             if self.load_path is not None and isinstance(meta, UCMConnectorMetadata):
                 self.load_path.start(meta.loads, meta.resumed)
+                if meta.blends:
+                    if self.blend_path is None:  # (blend.enabled differs between the roles)
+                        self.load_path.add_errors([b for j in meta.blends
+                                                   for b in j.blocks[j.start // self.block_size:]])
+                    else:
+                        self.load_path.complete()   # Blend reads the prefix just loaded
+                        self.blend_path.run(meta.blends)
         finally:
             if self.core is not None:
                 self.core.forward_started()
@@ -310,6 +361,8 @@ class UCMConnector(KVConnectorBase_V1):
             return
         self.core.forward_ended()
         self.load_path.end_step()
+        if self.blend_path is not None:
+            self.blend_path.store_chunks()
         if self.save_path.end_step():
             self.core.write_stats()
 

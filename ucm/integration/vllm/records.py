@@ -45,6 +45,7 @@ class Match:
     local: int  # tokens vLLM's own prefix cache had
     hit: int  # leading full blocks the store holds (counted from block 0)
     tail: Optional[tuple] = None  # (tail id uint64 [2], tokens in it) when the tail hit too
+    blend: Any = None  # ucm.blend.chunks.BlendJob (blocks unknown yet) when chunks blend
 
 
 @dataclass
@@ -66,6 +67,8 @@ class ReqState:
     load: Optional[PlannedLoad] = None
     tail_done: bool = False  # the prompt's partial last block was saved, found or loaded
     saved: bool = False  # some save of this request was planned (its blocks wait for it)
+    blend: Any = None  # the BlendJob to send with the request's first step
+    blended: bool = False  # its KV is partly blended: nothing of it is stored under its prefix
 
 
 # ---------------------------------------------------------------------------------------------

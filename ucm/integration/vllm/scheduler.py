@@ -36,6 +36,7 @@ import ucm
 from ucm import metrics as ucm_metrics
 from ucm.config import Config
 from ucm.ids import Namespace
+from ucm.blend import chunks as blend_chunks
 from ucm.integration.vllm import keys, stores
 from ucm.integration.vllm.records import Match, PlannedLoad, ReqState, Transfer
 from ucm.murmur import murmur3_x64_128
@@ -126,6 +127,9 @@ class ConnectorScheduler:
         self._async = bool(cfg["connector.async_save"]) and not cfg["connector.layerwise"]
         self._tail = bool(cfg["connector.partial_tail"])
         self._prefetch = bool(cfg["connector.prefetch"])
+        self._blend = bool(cfg["blend.enabled"])
+        self._separator = list(cfg["blend.separator"])
+        self._store_chunks = bool(cfg["blend.store_chunks"])
         self._arrived: dict = {}  # request id -> request, added since the last step (prefetch)
         # ids of partial tails live in their own namespace: a tail of t tokens is never
         # mistaken for a full block (and vice versa)
@@ -226,12 +230,55 @@ class ConnectorScheduler:
         except Exception as exc:  # a store fault is a miss, never an engine failure
             log.warning("ucm: lookup failed (%r); treating as a miss", exc)
             hit, tail = start, None
-        self._matched[request.request_id] = Match(num_computed_tokens, hit, tail)
+        job = self._blend_job(st, request, hit) if self._blend and tail is None else None
+        self._matched[request.request_id] = Match(num_computed_tokens, hit, tail, job)
         ext = (hit - start) * bs + (tail[1] - 1 if tail else 0)
+        if job is not None and job.end > job.start:
+            ext = job.end - num_computed_tokens
         log.debug("ucm: %s: %d tokens, %d local, store hit %d of %d blocks, tail %s",
                   request.request_id, request.num_tokens, num_computed_tokens, hit, n_full,
                   tail is not None)
         return ext, False
+
+    def _blend_job(self, st: ReqState, request: "Request", hit: int):
+        """The request's Blend (:mod:`ucm.blend.chunks`) after a prefix hit of ``hit`` blocks:
+        which stored chunk blocks fill which positions, and which chunks to store; None when
+        the request marks no chunks (or marks them wrongly: logged, served without Blend)."""
+        if st.chain is None or st.chain.per_block:
+            return None                    # (multimodal and prompt-embeds requests: no chunks)
+        prompt = request.prompt_token_ids
+        if prompt is None or request.num_output_tokens:
+            return None
+        try:
+            spans, ratio = blend_chunks.parse_request(prompt, request.kv_transfer_params,
+                                                      self._separator)
+        except blend_chunks.ChunkSpecError as exc:
+            log.warning("ucm blend: request %s: %s; served without Blend", request.request_id, exc)
+            return None
+        if not spans:
+            return None
+        bs = self.block_size
+        try:
+            ids = [blend_chunks.chunk_ids(prompt[a:b], self.ns, st.chain.root) for a, b in spans]
+            stored = [self._prefix_hits(i) if len(i) else 0 for i in ids]
+        except Exception as exc:  # a store fault: no Blend, the prompt is computed
+            log.warning("ucm blend: chunk lookup failed (%r); served without Blend", exc)
+            return None
+        start = hit * bs
+        end, runs = blend_chunks.plan_region(spans, start, request.num_tokens, bs, stored)
+        pieces = [blend_chunks.Piece(ids[i][first:first + n].copy(), first, spans[i][0])
+                  for i, first, n in runs]
+        saves = []
+        if self._store_chunks and self.is_producer:
+            for (a, _), i, n in zip(spans, ids, stored):
+                if n < len(i) and not self._planned(i[n:]).all():
+                    saves.append(blend_chunks.ChunkSave(
+                        np.asarray(prompt[a:a + len(i) * bs], dtype=np.int64), i.copy(), n))
+        if not pieces and not saves:
+            return None
+        return blend_chunks.BlendJob(request.request_id, start, end,
+                                     np.asarray(prompt[start:end], dtype=np.int64), [],
+                                     pieces, saves, ratio)
 
     def on_new_request(self, request: "Request") -> None:
         """A request joined the waiting queue. It is looked up when the step is built, and only
@@ -267,11 +314,19 @@ class ConnectorScheduler:
         m = self._matched.pop(request.request_id, None) or Match(request.num_computed_tokens, 0)
         if st is not None:
             self._count_lookup(request, m, num_external_tokens)
+        if st is not None and m.blend is not None:
+            st.blend = m.blend  # (its chunk saves go out even when nothing is blended)
+            if m.blend.end > m.blend.start:
+                st.blended = True
         if st is not None and num_external_tokens > 0:
             start = m.local // self.block_size
-            end = start + num_external_tokens // self.block_size
+            if m.blend is not None and m.blend.end > m.blend.start:
+                end = m.hit  # the prefix hit loads as always; the region after it blends
+            else:
+                end = start + num_external_tokens // self.block_size
             partial = m.tail is not None and num_external_tokens % self.block_size
-            st.load = PlannedLoad(start, end, m.tail[0] if partial else None)
+            if end > start or partial:
+                st.load = PlannedLoad(start, end, m.tail[0] if partial else None)
 
     def _count_lookup(self, request, m: "Match", num_external_tokens: int) -> None:
         """One lookup's outcome as vLLM accepted it (counted once per allocation: vLLM asks
@@ -352,8 +407,14 @@ class ConnectorScheduler:
                     st.known = max(st.known, b + 1)
             if len(ids):
                 meta.loads.append(Transfer(st.request.request_id, ids, blocks, tail=is_tail))
-        if not self.is_producer:
-            return
+        if st.blend is not None:
+            job, st.blend = st.blend, None
+            job.blocks = st.blocks[:-(-job.end // bs)] if job.end > job.start else []
+            meta.blends.append(job)
+            for cs in job.saves:
+                self._mark_planned(cs.ids[cs.skip:])
+        if not self.is_producer or st.blended:
+            return  # (a blended request's KV is approximate: never stored under its prefix)
         limit = st.request.num_tokens if self.cfg["connector.save_generated"] \
             else st.request.num_prompt_tokens
         n_full = min(computed_after, limit) // bs

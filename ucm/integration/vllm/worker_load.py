@@ -166,6 +166,20 @@ class WorkerLoad:
             log.warning("ucm: %d of %d blocks failed to load; vLLM recomputes them", len(failed),
                         len(blocks))
 
+    def add_errors(self, blocks) -> None:
+        """Report ``blocks`` as failed loads (vLLM computes them): a Blend that could not run."""
+        self._errors.update(int(b) for b in blocks)
+        self.core.metrics.inc("ucm_load_failed_blocks_total", len(blocks))
+
+    def complete(self) -> None:
+        """Every block of the step's load is in the cache now (overlapped and layer-wise loads
+        included): work that reads the prefix (Blend) runs after this."""
+        if self._ov is not None:
+            for k in range(self.core.n_layers):
+                self.wait_layer(k)
+        for k in sorted(self._layer_loads):
+            self.wait_layer(k)
+
     def take_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
         out, self._errors = self._errors, set()

@@ -1,0 +1,151 @@
+"""Blend accuracy against full prefill on SmolLM2-135M (float32): top-1 agreement over teacher-
+forced answer tokens, and synthetic retrieval accuracy, for a sweep of recompute ratios.
+
+Workload (real text: CPython's documentation topics, the text of the sparse harness, at offsets
+the demo does not use): each sample is a short instruction, 4-6 chunks of 300-800 tokens from
+random places of the text in shuffled order, then a question (a passage of the text) and 32
+answer tokens (the text that follows it), teacher-forced. The retrieval variant hides "The code
+word for <name> is <word>." in one chunk of filler text and asks for it; a sample is correct
+when every answer token is the argmax of its position.
+
+Each chunk's KV is computed alone (as a request made of the chunk stores it), rotated to its
+place and blended (:func:`ucm.blend.reference.blended_logits`, the computation the vLLM
+integration runs); ratio 1.0 recomputes everything and must reproduce the full prefill.
+
+    .venv/bin/python evals/blend_quality.py --samples 8 --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from evals.sparse_quality import corpus_ids  # noqa: E402
+from ucm.blend.reference import blended_logits  # noqa: E402
+from ucm.models import ensure_smollm2  # noqa: E402
+from ucm.reference.llama import Llama  # noqa: E402
+
+RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
+NAMES = ["Ada", "Borges", "Curie", "Dirac", "Euler", "Fermi", "Gauss", "Hopper", "Noether",
+         "Turing", "Lovelace", "Kepler"]
+WORDS = ["apple", "river", "falcon", "marble", "lantern", "orchid", "thunder", "copper",
+         "velvet", "glacier", "harbor", "meadow"]
+
+
+def text_sample(ids: list, rng: random.Random, tok) -> tuple:
+    """(prefix, chunks, question + answer, answer length) from the documentation text."""
+    n_chunks = rng.randint(4, 6)
+    chunks = []
+    for _ in range(n_chunks):
+        size = rng.randint(300, 800)
+        start = rng.randrange(5000, len(ids) - size - 5000)
+        chunks.append(ids[start:start + size])
+    rng.shuffle(chunks)
+    prefix = tok.encode("Read the following documentation excerpts and continue the text.\n\n",
+                        add_special_tokens=False).ids
+    q0 = rng.randrange(5000, len(ids) - 200)
+    question = ids[q0:q0 + 24]
+    answer = ids[q0 + 24:q0 + 24 + 32]
+    return prefix, chunks, question + answer, len(answer)
+
+
+def retrieval_sample(ids: list, rng: random.Random, tok) -> tuple:
+    name, word = rng.choice(NAMES), rng.choice(WORDS)
+    needle = tok.encode(f" The code word for {name} is {word}. ", add_special_tokens=False).ids
+    n_chunks = rng.randint(4, 6)
+    chunks = []
+    for _ in range(n_chunks):
+        size = rng.randint(300, 800)
+        start = rng.randrange(5000, len(ids) - size - 5000)
+        chunks.append(ids[start:start + size])
+    which = rng.randrange(n_chunks)
+    at = rng.randrange(0, len(chunks[which]) - 1)
+    chunks[which] = chunks[which][:at] + needle + chunks[which][at:]
+    prefix = tok.encode("Remember the code words in the documents below.\n\n",
+                        add_special_tokens=False).ids
+    question = tok.encode(f"\n\nQuestion: what is the code word for {name}? Answer: The code "
+                          f"word for {name} is", add_special_tokens=False).ids
+    answer = tok.encode(f" {word}", add_special_tokens=False).ids
+    return prefix, chunks, question + answer, len(answer)
+
+
+def score(res, suffix: list, n_answer: int) -> tuple:
+    """(agreement with full prefill, blend correct, full correct) over the answer positions."""
+    first = len(suffix) - n_answer - 1            # the position that predicts answer[0]
+    b = res.logits[first:first + n_answer].argmax(-1)
+    f = res.full_logits[first:first + n_answer].argmax(-1)
+    target = torch.tensor(suffix[first + 1:first + 1 + n_answer])
+    return (float((b == f).float().mean()), bool((b == target).all()),
+            bool((f == target).all()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=8, help="text samples")
+    ap.add_argument("--retrieval", type=int, default=8, help="retrieval samples")
+    ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
+    ap.add_argument("--check-layer", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from tokenizers import Tokenizer
+
+    path = ensure_smollm2()
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    model = Llama.load(path)
+    ids = corpus_ids(path)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    rng = random.Random(args.seed)
+    rows = {r: {"agree": [], "text_agree": [], "blend_correct": 0, "full_correct": 0,
+                "retrieval": 0, "recomputed": 0, "tokens": 0} for r in ratios}
+    t0 = time.time()
+    kinds = [("text", text_sample)] * args.samples + [("retrieval", retrieval_sample)] * args.retrieval
+    for i, (kind, make) in enumerate(kinds):
+        prefix, chunks, suffix, n_answer = make(ids, rng, tok)
+        memo: dict = {}
+        for r in ratios:
+            res = blended_logits(model, prefix, chunks, suffix, r, check_layer=args.check_layer,
+                                 chunk_cache=memo)
+            agree, ok_b, ok_f = score(res, suffix, n_answer)
+            row = rows[r]
+            row["tokens"] += res.stats.tokens
+            row["recomputed"] += res.stats.recomputed
+            if kind == "text":
+                row["text_agree"].append(agree)
+            else:
+                row["retrieval"] += 1
+                row["blend_correct"] += ok_b
+                row["full_correct"] += ok_f
+        print(f"sample {i + 1}/{len(kinds)} ({kind}, {sum(map(len, chunks))} chunk tokens) "
+              f"{time.time() - t0:.0f} s", flush=True)
+    out = []
+    for r in ratios:
+        row = rows[r]
+        n_ret = max(1, row["retrieval"])
+        out.append({"ratio": r, "top1_agreement": sum(row["text_agree"]) / max(1, len(row["text_agree"])),
+                    "retrieval_blend": row["blend_correct"] / n_ret,
+                    "retrieval_full": row["full_correct"] / n_ret,
+                    "recomputed_fraction": row["recomputed"] / max(1, row["tokens"])})
+    print("| ratio | top-1 agreement (32 answer tokens) | retrieval: Blend | retrieval: full | "
+          "tokens recomputed |")
+    print("|---|---|---|---|---|")
+    for o in out:
+        print(f"| {o['ratio']} | {o['top1_agreement']:.3f} | {o['retrieval_blend']:.3f} | "
+              f"{o['retrieval_full']:.3f} | {o['recomputed_fraction']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": "SmolLM2-135M", "dtype": "float32", "samples": args.samples,
+                       "retrieval_samples": args.retrieval, "check_layer": args.check_layer,
+                       "rows": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

