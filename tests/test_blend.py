@@ -155,3 +155,99 @@ def test_blend_fill_writes_every_position_and_rejects_bad_check_layers():
     with pytest.raises(ValueError, match="check_layer"):
         blend_fill(bm, kv, toks, 0, None, torch.zeros(70, dtype=torch.bool), ratio=0.1,
                    check_layer=model.num_layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker's path (ucm/integration/vllm/worker_blend.py) over a real store and paged cache,
+# with the reference model standing in for vLLM's
+
+def _worker(model, ratio, fail=None, blocks=40, bs=16):
+    from ucm import KVLayout
+    from ucm.integration.vllm.worker_blend import WorkerBlend
+    from ucm.integration.vllm.worker_core import WorkerCore
+    from ucm.store.base import BlockGeometry
+    from ucm.store.memory import MemoryStore
+
+    H, D = model.num_kv_heads, model.head_dim
+
+    def cache(n):  # [num_blocks, block_size, 2 (k|v), H, D], a layer per tensor
+        cs = [torch.full((n, bs, 2, H, D), float("nan")) for _ in range(model.num_layers)]
+        return KVLayout.from_views(cs), [(c[:, :, 0], c[:, :, 1]) for c in cs]
+
+    layout, views = cache(blocks)
+    store = MemoryStore(BlockGeometry(layout.block_bytes, layout.block_bytes), 64, pin=False)
+    core = WorkerCore(layout, store, "cpu")
+    failed = []
+
+    def get_model():
+        if fail:
+            raise RuntimeError(fail)
+        return LlamaBlendModel(model)
+
+    return WorkerBlend(core, views, bs, cache, get_model, ratio=ratio, check_layer=1,
+                       on_failed=failed.extend), views, failed
+
+
+def _serve(model, wb, views, prefix, cs, suffix, bs=16, order=None):
+    """Store the chunks (alone), then serve prefix + chunks + suffix with the worker's Blend;
+    returns (suffix logits, full prefill logits, blocks of the request)."""
+    from ucm.integration.vllm.blend_hook import PagedKV
+
+    ns = Namespace(model="tiny", dtype="float32", block_size=bs)
+    ids = [chunks.chunk_ids(c, ns, None) for c in cs]
+    wb.run([chunks.BlendJob("warm", 0, 0, np.zeros(0, np.int64), [], [],
+                            [chunks.ChunkSave(np.asarray(c[:len(i) * bs]), i) for c, i in zip(cs, ids)])])
+    assert wb.store_chunks()
+    prompt = list(prefix) + [t for c in cs for t in c] + list(suffix)
+    spans, at = [], len(prefix)
+    for c in cs:
+        spans.append((at, at + len(c)))
+        at += len(c)
+    n_blocks = -(-len(prompt) // bs)
+    blocks = (order or list(range(n_blocks)))[:n_blocks]
+    kv = PagedKV(views, blocks, bs)
+    bm = LlamaBlendModel(model)
+    P = len(prefix) // bs * bs                     # the prefix hit: its full blocks, computed here
+    if P:
+        blend_fill(bm, kv, torch.tensor(prompt[:P]), 0, None, torch.zeros(P, dtype=torch.bool),
+                   ratio=1.0)
+    end, runs = chunks.plan_region(spans, P, len(prompt), bs, [len(i) for i in ids])
+    pieces = [chunks.Piece(ids[i][f:f + n], f, spans[i][0]) for i, f, n in runs]
+    wb.run([chunks.BlendJob("r", P, end, np.asarray(prompt[P:end]), blocks, pieces)])
+    h = blend_fill(bm, kv, torch.tensor(prompt[end:]), end, None,
+                   torch.zeros(len(prompt) - end, dtype=torch.bool), ratio=1.0)
+    n_suffix = len(suffix)
+    return bm.logits(h)[-n_suffix:], model.forward(prompt, logits_from=len(prompt) - n_suffix), blocks
+
+
+def test_worker_blend_from_the_store_reproduces_the_full_prefill_at_ratio_one():
+    model = tiny_model(layers=4, scale=3.0)
+    prefix, cs, suffix = _request(4, sizes=(40, 57, 33), prefix=21)
+    wb, views, failed = _worker(model, 1.0)
+    order = list(np.random.default_rng(0).permutation(40))   # the request's blocks, scattered
+    got, full, _ = _serve(model, wb, views, prefix, cs, suffix, order=order)
+    assert not failed
+    assert torch.allclose(got, full, atol=2e-3, rtol=1e-4)   # (float32, other op order)
+    m = wb.core.metrics.totals()
+    assert m["ucm_blend_chunk_saves_total"] == 3 and m["ucm_blend_requests_total"] == 1
+    # stored: the chunks' full blocks after the prefix hit (16 tokens of the prefix's 21 hit)
+    assert m["ucm_blend_stored_tokens_total"] == 32 + 48 + 32
+    assert m["ucm_blend_tokens_total"] == 21 - 16 + 40 + 57 + 33
+
+
+def test_worker_blend_recomputes_the_ratio_and_falls_back_when_it_cannot_run():
+    model = tiny_model(layers=4, scale=3.0)
+    prefix, cs, suffix = _request(5)
+    wb, views, failed = _worker(model, 0.25)
+    _serve(model, wb, views, prefix, cs, suffix)
+    m = wb.core.metrics.totals()
+    stored = m["ucm_blend_stored_tokens_total"]
+    assert m["ucm_blend_recomputed_tokens_total"] == math.ceil(0.25 * stored) + \
+        m["ucm_blend_tokens_total"] - stored
+    # without a model nothing is blended or stored: the region's blocks become failed loads
+    wb, views, failed = _worker(model, 0.25, fail="no model here")
+    _, _, blocks = _serve(model, wb, views, prefix, cs, suffix)
+    m = wb.core.metrics.totals()
+    assert m["ucm_blend_chunk_save_failed_total"] == 3 and not m.get("ucm_blend_chunk_saves_total")
+    assert m["ucm_blend_failed_requests_total"] == 1 and not m.get("ucm_blend_requests_total")
+    assert failed == blocks                                # (no prefix hit: every block)

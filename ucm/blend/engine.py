@@ -35,8 +35,9 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-#: queries per attention call (bounds the score matrix: [heads, QUERY_TILE, context])
-QUERY_TILE = 512
+#: queries per attention call: bounds the score matrix ([heads, QUERY_TILE, context]) and, with
+#: queries in position order, skips the keys after a tile's last query (causal)
+QUERY_TILE = 128
 
 
 class BlendModel(Protocol):
@@ -88,11 +89,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     vv = v.transpose(0, 1).repeat_interleave(rep, 0)[None]
     out = torch.empty_like(q)
     keys = torch.arange(E, device=q.device)
+    pos = q_pos.tolist()
+    ascending = all(x <= y for x, y in zip(pos, pos[1:]))
     for a in range(0, m, QUERY_TILE):
         b = min(m, a + QUERY_TILE)
-        mask = keys[None, :] <= q_pos[a:b, None]                      # [t, E]
+        # queries in position order (Blend's are): a tile needs the keys up to its last one
+        end = min(E, (pos[b - 1] if ascending else max(pos[a:b])) + 1)
+        mask = keys[None, :end] <= q_pos[a:b, None]                   # [t, end]
         qq = q[a:b].transpose(0, 1)[None]                              # [1, Hq, t, D]
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=scale)
+        o = F.scaled_dot_product_attention(qq, kk[:, :, :end], vv[:, :, :end],
+                                           attn_mask=mask[None, None], scale=scale)
         out[a:b] = o[0].transpose(0, 1)
     return out
 

@@ -26,6 +26,7 @@ class LlamaBlendModel:
         self.head_dim = model.head_dim
         self.scale = model.head_dim ** -0.5
         self.inv_freq = model.inv_freq.to(torch.float32)
+        self.neox, self.rotary_dim = True, model.head_dim       # (rotate-half over every channel)
 
     def embed(self, ids):
         return self.m.embed[ids]

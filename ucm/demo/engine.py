@@ -13,7 +13,8 @@ exactly that many blocks), ``log_stats`` (report vLLM's counters, e.g. ``vllm:nu
 under ``"metrics"``, and per generated output ``decode_s``: engine-core time from its first to
 its last token), ``prompts`` (lists of token ids), ``phases`` (list of {"name", "prompts":
 [indices], "max_tokens", "ttft": bool, "logprobs": bool, "prompt_logprobs": bool,
-"read_cache": bool, "wait_for": path}), ``env`` (extra environment for the engine). Each phase is one
+"read_cache": bool, "wait_for": path, "kv_params": [one kv_transfer_params object or null per
+prompt of the phase]}), ``env`` (extra environment for the engine). Each phase is one
 ``generate`` call with all its prompts in flight together; with ``ttft`` each prompt is instead
 timed alone with one output token (time to first token). With ``logprobs`` the log-probability
 of each generated token is reported. With ``prompt_logprobs`` the log-probability of each prompt
@@ -102,20 +103,26 @@ def run(spec: dict) -> dict:
             _handshake(phase["wait_for"])
         print(f"[engine] phase {phase['name']}: {len(phase['prompts'])} prompts", file=sys.stderr, flush=True)
         res = {"name": phase["name"], "outputs": []}
+        kvp = phase.get("kv_params") or [None] * len(phase["prompts"])
+
+        def extra(j):  # the j-th prompt's kv_transfer_params (ucm_blend chunks ...)
+            return {"extra_args": {"kv_transfer_params": kvp[j]}} if kvp[j] is not None else {}
+
         if phase.get("ttft"):
-            sp = SamplingParams(max_tokens=1, temperature=0.0)
-            for i in phase["prompts"]:
+            for j, i in enumerate(phase["prompts"]):
+                sp = SamplingParams(max_tokens=1, temperature=0.0, **extra(j))
                 t = time.perf_counter()
                 o = llm.generate([TokensPrompt(prompt_token_ids=prompts[i])], sp, use_tqdm=False)[0]
                 res["outputs"].append({"prompt": i, "ttft": time.perf_counter() - t,
                                        "tokens": list(o.outputs[0].token_ids)})
         else:
             plp = phase.get("prompt_logprobs")
-            sp = SamplingParams(max_tokens=phase.get("max_tokens", 24), temperature=0.0,
-                                logprobs=1 if phase.get("logprobs") else None,
-                                prompt_logprobs=1 if plp else None,
-                                skip_reading_prefix_cache=False if phase.get("read_cache") else None,
-                                detokenize=not plp)  # (vLLM 0.32 fails detokenizing prompt logprobs)
+            sp = [SamplingParams(max_tokens=phase.get("max_tokens", 24), temperature=0.0,
+                                 logprobs=1 if phase.get("logprobs") else None,
+                                 prompt_logprobs=1 if plp else None,
+                                 skip_reading_prefix_cache=False if phase.get("read_cache") else None,
+                                 detokenize=not plp,  # (vLLM 0.32 fails detokenizing prompt logprobs)
+                                 **extra(j)) for j in range(len(phase["prompts"]))]
             t = time.perf_counter()
             outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in phase["prompts"]], sp,
                                 use_tqdm=False)

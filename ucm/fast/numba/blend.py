@@ -134,9 +134,10 @@ def _rope(x, xs, y, ys, delta, inv_freq, h_n, d_n, r_n, neox, tail, cs, sn):
 
 
 @njit(nogil=True)
-def _rope_dense(x, xs, y, ys, delta, inv_freq, h_n, d_n, r_n, neox, tail, cs, sn):
-    """:func:`_rope` for channels of stride 1 in ``x`` and ``y``: each head's channels are a
-    slice indexed by the loop variable, so the pair loop vectorizes."""
+def _rope_dense(x, xs, y, ys, delta, inv_freq, h_n, d_n, r_n, neox, tail, cs, sn, buf):
+    """:func:`_rope` for channels of stride 1 in ``x`` and ``y``. Each head's rotary channels go
+    to the float32 scratch ``buf [r_n]`` first, so that no loop reads and writes the same array
+    (``y`` may be ``x``): both loops, indexed by their loop variable, vectorize."""
     half = r_n // 2
     xs_n, xs_h = xs[0], xs[1]
     ys_n, ys_h = ys[0], ys[1]
@@ -145,22 +146,20 @@ def _rope_dense(x, xs, y, ys, delta, inv_freq, h_n, d_n, r_n, neox, tail, cs, sn
         for h in range(h_n):
             xv = x[t * xs_n + h * xs_h:t * xs_n + h * xs_h + d_n]
             yv = y[t * ys_n + h * ys_h:t * ys_n + h * ys_h + d_n]
+            for c in range(r_n):
+                buf[c] = ld(xv, c)
             if neox:
-                xa = xv[:half]
-                xb = xv[half:r_n]
                 ya = yv[:half]
                 yb = yv[half:r_n]
+                ba = buf[:half]
+                bb = buf[half:]
                 for i in range(half):
-                    a = ld(xa, i)
-                    b = ld(xb, i)
-                    st(ya, i, a * cs[i] - b * sn[i])
-                    st(yb, i, b * cs[i] + a * sn[i])
+                    st(ya, i, ba[i] * cs[i] - bb[i] * sn[i])
+                    st(yb, i, bb[i] * cs[i] + ba[i] * sn[i])
             else:
                 for i in range(half):
-                    a = ld(xv, 2 * i)
-                    b = ld(xv, 2 * i + 1)
-                    st(yv, 2 * i, a * cs[i] - b * sn[i])
-                    st(yv, 2 * i + 1, b * cs[i] + a * sn[i])
+                    st(yv, 2 * i, buf[2 * i] * cs[i] - buf[2 * i + 1] * sn[i])
+                    st(yv, 2 * i + 1, buf[2 * i + 1] * cs[i] + buf[2 * i] * sn[i])
             if tail:
                 yv[r_n:] = xv[r_n:]
 
@@ -226,9 +225,12 @@ def rope_rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, *,
     yb, ys = _elements(y)
     d64 = np.ascontiguousarray(delta.numpy(), dtype=np.int64)
     f64 = np.ascontiguousarray(inv_freq.numpy(), dtype=np.float64)
-    kernel = _rope_dense if xs[2] == 1 and ys[2] == 1 else _rope
-    kernel(xb, xs, yb, ys, d64, f64, H, D, R, bool(neox), R < D and not in_place,
-           np.empty(R // 2, np.float32), np.empty(R // 2, np.float32))
+    args = (xb, xs, yb, ys, d64, f64, H, D, R, bool(neox), R < D and not in_place,
+            np.empty(R // 2, np.float32), np.empty(R // 2, np.float32))
+    if xs[2] == 1 and ys[2] == 1:
+        _rope_dense(*args, np.empty(R, np.float32))
+    else:
+        _rope(*args)
     return y
 
 

@@ -83,12 +83,14 @@ _sm_counts: dict = {}
 
 
 def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device; a small number under the interpreter."""
+    """Multiprocessors of a CUDA device; 1 under the interpreter (few, large programs: each
+    program costs there, the arithmetic little)."""
     if device.type != "cuda":
-        return 4
+        return 1
     n = _sm_counts.get(device.index)
     if n is None:
-        n = _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        props = torch.cuda.get_device_properties(device)
+        n = _sm_counts[device.index] = props.multi_processor_count
     return n
 
 

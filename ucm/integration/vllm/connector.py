@@ -361,9 +361,8 @@ class UCMConnector(KVConnectorBase_V1):
             return
         self.core.forward_ended()
         self.load_path.end_step()
-        if self.blend_path is not None:
-            self.blend_path.store_chunks()
-        if self.save_path.end_step():
+        blended = self.blend_path is not None and self.blend_path.store_chunks()
+        if self.save_path.end_step() or blended:
             self.core.write_stats()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:

@@ -34,7 +34,7 @@ import numpy as np
 
 import ucm
 from ucm import metrics as ucm_metrics
-from ucm.config import Config
+from ucm.config import Config, ConfigError
 from ucm.ids import Namespace
 from ucm.blend import chunks as blend_chunks
 from ucm.integration.vllm import keys, stores
@@ -93,6 +93,44 @@ def quiet_engine_wait(cfg, vllm_config) -> None:
         log.warning("ucm: engine wait patch not applied (%r)", exc)
 
 
+#: decoders whose layers ucm's Blend forward drives (ucm.integration.vllm.blend_hook)
+BLEND_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+#: RoPE variants whose angle is position x a fixed frequency (a delta rotation is exact)
+BLEND_ROPE_TYPES = (None, "default", "linear", "llama3")
+
+
+def blend_available(cfg: Config, vllm_config, kv_transfer_config) -> bool:
+    """Whether this engine can blend: a supported decoder and RoPE, the ``blend_model`` patch
+    allowed (the worker needs the model), and failed loads recomputed (the fall back of a
+    Blend the worker cannot run). Otherwise Blend requests are computed in full (logged once)."""
+    from ucm.integration.patch import disabled
+
+    why = None
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    archs = list(getattr(hf, "architectures", None) or [])
+    rope = getattr(hf, "rope_scaling", None) or getattr(hf, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else "?"
+    if not any(a in BLEND_ARCHITECTURES for a in archs):
+        why = f"architecture {archs} (Blend drives {', '.join(BLEND_ARCHITECTURES)})"
+    elif rope_type not in BLEND_ROPE_TYPES:
+        why = f"RoPE scaling {rope_type!r} (a delta rotation is exact for plain, linear and " \
+              f"llama3 RoPE only)"
+    elif disabled():
+        why = "UCM_DISABLE_PATCHES=1 (the worker cannot reach the model)"
+    elif getattr(kv_transfer_config, "kv_load_failure_policy", None) != "recompute":
+        why = "failed loads are not recomputed (connector.load_failure), so a Blend the " \
+              "worker cannot run would fail its request"
+    elif int(getattr(hf, "num_hidden_layers", 0) or 0) and \
+            cfg["blend.check_layer"] >= int(hf.num_hidden_layers):
+        raise ConfigError(f"config key 'blend.check_layer' = {cfg['blend.check_layer']}: the "
+                         f"model has {hf.num_hidden_layers} layers")
+    if why is not None:
+        log.warning("ucm blend: off for this engine: %s; requests that mark chunks are computed "
+                    "in full", why)
+        return False
+    return True
+
+
 class ConnectorScheduler:
     """The scheduler side of one engine's connector (see the module doc).
 
@@ -127,7 +165,8 @@ class ConnectorScheduler:
         self._async = bool(cfg["connector.async_save"]) and not cfg["connector.layerwise"]
         self._tail = bool(cfg["connector.partial_tail"])
         self._prefetch = bool(cfg["connector.prefetch"])
-        self._blend = bool(cfg["blend.enabled"])
+        self._blend = bool(cfg["blend.enabled"]) and blend_available(cfg, vllm_config,
+                                                                     kv_transfer_config)
         self._separator = list(cfg["blend.separator"])
         self._store_chunks = bool(cfg["blend.store_chunks"])
         self._arrived: dict = {}  # request id -> request, added since the last step (prefetch)

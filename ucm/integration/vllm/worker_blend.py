@@ -48,6 +48,7 @@ class WorkerBlend:
         self._scratch_blocks = 0
         self._saves: list = []
         self._model = None
+        self._ran = False  # a job ran since the last store_chunks (its counters are news)
 
     def model(self):
         if self._model is None:
@@ -66,6 +67,7 @@ class WorkerBlend:
 
     # -- blending -------------------------------------------------------------------------------
     def run(self, jobs: list) -> None:
+        self._ran = self._ran or bool(jobs)
         for job in jobs:
             if job.saves:
                 self._saves.append(job)
@@ -165,9 +167,11 @@ class WorkerBlend:
         return stats
 
     # -- storing chunks -------------------------------------------------------------------------
-    def store_chunks(self) -> None:
-        """Compute each pending chunk alone and store its missing blocks (after the forward)."""
+    def store_chunks(self) -> bool:
+        """Compute each pending chunk alone and store its missing blocks (after the forward).
+        True when a job ran since the last call."""
         jobs, self._saves = self._saves, []
+        ran, self._ran = self._ran, False
         for job in jobs:
             for cs in job.saves:
                 t0 = time.perf_counter()
@@ -180,6 +184,7 @@ class WorkerBlend:
                 self.core.metrics.inc("ucm_blend_chunk_saves_total")
                 self.core.metrics.inc("ucm_blend_chunk_save_blocks_total", len(cs.ids) - cs.skip)
                 self.core.metrics.inc("ucm_blend_chunk_save_seconds_total", time.perf_counter() - t0)
+        return ran
 
     def _store_chunk(self, cs) -> None:
         from ucm.integration.vllm.blend_hook import PagedKV
