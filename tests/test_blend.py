@@ -251,3 +251,47 @@ def test_worker_blend_recomputes_the_ratio_and_falls_back_when_it_cannot_run():
     assert m["ucm_blend_chunk_save_failed_total"] == 3 and not m.get("ucm_blend_chunk_saves_total")
     assert m["ucm_blend_failed_requests_total"] == 1 and not m.get("ucm_blend_requests_total")
     assert failed == blocks                                # (no prefix hit: every block)
+
+
+# ---------------------------------------------------------------------------------------------
+# which engines can blend (the scheduler's check, on vLLM's config values)
+
+@pytest.mark.parametrize("arch,rope,ok", [
+    ("LlamaForCausalLM", None, True),
+    ("Qwen2ForCausalLM", {"rope_type": "default", "rope_theta": 1e6}, True),
+    ("LlamaForCausalLM", {"rope_type": "llama3", "factor": 8.0}, True),
+    ("LlamaForCausalLM", {"type": "linear", "factor": 2.0}, True),
+    ("LlamaForCausalLM", {"rope_type": "yarn", "factor": 4.0}, False),
+    ("LlamaForCausalLM", {"rope_type": "dynamic", "factor": 2.0}, False),
+    ("GPT2LMHeadModel", None, False),                 # no RoPE at all
+    ("Qwen3ForCausalLM", None, False),                # per-head q/k norms
+])
+def test_blend_is_off_by_name_for_models_it_cannot_serve(arch, rope, ok, caplog, monkeypatch):
+    from types import SimpleNamespace
+
+    from ucm.config import Config, ConfigError
+    from ucm.integration.vllm.scheduler import blend_available
+
+    monkeypatch.delenv("UCM_DISABLE_PATCHES", raising=False)
+    hf = SimpleNamespace(architectures=[arch], rope_scaling=rope, num_hidden_layers=30)
+    vc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf))
+    ktc = SimpleNamespace(kv_load_failure_policy="recompute")
+    assert blend_available(Config(), vc, ktc) is ok
+    if not ok:
+        assert "ucm blend: off" in caplog.text
+    if ok:
+        monkeypatch.setenv("UCM_DISABLE_PATCHES", "1")
+        assert blend_available(Config(), vc, ktc) is False
+        monkeypatch.delenv("UCM_DISABLE_PATCHES")
+        assert blend_available(Config(), vc, SimpleNamespace(kv_load_failure_policy="fail")) is False
+        with pytest.raises(ConfigError, match="blend.check_layer"):
+            blend_available(Config({"blend": {"check_layer": 30}}), vc, ktc)
+
+
+def test_chunks_of_another_model_or_codec_are_other_ids():
+    toks = np.arange(64, dtype=np.int64)
+    a = chunks.chunk_ids(toks, Namespace(model="m", dtype="float32", block_size=16), None)
+    for other in (Namespace(model="m2", dtype="float32", block_size=16),
+                  Namespace(model="m", dtype="bfloat16", block_size=16),
+                  Namespace(model="m", dtype="float32", block_size=16, codec="int8")):
+        assert not (chunks.chunk_ids(toks, other, None) == a).all(axis=1).any()
