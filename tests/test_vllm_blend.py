@@ -2,8 +2,9 @@
 processes through ``ucm.demo.engine``).
 
 One engine serves, in order: a prompt whose chunks are not stored (it is computed in full and
-its chunks are computed alone and stored), the same chunks in another order with Blend at ratio
-1.0 (token-identical to the full prefill), at the default ratio and at ratio 0, the same prompt
+its chunks are computed alone and stored), the same instruction and chunks in another order
+with Blend at ratio 1.0 (the instruction's first block a prefix hit, the rest blended;
+token-identical to the full prefill), at the default ratio and at ratio 0, the same prompt
 with ``{"ucm_blend": false}`` (the full prefill reference), and a request whose chunk marking is
 wrong (served without Blend, logged). A second engine with ``UCM_DISABLE_PATCHES=1`` cannot
 reach the model: Blend is off there and its requests are computed in full (token-identical to
@@ -25,6 +26,44 @@ from test_vllm_e2e import ENGINE_ENV, OTHER_CPU, _result, _spec, _tokens  # noqa
 from test_vllm_e2e import _start as _start_engine  # noqa: E402
 
 MAX_TOKENS = 16
+
+
+def test_blend_model_patch_is_verifiable_and_reverted_exactly(monkeypatch):
+    import os
+
+    import ucm.integration as integ
+    from ucm.integration.vllm import blend_hook
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for var in [v for v in os.environ if v.startswith("UCM_")]:
+        monkeypatch.delenv(var)
+    integ.unpatch()
+    originals = GPUModelRunner.__dict__["load_model"], CPUModelRunner.__dict__["load_model"]
+    try:
+        state = integ.patch()
+        assert state["patches"]["blend_model"] == {"applied": True, "wanted": True}
+        assert GPUModelRunner.load_model.__wrapped__ is originals[0]
+        assert CPUModelRunner.load_model.__wrapped__ is originals[1]
+        integ.patch()                                   # idempotent
+        assert CPUModelRunner.load_model.__wrapped__ is originals[1]
+    finally:
+        state = integ.unpatch()
+    assert state["patches"]["blend_model"]["applied"] is False
+    assert GPUModelRunner.__dict__["load_model"] is originals[0]
+    assert CPUModelRunner.__dict__["load_model"] is originals[1]
+    # the wrapper hands the model the runner loaded to Blend
+    from types import SimpleNamespace
+
+    def load(self):
+        self.model = "the model"
+
+    before = blend_hook.current_model()
+    try:
+        blend_hook._wrap_load(load)(SimpleNamespace())
+        assert blend_hook.current_model() == "the model"
+    finally:
+        blend_hook.set_model(before)
 BS = 32  # (the chunks' partial last blocks, recomputed, stay small)
 
 
@@ -45,7 +84,10 @@ def workload():
     for i in range(4):
         n = rng.randint(300, 700)
         chunks.append(ids[3000 + 9000 * i:3000 + 9000 * i + n])
-    head = tok("Answer from the documentation below.\n\n", add_special_tokens=False)["input_ids"]
+    head = tok("You are a careful assistant. Answer the question at the end from the documentation "
+               "excerpts below; quote the excerpt you use, and say so when the excerpts do not "
+               "contain the answer.\n\n", add_special_tokens=False)["input_ids"]
+    assert len(head) > BS   # its first block is a prefix hit of the second prompt
     question = tok("\n\nQuestion: how does the first excerpt above begin? Answer:",
                    add_special_tokens=False)["input_ids"]
 
@@ -120,8 +162,10 @@ def test_blend_at_ratio_one_is_the_full_prefill_and_stored_chunks_are_used(engin
     assert st.get("ucm_blend_chunk_saves_total") == 4        # the four chunks, each alone
     st1 = _stats(on, "ratio1")
     assert st1.get("ucm_blend_requests_total") == 1
-    # all but the instruction and the chunks' partial last blocks
-    assert st1.get("ucm_blend_stored_tokens_total", 0) >= st1["ucm_blend_tokens_total"] - 4 * BS - 16
+    # the instruction's first block came from the store as a prefix hit; Blend filled the rest
+    assert st1["ucm_load_blocks_total"] - st.get("ucm_load_blocks_total", 0) == 1
+    # all but the rest of the instruction and the chunks' partial last blocks
+    assert st1.get("ucm_blend_stored_tokens_total", 0) >= st1["ucm_blend_tokens_total"] - 5 * BS
     assert st1["ucm_blend_recomputed_tokens_total"] == st1["ucm_blend_tokens_total"]
 
 
