@@ -8,7 +8,9 @@ half of a ``[num_blocks, H, block_size, 2 D]`` page, channels of stride 2 ...), 
 * :func:`rope_rotate` (``_rope_kernel``): a program per ``(tile of tokens, group of heads)``.
   It computes its tokens' angles ``delta * inv_freq`` once, as float64 products reduced modulo
   2 pi to ``[-pi, pi]`` in float64, then float32 cosines and sines, and rotates each head's pairs
-  in float32 (stored rounded to nearest even); channels past ``rotary_dim`` are copied as they
+  in float32 (stored rounded to nearest even): rotate-half pairs as two contiguous halves,
+  GPT-J pairs as one contiguous load split into its even and odd channels (two loads of stride 2
+  instead ran 15x slower on the H200, in place). Channels past ``rotary_dim`` are copied as they
   are (exact), and skipped in place.
 * :func:`kv_deviation` (``_deviation_kernel``): a program per tile of tokens, a float32
   ``[tokens, channels]`` accumulator over heads and channel chunks, summed at the end.
@@ -118,27 +120,33 @@ def _rope_kernel(x_ptr, y_ptr, delta_ptr, freq_ptr, N, H, D,
     r = (angle - turns * tl.full([], TWO_PI, tl.float64)).to(tl.float32)   # in [-pi, pi]
     c = tl.cos(r)
     s = tl.sin(r)
-    if NEOX:
-        ca = i.to(tl.int64)
-        cb = ca + HALF
-    else:
-        ca = 2 * i.to(tl.int64)
-        cb = ca + 1
+    ca = i.to(tl.int64)[None, :]                                 # NEOX: pair (ca, ca + HALF)
+    c2 = tl.arange(0, 2 * HALF_P).to(tl.int64)[None, :]          # GPT-J: channels 2 i, 2 i + 1
     ok = n_ok[:, None] & i_ok[None, :]
+    ok2 = n_ok[:, None] & (c2 < 2 * HALF)
     h0 = tl.program_id(1) * HEADS
     xr = x_ptr + n64[:, None] * sxn + h0.to(tl.int64) * sxh      # head h0's rows, then on
     yr = y_ptr + n64[:, None] * syn + h0.to(tl.int64) * syh
     for hh in range(HEADS):
-        h_ok = (n * 0 + h0 + hh) < H                             # [BLOCK_N]: this head exists
-        m = ok & h_ok[:, None]
-        a = tl.load(xr + ca[None, :] * sxd, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(xr + cb[None, :] * sxd, mask=m, other=0.0).to(tl.float32)
-        tl.store(yr + ca[None, :] * syd, (a * c - b * s).to(y_ptr.dtype.element_ty), mask=m)
-        tl.store(yr + cb[None, :] * syd, (b * c + a * s).to(y_ptr.dtype.element_ty), mask=m)
+        h_ok = ((n * 0 + h0 + hh) < H)[:, None]                  # [BLOCK_N, 1]: the head exists
+        if NEOX:                                                 # two contiguous halves
+            m = ok & h_ok
+            a = tl.load(xr + ca * sxd, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(xr + (ca + HALF) * sxd, mask=m, other=0.0).to(tl.float32)
+            tl.store(yr + ca * syd, (a * c - b * s).to(y_ptr.dtype.element_ty), mask=m)
+            tl.store(yr + (ca + HALF) * syd, (b * c + a * s).to(y_ptr.dtype.element_ty),
+                     mask=m)
+        else:                                                    # one load, split into pairs
+            m = ok2 & h_ok
+            v = tl.load(xr + c2 * sxd, mask=m, other=0.0).to(tl.float32)
+            a, b = tl.split(tl.reshape(v, [BLOCK_N, HALF_P, 2]))
+            rotated = tl.join(a * c - b * s, b * c + a * s)     # [BLOCK_N, HALF_P, 2]
+            tl.store(yr + c2 * syd, tl.reshape(rotated, [BLOCK_N, 2 * HALF_P])
+                     .to(y_ptr.dtype.element_ty), mask=m)
         if TAIL:
             for c0 in range(2 * HALF, D, TAIL_P):
                 cc = c0 + tl.arange(0, TAIL_P).to(tl.int64)
-                mt = (n_ok & h_ok)[:, None] & (cc < D)[None, :]
+                mt = n_ok[:, None] & h_ok & (cc < D)[None, :]
                 v = tl.load(xr + cc[None, :] * sxd, mask=mt)
                 tl.store(yr + cc[None, :] * syd, v, mask=mt)
         xr += sxh
