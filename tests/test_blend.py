@@ -295,3 +295,19 @@ def test_chunks_of_another_model_or_codec_are_other_ids():
                   Namespace(model="m", dtype="bfloat16", block_size=16),
                   Namespace(model="m", dtype="float32", block_size=16, codec="int8")):
         assert not (chunks.chunk_ids(toks, other, None) == a).all(axis=1).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_blend_forward_runs_on_cuda_with_the_triton_ops():
+    """The GPU path: the Blend forward with CUDA tensors, its rotation and deviation through the
+    Triton kernels (backend="fast" picks them for CUDA tensors)."""
+    model = tiny_model(layers=4, scale=3.0).to("cuda")
+    prefix, cs, suffix = _request(6)
+    full = blended_logits(model, prefix, cs, suffix, 1.0, backend="triton")
+    assert full.logits.is_cuda
+    assert torch.allclose(full.logits, full.full_logits, atol=2e-3, rtol=1e-4)
+    part = blended_logits(model, prefix, cs, suffix, 0.25, backend="triton")
+    ref = blended_logits(tiny_model(layers=4, scale=3.0), prefix, cs, suffix, 0.25,
+                         backend="reference")
+    assert part.stats == ref.stats                    # the same tokens selected on both devices
+    assert torch.allclose(part.logits.cpu(), ref.logits, atol=5e-3, rtol=1e-3)

@@ -48,13 +48,14 @@ class PagedRequestKV:
     def __init__(self, cache: PagedKVCache, blocks: Sequence[int]):
         self.cache = cache
         self.bs = cache.block_size
-        self.blocks = torch.as_tensor(list(blocks), dtype=torch.long)
+        self.blocks = torch.as_tensor(list(blocks), dtype=torch.long, device=cache.k[0].device)
 
     def _slots(self, pos: torch.Tensor):
+        pos = pos.to(self.blocks.device)
         return self.blocks[pos // self.bs], pos % self.bs
 
     def read(self, layer, end):
-        b, o = self._slots(torch.arange(end))
+        b, o = self._slots(torch.arange(end, device=self.blocks.device))
         return self.cache.k[layer][b, o], self.cache.v[layer][b, o]
 
     def write(self, layer, pos, k, v):
@@ -94,6 +95,7 @@ def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequenc
     from ucm.blend import ops
 
     bm = LlamaBlendModel(model)
+    dev = model.device
     stored = [True] * len(chunks) if stored is None else list(stored)
     ids = list(prefix) + [t for c in chunks for t in c] + list(suffix)
     n, P = len(ids), len(prefix)
@@ -105,7 +107,7 @@ def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequenc
     if P:
         model.prefill(list(prefix), cache, list(range(math.ceil(P / bs))), logits_from=P - 1)
     region = E - P
-    mask = torch.zeros(region, dtype=torch.bool)
+    mask = torch.zeros(region, dtype=torch.bool, device=dev)
     pieces, off = [], 0
     memo = {} if chunk_cache is None else chunk_cache
     for c, ok in zip(chunks, stored):
@@ -119,19 +121,19 @@ def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequenc
     H, D = model.num_kv_heads, model.head_dim
 
     def loaded(layer):
-        k = torch.zeros(region, H, D)
-        v = torch.zeros(region, H, D)
+        k = torch.zeros(region, H, D, device=dev)
+        v = torch.zeros(region, H, D, device=dev)
         for o, per_layer in pieces:
             ck, cv = per_layer[layer]
-            delta = torch.full((len(ck),), P + o, dtype=torch.int64)
+            delta = torch.full((len(ck),), P + o, dtype=torch.int64, device=dev)
             k[o:o + len(ck)] = ops.rope_rotate(ck, delta, bm.inv_freq, backend=backend)
             v[o:o + len(ck)] = cv
         return k, v
 
     stats = BlendStats()
     if region:
-        blend_fill(bm, kv, torch.tensor(ids[P:E], dtype=torch.long), P, loaded, mask, ratio=ratio,
-                   check_layer=check_layer, backend=backend, stats=stats)
-    h = blend_fill(bm, kv, torch.tensor(ids[E:], dtype=torch.long), E, None, torch.zeros(n - E, dtype=torch.bool),
-                   ratio=1.0)
+        blend_fill(bm, kv, torch.tensor(ids[P:E], dtype=torch.long, device=dev), P, loaded, mask,
+                   ratio=ratio, check_layer=check_layer, backend=backend, stats=stats)
+    h = blend_fill(bm, kv, torch.tensor(ids[E:], dtype=torch.long, device=dev), E, None,
+                   torch.zeros(n - E, dtype=torch.bool, device=dev), ratio=1.0)
     return Blended(bm.logits(h), model.forward(ids, logits_from=E), stats)

@@ -232,10 +232,23 @@ class Llama:
         of positions ``logits_from..N-1``."""
         return self.prefill(ids, None, None, logits_from=logits_from)
 
+    def to(self, device) -> "Llama":
+        """Move the weights to ``device`` (in place; returns self). Prefill runs there."""
+        move = lambda t: t.to(device)  # noqa: E731
+        self.embed, self.lm_head, self.norm = move(self.embed), move(self.lm_head), move(self.norm)
+        self.inv_freq = move(self.inv_freq)
+        self.layers = [{k: move(t) for k, t in layer.items()} for layer in self.layers]
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
     def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return PagedKVCache([torch.zeros(shape) for _ in range(self.num_layers)],
-                            [torch.zeros(shape) for _ in range(self.num_layers)])
+        dev = self.device
+        return PagedKVCache([torch.zeros(shape, device=dev) for _ in range(self.num_layers)],
+                            [torch.zeros(shape, device=dev) for _ in range(self.num_layers)])
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int], cache: Optional[PagedKVCache],
@@ -243,14 +256,15 @@ class Llama:
         """Dense causal forward of ``ids`` at positions ``0..N-1``; with a cache, the K/V of
         token ``i`` go to block ``block_ids[i // block_size]``, slot ``i % block_size``. Returns
         the logits of positions ``logits_from..N-1`` (the LM head is skipped for the others)."""
-        ids = torch.as_tensor(ids, dtype=torch.long)
+        dev = self.device
+        ids = torch.as_tensor(ids, dtype=torch.long, device=dev)
         n = ids.shape[0]
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=dev)
         if cache is not None:
             bs = cache.block_size
             if block_ids is None or len(block_ids) * bs < n:
                 raise ValueError(f"block_ids: need at least {math.ceil(n / bs)} blocks for {n} tokens")
-            phys = torch.as_tensor(block_ids, dtype=torch.long)[pos // bs]
+            phys = torch.as_tensor(list(block_ids), dtype=torch.long, device=dev)[pos // bs]
         h = self.embed[ids]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, pos)
