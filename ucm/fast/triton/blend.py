@@ -147,8 +147,8 @@ def _rope_kernel(x_ptr, y_ptr, delta_ptr, freq_ptr, N, H, D,
             for c0 in range(2 * HALF, D, TAIL_P):
                 cc = c0 + tl.arange(0, TAIL_P).to(tl.int64)
                 mt = n_ok[:, None] & h_ok & (cc < D)[None, :]
-                v = tl.load(xr + cc[None, :] * sxd, mask=mt)
-                tl.store(yr + cc[None, :] * syd, v, mask=mt)
+                rest = tl.load(xr + cc[None, :] * sxd, mask=mt)      # (own name: Triton
+                tl.store(yr + cc[None, :] * syd, rest, mask=mt)      # types loop variables)
         xr += sxh
         yr += syh
 
