@@ -45,23 +45,14 @@ DEVIATION_DTYPES = FLOAT_DTYPES + (torch.float64,)
 # registry
 
 
-def _first_tensor(args, kwargs) -> Optional[torch.Tensor]:
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
-
-
 def on_triton_device(*args, **kwargs):
     """Verifier: the Triton kernels take CUDA tensors (CPU tensors through the interpreter)."""
-    t = _first_tensor(args, kwargs)
-    return fast.triton_takes(None if t is None else t.device)
+    return fast.triton_takes(fast.device_of(args, kwargs))
 
 
 def on_cpu(*args, **kwargs):
     """Verifier: the Numba kernels take CPU tensors."""
-    t = _first_tensor(args, kwargs)
-    return fast.cpu_takes(None if t is None else t.device)
+    return fast.cpu_takes(fast.device_of(args, kwargs))
 
 
 FAST_OPS = ("rope_rotate", "kv_deviation")

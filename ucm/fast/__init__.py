@@ -28,6 +28,15 @@ def triton_status() -> tuple[bool, str]:
     return triton.status()
 
 
+def device_of(args, kwargs):
+    """The device of the first tensor among a call's arguments (None: no tensor): what the
+    ops' verifiers hand to :func:`triton_takes` / :func:`cpu_takes`."""
+    for value in list(args) + list(kwargs.values()):
+        if hasattr(value, "device") and hasattr(value, "dtype"):
+            return value.device
+    return None
+
+
 def triton_takes(device) -> tuple[bool, str]:
     """The Triton kernels take CUDA tensors (CPU tensors through the interpreter)."""
     kind = getattr(device, "type", None)
