@@ -39,14 +39,19 @@ WORDS = ["apple", "river", "falcon", "marble", "lantern", "orchid", "thunder", "
          "velvet", "glacier", "harbor", "meadow"]
 
 
-def text_sample(ids: list, rng: random.Random, tok) -> tuple:
-    """(prefix, chunks, question + answer, answer length) from the documentation text."""
-    n_chunks = rng.randint(4, 6)
-    chunks = []
-    for _ in range(n_chunks):
+def _chunks(ids: list, rng: random.Random) -> list:
+    """4-6 chunks of 300-800 tokens from random places of the text."""
+    out = []
+    for _ in range(rng.randint(4, 6)):
         size = rng.randint(300, 800)
         start = rng.randrange(5000, len(ids) - size - 5000)
-        chunks.append(ids[start:start + size])
+        out.append(ids[start:start + size])
+    return out
+
+
+def text_sample(ids: list, rng: random.Random, tok) -> tuple:
+    """(prefix, chunks, question + answer, answer length) from the documentation text."""
+    chunks = _chunks(ids, rng)
     rng.shuffle(chunks)
     prefix = tok.encode("Read the following documentation excerpts and continue the text.\n\n",
                         add_special_tokens=False).ids
@@ -59,13 +64,8 @@ def text_sample(ids: list, rng: random.Random, tok) -> tuple:
 def retrieval_sample(ids: list, rng: random.Random, tok) -> tuple:
     name, word = rng.choice(NAMES), rng.choice(WORDS)
     needle = tok.encode(f" The code word for {name} is {word}. ", add_special_tokens=False).ids
-    n_chunks = rng.randint(4, 6)
-    chunks = []
-    for _ in range(n_chunks):
-        size = rng.randint(300, 800)
-        start = rng.randrange(5000, len(ids) - size - 5000)
-        chunks.append(ids[start:start + size])
-    which = rng.randrange(n_chunks)
+    chunks = _chunks(ids, rng)
+    which = rng.randrange(len(chunks))
     at = rng.randrange(0, len(chunks[which]) - 1)
     chunks[which] = chunks[which][:at] + needle + chunks[which][at:]
     prefix = tok.encode("Remember the code words in the documents below.\n\n",
