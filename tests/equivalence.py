@@ -97,6 +97,15 @@ def implementation_params(op: str, sample: Optional[Callable[[str], tuple]] = No
     return params
 
 
+def tensor_impls(op: str):
+    """``@tensor_impls("op")``: parametrize ``impl`` over the op's implementations on every device
+    here, each probed with a torch tensor of that device."""
+    import torch
+
+    return pytest.mark.parametrize("impl", implementation_params(
+        op, lambda device: (torch.empty(0, device=device),), devices()))
+
+
 def required_here() -> bool:
     """CI (``UCM_REQUIRE_NATIVE=1``) installs every implementation's dependencies: there an
     implementation that cannot run is a failure, elsewhere a skip."""

@@ -31,7 +31,7 @@ torch = pytest.importorskip("torch")
 from ucm import dispatch  # noqa: E402
 from ucm.blend import ops  # noqa: E402
 from conftest import run_python  # noqa: E402
-from equivalence import compare, devices, implementation_params, runnable  # noqa: E402
+from equivalence import compare, devices, implementation_params, runnable, tensor_impls  # noqa: E402
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 FLOAT_IDS = ["float32", "float16", "bfloat16"]
@@ -47,12 +47,7 @@ ROPE_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 2.0 ** -10),
 DEVIATION_TOL = (1e-6, 3e-5)
 
 
-def _sample(device):
-    return (torch.empty(0, device=device),)
-
-
-def impls(op):
-    return pytest.mark.parametrize("impl", implementation_params(op, _sample, devices()))
+impls = tensor_impls
 
 
 def gen(seed):

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ucm.sparse import ops  # noqa: E402
-from equivalence import (Poison, compare, devices, implementation_params,  # noqa: E402
+from equivalence import (Poison, compare, devices, implementation_params, tensor_impls,  # noqa: E402
                          runnable)
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
@@ -24,12 +24,7 @@ LAYOUTS = ["canonical", "vllm_cpu", "strided"]
 NAN = Poison(0)
 
 
-def _sample(device):
-    return (torch.empty(0, device=device),)
-
-
-def impls(op):
-    return pytest.mark.parametrize("impl", implementation_params(op, _sample, devices()))
+impls = tensor_impls
 
 
 def gen(seed):
