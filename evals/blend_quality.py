@@ -10,7 +10,9 @@ when every answer token is the argmax of its position.
 
 Each chunk's KV is computed alone (as a request made of the chunk stores it), rotated to its
 place and blended (:func:`ucm.blend.reference.blended_logits`, the computation the vLLM
-integration runs); ratio 1.0 recomputes everything and must reproduce the full prefill.
+integration runs); ratio 1.0 recomputes everything and must reproduce the full prefill. The
+lookahead that steers part of the recompute reads the question only (``--lookahead``): the
+answer tokens are teacher-forced here but would be generated in use.
 
     .venv/bin/python evals/blend_quality.py --samples 8 --json OUT.json
 """
@@ -92,6 +94,10 @@ def main(argv=None) -> int:
     ap.add_argument("--retrieval", type=int, default=8, help="retrieval samples")
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--check-layer", type=int, default=1)
+    ap.add_argument("--lookahead", choices=("question", "all", "none"), default="question",
+                    help="what Blend's lookahead reads after the chunks: the prompt (question), "
+                         "the prompt and the teacher-forced answer (as the vLLM agreement run), "
+                         "nothing (deviation-only selection)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -111,8 +117,9 @@ def main(argv=None) -> int:
         prefix, chunks, suffix, n_answer = make(ids, rng, tok)
         memo: dict = {}
         for r in ratios:
+            seen = {"question": len(suffix) - n_answer, "all": len(suffix), "none": 0}
             res = blended_logits(model, prefix, chunks, suffix, r, check_layer=args.check_layer,
-                                 chunk_cache=memo)
+                                 chunk_cache=memo, lookahead=seen[args.lookahead])
             agree, ok_b, ok_f = score(res, suffix, n_answer)
             row = rows[r]
             row["tokens"] += res.stats.tokens
@@ -143,6 +150,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": "SmolLM2-135M", "dtype": "float32", "samples": args.samples,
                        "retrieval_samples": args.retrieval, "check_layer": args.check_layer,
+                       "lookahead": args.lookahead,
                        "rows": out}, f, indent=1)
     return 0
 

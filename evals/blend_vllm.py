@@ -15,7 +15,11 @@ sample, in this order:
 
 A blended request stores nothing under its prefix, so step 3 is never served from step 2's
 blocks, and step 2 never from step 3's. Agreement: the fraction of answer positions whose top-1
-token equals full prefill's; retrieval: every answer token is its position's top-1.
+token equals full prefill's. Its answer tokens are part of the prompt (teacher forcing), so
+Blend's lookahead (the prompt after the chunks, :func:`ucm.blend.engine.lookahead_mass`) reads
+them too. Retrieval is generated instead (the prompt ends with the question, the answer is
+greedy decoding), so the lookahead sees only what a user's prompt holds: a sample is correct
+when the generated tokens are the code word.
 
     .venv/bin/python evals/blend_vllm.py --samples 8 --retrieval 8 --json OUT.json
 """
@@ -81,6 +85,14 @@ def main(argv=None) -> int:
             out.append(min(lp.items(), key=lambda kv: kv[1].rank)[0])
         return out
 
+    def answer(prompt, spans, ratio, n):
+        """Greedy generation of n tokens (retrieval: the answer is not in the prompt, so the
+        Blend lookahead, which reads the prompt after the chunks, never sees it)."""
+        sp = SamplingParams(max_tokens=n, temperature=0.0, skip_reading_prefix_cache=spans is None,
+                            detokenize=False, extra_args={"kv_transfer_params": params(spans, ratio)})
+        o = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+        return list(o.outputs[0].token_ids)
+
     def ttft(prompt, spans, ratio):
         sp = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=spans is None,
                             extra_args={"kv_transfer_params": params(spans, ratio)})
@@ -110,11 +122,12 @@ def main(argv=None) -> int:
         question = prompt[:len(prompt) - n_answer]
         first = len(prompt) - n_answer - 1               # predicts answer[0]
         target = prompt[first + 1:]
+        read = top1 if kind == "text" else (lambda p, s, r, _: answer(question, s, r, n_answer))
         for r in ratios:
-            b = top1(prompt, spans, r, first)
+            b = read(prompt, spans, r, first)
             rows[r]["ttft"].append(ttft(question, spans, r))
             rows[r].setdefault("tops", []).append(b)
-        f = top1(prompt, None, None, first)
+        f = read(prompt, None, None, first)
         full["ttft"].append(ttft(question, None, None))
         for r in ratios:
             b = rows[r]["tops"][-1]

@@ -9,7 +9,8 @@ import torch
 
 from tiny_llama import tiny_model
 from ucm.blend import chunks
-from ucm.blend.engine import BlendStats, blend_fill
+from ucm.blend.engine import (LOOKAHEAD_SHARE, BlendStats, blend_fill, choose_recompute,
+                              lookahead_mass)
 from ucm.blend.reference import LlamaBlendModel, PagedRequestKV, blended_logits, chunk_kv
 from ucm.ids import Namespace
 
@@ -157,6 +158,73 @@ def test_blend_fill_writes_every_position_and_rejects_bad_check_layers():
                    check_layer=model.num_layers)
 
 
+def test_choose_recompute_splits_the_budget_between_lookahead_mass_and_deviation():
+    g = torch.Generator().manual_seed(4)
+    n = 200
+    dev, mass = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    forced = torch.rand(n, generator=g) < 0.1
+    free = (~forced).nonzero()[:, 0]
+    for ratio in (0.0, 0.01, 0.15, 0.5, 1.0):
+        k = math.ceil(ratio * len(free) - 1e-9)
+        plain = choose_recompute(dev, ratio, forced)
+        assert plain.tolist() == ucm_select(dev, ratio, forced)
+        got = set(choose_recompute(dev, ratio, forced, mass).tolist())
+        assert len(got) == int(forced.sum()) + k and set(forced.nonzero()[:, 0].tolist()) <= got
+        ka = math.ceil(LOOKAHEAD_SHARE * k)
+        by_mass = free[torch.argsort(-mass[free])[:ka]].tolist()
+        assert set(by_mass) <= got                       # the tokens the question reads most
+        rest = [int(i) for i in free[torch.argsort(-dev[free])] if int(i) not in set(by_mass)]
+        assert set(rest[:k - ka]) <= got                 # then the largest deviations
+
+
+def ucm_select(dev, ratio, forced):
+    from ucm.blend import ops
+    return ops.select_recompute(dev, ratio, forced).tolist()
+
+
+def test_lookahead_mass_reads_stored_tokens_only_and_writes_nothing():
+    model = tiny_model(layers=4, scale=3.0)
+    bm = LlamaBlendModel(model)
+    prefix, cs, suffix = _request(5)
+    toks = [t for c in cs for t in c]
+    P, n = len(prefix), len(toks)
+    cache = model.new_cache(16, 16)
+    kv = PagedRequestKV(cache, range(16))
+    model.prefill(prefix + toks, cache, list(range(16)), logits_from=P + n - 1)
+    before = [(cache.k[layer].clone(), cache.v[layer].clone()) for layer in range(4)]
+    exact = [kv.read(layer, P + n) for layer in range(4)]
+    loaded = lambda layer: (exact[layer][0][P:], exact[layer][1][P:])  # noqa: E731
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[10:20] = False                                  # tokens without stored KV
+    ids = torch.tensor(suffix)
+    pos = torch.arange(P + n, P + n + len(suffix))
+    mass = lookahead_mass(bm, kv, P, P + n, loaded, mask, ids, pos, check_layer=1)
+    for layer in range(4):                               # the pass wrote nothing
+        assert torch.equal(cache.k[layer], before[layer][0])
+        assert torch.equal(cache.v[layer], before[layer][1])
+    assert mass.shape == (n,) and (mass[~mask] == 0).all() and (mass[mask] > 0).all()
+    # softmax mass: per layer above the check, head and query at most 1 in all
+    assert float(mass.sum()) <= 2 * bm.num_q_heads * len(suffix) + 1e-3
+    # nothing after the check layer, or no lookahead tokens: no mass
+    assert not lookahead_mass(bm, kv, P, P + n, loaded, mask, ids, pos, check_layer=3).any()
+    assert not lookahead_mass(bm, kv, P, P + n, loaded, mask, ids[:0], pos[:0], 1).any()
+
+
+def test_the_lookahead_keeps_ratio_one_exact_and_the_recompute_count():
+    model = tiny_model(layers=4, scale=3.0)
+    prefix, cs, suffix = _request(6)
+    n = sum(map(len, cs))
+    full = blended_logits(model, prefix, cs, suffix, 1.0)
+    assert torch.allclose(full.logits, full.full_logits, atol=1e-4)
+    for look in (0, 5, None):
+        res = blended_logits(model, prefix, cs, suffix, 0.2, lookahead=look)
+        assert res.stats.recomputed == math.ceil(0.2 * n)
+    # the lookahead changes which tokens recompute (not how many)
+    a = blended_logits(model, prefix, cs, suffix, 0.2, lookahead=0).logits
+    b = blended_logits(model, prefix, cs, suffix, 0.2).logits
+    assert not torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # the worker's path (ucm/integration/vllm/worker_blend.py) over a real store and paged cache,
 # with the reference model standing in for vLLM's
@@ -164,7 +232,7 @@ def test_blend_fill_writes_every_position_and_rejects_bad_check_layers():
 def _worker(model, ratio, fail=None, blocks=40, bs=16):
     from ucm import KVLayout
     from ucm.integration.vllm.worker_blend import WorkerBlend
-    from ucm.integration.vllm.worker_core import WorkerCore
+    from ucm.integration.core import WorkerCore
     from ucm.store.base import BlockGeometry
     from ucm.store.memory import MemoryStore
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import ucm
-from ucm.integration.vllm.worker_core import WorkerCore
+from ucm.integration.core import WorkerCore
 from ucm.integration.vllm.worker_load import WorkerLoad
 
 L, NB, BS, H, D = 4, 10, 8, 2, 16

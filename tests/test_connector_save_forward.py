@@ -19,7 +19,7 @@ import torch
 import ucm
 from ucm.config import Config
 from ucm.integration.vllm.records import Transfer
-from ucm.integration.vllm.worker_core import WorkerCore
+from ucm.integration.core import WorkerCore
 from ucm.integration.vllm.worker_save import WorkerSave
 from ucm.store import open_store
 

@@ -174,7 +174,7 @@ def test_worker_stats_file_is_a_sink_of_its_metrics(tmp_path):
 
     import ucm
     from ucm.config import Config
-    from ucm.integration.vllm.worker_core import WorkerCore
+    from ucm.integration.core import WorkerCore
 
     caches = [torch.zeros(4, 2, 16, 8) for _ in range(2)]
     layout = ucm.KVLayout.from_views(caches)

@@ -172,6 +172,10 @@ class BlendJob:
     pieces: list = field(default_factory=list)
     saves: list = field(default_factory=list)
     ratio: Optional[float] = None      # the request's recompute ratio (None: the configured one)
+    #: prompt tokens after the region (at most LOOKAHEAD_TOKENS, the last ones) and the
+    #: position of the first: the lookahead of :func:`ucm.blend.engine.blend_fill`
+    after: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    after_start: int = 0
 
 
 def plan_region(spans: list, start: int, num_tokens: int, block_size: int,

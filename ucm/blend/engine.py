@@ -29,6 +29,7 @@ write given positions): the vLLM integration and the reference harness
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -38,6 +39,13 @@ import torch.nn.functional as F
 #: queries per attention call: bounds the score matrix ([heads, QUERY_TILE, context]) and, with
 #: queries in position order, skips the keys after a tile's last query (causal)
 QUERY_TILE = 128
+
+#: the part of the recompute budget that goes to the tokens the text after the region attends
+#: to most (:func:`choose_recompute`); the rest goes by deviation
+LOOKAHEAD_SHARE = 0.5
+#: at most this many prompt tokens after a region (its last ones: a question closes a prompt)
+#: make the lookahead
+LOOKAHEAD_TOKENS = 256
 
 
 class BlendModel(Protocol):
@@ -103,10 +111,84 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return out
 
 
+def lookahead_mass(model: BlendModel, kv: RequestKV, start: int, end: int,
+                   loaded: Callable[[int], tuple], loaded_mask: torch.Tensor,
+                   ids: torch.Tensor, pos: torch.Tensor, check_layer: int) -> torch.Tensor:
+    """How much the tokens after a region look at each of its stored tokens, in a cheap
+    approximate pass: the tokens ``ids [m]`` at positions ``pos [m]`` (increasing, all at or
+    after ``end``) go through every layer; up to ``check_layer`` they attend to the cache
+    (exact there: the region is computed in full), above it to the prefix and the stored KV of
+    the region (what a Blend at ratio 0 would give them; tokens without stored KV are left out).
+    Returns float32 ``[end - start]``: the softmax mass their queries give each region token,
+    summed over the layers above ``check_layer``, heads and queries (0 for tokens without
+    stored KV). Nothing is written to the cache."""
+    n = end - start
+    device = loaded_mask.device
+    mass = torch.zeros(n, dtype=torch.float32, device=device)
+    m = int(ids.shape[0])
+    if m == 0 or check_layer + 1 >= model.num_layers:
+        return mass
+    rep = model.num_q_heads // model.num_kv_heads
+    visible = torch.ones(end, dtype=torch.bool, device=device)
+    own = pos[None, :] <= pos[:, None]                                # [m, m] causal among them
+    h = model.embed(ids)
+    for layer in range(model.num_layers):
+        q, k, v = model.qkv(layer, h, pos)
+        ck, cv = kv.read(layer, end)
+        above = layer > check_layer
+        if above:
+            lk, lv = loaded(layer)
+            ck, cv = ck.clone(), cv.clone()
+            ck[start:], cv[start:] = lk, lv
+            visible[start:] = loaded_mask
+        kk = torch.cat([ck, k]).to(q.dtype).transpose(0, 1).repeat_interleave(rep, 0)
+        vv = torch.cat([cv, v]).to(q.dtype).transpose(0, 1).repeat_interleave(rep, 0)
+        allow = torch.cat([visible[None, :].expand(m, end), own], 1)  # [m, end + m]
+        out = torch.empty_like(q)
+        for a in range(0, m, QUERY_TILE):
+            b = min(m, a + QUERY_TILE)
+            s = torch.einsum("hqd,hkd->hqk", q[a:b].transpose(0, 1).float(), kk.float())
+            s = (s * model.scale).masked_fill(~allow[None, a:b], float("-inf"))
+            p = s.softmax(-1)                                         # [Hq, t, end + m]
+            out[a:b] = torch.einsum("hqk,hkd->qhd", p, vv.float()).to(q.dtype)
+            if above:
+                mass += p[:, :, start:end].sum((0, 1))
+        h = model.finish(layer, h, out)
+    return mass
+
+
+def choose_recompute(deviation: torch.Tensor, ratio: float, forced: torch.Tensor,
+                     mass: Optional[torch.Tensor] = None, *,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """The tokens that go on past the check layer (increasing indices): the forced ones plus
+    ``ceil(ratio * U)`` of the ``U`` unforced ones. Without ``mass``: those of largest
+    deviation (CacheBlend's rule). With it (:func:`lookahead_mass`): :data:`LOOKAHEAD_SHARE`
+    of the count goes to the tokens the following text looks at most, the rest to the largest
+    deviations among the others: deviation finds the tokens whose KV the other chunks change,
+    the mass the ones the answer will read, whose errors therefore cost the most."""
+    from ucm.blend import ops
+    from ucm.reference.blend import recompute_count
+
+    if mass is None:
+        return ops.select_recompute(deviation, ratio, forced, backend=backend)
+    free = int((~forced).sum())
+    k = recompute_count(ratio, free)
+    ka = min(k, math.ceil(LOOKAHEAD_SHARE * k))
+    if free == 0 or ka == 0:
+        return ops.select_recompute(deviation, ratio, forced, backend=backend)
+    first = ops.select_recompute(mass, ka / free, forced, backend=backend)
+    forced2 = torch.zeros_like(forced)
+    forced2[first] = True
+    rest = free - ka
+    return ops.select_recompute(deviation, (k - ka) / rest if rest else 0.0, forced2,
+                                backend=backend)
+
+
 def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
                loaded: Optional[Callable[[int], tuple]], loaded_mask: torch.Tensor, *,
                ratio: float, check_layer: int = 1, backend: Optional[str] = None,
-               stats: Optional[BlendStats] = None) -> torch.Tensor:
+               stats: Optional[BlendStats] = None,
+               lookahead: Optional[tuple] = None) -> torch.Tensor:
     """Fill the KV of region ``[start, start + n)`` of one request (module doc) and return the
     last layer's output hidden states of the tokens computed through every layer (those past
     the check layer, in position order; all of them when ``ratio`` is 1 or nothing is loaded).
@@ -115,7 +197,9 @@ def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
     stored KV of the region's tokens at that layer, keys already at their positions here (rows
     of tokens without stored KV are ignored); ``loaded_mask [n]`` bool: which tokens have it.
     The stored KV of a layer is written first, so the cache holds it wherever no token is
-    recomputed."""
+    recomputed. ``lookahead``: ``(ids [m], pos [m])`` of prompt tokens after the region (the
+    question of a retrieval prompt); when given, part of the recompute goes to the stored tokens
+    they attend to (:func:`choose_recompute`)."""
     from ucm.blend import ops
 
     n = int(ids.shape[0])
@@ -143,7 +227,11 @@ def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
         if any_loaded and layer == check_layer and ratio < 1:
             lk, lv = loaded(layer)
             dev = ops.kv_deviation(k, v, lk, lv, backend=backend)      # sel is every token here
-            keep_idx = ops.select_recompute(dev, float(ratio), forced)
+            mass = None
+            if lookahead is not None and len(lookahead[0]) and ratio > 0:
+                mass = lookahead_mass(model, kv, start, end, loaded, loaded_mask,
+                                      lookahead[0], lookahead[1], check_layer)
+            keep_idx = choose_recompute(dev, float(ratio), forced, mass, backend=backend)
             q, h, sel = q[keep_idx], h[keep_idx], sel[keep_idx]
             if len(sel) == 0:   # nothing recomputes: the later layers keep the stored KV
                 for later in range(layer + 1, model.num_layers):

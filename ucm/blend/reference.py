@@ -85,13 +85,16 @@ class Blended:
 def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequence[int]],
                    suffix: Sequence[int], ratio: float, *, check_layer: int = 1,
                    stored: Optional[Sequence[bool]] = None, backend: Optional[str] = None,
-                   chunk_cache: Optional[dict] = None) -> Blended:
+                   chunk_cache: Optional[dict] = None,
+                   lookahead: Optional[int] = None) -> Blended:
     """One request ``prefix + chunks... + suffix`` served with Blend: the prefix is computed
     (a prefix hit), each stored chunk's KV (computed alone, :func:`chunk_kv`) is rotated to its
     position, the chunk region is filled by :func:`ucm.blend.engine.blend_fill` at ``ratio``,
     and the suffix is computed over that cache; returns the suffix's logits beside a full
     prefill's. ``stored[i]`` False: chunk ``i`` has no stored KV (recomputed in place);
-    ``chunk_cache``: memo of chunk KV by token tuple."""
+    ``chunk_cache``: memo of chunk KV by token tuple; ``lookahead``: how many leading suffix
+    tokens the Blend's lookahead sees (default all, as the vLLM integration sees every prompt
+    token after the chunks; 0: none, CacheBlend's deviation-only selection)."""
     from ucm.blend import ops
 
     bm = LlamaBlendModel(model)
@@ -132,8 +135,15 @@ def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequenc
 
     stats = BlendStats()
     if region:
+        from ucm.blend.engine import LOOKAHEAD_TOKENS
+
+        m = len(suffix) if lookahead is None else max(0, min(int(lookahead), len(suffix)))
+        lo = max(E, E + m - LOOKAHEAD_TOKENS)
+        after = (torch.tensor(ids[lo:E + m], dtype=torch.long, device=dev),
+                 torch.arange(lo, E + m, device=dev))
         blend_fill(bm, kv, torch.tensor(ids[P:E], dtype=torch.long, device=dev), P, loaded, mask,
-                   ratio=ratio, check_layer=check_layer, backend=backend, stats=stats)
+                   ratio=ratio, check_layer=check_layer, backend=backend, stats=stats,
+                   lookahead=after)
     h = blend_fill(bm, kv, torch.tensor(ids[E:], dtype=torch.long, device=dev), E, None,
                    torch.zeros(n - E, dtype=torch.bool, device=dev), ratio=1.0)
     return Blended(bm.logits(h), model.forward(ids, logits_from=E), stats)

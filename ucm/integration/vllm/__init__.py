@@ -1,7 +1,7 @@
 """vLLM integration: ``UCMConnector`` (``kv_connector_module_path="ucm.integration.vllm"``).
 
 ``UCMConnector`` and ``UCMConnectorMetadata`` are imported on first use (they import vLLM); the
-connector's worker paths (``worker_load``, ``worker_save``, ``worker_core``, ``records``) import
+connector's worker paths (``worker_load``, ``worker_save``, ``records``) import
 nothing from vLLM and can be used without it.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ This module is only the adapter that speaks vLLM's connector API; the work is sp
   (:mod:`ucm.integration.vllm.stores`); then the load path (:mod:`ucm.integration.vllm.worker_load`:
   ``start_load_kv``, ``wait_for_layer_load``, ``get_block_ids_with_load_errors``) and the save
   path (:mod:`ucm.integration.vllm.worker_save`: ``save_kv_layer``, ``wait_for_save``,
-  ``get_finished``) run over one :class:`~ucm.integration.vllm.worker_core.WorkerCore`. Neither
+  ``get_finished``) run over one :class:`~ucm.integration.core.WorkerCore`. Neither
   imports vLLM: they take plain tensors, block ids, vLLM block numbers and layer indices;
 * scheduler -> worker, once per step: :class:`UCMConnectorMetadata`, made of
   :class:`~ucm.integration.vllm.records.Transfer` records.
@@ -53,7 +53,7 @@ from ucm.integration.vllm import failed_loads as _failed_loads  # noqa: F401 (re
 from ucm.integration.vllm import keys, stores
 from ucm.integration.vllm.records import Transfer
 from ucm.integration.vllm.scheduler import ConnectorScheduler
-from ucm.integration.vllm.worker_core import WorkerCore, store_shard_bytes
+from ucm.integration.core import WorkerCore, store_shard_bytes
 from ucm.integration.vllm.worker_load import WorkerLoad
 from ucm.integration.vllm.worker_save import WorkerSave
 
@@ -257,6 +257,9 @@ class UCMConnector(KVConnectorBase_V1):
             layout, store, first.device, shard_bytes=shard,
             rank_ids=functools.partial(keys.rank_ids, rank=self._rank, shape=self.shape),
             stats_file=cfg["connector.stats_file"])
+        from ucm.integration.vllm import sparse_hook
+
+        core.metric_sources.append(sparse_hook.drain_metrics)
         core.metrics.set("ucm_background_cpus", len(cpus or ()))
         layerwise = bool(cfg["connector.layerwise"])
         self.save_path = WorkerSave(core, background=bool(cfg["connector.async_save"]),

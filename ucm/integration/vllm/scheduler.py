@@ -37,6 +37,7 @@ from ucm import metrics as ucm_metrics
 from ucm.config import Config, ConfigError
 from ucm.ids import Namespace
 from ucm.blend import chunks as blend_chunks
+from ucm.blend.engine import LOOKAHEAD_TOKENS
 from ucm.integration.vllm import keys, stores
 from ucm.integration.vllm.records import Match, PlannedLoad, ReqState, Transfer
 from ucm.murmur import murmur3_x64_128
@@ -315,9 +316,11 @@ class ConnectorScheduler:
                         np.asarray(prompt[a:a + len(i) * bs], dtype=np.int64), i.copy(), n))
         if not pieces and not saves:
             return None
+        lo = max(end, request.num_tokens - LOOKAHEAD_TOKENS)
         return blend_chunks.BlendJob(request.request_id, start, end,
                                      np.asarray(prompt[start:end], dtype=np.int64), [],
-                                     pieces, saves, ratio)
+                                     pieces, saves, ratio,
+                                     np.asarray(prompt[lo:request.num_tokens], dtype=np.int64), lo)
 
     def on_new_request(self, request: "Request") -> None:
         """A request joined the waiting queue. It is looked up when the step is built, and only

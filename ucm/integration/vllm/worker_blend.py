@@ -26,7 +26,7 @@ import torch
 
 import ucm
 from ucm.blend.engine import BlendStats, blend_fill
-from ucm.integration.vllm.worker_core import WorkerCore
+from ucm.integration.core import WorkerCore
 
 log = logging.getLogger("ucm.integration.vllm")
 
@@ -161,9 +161,11 @@ class WorkerBlend:
         kv = PagedKV(self.views, job.blocks, bs)
         stats = BlendStats()
         with torch.inference_mode():
+            after = torch.as_tensor(job.after, device=dev)
+            after_pos = torch.arange(job.after_start, job.after_start + len(job.after), device=dev)
             blend_fill(model, kv, torch.as_tensor(job.tokens, device=dev), P, loaded, mask,
                        ratio=self.ratio if job.ratio is None else job.ratio,
-                       check_layer=self.check_layer, stats=stats)
+                       check_layer=self.check_layer, stats=stats, lookahead=(after, after_pos))
         return stats
 
     # -- storing chunks -------------------------------------------------------------------------

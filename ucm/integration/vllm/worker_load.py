@@ -31,7 +31,7 @@ import torch
 import ucm
 from ucm import threads as ucm_threads
 from ucm.integration.vllm.records import LayerLoad, Overlap, concat
-from ucm.integration.vllm.worker_core import WorkerCore
+from ucm.integration.core import WorkerCore
 
 log = logging.getLogger("ucm.integration.vllm")
 

@@ -34,7 +34,7 @@ import torch
 import ucm
 from ucm import threads as ucm_threads
 from ucm.integration.vllm.records import LayerDump, LayerSave, LayerSaveState, SavePlan, concat
-from ucm.integration.vllm.worker_core import WorkerCore
+from ucm.integration.core import WorkerCore
 
 log = logging.getLogger("ucm.integration.vllm")
 

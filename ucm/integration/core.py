@@ -1,7 +1,12 @@
-"""State the worker's load path (:mod:`.worker_load`) and save path (:mod:`.worker_save`) share:
-the paged caches' byte layout, the store, the device, the pool of staging buffers, the counters
-and the rule that turns a block id into this rank's id. Imports nothing from vLLM: the caches are
-described by a :class:`ucm.KVLayout` over plain tensors.
+"""The engine-free core every engine adapter stands on: the engine's paged KV buffers as a
+:class:`ucm.KVLayout` over plain tensors, the open store, the device, a pool of staging buffers,
+the counters, and the rule that turns a block id into this rank's id. It imports no engine.
+
+vLLM's connector drives it asynchronously, layer by layer (:mod:`ucm.integration.vllm.worker_load`,
+:mod:`~ucm.integration.vllm.worker_save`); SGLang's HiCache backend
+(:mod:`ucm.integration.sglang`) synchronously, page by page (:meth:`WorkerCore.save_blocks`,
+:meth:`WorkerCore.load_blocks`, :meth:`WorkerCore.leading_hits`). A third engine needs only an
+adapter: its buffers as ``KVLayout`` views (block dimension first) and its keys as block ids.
 """
 from __future__ import annotations
 
@@ -70,6 +75,9 @@ class WorkerCore:
         #: staging buffers of ended saves, reused
         self.staging = BufferPool(self.alloc)
         self._forward_t0: Optional[float] = None
+        #: callables returning a ucm.metrics payload, merged at each collection (the vLLM
+        #: connector adds sparse attention's)
+        self.metric_sources: list = []
 
     def prefetch(self, hints: list) -> None:
         """Queued requests' stored blocks (base ids, one array per request): the store promotes
@@ -83,6 +91,89 @@ class WorkerCore:
             self.metrics.inc("ucm_prefetch_hint_blocks_total", len(ids))
         except Exception as exc:
             log.debug("ucm: prefetch failed (%r)", exc)
+
+    # synchronous block transfers (engines whose storage calls block: SGLang's HiCache) -------
+    def leading_hits(self, block_ids) -> int:
+        """How many of ``block_ids`` (base ids, ``uint64 [n, 2]``), from the first, the store
+        holds. A store fault counts as no hit."""
+        ids = ucm.as_ids(block_ids, "block_ids")
+        if self.store is None or not len(ids):
+            return 0
+        try:
+            hit = int(self.store.lookup_prefix(self.rank_ids(ids)))
+        except Exception as exc:
+            log.warning("ucm: lookup failed (%r); counted as a miss", exc)
+            hit = 0
+        self.metrics.inc("ucm_lookup_hit_blocks_total", hit)
+        self.metrics.inc("ucm_lookup_miss_blocks_total", len(ids) - hit)
+        return hit
+
+    def save_blocks(self, block_ids, indices) -> np.ndarray:
+        """Store the engine's blocks ``indices`` (into the layout) under ``block_ids``; returns
+        one bool per block (True: stored, or already there). Blocks the store holds are not
+        written again; a store fault is a False, never an exception."""
+        ids = ucm.as_ids(block_ids, "block_ids")
+        idx = np.asarray(indices, dtype=np.int64)
+        if len(idx) != len(ids):
+            raise ValueError(f"indices: {len(idx)} for {len(ids)} block ids")
+        ok = np.zeros(len(ids), dtype=bool)
+        if self.store is None or not len(ids):
+            return ok
+        t0 = time.perf_counter()
+        try:
+            rids = self.rank_ids(ids)
+            ok[:] = self.store.lookup(rids)
+            todo = np.flatnonzero(~ok)
+            if len(todo):
+                buf = self.take_staging(len(todo) * self.block_bytes)
+                try:
+                    rows = buf[:len(todo) * self.block_bytes].view(len(todo), self.block_bytes)
+                    ucm.gather_blocks(self.layout, torch.from_numpy(idx[todo]), rows)
+                    res = self.store.wait(self.store.dump(rids[todo], 0, rows))
+                    done = np.zeros(len(todo), dtype=bool)
+                    done[list(res.ok)] = True
+                    self.store.commit(rids[todo], done)
+                    ok[todo] = done
+                finally:
+                    self.staging.give(buf)
+        except Exception as exc:
+            log.warning("ucm: save of %d blocks failed (%r)", len(ids), exc)
+            ok[:] = False
+        self.metrics.inc("ucm_save_blocks_total", int(ok.sum()))
+        self.metrics.inc("ucm_save_bytes_total", int(ok.sum()) * self.block_bytes)
+        self.metrics.inc("ucm_save_failed_blocks_total", int((~ok).sum()))
+        self.metrics.observe("ucm_save_seconds", time.perf_counter() - t0)
+        return ok
+
+    def load_blocks(self, block_ids, indices) -> np.ndarray:
+        """Load ``block_ids`` into the engine's blocks ``indices``; returns one bool per block.
+        A block that fails (missing, corrupt, a store fault) is False and its engine block is
+        left as it was: never another block's bytes."""
+        ids = ucm.as_ids(block_ids, "block_ids")
+        idx = np.asarray(indices, dtype=np.int64)
+        if len(idx) != len(ids):
+            raise ValueError(f"indices: {len(idx)} for {len(ids)} block ids")
+        ok = np.zeros(len(ids), dtype=bool)
+        if self.store is None or not len(ids):
+            return ok
+        t0 = time.perf_counter()
+        buf = self.take_staging(len(ids) * self.block_bytes)
+        try:
+            rows = buf[:len(ids) * self.block_bytes].view(len(ids), self.block_bytes)
+            res = self.store.wait(self.store.load(self.rank_ids(ids), 0, rows))
+            ok[list(res.ok)] = True
+            dst = np.where(ok, idx, -1)                  # -1: that row is not scattered
+            ucm.scatter_blocks(self.layout, torch.from_numpy(dst), rows)
+        except Exception as exc:
+            log.warning("ucm: load of %d blocks failed (%r)", len(ids), exc)
+            ok[:] = False
+        finally:
+            self.staging.give(buf)
+        self.metrics.inc("ucm_load_blocks_total", int(ok.sum()))
+        self.metrics.inc("ucm_load_bytes_total", int(ok.sum()) * self.block_bytes)
+        self.metrics.inc("ucm_load_failed_blocks_total", int((~ok).sum()))
+        self.metrics.observe("ucm_load_seconds", time.perf_counter() - t0)
+        return ok
 
     # staging ----------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -122,9 +213,8 @@ class WorkerCore:
         self.stats_sink.write(self.metrics.totals(), **extra)
 
     def _collect(self) -> None:
-        from ucm.integration.vllm import sparse_hook
-
-        self.metrics.add(sparse_hook.drain_metrics())
+        for source in self.metric_sources:
+            self.metrics.add(source())
         if self.store_metrics is not None:
             try:
                 self.store_metrics.collect(self.metrics)
