@@ -163,7 +163,7 @@ class WorkerCore:
             res = self.store.wait(self.store.load(self.rank_ids(ids), 0, rows))
             ok[list(res.ok)] = True
             dst = np.where(ok, idx, -1)                  # -1: that row is not scattered
-            ucm.scatter_blocks(self.layout, torch.from_numpy(dst), rows)
+            ucm.scatter_blocks(self.layout, rows, torch.from_numpy(dst))
         except Exception as exc:
             log.warning("ucm: load of %d blocks failed (%r)", len(ids), exc)
             ok[:] = False
