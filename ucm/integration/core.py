@@ -130,8 +130,7 @@ class WorkerCore:
                     rows = buf[:len(todo) * self.block_bytes].view(len(todo), self.block_bytes)
                     ucm.gather_blocks(self.layout, torch.from_numpy(idx[todo]), rows)
                     res = self.store.wait(self.store.dump(rids[todo], 0, rows))
-                    done = np.zeros(len(todo), dtype=bool)
-                    done[list(res.ok)] = True
+                    done = np.asarray(res.ok, dtype=bool)
                     self.store.commit(rids[todo], done)
                     ok[todo] = done
                 finally:
@@ -161,7 +160,7 @@ class WorkerCore:
         try:
             rows = buf[:len(ids) * self.block_bytes].view(len(ids), self.block_bytes)
             res = self.store.wait(self.store.load(self.rank_ids(ids), 0, rows))
-            ok[list(res.ok)] = True
+            ok[:] = np.asarray(res.ok, dtype=bool)
             dst = np.where(ok, idx, -1)                  # -1: that row is not scattered
             ucm.scatter_blocks(self.layout, rows, torch.from_numpy(dst))
         except Exception as exc:
