@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-sglang = pytest.importorskip("sglang")
+import sglang  # noqa: E402,F401  (this stage fails, never skips, without SGLang)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
