@@ -590,6 +590,8 @@ def test_borrow_lends_committed_rows_without_copy_and_pins_them(tmp_path):
     with s.borrow(ids[2:]) as lent:
         assert lent.all_found and np.array_equal(lent.pool[int(lent.rows[0])].numpy(), src[2])
     s.close()
+    with pytest.raises(ValueError, match="closed"):     # as load and dump
+        s.borrow(ids)
     p = posix(tmp_path)
     assert p.borrow(ids) is None
     p.close()

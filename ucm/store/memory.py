@@ -331,6 +331,8 @@ class MemoryStore(KVStore):
         slots are held like a load's until ``release()``."""
         from ucm.ids import as_ids
 
+        if self._closed:   # (as load and dump: nothing is lent out of a closed store)
+            raise ValueError(f"{self.name}: store is closed")
         ids = as_ids(block_ids, "block_ids")
         with self._lock:
             self._ensure_pool()

@@ -94,6 +94,7 @@ class UCMStorage(HiCacheStorage):
             self.core.layout = layout
             return
         store = stores.acquire(self.cfg, ns, layout.block_bytes, layout.block_bytes)
+        store.prepare()    # allocate (and fault in) the memory tier now, not in the first call
         self.ns = ns
         self.page_size = int(mem_pool_host.page_size)
         self.core = WorkerCore(layout, store, "cpu", shard_bytes=layout.block_bytes)
