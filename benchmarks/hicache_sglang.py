@@ -50,7 +50,6 @@ def main(argv=None) -> int:
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    torch.set_num_threads(1)
     # SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64, bfloat16
     layers, heads, dim, ps, n = 30, 3, 64, args.page_size, args.pages
     tokens = n * ps

@@ -261,3 +261,80 @@ def test_behind_it_a_memory_redis_pipeline(tmp_path):
         b2.close()
     finally:
         srv.stop()
+
+
+def test_random_operations_against_a_dictionary_model(tmp_path):
+    """set (v1 or generic), get (v1 or generic), exists and leading hits in random order over a
+    few keys, against a dict of what each key first stored (a stored page is never rewritten):
+    a get returns exactly the model's page, a key the model lacks is a miss."""
+    rng = np.random.default_rng(11)
+    host = host_pool("layer_first", seed=8)
+    b = backend(host, posix_cfg(tmp_path))
+    pool_pages = host.kv_buffer.shape[2] // PAGE
+    ks = keys(12)
+    model = {}
+    for step in range(120):
+        op = rng.integers(0, 5)
+        k = [ks[i] for i in rng.choice(len(ks), size=rng.integers(1, 4), replace=False)]
+        pages = rng.choice(pool_pages, size=len(k), replace=False).tolist()
+        if op == 0:                                   # new random bytes, then set through v1
+            for p in pages:
+                host.kv_buffer[:, :, p * PAGE:(p + 1) * PAGE].view(torch.int16).random_()
+            assert all(b.batch_set_v1(k, indices(host, pages)))
+            for key, p in zip(k, pages):
+                model.setdefault(key, page(host, p))
+        elif op == 1:                                 # the generic path's set
+            assert b.batch_set(k, [host.get_data_page(p * PAGE) for p in pages])
+            for key, p in zip(k, pages):
+                model.setdefault(key, page(host, p))
+        elif op == 2:
+            got = b.batch_get_v1(k, indices(host, pages))
+            for key, p, ok in zip(k, pages, got):
+                assert ok == (key in model), step
+                if ok:
+                    assert torch.equal(page(host, p), model[key]), step
+        elif op == 3:
+            out = b.batch_get(k, [host.get_dummy_flat_data_page() for _ in k])
+            for key, o in zip(k, out):
+                assert (o is not None) == (key in model), step
+                if o is not None:
+                    assert torch.equal(o.view(torch.int16), model[key]), step
+        else:
+            want = next((i for i, key in enumerate(k) if key not in model), len(k))
+            assert b.batch_exists(k) == want, step
+    b.close()
+
+
+def test_prefetch_and_backup_threads_at_once(tmp_path):
+    """HiCache reads on its prefetch thread while its backup thread writes: both at once on one
+    backend stay exact."""
+    import threading
+
+    host = host_pool("page_first", seed=9)
+    b = backend(host, posix_cfg(tmp_path))
+    old, new = keys(4), keys(4)
+    b.batch_set_v1(old, indices(host, [0, 1, 2, 3]))
+    want = [page(host, p) for p in range(8)]
+    errors = []
+
+    def reader():
+        for _ in range(15):
+            if b.batch_get_v1(old, indices(host, [10, 11, 12, 13])) != [True] * 4:
+                errors.append("miss")
+
+    def writer():
+        for i in range(15):
+            ks = keys(4, tag=f"w{i}")
+            if b.batch_set_v1(ks, indices(host, [4, 5, 6, 7])) != [True] * 4:
+                errors.append("set failed")
+
+    threads = [threading.Thread(target=reader), threading.Thread(target=writer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(4):
+        assert torch.equal(page(host, 10 + i), want[i])
+    assert b.batch_set_v1(new, indices(host, [4, 5, 6, 7])) == [True] * 4
+    b.close()
