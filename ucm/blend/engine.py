@@ -158,8 +158,7 @@ def lookahead_mass(model: BlendModel, kv: RequestKV, start: int, end: int,
 
 
 def choose_recompute(deviation: torch.Tensor, ratio: float, forced: torch.Tensor,
-                     mass: Optional[torch.Tensor] = None, *,
-                     backend: Optional[str] = None) -> torch.Tensor:
+                     mass: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The tokens that go on past the check layer (increasing indices): the forced ones plus
     ``ceil(ratio * U)`` of the ``U`` unforced ones. Without ``mass``: those of largest
     deviation (CacheBlend's rule). With it (:func:`lookahead_mass`): :data:`LOOKAHEAD_SHARE`
@@ -170,18 +169,17 @@ def choose_recompute(deviation: torch.Tensor, ratio: float, forced: torch.Tensor
     from ucm.reference.blend import recompute_count
 
     if mass is None:
-        return ops.select_recompute(deviation, ratio, forced, backend=backend)
+        return ops.select_recompute(deviation, ratio, forced)
     free = int((~forced).sum())
     k = recompute_count(ratio, free)
     ka = min(k, math.ceil(LOOKAHEAD_SHARE * k))
     if free == 0 or ka == 0:
-        return ops.select_recompute(deviation, ratio, forced, backend=backend)
-    first = ops.select_recompute(mass, ka / free, forced, backend=backend)
+        return ops.select_recompute(deviation, ratio, forced)
+    first = ops.select_recompute(mass, ka / free, forced)
     forced2 = torch.zeros_like(forced)
     forced2[first] = True
     rest = free - ka
-    return ops.select_recompute(deviation, (k - ka) / rest if rest else 0.0, forced2,
-                                backend=backend)
+    return ops.select_recompute(deviation, (k - ka) / rest if rest else 0.0, forced2)
 
 
 def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
@@ -231,7 +229,7 @@ def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
             if lookahead is not None and len(lookahead[0]) and ratio > 0:
                 mass = lookahead_mass(model, kv, start, end, loaded, loaded_mask,
                                       lookahead[0], lookahead[1], check_layer)
-            keep_idx = choose_recompute(dev, float(ratio), forced, mass, backend=backend)
+            keep_idx = choose_recompute(dev, float(ratio), forced, mass)
             q, h, sel = q[keep_idx], h[keep_idx], sel[keep_idx]
             if len(sel) == 0:   # nothing recomputes: the later layers keep the stored KV
                 for later in range(layer + 1, model.num_layers):
