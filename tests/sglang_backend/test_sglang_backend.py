@@ -44,6 +44,23 @@ def host_pool(layout, page=PAGE, dtype=torch.bfloat16, seed=None):
     return host
 
 
+def mla_pool(layout, seed=None):
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dev = MLATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=16,
+                           qk_rope_head_dim=8, layer_num=LAYERS, device="cpu",
+                           enable_memory_saver=False, start_layer=0, end_layer=LAYERS)
+    cap = dev.size if dev.host_capacity_tokens is None else dev.host_capacity_tokens
+    host = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
+                                pin_memory=False, device="cpu", device_capacity_tokens=cap,
+                                start_layer=dev.start_layer, end_layer=dev.end_layer,
+                                target_layer_num=dev.layer_num,
+                                override_kv_cache_dim=dev.kv_cache_dim)
+    fill(host, seed)
+    return host
+
+
 def fill(host, seed=None):
     raw = host.kv_buffer.view(torch.int16)
     if seed is None:
@@ -163,18 +180,28 @@ def test_tp_ranks_write_their_own_shards_and_mla_writes_once(tmp_path):
         assert torch.equal(page(dst, 4), page(hosts[r], 0))   # its own shard, not the other's
         assert not torch.equal(page(dst, 4), page(hosts[1 - r], 0))
         reader.close()
-    # MLA-flagged ranks hold the same KV: the non-writer rank stores nothing, reads the writer's
+    for b in bs:
+        b.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_mla_ranks_share_pages_and_only_the_writer_writes(layout, tmp_path):
+    """SGLang's MLA host pool (one latent buffer): every TP rank holds the same KV, so the
+    namespace has no rank; the non-writer rank stores nothing and reads the writer's pages."""
     mk = keys(2)
-    writer = backend(hosts[0], posix_cfg(tmp_path), tp=(0, 2), mla=True)
-    other = backend(hosts[1], posix_cfg(tmp_path), tp=(1, 2), mla=True)
-    assert other.batch_set_v1(mk, indices(hosts[1], [0, 1])) == [True, True]
+    mine, theirs = mla_pool(layout, seed=20), mla_pool(layout, seed=21)
+    writer = backend(mine, posix_cfg(tmp_path), tp=(0, 2), mla=True)
+    other = backend(theirs, posix_cfg(tmp_path), tp=(1, 2), mla=True)
+    assert other.batch_set_v1(mk, indices(theirs, [0, 1])) == [True, True]
     assert other.batch_exists(mk) == 0                       # (it wrote nothing)
-    assert writer.batch_set_v1(mk, indices(hosts[0], [0, 1])) == [True, True]
-    dst = host_pool("page_first")
+    assert writer.batch_set_v1(mk, indices(mine, [0, 1])) == [True, True]
+    dst = mla_pool(layout)
     reader = backend(dst, posix_cfg(tmp_path), tp=(1, 2), mla=True)
     assert reader.batch_get_v1(mk, indices(dst, [2, 3])) == [True, True]
-    assert torch.equal(page(dst, 2), page(hosts[0], 0))
-    for b in bs + [writer, other, reader]:
+    assert torch.equal(page(dst, 2), page(mine, 0)) and torch.equal(page(dst, 3), page(mine, 1))
+    flat = reader.batch_get(mk[:1], [dst.get_dummy_flat_data_page()])[0]
+    assert torch.equal(flat.view(torch.int16), page(mine, 0))
+    for b in (writer, other, reader):
         b.close()
 
 

@@ -52,7 +52,7 @@ def page_views(host) -> list:
     buf, ps = host.kv_buffer, int(host.page_size)
     mla = is_mla(host)
     pairs = [buf] if mla else list(buf.unbind(0))           # (K, V) or the latent buffer
-    want = 4 if mla or layout in ("layer_first", "page_first") else 5
+    want = 4 if layout in ("layer_first", "page_first") else 5
     if any(p.dim() != want for p in pairs) or (not mla and buf.shape[0] != 2):
         raise ValueError(f"SGLang host pool: kv_buffer of shape {list(buf.shape)} is not the "
                          f"{'MLA' if mla else 'MHA'} {layout} layout")
@@ -117,9 +117,10 @@ def namespace(config, host, model: Optional[str] = None, tenant_salt: str = "") 
                          "'model': the namespace needs one (pages of two models must not mix)")
     mla = bool(getattr(config, "is_mla_model", False))
     shape = [f"sglang-{host.layout}"]
-    heads = getattr(host, "head_num", None)
-    if heads is not None and not mla:
-        shape.append(f"h{heads}x{host.head_dim}")
+    if is_mla(host):
+        shape.append(f"mla{host.kv_buffer.shape[-1]}")      # latent + rope width
+    else:
+        shape.append(f"h{host.head_num}x{host.head_dim}")
     shape.append(f"l{host.layer_num}")
     for name in ("pp", "attn_cp", "dcp"):
         size = int(getattr(config, f"{name}_size", 1) or 1)
