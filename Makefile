@@ -28,12 +28,13 @@ REFERENCE_TESTS := tests/test_hashing.py tests/test_copy.py tests/test_fileio.py
 # engine binds its compute to one core, as vLLM does), then the tests that measure CPU use
 # (marker "serial") alone.
 # SGLang's virtualenv (tests/sglang_backend: ucm as its HiCache backend) installs in the background
-# meanwhile (about 2 minutes, mostly unpacking), and its tests run last, in it.
+# meanwhile at the lowest priority (about 2 minutes, mostly unpacking; no .pyc compilation),
+# and its tests run last, in it.
 TEST_WORKERS ?= 2
 SGLANG_VENV ?= .venv-sglang
 test: $(STAMP)
 	@set -e; \
-	bash scripts/install_sglang.sh $(SGLANG_VENV) $(PYTHON) > $(SGLANG_VENV).log 2>&1 & sgl=$$!; \
+	nice -n 19 bash scripts/install_sglang.sh $(SGLANG_VENV) $(PYTHON) > $(SGLANG_VENV).log 2>&1 & sgl=$$!; \
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS); \
 	$(PY) -m pytest tests -m serial $(PYTEST_ARGS); \
 	UCM_BACKEND=reference $(PY) -m pytest $(REFERENCE_TESTS) $(PYTEST_ARGS); \

@@ -16,7 +16,7 @@ if [ -f "$STAMP" ] && cmp -s "$HERE/sglang-requirements.txt" "$STAMP"; then
 fi
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install -q --disable-pip-version-check torch==2.14.1
-"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -r "$HERE/sglang-requirements.txt"
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-compile torch==2.14.1
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-compile --no-deps -r "$HERE/sglang-requirements.txt"
 "$VENV/bin/python" -c "import sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.storage.backend_factory"
 cp "$HERE/sglang-requirements.txt" "$STAMP"
