@@ -112,11 +112,7 @@ class WorkerCore:
         """Store the engine's blocks ``indices`` (into the layout) under ``block_ids``; returns
         one bool per block (True: stored, or already there). Blocks the store holds are not
         written again; a store fault is a False, never an exception."""
-        ids = ucm.as_ids(block_ids, "block_ids")
-        idx = np.asarray(indices, dtype=np.int64)
-        if len(idx) != len(ids):
-            raise ValueError(f"indices: {len(idx)} for {len(ids)} block ids")
-        ok = np.zeros(len(ids), dtype=bool)
+        ids, idx, ok = self._block_args(block_ids, indices)
         if self.store is None or not len(ids):
             return ok
         t0 = time.perf_counter()
@@ -138,27 +134,29 @@ class WorkerCore:
         except Exception as exc:
             log.warning("ucm: save of %d blocks failed (%r)", len(ids), exc)
             ok[:] = False
-        self.metrics.inc("ucm_save_blocks_total", int(ok.sum()))
-        self.metrics.inc("ucm_save_bytes_total", int(ok.sum()) * self.block_bytes)
-        self.metrics.inc("ucm_save_failed_blocks_total", int((~ok).sum()))
-        self.metrics.observe("ucm_save_seconds", time.perf_counter() - t0)
+        self._count("save", ok, t0)
         return ok
+
+    @staticmethod
+    def _block_args(block_ids, indices) -> tuple:
+        """``(ids, engine block indices, all-False result)``; ValueError on unequal lengths."""
+        ids = ucm.as_ids(block_ids, "block_ids")
+        idx = np.asarray(indices, dtype=np.int64)
+        if len(idx) != len(ids):
+            raise ValueError(f"indices: {len(idx)} for {len(ids)} block ids")
+        return ids, idx, np.zeros(len(ids), dtype=bool)
 
     def load_blocks(self, block_ids, indices) -> np.ndarray:
         """Load ``block_ids`` into the engine's blocks ``indices``; returns one bool per block.
         A block that fails (missing, corrupt, a store fault) is False and its engine block is
         left as it was: never another block's bytes."""
-        ids = ucm.as_ids(block_ids, "block_ids")
-        idx = np.asarray(indices, dtype=np.int64)
-        if len(idx) != len(ids):
-            raise ValueError(f"indices: {len(idx)} for {len(ids)} block ids")
-        ok = np.zeros(len(ids), dtype=bool)
+        ids, idx, ok = self._block_args(block_ids, indices)
         if self.store is None or not len(ids):
             return ok
         t0 = time.perf_counter()
         if self.device.type == "cpu" and self.codec is None and self._load_borrowed(ids, idx):
             ok[:] = True
-            self._count_loads(ok, t0)
+            self._count("load", ok, t0)
             return ok
         buf = self.take_staging(len(ids) * self.block_bytes)
         try:
@@ -172,7 +170,7 @@ class WorkerCore:
             ok[:] = False
         finally:
             self.staging.give(buf)
-        self._count_loads(ok, t0)
+        self._count("load", ok, t0)
         return ok
 
     def _load_borrowed(self, ids: np.ndarray, idx: np.ndarray) -> bool:
@@ -192,11 +190,12 @@ class WorkerCore:
             ucm.scatter_blocks(self.layout, lent.pool, dst)
         return True
 
-    def _count_loads(self, ok: np.ndarray, t0: float) -> None:
-        self.metrics.inc("ucm_load_blocks_total", int(ok.sum()))
-        self.metrics.inc("ucm_load_bytes_total", int(ok.sum()) * self.block_bytes)
-        self.metrics.inc("ucm_load_failed_blocks_total", int((~ok).sum()))
-        self.metrics.observe("ucm_load_seconds", time.perf_counter() - t0)
+    def _count(self, kind: str, ok: np.ndarray, t0: float) -> None:
+        """The ucm_{load,save}_* series of one synchronous call."""
+        self.metrics.inc(f"ucm_{kind}_blocks_total", int(ok.sum()))
+        self.metrics.inc(f"ucm_{kind}_bytes_total", int(ok.sum()) * self.block_bytes)
+        self.metrics.inc(f"ucm_{kind}_failed_blocks_total", int((~ok).sum()))
+        self.metrics.observe(f"ucm_{kind}_seconds", time.perf_counter() - t0)
 
     # staging ----------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> torch.Tensor:

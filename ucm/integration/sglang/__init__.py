@@ -126,19 +126,7 @@ class UCMStorage(HiCacheStorage):
                      extra_info=None) -> List[bool]:
         """Read pages straight into the host pool at ``host_indices`` (token indices, one
         page per ``page_size``)."""
-        core = self._ready()
-        t0 = time.perf_counter()
-        idx = pages.page_indices(host_indices, self.page_size, len(keys))
-        if idx is None:
-            log.error("ucm HiCache backend: %d host indices for %d pages of %d tokens (or not "
-                      "page aligned)", len(host_indices), len(keys), self.page_size)
-            return [False] * len(keys)
-        ids, valid = self._ids(keys)
-        ok = np.zeros(len(keys), dtype=bool)
-        if valid.any():
-            ok[valid] = core.load_blocks(ids[valid], idx[valid])
-        self._record("get", int(ok.sum()), t0)
-        return ok.tolist()
+        return self._v1("get", keys, host_indices, self._ready().load_blocks)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
@@ -146,6 +134,11 @@ class UCMStorage(HiCacheStorage):
         core = self._ready()
         if not self.writer:                 # MLA: another rank writes the same pages
             return [True] * len(keys)
+        return self._v1("set", keys, host_indices, core.save_blocks)
+
+    def _v1(self, op: str, keys, host_indices, transfer) -> List[bool]:
+        """One zero-copy call: host token indices -> pages, keys -> ids, ``transfer`` (the
+        core's load or save) on the valid keys; the rest are False."""
         t0 = time.perf_counter()
         idx = pages.page_indices(host_indices, self.page_size, len(keys))
         if idx is None:
@@ -155,8 +148,8 @@ class UCMStorage(HiCacheStorage):
         ids, valid = self._ids(keys)
         ok = np.zeros(len(keys), dtype=bool)
         if valid.any():
-            ok[valid] = core.save_blocks(ids[valid], idx[valid])
-        self._record("set", int(ok.sum()), t0)
+            ok[valid] = transfer(ids[valid], idx[valid])
+        self._record(op, int(ok.sum()), t0)
         return ok.tolist()
 
     # -- generic interface (flat page tensors) ---------------------------------------------------
