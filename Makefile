@@ -27,20 +27,20 @@ REFERENCE_TESTS := tests/test_hashing.py tests/test_copy.py tests/test_fileio.py
 # Two pytest-xdist workers, a file each (the vLLM modules first: tests/conftest.py; each
 # engine binds its compute to one core, as vLLM does), then the tests that measure CPU use
 # (marker "serial") alone.
-# SGLang's virtualenv (tests/sglang_backend: ucm as its HiCache backend) installs in the background
-# meanwhile at the lowest priority (about 2 minutes, mostly unpacking; no .pyc compilation),
-# and its tests run last, in it.
+# SGLang's storage modules (tests/sglang_backend: ucm as its HiCache backend) install into a folder
+# of their own on this virtualenv in the background meanwhile (scripts/install_sglang.sh, about
+# 340 MB), and their tests run last, with that folder on PYTHONPATH.
 TEST_WORKERS ?= 2
-SGLANG_VENV ?= .venv-sglang
+SGLANG_SITE ?= .sglang-site
 test: $(STAMP)
 	@set -e; \
-	nice -n 19 bash scripts/install_sglang.sh $(SGLANG_VENV) $(PYTHON) > $(SGLANG_VENV).log 2>&1 & sgl=$$!; \
+	nice -n 19 bash scripts/install_sglang.sh $(SGLANG_SITE) $(PY) > $(SGLANG_SITE).log 2>&1 & sgl=$$!; \
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS); \
 	$(PY) -m pytest tests -m serial $(PYTEST_ARGS); \
 	UCM_BACKEND=reference $(PY) -m pytest $(REFERENCE_TESTS) $(PYTEST_ARGS); \
 	$(PY) -m pytest benchmarks --benchmark-disable -q; \
-	wait $$sgl || { cat $(SGLANG_VENV).log; echo "SGLang virtualenv: install failed"; exit 1; }; \
-	PYTHONPATH=$(CURDIR) $(SGLANG_VENV)/bin/python -m pytest tests/sglang_backend -p no:cacheprovider $(PYTEST_ARGS)
+	wait $$sgl || { cat $(SGLANG_SITE).log; echo "SGLang modules: install failed"; exit 1; }; \
+	PYTHONPATH=$(CURDIR):$(CURDIR)/$(SGLANG_SITE) $(PY) -m pytest tests/sglang_backend -p no:cacheprovider $(PYTEST_ARGS)
 
 # A CUDA machine (vLLM not needed; its tests skip there): every GPU-capable test natively in one
 # process, then the Triton-interpreter cases (Triton on CPU tensors) in a process of their own

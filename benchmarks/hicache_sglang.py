@@ -12,9 +12,9 @@ its cache controller drives them, in one run.
 
 Rates are GB/s of page bytes; each figure is the median of ``--rounds`` rounds, set then get,
 the stores emptied between rounds (posix writes go to the page cache: no fsync on either side).
-Runs in SGLang's virtualenv (``scripts/install_sglang.sh``)::
+Runs with SGLang's modules on the path (``scripts/install_sglang.sh``)::
 
-    PYTHONPATH=. .venv-sglang/bin/python benchmarks/hicache_sglang.py --json OUT.json
+    PYTHONPATH=.:.sglang-site .venv/bin/python benchmarks/hicache_sglang.py --json OUT.json
 """
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
+    # torchvision, which SGLang's config package imports, cannot load beside a CPU torch: the
+    # tests' named stand-in (its functions raise if called) takes its place
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests", "sglang_backend"))
+    import torchvision_standin
+
+    torchvision_standin.install()
     import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool

@@ -24,8 +24,8 @@ if INTERPRETER_PROCESS:
 
 from ucm import dispatch
 
-# tests/sglang_backend runs in SGLang's own virtualenv (scripts/install_sglang.sh; `make test`
-# runs it there after the main suite); elsewhere SGLang is absent and the folder is left out
+# tests/sglang_backend runs with SGLang's modules on PYTHONPATH (scripts/install_sglang.sh; `make
+# test` runs it so after the main suite); elsewhere SGLang is absent and the folder is left out
 import importlib.util  # noqa: E402
 
 collect_ignore = [] if importlib.util.find_spec("sglang") else ["sglang_backend"]

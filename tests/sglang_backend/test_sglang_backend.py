@@ -4,8 +4,8 @@ and ``MHATokenToKVPoolHost`` in every layout ucm supports, the backend loaded th
 cache controller makes (``batch_exists``; ``batch_get_v1``/``batch_set_v1`` with token
 ``host_indices``; the generic ``batch_get``/``batch_set`` over flat pages).
 
-These run in SGLang's own virtualenv (``scripts/install_sglang.sh``; ``make test`` runs them
-there), never in ucm's main one: ``tests/conftest.py`` leaves this folder out elsewhere.
+These run with SGLang's modules on ``PYTHONPATH`` (``scripts/install_sglang.sh``; ``make test``
+runs them so); ``tests/conftest.py`` leaves this folder out where SGLang is absent.
 """
 import os
 import secrets
