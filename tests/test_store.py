@@ -430,7 +430,17 @@ logging.basicConfig()
 sys.path.insert(0, {tests!r})
 from test_store import posix, make_ids, payload
 import pytest
-payload(make_ids(2))  # finish lazy imports while still root (the interpreter lives under /root)
+import shutil, tempfile
+# finish every lazy import while still root (the interpreter lives under /root, and the checkout
+# may be private to root): one round trip through a scratch store, under whatever backend
+# UCM_BACKEND selects
+scratch = tempfile.mkdtemp()
+w = posix(scratch)
+warm = make_ids(2)
+w.commit(warm, w.wait(w.dump(warm, 0, payload(warm))).ok)
+w.wait(w.load(warm, 0, np.zeros((2, 64 << 10), np.uint8)))
+w.close()
+shutil.rmtree(scratch)
 # now become an unprivileged user for real
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 root = {root!r}
