@@ -9,7 +9,7 @@ import torch
 
 from tiny_llama import tiny_model
 from ucm.blend import chunks
-from ucm.blend.engine import (LOOKAHEAD_SHARE, BlendStats, blend_fill, choose_recompute,
+from ucm.blend.engine import (BlendStats, blend_fill, choose_recompute,
                               lookahead_mass)
 from ucm.blend.reference import LlamaBlendModel, PagedRequestKV, blended_logits, chunk_kv
 from ucm.ids import Namespace
@@ -158,7 +158,7 @@ def test_blend_fill_writes_every_position_and_rejects_bad_check_layers():
                    check_layer=model.num_layers)
 
 
-def test_choose_recompute_splits_the_budget_between_lookahead_mass_and_deviation():
+def test_choose_recompute_ranks_by_lookahead_mass_else_by_deviation():
     g = torch.Generator().manual_seed(4)
     n = 200
     dev, mass = torch.rand(n, generator=g), torch.rand(n, generator=g)
@@ -167,14 +167,17 @@ def test_choose_recompute_splits_the_budget_between_lookahead_mass_and_deviation
     for ratio in (0.0, 0.01, 0.15, 0.5, 1.0):
         k = math.ceil(ratio * len(free) - 1e-9)
         plain = choose_recompute(dev, ratio, forced)
-        assert plain.tolist() == ucm_select(dev, ratio, forced)
-        got = set(choose_recompute(dev, ratio, forced, mass).tolist())
-        assert len(got) == int(forced.sum()) + k and set(forced.nonzero()[:, 0].tolist()) <= got
-        ka = math.ceil(LOOKAHEAD_SHARE * k)
-        by_mass = free[torch.argsort(-mass[free])[:ka]].tolist()
-        assert set(by_mass) <= got                       # the tokens the question reads most
-        rest = [int(i) for i in free[torch.argsort(-dev[free])] if int(i) not in set(by_mass)]
-        assert set(rest[:k - ka]) <= got                 # then the largest deviations
+        assert plain.tolist() == ucm_select(dev, ratio, forced)       # CacheBlend's rule
+        got = choose_recompute(dev, ratio, forced, mass).tolist()
+        assert len(got) == int(forced.sum()) + k and set(forced.nonzero()[:, 0].tolist()) <= set(got)
+        assert got == ucm_select(mass, ratio, forced)                 # what the answer reads
+    # a token nobody reads is not recomputed however far its stored KV is
+    dev2, mass2 = dev.clone(), mass.clone()
+    dev2[free[0]], mass2[free[0]] = 1e6, 0.0
+    assert int(free[0]) not in choose_recompute(dev2, 0.15, forced, mass2).tolist()
+    assert int(free[0]) in choose_recompute(dev2, 0.15, forced).tolist()
+    # a lookahead that reads none of the stored tokens falls back to the deviation
+    assert choose_recompute(dev, 0.15, forced, torch.zeros(n)).tolist() == ucm_select(dev, 0.15, forced)
 
 
 def ucm_select(dev, ratio, forced):
