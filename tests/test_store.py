@@ -428,8 +428,7 @@ AS_NOBODY = """
 import logging, os, sys, numpy as np
 logging.basicConfig()
 sys.path.insert(0, {tests!r})
-from test_store import posix, make_ids, payload
-import pytest
+from test_store import BLOCK, posix, make_ids, payload
 import shutil, tempfile
 # finish every lazy import while still root (the interpreter lives under /root, and the checkout
 # may be private to root): one round trip through a scratch store, under whatever backend
@@ -438,7 +437,7 @@ scratch = tempfile.mkdtemp()
 w = posix(scratch)
 warm = make_ids(2)
 w.commit(warm, w.wait(w.dump(warm, 0, payload(warm))).ok)
-w.wait(w.load(warm, 0, np.zeros((2, 64 << 10), np.uint8)))
+w.wait(w.load(warm, 0, np.zeros((2, BLOCK), np.uint8)))
 w.close()
 shutil.rmtree(scratch)
 # now become an unprivileged user for real

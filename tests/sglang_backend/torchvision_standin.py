@@ -29,10 +29,7 @@ class _Unavailable:
 
     def __call__(self, *args, **kwargs):
         raise RuntimeError(f"{self._name}: torchvision is a stand-in in SGLang's storage tests "
-                           "(tests/sglang_backend/conftest.py); image code must not run here")
-
-    def __mro_entries__(self, bases):
-        return (object,)
+                           "(tests/sglang_backend/torchvision_standin.py); image code must not run here")
 
 
 class _StandInModule(types.ModuleType):
@@ -69,4 +66,3 @@ def install():
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
         sys.meta_path.insert(0, _TorchvisionStandIn())
-

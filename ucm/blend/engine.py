@@ -29,7 +29,6 @@ write given positions): the vLLM integration and the reference harness
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
