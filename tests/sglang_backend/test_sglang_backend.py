@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from services import require_module  # noqa: E402
+from services.mooncake import MooncakeService  # noqa: E402
 from services.redis import redis_server  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE, TOKENS = 3, 2, 8, 4, 32
@@ -271,23 +272,36 @@ def test_bad_input_is_an_error_at_construction_or_a_miss(tmp_path):
     b.close()
 
 
-def test_behind_it_a_memory_redis_pipeline(tmp_path):
-    require_module("redis")
-    srv = redis_server(tmp_path)
+def distributed_tier(tier, tmp_path):
+    """``(store config, stop)`` of a real server of a distributed tier on 127.0.0.1."""
+    if tier == "redis":
+        require_module("redis")
+        srv = redis_server(tmp_path)
+        return {"pipeline": "memory|redis", "redis": {"servers": [srv.url]}}, srv.stop
+    require_module("mooncake.store")
+    svc = MooncakeService(tmp_path, segment="64MB")
+    return ({"pipeline": "memory|mooncake",
+             "mooncake": {"masters": [svc.master], "metadata_server": svc.metadata_server}},
+            svc.stop)
+
+
+@pytest.mark.parametrize("tier", ["redis", "mooncake"])
+def test_behind_it_a_distributed_pipeline(tier, tmp_path):
+    store, stop = distributed_tier(tier, tmp_path)
     try:
-        cfg = {"store": {"pipeline": "memory|redis", "redis": {"servers": [srv.url]}}}
+        cfg = {"store": store}
         src = host_pool("page_first_direct", seed=7)
         b = backend(src, cfg)
         ks = keys(3)
         assert b.batch_set_v1(ks, indices(src, [0, 1, 2])) == [True] * 3
         b.close()
         dst = host_pool("page_first_direct")
-        b2 = backend(dst, cfg)                               # fresh memory tier: from redis
+        b2 = backend(dst, cfg)                        # fresh memory tier: from the server
         assert b2.batch_get_v1(ks, indices(dst, [5, 6, 7])) == [True] * 3
         assert torch.equal(page(dst, 6), page(src, 1))
         b2.close()
     finally:
-        srv.stop()
+        stop()
 
 
 def test_random_operations_against_a_dictionary_model(tmp_path):
