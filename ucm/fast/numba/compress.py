@@ -182,21 +182,14 @@ def _unpack(src, o, d_n, qf):
 
 
 @njit
-def _dec4_plane(src, nt, d_n, g, chan, y, base, tok, s_t, q_at, q_ts, p_at, p_ts, lo, hi, qb,
-                tr=0):
-    """Inverse of :func:`_enc4_plane`: token ``j`` of the plane to ``y[base + tok[j] * s_t:]``,
-    or, with ``tr`` > 0, into a channel-major plane of ``tr`` tokens (element (t, d) at
-    ``base + d * tr + t``)."""
+def _dec4_plane(src, nt, d_n, g, chan, y, base, tok, s_t, q_at, q_ts, p_at, p_ts, lo, hi, qb):
+    """Inverse of :func:`_enc4_plane`: token ``j`` of the plane to ``y[base + tok[j] * s_t:]``."""
     if chan:
         for d in range(d_n):
             lo[d] = _get_bf16(src, p_at + 4 * d)
             hi[d] = _get_bf16(src, p_at + 4 * d + 2)
         for j in range(nt):
             _unpack(src, q_at + j * q_ts, d_n, qb)
-            if tr > 0:
-                for d in range(d_n):
-                    st(y, base + d * tr + tok[j], qb[d] * hi[d] + lo[d])
-                continue
             o = base + tok[j] * s_t
             yv = y[o:o + d_n]
             for d in range(d_n):
@@ -210,10 +203,6 @@ def _dec4_plane(src, nt, d_n, g, chan, y, base, tok, s_t, q_at, q_ts, p_at, p_ts
             m = _get_bf16(src, at)
             s = _get_bf16(src, at + 2)
             qv = qb[k * g:(k + 1) * g]
-            if tr > 0:
-                for d in range(g):
-                    st(y, base + (k * g + d) * tr + tok[j], qv[d] * s + m)
-                continue
             yv = y[o + k * g:o + (k + 1) * g]
             for d in range(g):
                 st(yv, d, qv[d] * s + m)
@@ -425,50 +414,89 @@ def _encode_learned(x, rs, geo, mean, basis_t, out, ro, c_off, pads, ok, buf, to
         ok[i] = not bad
 
 
+@njit
+def _q8_keys_dt(src, qi, so, y, base_h, t_n, h_n, d_n, s_h, q_off, s_off, ks_off, chan, kf, sc):
+    """The key planes of one row written channel-major (element (t, d) of head ``h`` at
+    ``base_h + h * s_h + d * T + t``): a head's keys are dequantized token-major into ``kf``
+    (float32 T x D, in L1; vectorized along the channels), then each channel's row is
+    gathered from it and written contiguously (writing token by token would scatter every
+    store across the plane)."""
+    for h in range(h_n):
+        if chan:
+            for d in range(d_n):
+                sc[d] = _get_bf16(src, so + ks_off + 2 * (h * d_n + d))
+        for t in range(t_n):
+            v = t * h_n + h
+            q = so + q_off + v * d_n
+            qv = qi[q:q + d_n]
+            kv_ = kf[t * d_n:(t + 1) * d_n]
+            if chan:
+                for d in range(d_n):
+                    kv_[d] = np.float32(qv[d]) * sc[d]
+            else:
+                s = _get_bf16(src, so + s_off + 2 * v)
+                for d in range(d_n):
+                    kv_[d] = np.float32(qv[d]) * s
+        for d in range(d_n):
+            row = y[base_h + h * s_h + d * t_n:base_h + h * s_h + (d + 1) * t_n]
+            for t in range(t_n):
+                st(row, t, kf[t * d_n + d])
+
+
 @njit(nogil=True)
-def _decode_q8(src, so_, y, yo, geo, chan, q_off, s_off, ks_off, sc, keys_dt):
+def _decode_q8(src, so_, y, yo, geo, chan, q_off, s_off, ks_off, sc, kf, keys_dt):
     """Row ``i``: encoded at byte ``so_[i]`` of ``src``, decoded to element ``yo[i]`` of ``y``
     (the decode kernels all take such offsets, so they write into a staging row or straight into
     a block of the paged cache alike). ``keys_dt``: write key planes channel-major (element
-    (t, d) at ``d * T + t`` of the plane) directly, instead of transposing them afterwards."""
+    (t, d) at ``d * T + t`` of the plane) directly, instead of transposing them afterwards.
+    Vectors are visited in the encoded order (token, then head), so the int8 payload and the
+    scales are read sequentially; ``sc``: float32 scratch of H * D, ``kf``: float32 scratch
+    of T * D."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    qi = src.view(np.int8)
     for i in range(so_.shape[0]):
         so = so_[i]
         for kv in range(2):
-            for h in range(h_n):
-                base = yo[i] + kv * s_k + h * s_h
-                per_channel = chan and kv == 0
-                if per_channel:
-                    for d in range(d_n):
-                        sc[d] = _get_bf16(src, so + ks_off + 2 * (h * d_n + d))
-                transposed = keys_dt and kv == 0
-                plane = y[base:base + t_n * d_n]
-                for t in range(t_n):
+            if kv == 0 and keys_dt:
+                _q8_keys_dt(src, qi, so, y, yo[i], t_n, h_n, d_n, s_h, q_off, s_off, ks_off,
+                            chan, kf, sc)
+                continue
+            per_channel = chan and kv == 0
+            if per_channel:                   # keys: a scale per (head, channel)
+                for c in range(h_n * d_n):
+                    sc[c] = _get_bf16(src, so + ks_off + 2 * c)
+            for t in range(t_n):
+                for h in range(h_n):
                     v = (kv * t_n + t) * h_n + h
                     q = so + q_off + v * d_n
-                    qv = src[q:q + d_n]
-                    o = base + t * s_t
+                    qv = qi[q:q + d_n]
+                    o = yo[i] + kv * s_k + h * s_h + t * s_t
                     yv = y[o:o + d_n]
-                    if per_channel:           # a scale per channel
-                        if transposed:
-                            for d in range(d_n):
-                                st(plane, d * t_n + t, np.float32(np.int8(qv[d])) * sc[d])
-                        else:
-                            for d in range(d_n):
-                                st(yv, d, np.float32(np.int8(qv[d])) * sc[d])
+                    if per_channel:
+                        scv = sc[h * d_n:(h + 1) * d_n]
+                        for d in range(d_n):
+                            st(yv, d, np.float32(qv[d]) * scv[d])
                     else:                     # one scale for the token's vector
                         s = _get_bf16(src, so + s_off + 2 * ((t * h_n + h) if chan else v))
-                        if transposed:
-                            for d in range(d_n):
-                                st(plane, d * t_n + t, np.float32(np.int8(qv[d])) * s)
-                        else:
-                            for d in range(d_n):
-                                st(yv, d, np.float32(np.int8(qv[d])) * s)
+                        for d in range(d_n):
+                            st(yv, d, np.float32(qv[d]) * s)
+
+
+@njit
+def _rows_from_plane(kf, y, base, t_n, d_n):
+    """A token-major plane ``kf`` (float32 bits, T x D) written channel-major at ``y[base:]``:
+    each channel's row is gathered from ``kf`` (in L1) and stored contiguously (storing token
+    by token would scatter every store across the plane)."""
+    for d in range(d_n):
+        row = y[base + d * t_n:base + (d + 1) * t_n]
+        for t in range(t_n):
+            st(row, t, i2f(kf[t * d_n + d]))
 
 
 @njit(nogil=True)
-def _decode_q4(src, so_, y, yo, geo, g, chan, offs, tok, lo, hi, qb, keys_dt):
-    """``keys_dt``: write key planes channel-major directly."""
+def _decode_q4(src, so_, y, yo, geo, g, chan, offs, tok, lo, hi, qb, kf, keys_dt):
+    """``keys_dt``: write key planes channel-major, each through ``kf`` (uint32 [T * D], a
+    float32 plane's bits) decoded token-major."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     half = d_n // 2
     ng = d_n // g
@@ -478,9 +506,15 @@ def _decode_q4(src, so_, y, yo, geo, g, chan, offs, tok, lo, hi, qb, keys_dt):
             for h in range(h_n):
                 c = chan and kv == 0
                 p_at = so + offs[2 + kv] + (4 * h * d_n if c else 4 * h * ng)
-                _dec4_plane(src, t_n, d_n, g, c, y, yo[i] + kv * s_k + h * s_h, tok, s_t,
-                            so + offs[kv] + h * half, h_n * half, p_at, 4 * h_n * ng, lo, hi, qb,
-                            t_n if keys_dt and kv == 0 else 0)
+                base = yo[i] + kv * s_k + h * s_h
+                if keys_dt and kv == 0:
+                    _dec4_plane(src, t_n, d_n, g, c, kf, 0, tok, d_n, so + offs[kv] + h * half,
+                                h_n * half, p_at, 4 * h_n * ng, lo, hi, qb)
+                    _rows_from_plane(kf, y, base, t_n, d_n)
+                else:
+                    _dec4_plane(src, t_n, d_n, g, c, y, base, tok, s_t,
+                                so + offs[kv] + h * half, h_n * half, p_at, 4 * h_n * ng, lo,
+                                hi, qb)
 
 
 @njit(nogil=True)
@@ -711,12 +745,13 @@ def _decode_rows(spec: CodecSpec, shape: KVShape, enc: np.ndarray, so: np.ndarra
     tok = np.arange(t_n, dtype=np.int64)
     if spec.method == "quantize" and spec.bits == 8:
         _decode_q8(enc, so, y, yo, geo, spec.key_mode == "channel", *_q8_at(spec, shape),
-                   np.empty(d_n, np.float32), shape.key_order == "dt")
+                   np.empty(shape.heads * d_n, np.float32),
+                   np.empty(t_n * d_n, np.float32), shape.key_order == "dt")
     elif spec.method == "quantize":
         _decode_q4(enc, so, y, yo, geo, spec.group, spec.key_mode == "channel",
                    _at(spec, shape, "kq", "vq", "kp", "vp"), tok, np.empty(d_n, np.float32),
                    np.empty(d_n, np.float32), np.empty(d_n, np.float32),
-                   shape.key_order == "dt")
+                   np.empty(t_n * d_n, np.uint32), shape.key_order == "dt")
     elif spec.method == "sparse":
         c = n_salient(spec, shape)
         bad = _decode_sparse(enc, so, y, y.view(np.uint8), yo, geo, spec.group,
