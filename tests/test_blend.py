@@ -195,13 +195,11 @@ def test_lookahead_mass_reads_stored_tokens_only_and_writes_nothing():
     kv = PagedRequestKV(cache, range(16))
     model.prefill(prefix + toks, cache, list(range(16)), logits_from=P + n - 1)
     before = [(cache.k[layer].clone(), cache.v[layer].clone()) for layer in range(4)]
-    exact = [kv.read(layer, P + n) for layer in range(4)]
-    loaded = lambda layer: (exact[layer][0][P:], exact[layer][1][P:])  # noqa: E731
     mask = torch.ones(n, dtype=torch.bool)
     mask[10:20] = False                                  # tokens without stored KV
     ids = torch.tensor(suffix)
     pos = torch.arange(P + n, P + n + len(suffix))
-    mass = lookahead_mass(bm, kv, P, P + n, loaded, mask, ids, pos, check_layer=1)
+    mass = lookahead_mass(bm, kv, P, P + n, mask, ids, pos, check_layer=1)
     for layer in range(4):                               # the pass wrote nothing
         assert torch.equal(cache.k[layer], before[layer][0])
         assert torch.equal(cache.v[layer], before[layer][1])
@@ -209,8 +207,8 @@ def test_lookahead_mass_reads_stored_tokens_only_and_writes_nothing():
     # softmax mass: per layer above the check, head and query at most 1 in all
     assert float(mass.sum()) <= 2 * bm.num_q_heads * len(suffix) + 1e-3
     # nothing after the check layer, or no lookahead tokens: no mass
-    assert not lookahead_mass(bm, kv, P, P + n, loaded, mask, ids, pos, check_layer=3).any()
-    assert not lookahead_mass(bm, kv, P, P + n, loaded, mask, ids[:0], pos[:0], 1).any()
+    assert not lookahead_mass(bm, kv, P, P + n, mask, ids, pos, check_layer=3).any()
+    assert not lookahead_mass(bm, kv, P, P + n, mask, ids[:0], pos[:0], 1).any()
 
 
 def test_the_lookahead_keeps_ratio_one_exact_and_the_recompute_count():

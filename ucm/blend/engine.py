@@ -81,16 +81,31 @@ class BlendStats:
     recomputed: int = 0        # computed past the check layer (selected + not stored)
 
 
+def _grouped(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[m, Hq, D]`` -> ``[Hkv, rep * m, D]``: each KV head's query heads side by side, so
+    grouped-query attention is one batched product per KV head (no key or value is repeated)."""
+    m, hq, d = x.shape
+    rep = hq // hkv
+    return x.reshape(m, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * m, d)
+
+
+def _ungrouped(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Inverse of :func:`_grouped`: ``[Hkv, rep * m, D]`` -> ``[m, Hq, D]``."""
+    hkv, rm, d = x.shape
+    return x.reshape(hkv, rm // m, m, d).permute(2, 0, 1, 3).reshape(m, hkv * (rm // m), d)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
            scale: float) -> torch.Tensor:
     """Causal attention of queries at positions ``q_pos [m]`` over keys/values of positions
     ``[0, E)`` (``k, v [E, Hkv, D]``): query ``i`` sees keys ``j <= q_pos[i]``. Returns
-    ``[m, Hq, D]`` in ``q``'s dtype (softmax in float32 for half inputs)."""
+    ``[m, Hq, D]`` in ``q``'s dtype (softmax in float32 for half inputs). Grouped-query heads
+    attend per KV head (:func:`_grouped`), so the keys and values are never repeated."""
     m, hq, _ = q.shape
     E, hkv, _ = k.shape
     rep = hq // hkv
-    kk = k.transpose(0, 1).repeat_interleave(rep, 0)[None]          # [1, Hq, E, D]
-    vv = v.transpose(0, 1).repeat_interleave(rep, 0)[None]
+    kk = k.transpose(0, 1)[None]                                       # [1, Hkv, E, D]
+    vv = v.transpose(0, 1)[None]
     out = torch.empty_like(q)
     keys = torch.arange(E, device=q.device)
     pos = q_pos.tolist()
@@ -99,32 +114,34 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         b = min(m, a + QUERY_TILE)
         # queries in position order (Blend's are): a tile needs the keys up to its last one
         end = min(E, (pos[b - 1] if ascending else max(pos[a:b])) + 1)
-        mask = keys[None, :end] <= q_pos[a:b, None]                   # [t, end]
-        qq = q[a:b].transpose(0, 1)[None]                              # [1, Hq, t, D]
+        mask = (keys[None, :end] <= q_pos[a:b, None]).repeat(rep, 1)  # [rep * t, end]
+        qq = _grouped(q[a:b], hkv)[None]                               # [1, Hkv, rep * t, D]
         o = F.scaled_dot_product_attention(qq, kk[:, :, :end], vv[:, :, :end],
-                                           attn_mask=mask[None, None], scale=scale)
-        out[a:b] = o[0].transpose(0, 1)
+                                           attn_mask=mask, scale=scale)
+        out[a:b] = _ungrouped(o[0], b - a)
     return out
 
 
 def lookahead_mass(model: BlendModel, kv: RequestKV, start: int, end: int,
-                   loaded: Callable[[int], tuple], loaded_mask: torch.Tensor,
-                   ids: torch.Tensor, pos: torch.Tensor, check_layer: int) -> torch.Tensor:
+                   loaded_mask: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+                   check_layer: int) -> torch.Tensor:
     """How much the tokens after a region look at each of its stored tokens, in a cheap
     approximate pass: the tokens ``ids [m]`` at positions ``pos [m]`` (increasing, all at or
-    after ``end``) go through every layer; up to ``check_layer`` they attend to the cache
-    (exact there: the region is computed in full), above it to the prefix and the stored KV of
-    the region (what a Blend at ratio 0 would give them; tokens without stored KV are left out).
-    Returns float32 ``[end - start]``: the softmax mass their queries give each region token,
-    summed over the layers above ``check_layer``, heads and queries (0 for tokens without
-    stored KV). Nothing is written to the cache."""
+    after ``end``) go through every layer, attending to the cache and to each other; up to
+    ``check_layer`` the cache holds the region computed in full (exact), above it the prefix
+    and, at the stored tokens, their stored KV: what a Blend at ratio 0 would give them. The
+    cache must hold that stored KV above ``check_layer`` (:func:`blend_fill` writes it before
+    it calls this); region tokens without stored KV are left out there. Returns float32
+    ``[end - start]``: the softmax mass their queries give each region token, summed over the
+    layers above ``check_layer``, heads and queries (0 for tokens without stored KV). Nothing
+    is written to the cache."""
     n = end - start
     device = loaded_mask.device
     mass = torch.zeros(n, dtype=torch.float32, device=device)
     m = int(ids.shape[0])
     if m == 0 or check_layer + 1 >= model.num_layers:
         return mass
-    rep = model.num_q_heads // model.num_kv_heads
+    hkv = model.num_kv_heads
     visible = torch.ones(end, dtype=torch.bool, device=device)
     own = pos[None, :] <= pos[:, None]                                # [m, m] causal among them
     h = model.embed(ids)
@@ -133,22 +150,21 @@ def lookahead_mass(model: BlendModel, kv: RequestKV, start: int, end: int,
         ck, cv = kv.read(layer, end)
         above = layer > check_layer
         if above:
-            lk, lv = loaded(layer)
-            ck, cv = ck.clone(), cv.clone()
-            ck[start:], cv[start:] = lk, lv
             visible[start:] = loaded_mask
-        kk = torch.cat([ck, k]).to(q.dtype).transpose(0, 1).repeat_interleave(rep, 0)
-        vv = torch.cat([cv, v]).to(q.dtype).transpose(0, 1).repeat_interleave(rep, 0)
+        kk = torch.cat([ck.to(q.dtype), k]).transpose(0, 1).float()     # [Hkv, end + m, D]
+        vv = torch.cat([cv.to(q.dtype), v]).transpose(0, 1).float()
         allow = torch.cat([visible[None, :].expand(m, end), own], 1)  # [m, end + m]
         out = torch.empty_like(q)
         for a in range(0, m, QUERY_TILE):
             b = min(m, a + QUERY_TILE)
-            s = torch.einsum("hqd,hkd->hqk", q[a:b].transpose(0, 1).float(), kk.float())
-            s = (s * model.scale).masked_fill(~allow[None, a:b], float("-inf"))
-            p = s.softmax(-1)                                         # [Hq, t, end + m]
-            out[a:b] = torch.einsum("hqk,hkd->qhd", p, vv.float()).to(q.dtype)
+            qg = _grouped(q[a:b].float(), hkv)                        # [Hkv, rep * t, D]
+            s = torch.bmm(qg, kk.transpose(1, 2)) * model.scale       # [Hkv, rep * t, end + m]
+            s = s.view(hkv, -1, b - a, end + m).masked_fill(~allow[None, None, a:b], float("-inf"))
+            p = s.softmax(-1)                                         # [Hkv, rep, t, end + m]
+            o = torch.bmm(p.view(hkv, -1, end + m), vv)               # [Hkv, rep * t, D]
+            out[a:b] = _ungrouped(o, b - a).to(q.dtype)
             if above:
-                mass += p[:, :, start:end].sum((0, 1))
+                mass += p[..., start:end].sum((0, 1, 2))
         h = model.finish(layer, h, out)
     return mass
 
@@ -201,28 +217,26 @@ def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
     if n == 0:
         return h
     end = start + n
+    blended = any_loaded and ratio < 1
     for layer in range(model.num_layers):
         q, k, v = model.qkv(layer, h, pos[sel])
-        if any_loaded and layer > check_layer and len(sel) < n:
-            lk, lv = loaded(layer)                       # stored KV where nothing recomputes
-            keep = loaded_mask.clone()
-            keep[sel] = False
-            if keep.any():
-                kv.write(layer, pos[keep], lk[keep], lv[keep])
         kv.write(layer, pos[sel], k, v)
-        if any_loaded and layer == check_layer and ratio < 1:
+        if blended and layer == check_layer:
             lk, lv = loaded(layer)
             dev = ops.kv_deviation(k, v, lk, lv, backend=backend)      # sel is every token here
+            # the stored KV of every later layer goes in now: it stays wherever no token
+            # recomputes (the recomputed ones overwrite theirs), and the lookahead reads it
+            stored = pos[loaded_mask]
+            for later in range(layer + 1, model.num_layers):
+                lk, lv = loaded(later)
+                kv.write(later, stored, lk[loaded_mask], lv[loaded_mask])
             mass = None
             if lookahead is not None and len(lookahead[0]) and ratio > 0:
-                mass = lookahead_mass(model, kv, start, end, loaded, loaded_mask,
-                                      lookahead[0], lookahead[1], check_layer)
+                mass = lookahead_mass(model, kv, start, end, loaded_mask, lookahead[0],
+                                      lookahead[1], check_layer)
             keep_idx = choose_recompute(dev, float(ratio), forced, mass)
             q, h, sel = q[keep_idx], h[keep_idx], sel[keep_idx]
             if len(sel) == 0:   # nothing recomputes: the later layers keep the stored KV
-                for later in range(layer + 1, model.num_layers):
-                    lk, lv = loaded(later)
-                    kv.write(later, pos, lk, lv)
                 break
         ck, cv = kv.read(layer, end)
         h = model.finish(layer, h, attend(q, ck, cv, pos[sel], model.scale))

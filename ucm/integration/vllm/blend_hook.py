@@ -180,9 +180,14 @@ class PagedKV:
         return self.blocks[pos // self.bs], pos % self.bs
 
     def read(self, layer: int, end: int):
+        """Positions ``[0, end)`` gathered a block at a time (a token-wise index costs a lookup
+        per token)."""
         k, v = self.views[layer]
-        b, o = self._slots(torch.arange(end, device=self.blocks.device))
-        return k[b, o], v[b, o]
+        nb = -(-end // self.bs)
+        blocks = self.blocks[:nb]
+        _, _, h, d = k.shape
+        return (k.index_select(0, blocks).reshape(nb * self.bs, h, d)[:end],
+                v.index_select(0, blocks).reshape(nb * self.bs, h, d)[:end])
 
     def write(self, layer: int, pos: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> None:
         k, v = self.views[layer]
