@@ -438,8 +438,9 @@ def test_codec_other_orders(impl, name, order, monkeypatch):
 
 @impls("encode")
 def test_sparse_salient_selection(impl, monkeypatch):
-    """The tokens kept exact: the largest max |K| over heads and channels, ties to the lower
-    token, stored in ascending token order; salient shares up to half of the tokens."""
+    """The tokens kept exact: token 0 (where a sequence's attention sink sits), then the largest
+    max |K| over heads and channels, ties to the lower token, stored in ascending token order;
+    salient shares up to half of the tokens."""
     backend, _ = backend_of("encode", impl, monkeypatch)
     rng = np.random.default_rng(11)
     t, h, d = 37, 3, 64
@@ -447,7 +448,7 @@ def test_sparse_salient_selection(impl, monkeypatch):
     x[1, 0, [5, 30, 2], 1, 7] = [40.0, 40.0, -40.0]       # three-way tie at the cut
     x[2, 0] = 1.0                                         # every token ties
     x[3, 0] *= 0.1
-    x[3, 0, :, 0, 0] = np.linspace(5, 1, t)               # descending scores
+    x[3, 0, :, 0, 0] = np.linspace(1, 5, t)               # ascending: token 0 the smallest
     for salient in (0.0625, 0.1, 0.25, 0.5):
         spec = CodecSpec("sparse", group=32, salient=salient)
         for dtype in DTYPES:
@@ -461,11 +462,11 @@ def test_sparse_salient_selection(impl, monkeypatch):
                          bitorder="little")[:, :t]
     c = n_salient(spec, shape)
     assert (bits.sum(axis=1) == c).all()
-    assert np.flatnonzero(bits[1]).tolist() == [2, 5, 30]
+    assert np.flatnonzero(bits[1]).tolist() == [0, 2, 5]
     assert np.flatnonzero(bits[2]).tolist() == [0, 1, 2]
-    assert np.flatnonzero(bits[3]).tolist() == [0, 1, 2]
+    assert np.flatnonzero(bits[3]).tolist() == [0, t - 2, t - 1]
     exact = segment(dst.numpy(), spec, shape, "exact")    # [n, c, 2, H, D], ascending tokens
-    assert np.array_equal(exact[1], x[1].transpose(1, 0, 2, 3)[[2, 5, 30]])
+    assert np.array_equal(exact[1], x[1].transpose(1, 0, 2, 3)[[0, 2, 5]])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,8 +21,9 @@ Codecs (:class:`CodecSpec`):
   groups of ``group`` channels per (token, head). Keys: per channel
   over the block's tokens as KIVI does (``key_mode="channel"``, INT4's default: a few channels of
   the keys carry outliers across all tokens) or like the values (``key_mode="token"``).
-* ``sparse``: the ``ceil(salient * T)`` tokens whose keys have the largest magnitude
-  (``max |K[t, :, :]|``; ties to the lower token) kept exact in the cache's type, the others
+* ``sparse``: ``ceil(salient * T)`` tokens kept exact in the cache's type: token 0 (the block
+  that starts a sequence holds its attention sink there), then those whose keys have the
+  largest magnitude (``max |K[t, :, :]|``; ties to the lower token); the others
   INT4 as above over the remaining tokens only (their ranges no longer stretched by the
   outliers); a bitmap says which tokens are exact.
 * ``learned``: per layer, per head and for keys and values apart, a mean and a rank-``r``

@@ -326,6 +326,7 @@ def _row_sparse(x, xb, xo, geo, g, chan, n_exact, out, oo, offs, buf, tok, lo, h
             worst = max(worst, keys[t])
         if worst >= inf_bits:
             return True
+    keys[0] = 0x7FFFFFFF                                    # token 0 first (the reference's rule)
     for t in range(t_n):
         keys[t] = (keys[t] << 32) | (0xFFFFFFFF - t)
         order[t] = keys[t]

@@ -23,8 +23,7 @@ byte runs (a layout whose runs cut a vector, or whose addresses are not multiple
 size, takes the unfused path: Triton gather + encode). One kernel family serves both.
 
 Kernels (:mod:`ucm.fast.triton.compress_kernels`; one launch per call, but two for an INT4
-or sparse encode with keys per channel, or a sparse one with keys per token, and three for a
-sparse one with keys per channel):
+encode with keys per channel and for a sparse encode):
 
 * ``_int8_encode`` / ``_int8_decode``: INT8, a program per ``BV`` consecutive vectors (over all
   shards of the call).
@@ -32,13 +31,16 @@ sparse one with keys per channel):
   head).
 * ``_int4_encode_token``: INT4 and sparse values (groups of channels per token), and the keys
   too when they are per token: a program per (shard, group of heads).
-* ``_int4_encode_channel``: INT4 and sparse keys per channel (``quantize`` bits 4 defaults to
-  them), a program per (shard, head), launched after ``_int4_encode_token``: each kernel lays
-  its tile out for its reductions (over channels for the values, over tokens for these keys).
+* ``_int4_encode_channel``: INT4 keys per channel (``quantize`` bits 4 defaults to them), a
+  program per (shard, head), launched after ``_int4_encode_token``: each kernel lays its tile
+  out for its reductions (over channels for the values, over tokens for these keys).
 * ``_int4_decode``: INT4 and sparse, a program per (shard, chunk of heads).
-* sparse: salient tokens by ``max |K|`` over heads and channels (``_key_select`` first, a
-  program per shard, writes the bitmap the others read; ties to the lower token), kept exact;
-  the rest INT4.
+* sparse: ``_sparse_select`` first, a program per shard: the salient tokens (token 0, then
+  the largest ``max |K|`` over heads and channels, ties to the lower token) into the bitmap,
+  their keys and values into the exact rows, and with keys per channel (the default) the
+  other tokens' keys quantized, laid out as ``_int4_encode_channel``'s; then
+  ``_int4_encode_token`` quantizes the other tokens' values (and keys per token), their rows
+  counted from the bitmap.
 * ``learned``: the reference (PyTorch einsum, cuBLAS on CUDA tensors).
 
 Every kernel takes the encoded rows' pitch in 8-byte units, so that Triton knows their
@@ -61,7 +63,7 @@ import triton
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets
 from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode_channel,
                                               _int4_encode_token, _int8_decode, _int8_encode,
-                                              _int8c_decode, _int8c_encode, _key_select, jit)
+                                              _int8c_decode, _int8c_encode, _sparse_select, jit)
 from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
 from ucm.reference import compress as _ref
 
@@ -86,10 +88,17 @@ class LaunchConfig:
     int4_token_tile: int = 2048
     int4_token_warps: int = 4
     #: INT4 and sparse, keys per channel (``_int4_encode_channel``, a program per shard and
-    #: head): a warp per this many pair words of keys (1 to 8 warps).
+    #: head; ``_sparse_select``, a program per shard, in chunks of heads of at most 8 times as
+    #: many): a warp per this many pair words of keys (1 to 8 warps).
     int4_channel_warp_words: int = 1024
-    #: Warps of the sparse codec's first pass (``_key_select``, a program per shard).
+    #: Warps of the sparse codec's first kernel with keys per token (``_sparse_select``, which
+    #: then only selects).
     sparse_select_warps: int = 4
+    #: Registers a thread of ``_sparse_select`` with keys per channel where a program of 8 warps
+    #: holds a whole shard of at most 16 tokens (each thread then holds 2 pair words of keys of
+    #: every token): under 85, 3 programs fit a multiprocessor rather than 2, for a few spilled
+    #: bytes (0: the compiler's choice; CUDA only).
+    sparse_select_registers: int = 80
     #: KV heads per program of the INT4 / sparse decode (a divisor of the head count is used:
     #: the largest one not above this).
     int4_decode_heads: int = 2
@@ -308,6 +317,23 @@ def _channel_warps(shape: KVShape, launch: LaunchConfig) -> int:
     return max(1, min(8, words // launch.int4_channel_warp_words))
 
 
+def _select_launch(shape: KVShape, launch: LaunchConfig, channel: bool) -> tuple:
+    """Heads per chunk and launch options of ``_sparse_select`` (a program per shard): chunks of
+    at most ``8 * int4_channel_warp_words`` pair words of keys (the whole shard when it fits:
+    read once), and with keys per channel a warp per ``int4_channel_warp_words`` of them, as in
+    ``_int4_encode_channel``, and ``sparse_select_registers`` where it applies."""
+    per_head = _pow2(shape.tokens) * _pow2(shape.head_dim // 2)
+    words = launch.int4_channel_warp_words
+    hc = min(_pow2(shape.heads), _pow2_floor(max(1, 8 * words // per_head)))
+    if not channel:
+        return hc, {"num_warps": launch.sparse_select_warps}
+    opts = {"num_warps": max(1, min(8, per_head * hc // words))}
+    if (launch.sparse_select_registers and opts["num_warps"] == 8 and hc >= shape.heads
+            and shape.tokens <= 16 and torch.version.hip is None):
+        opts["maxnreg"] = launch.sparse_select_registers
+    return hc, opts
+
+
 def _encodable(spec: CodecSpec, shape: KVShape, raw: torch.Tensor, tabs: _Tables):
     """The tensor the encode kernel reads ``raw`` (uint8 rows or anchor) as, or None when the
     fused / in-place path cannot take it."""
@@ -353,25 +379,27 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
         TP = _pow2(T)
         channel = spec.key_mode == "channel"
         if sparse:
-            jit(_key_select)[(n * L,)](
-                raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, T=T, TP=TP, H=H,
-                NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E, BITMAP=offs["bitmap"],
-                C=n_salient(spec, shape), TB=_pow2(T, 8), INDEXED=indexed, ALIGN=tabs.palign,
-                DT=_DT[shape.dtype], num_warps=launch.sparse_select_warps)
+            hc, opts = _select_launch(shape, launch, channel)
+            jit(_sparse_select)[(n * L,)](
+                raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, n * L,
+                T=T, TP=TP, H=H, HC=hc, D=D, HWP=_pow2(D // 2), L=L, E=E, KQ=offs["kq"],
+                KP=offs["kp"], BITMAP=offs["bitmap"], EXACT=offs["exact"],
+                C=n_salient(spec, shape), CHANNEL=channel, INDEXED=indexed,
+                ALIGN=min(tabs.palign, 2), DT=_DT[shape.dtype], **opts)
         hp = _token_heads(shape, launch, keys=not channel)
         jit(_int4_encode_token)[(n * L, triton.cdiv(H, hp))](
             raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
             T=T, TP=TP, H=H, HP=hp, D=D, NG=NG, NGP=_pow2(NG), GH=G // 2, L=L, E=E,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
-            BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0), KEYS=not channel,
-            SPARSE=sparse, NPAD=npad, NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign,
-            DT=_DT[shape.dtype], num_warps=launch.int4_token_warps)
-        if channel:
+            BITMAP=offs.get("bitmap", 0), KEYS=not channel, SPARSE=sparse,
+            C=n_salient(spec, shape) if sparse else 0, NPAD=npad,
+            NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
+            num_warps=launch.int4_token_warps)
+        if channel and not sparse:
             jit(_int4_encode_channel)[(n * L, H)](
                 raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, n * L,
                 T=T, TP=TP, H=H, D=D, HWP=_pow2(D // 2), L=L, E=E, KQ=offs["kq"],
-                KP=offs["kp"], BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
-                SPARSE=sparse, INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
+                KP=offs["kp"], INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
                 num_warps=_channel_warps(shape, launch))
 
 
@@ -407,7 +435,8 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
             T=T, TP=_pow2(T), H=H, D=D, DP=_pow2(D), G=spec.group, L=L, E=E,
             KQ=offs["kq"], VQ=offs["vq"], KP=offs["kp"], VP=offs["vp"],
             BITMAP=offs.get("bitmap", 0), EXACT=offs.get("exact", 0),
-            CHANNEL=spec.key_mode == "channel", SPARSE=spec.method == "sparse", HPP=hpp,
+            CHANNEL=spec.key_mode == "channel", SPARSE=spec.method == "sparse",
+            C=n_salient(spec, shape) if spec.method == "sparse" else 0, HPP=hpp,
             INDEXED=indexed, ALIGN=tabs.align, BF16=bf16,
             num_warps=launch.int4_decode_warps if spec.key_mode == "channel"
             else launch.int4_decode_warps_token)

@@ -120,15 +120,35 @@ def _int8_decode(raw, voff, vstride, idx, enc, enc_pitch8, n_vectors,
     tl.store(raw + (off + blk * bst)[:, None] + d[None, :], out, mask=m2)
 
 
-def _key_select(raw, voff, vstride, idx, enc, enc_pitch8,
-                T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, NG: tl.constexpr,
-                NGP: tl.constexpr, GH: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
-                BITMAP: tl.constexpr, C: tl.constexpr, TB: tl.constexpr,
-                INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
-    """Sparse codec, pass 1: the salient tokens of shard ``program_id(0)`` (the ``C`` of largest
-    ``max |K|`` over heads and channels, ties to the lower token) into its bitmap, which the
-    encode kernels then read. The maxima are taken over the bits of ``|K|`` (non-negative
-    floats order as their bits). ``raw``, ``voff``, ``vstride`` in pair words."""
+def _sparse_select(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shards,
+                   T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HC: tl.constexpr,
+                   D: tl.constexpr, HWP: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
+                   KQ: tl.constexpr, KP: tl.constexpr, BITMAP: tl.constexpr,
+                   EXACT: tl.constexpr, C: tl.constexpr, CHANNEL: tl.constexpr,
+                   INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
+    """Sparse codec, first kernel: shard ``program_id(0)`` (row ``s // L``, selected layer
+    ``s % L``). The ``C`` salient tokens (token 0, then the ``C - 1`` others of largest ``max
+    |K|`` over heads and channels, ties to the lower token: the reference's rule) into the
+    bitmap, and their keys and values, in token order, into the exact rows; with ``CHANNEL``
+    the other tokens' keys quantized per channel too (as in :func:`_int4_encode_channel`). The
+    values, and keys per token, are :func:`_int4_encode_token`'s, launched next: it reads the
+    bitmap.
+
+    Tiles ``[tokens, HC heads x D / 2]`` of pair words (column ``h * HWP + w``), their
+    offsets built per (token, head) from the tables and widened over the words (``ALIGN``: at
+    most 2, the contiguity declared): the threads lie along the columns, two words each, the
+    warps along the heads, and each thread holds all the tokens of its channels, so that the
+    scores and every per-token quantity (selection, exact row ``epos``, quantized row ``rpos =
+    t - epos``) stay in the thread, as do a channel's extremes over the tokens. A shard of more
+    than ``HC`` heads is read in chunks of ``HC``, twice with ``CHANNEL`` (scores, then keys).
+
+    Scores are maxima over the bits of ``|K|`` (non-negative floats order as their bits, and
+    NaN's bits are above infinity's): the same order as the values, and a maximum at or above
+    infinity's bits flags the shard. With ``C == 1`` the selection is token 0 whatever the
+    scores, and only the shard's maximum is taken. Otherwise ``C - 1`` rounds after token 0,
+    each taking the largest score not yet taken (the lowest such token) and counting it for
+    every later token (``epos``). A channel's extremes leave the salient tokens out by
+    multiplying them by NaN (the minima and maxima ignore NaN; ``x * 1`` is ``x``)."""
     s = tl.program_id(0).to(tl.int64)
     i = s // L
     k = s - i * L
@@ -136,40 +156,153 @@ def _key_select(raw, voff, vstride, idx, enc, enc_pitch8,
         blk = tl.load(idx + i)
     else:
         blk = i
+    HW: tl.constexpr = D // 2
+    NCH: tl.constexpr = (H + HC - 1) // HC
     t = tl.arange(0, TP)
-    tm = (t < T) & ((t * 0 + blk) >= 0)
-    gi = tl.arange(0, NGP)
-    j = tl.arange(0, GH)
-    m3 = tm[:, None, None] & (gi < NG)[None, :, None] & (j < GH)[None, None, :]
-    col = (gi * GH)[None, :, None] + j[None, None, :]
+    col = tl.arange(0, HC * HWP)
+    hc = col // HWP
+    w = col % HWP
+    hv = tl.arange(0, HC)                   # heads and words of the [.., HC] table loads
+    wv = tl.arange(0, HWP)
+    # (masks are built from blocks only: the interpreter mishandles scalar & block)
+    live = (t * 0 + blk) >= 0
+    tm = (t < T) & live
+    wm = (w < HW) & ((col * 0 + blk) >= 0)
+    base = enc + i * (enc_pitch8 * 8) + k * E
+    tab = k * (2 * T * H)
+    # ---- scores (one salient token is token 0: then only the shard's largest |K| is needed,
+    # for the flags)
     score = tl.zeros([TP], dtype=tl.int32)
-    for h in range(H):
-        vk = k * (2 * T * H) + t * H + h
-        off = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
-        bst = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
-        w = tl.load(raw + (off + blk * bst)[:, None, None] + col, mask=m3, other=0)
+    worst = tl.zeros([HC * HWP], dtype=tl.int32)
+    for c1 in tl.static_range(NCH):
+        h = c1 * HC + hc
+        m2 = tm[:, None] & (wm & (h < H))[None, :]
+        th = tm[:, None] & (c1 * HC + hv < H)[None, :]
+        vk = tab + t[:, None] * H + (c1 * HC + hv)[None, :]                # [TP, HC]
+        kb = (tl.multiple_of(tl.load(voff + vk, mask=th, other=0), [1, ALIGN])
+              + blk * tl.multiple_of(tl.load(vstride + vk, mask=th, other=0), [1, ALIGN]))
+        kb = tl.reshape(kb[:, :, None] + wv[None, None, :], [TP, HC * HWP])
+        wk = tl.load(raw + tl.max_contiguous(tl.multiple_of(kb, [1, ALIGN]), [1, 2]), mask=m2,
+                     other=0)
         if DT == 0:      # bfloat16 pairs in an int32
-            a = tl.maximum((w << 16) & 0x7FFFFFFF, w & 0x7FFF0000)
+            ke = (wk << 16).to(tl.float32, bitcast=True)
+            ko = (wk & -65536).to(tl.float32, bitcast=True)
         elif DT == 1:    # float16 pairs in an int32
-            xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            a = tl.maximum(xe.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
-                           xo.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+            ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         else:            # float32 pairs in an int64
-            a = tl.maximum((w & 0x7FFFFFFF).to(tl.int32), ((w >> 32) & 0x7FFFFFFF).to(tl.int32))
-        score = tl.maximum(score, tl.max(tl.max(a, axis=2), axis=1))
-    tt = t[:, None]
-    tu = t[None, :]
-    su = tl.reshape(score, [1, TP])
-    st = tl.reshape(score, [TP, 1])
-    beats = ((su > st) | ((su == st) & (tu < tt))) & (tu < T)
-    sel = (tl.sum(beats.to(tl.int32), axis=1) < C) & (t < T)
-    bt = tl.arange(0, TB)
-    selb = tl.sum(((tl.reshape(bt, [TB, 1]) == t[None, :]) & sel[None, :]).to(tl.int32), axis=1)
-    byte = tl.sum(tl.reshape(selb << (bt % 8), [TB // 8, 8]), axis=1)
-    jb = tl.arange(0, TB // 8)
-    tl.store(enc + i * (enc_pitch8 * 8) + k * E + BITMAP + jb, byte.to(tl.uint8),
-             mask=(jb < (T + 7) // 8) & ((jb * 0 + blk) >= 0))
+            ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        a = tl.maximum(ke.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                       ko.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        if C == 1:
+            worst = tl.maximum(worst, tl.max(a, axis=0))
+        else:
+            score = tl.maximum(score, tl.max(a, axis=1))
+    if C == 1:
+        top = tl.max(worst, axis=0)
+    else:
+        top = tl.max(score, axis=0)
+    bad = (t * 0 + top) >= 0x7F800000
+    tl.store(flags + s + t * 0, t * 0, mask=(t == 0) & live & bad)
+    tl.store(flags + n_shards + t * 0, t * 0, mask=(t == 0) & live & bad)     # any bad
+    # ---- selection: token 0 (the reference's rule), then C - 1 rounds
+    sel = t == 0
+    epos = (t > 0).to(tl.int32)
+    for c in range(C - 1):
+        cand = tl.where(tm & (sel == 0), score, -1)
+        top = tl.max(cand, axis=0)
+        pick = tl.min(tl.where(cand == top, t, TP), axis=0)
+        sel = sel | (t == pick)
+        epos += (t > pick).to(tl.int32)
+    # the bitmap, in 8-byte words (with the segment's padding: bits past T are 0)
+    b64 = (base + BITMAP).to(tl.pointer_type(tl.int64), bitcast=True)
+    for j in tl.static_range((T + 63) // 64):
+        word = tl.sum(tl.where(sel & ((t >> 6) == j), tl.full([TP], 1, tl.int64) << (t & 63), 0),
+                      axis=0)
+        tl.store(b64 + j + t * 0, word + t * 0, mask=(t == 0) & live)
+    # ---- the exact rows: salient token c of the shard (in token order) is exact row c
+    ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+    kv = tl.arange(0, 2)
+    for c in range(C):
+        if C == 1:
+            tc = 0
+        else:
+            tc = tl.sum(tl.where(sel & (epos == c), t, 0), axis=0)
+        for ci in range(NCH):
+            h = ci * HC + hc
+            em = (kv < 2)[:, None] & (wm & (h < H))[None, :]
+            eh = ((kv * 0 + blk) >= 0)[:, None] & (ci * HC + hv < H)[None, :]
+            ve = tab + (kv[:, None] * T + tc) * H + (ci * HC + hv)[None, :]   # [2, HC]
+            eb = (tl.multiple_of(tl.load(voff + ve, mask=eh, other=0), [1, ALIGN])
+                  + blk * tl.multiple_of(tl.load(vstride + ve, mask=eh, other=0), [1, ALIGN]))
+            eb = tl.reshape(eb[:, :, None] + wv[None, None, :], [2, HC * HWP])
+            row = tl.load(raw + tl.max_contiguous(tl.multiple_of(eb, [1, ALIGN]), [1, 2]),
+                          mask=em, other=0)
+            tl.store(tl.max_contiguous(ex + ((c * 2 + kv)[:, None] * H + h[None, :]) * HW
+                                       + w[None, :], [1, 2]), row, mask=em)
+    if CHANNEL:
+        # ---- the other tokens' keys, per channel over the tokens
+        keep = tm & (sel == 0)
+        rpos = t - epos
+        # (a skipped row, index -1, stores nothing: its zeros are kept, not an all-NaN column)
+        nan = tl.where(keep | (live == 0), 1.0, float("nan"))[:, None]
+        for ci in range(NCH):
+            h = ci * HC + hc
+            hm = wm & (h < H)
+            if NCH > 1:      # (read again; the one chunk of a smaller shard is still held)
+                m2 = tm[:, None] & hm[None, :]
+                th = tm[:, None] & (ci * HC + hv < H)[None, :]
+                vk = tab + t[:, None] * H + (ci * HC + hv)[None, :]
+                kb = (tl.multiple_of(tl.load(voff + vk, mask=th, other=0), [1, ALIGN])
+                      + blk * tl.multiple_of(tl.load(vstride + vk, mask=th, other=0), [1, ALIGN]))
+                kb = tl.reshape(kb[:, :, None] + wv[None, None, :], [TP, HC * HWP])
+                wk = tl.load(raw + tl.max_contiguous(tl.multiple_of(kb, [1, ALIGN]), [1, 2]),
+                             mask=m2, other=0)
+                if DT == 0:
+                    ke = (wk << 16).to(tl.float32, bitcast=True)
+                    ko = (wk & -65536).to(tl.float32, bitcast=True)
+                elif DT == 1:
+                    ke = (wk & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                    ko = (wk >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                else:
+                    ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+                    ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            p32 = (base + KP).to(tl.pointer_type(tl.int32), bitcast=True) + h * D + 2 * w
+            for half in tl.static_range(2):     # channels 2w, then 2w + 1
+                if half == 0:
+                    x = ke
+                else:
+                    x = ko
+                xn = x * nan
+                mn = tl.min(xn, axis=0) + 0.0           # a zero extreme counts as +0
+                mx = tl.max(xn, axis=0) + 0.0
+                b = mn.to(tl.int32, bitcast=True)
+                hi = b & -65536
+                mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), hi + 0x10000, hi)
+                m = mb.to(tl.float32, bitcast=True)
+                b = tl.math.div_rn(mx - m, 15.0).to(tl.int32, bitcast=True)
+                hi = b & -65536
+                sb = tl.where((b & 0xFFFF) != 0, hi + 0x10000, hi)
+                sc = sb.to(tl.float32, bitcast=True)
+                f = tl.where((sc > 0) & (sc < _TINY), _SCALE, 1.0)
+                sp = sc * f
+                mp = m * f
+                rp = 1.0 / tl.where(sp == 0, 1.0, sp)
+                hs = tl.where(sp == 0, _INF, sp * 0.5)
+                nu = tl.fma(x, f[None, :], -mp[None, :])
+                kf = tl.floor(nu * rp[None, :])
+                hh = tl.fma(kf, sp[None, :], hs[None, :])
+                qb = (kf + _RINT).to(tl.int32, bitcast=True)
+                q = qb + ((nu > hh) | ((nu == hh) & ((qb & 1) != 0))).to(tl.int32)
+                # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
+                tl.store(p32 + half, ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=hm)
+                if half == 0:
+                    qe = q
+                else:
+                    tl.store(tl.max_contiguous(base + KQ + (rpos[:, None] * H + h[None, :]) * HW
+                                               + w[None, :], [1, 2]),
+                             (qe + (q << 4)).to(tl.uint8), mask=keep[:, None] & hm[None, :])
 
 
 def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
@@ -177,18 +310,19 @@ def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_s
                        D: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
                        GH: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KQ: tl.constexpr,
                        VQ: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
-                       BITMAP: tl.constexpr, EXACT: tl.constexpr, KEYS: tl.constexpr,
-                       SPARSE: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
+                       BITMAP: tl.constexpr, KEYS: tl.constexpr, SPARSE: tl.constexpr,
+                       C: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
                        INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
     """INT4 and sparse: the values, and with ``KEYS`` the keys too (keys per token, like the
-    values; keys per channel are :func:`_int4_encode_channel`'s). Shard ``program_id(0)`` (row
+    values; keys per channel are :func:`_int4_encode_channel`'s, or the sparse codec's
+    :func:`_sparse_select`'s). Shard ``program_id(0)`` (row
     ``s // L``, selected layer ``s % L``), heads ``[program_id(1) * HP, + HP)``. Tiles
     ``[tokens, heads, groups, G / 2]`` of *pair words* (channels ``2w`` and ``2w + 1`` of a
     vector in one int32, or int64 for float32; ``raw``, ``voff`` and ``vstride`` count pair
     words): a group's reduction is over the last axis, and the two nibbles of a byte are the
-    two halves of a word. SPARSE: the salient tokens, read from the bitmap (pass 1,
-    :func:`_key_select`), are stored exact (rows ``epos``), the others quantized into rows
-    ``rpos`` of the INT4 part. The programs of heads 0 write the padding."""
+    two halves of a word. SPARSE: the tokens that the bitmap (:func:`_sparse_select`'s, which
+    also stores the ``C`` salient ones exact) leaves out are quantized into rows ``rpos`` of the
+    INT4 part. The programs of heads 0 write the padding."""
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     i = s // L
@@ -211,14 +345,26 @@ def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_s
         po = tl.load(pad + jp, mask=jp < NPAD, other=0)
         tl.store(base + po, tl.zeros([NPADP], dtype=tl.uint8),
                  mask=(jp < NPAD) & ((jp * 0 + blk) >= 0) & ((jp * 0 + c) == 0))
-    if SPARSE:
-        byte = tl.load(base + BITMAP + t // 8, mask=tm, other=0).to(tl.int32)
-        sel = (((byte >> (t % 8)) & 1) != 0) & tm
-        epos = tl.sum(((t[None, :] < t[:, None]) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
-        rpos = t - epos
+    if SPARSE and C == 1:       # token 0 alone (the first salient token is always token 0)
+        sel = t == 0
+        rpos = t - 1
+    elif SPARSE:
+        # the salient tokens from the bitmap (32-bit words); rpos = t - the salient tokens
+        # before t, a population count of the bitmap's bits below t
+        b32 = (base + BITMAP).to(tl.pointer_type(tl.int32), bitcast=True)
+        rpos = t
+        sel = t < 0
+        for jw in tl.static_range((T + 31) // 32):
+            bw = tl.load(b32 + jw + t * 0, mask=tm & ((t >> 5) >= jw), other=0)
+            here = (t >> 5) == jw
+            sel = sel | (here & (((bw >> (t & 31)) & 1) != 0))
+            bw = tl.where(here, bw & ((1 << (t & 31)) - 1), bw)
+            bw = bw - ((bw >> 1) & 0x55555555)
+            bw = (bw & 0x33333333) + ((bw >> 2) & 0x33333333)
+            bw = (bw + (bw >> 4)) & 0x0F0F0F0F
+            rpos -= (bw * 0x01010101) >> 24
     else:
         sel = t < 0
-        epos = t * 0
         rpos = t
     keep = tm & (sel.to(tl.int32) == 0)
     gcol = (gi * GH)[:, None] + j[None, :]                              # [NGP, GH]
@@ -237,14 +383,6 @@ def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_s
         kb = (tl.multiple_of(tl.load(voff + vk, mask=th, other=0), [ALIGN, ALIGN])
               + blk * tl.multiple_of(tl.load(vstride + vk, mask=th, other=0), [ALIGN, ALIGN]))
         wk = tl.load(raw + kb[:, :, None, None] + gcol[None, None, :, :], mask=m4, other=0)
-    if SPARSE:
-        em = (sel & tm)[:, None, None, None] & hm[None, :, None, None] & gm2[None, None, :, :]
-        ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
-        tl.store(ex + (((epos * 2 + 1)[:, None] * H + h[None, :]) * HW)[:, :, None, None]
-                 + gcol[None, None, :, :], wv, mask=em)
-        if KEYS:
-            tl.store(ex + (((epos * 2)[:, None] * H + h[None, :]) * HW)[:, :, None, None]
-                     + gcol[None, None, :, :], wk, mask=em)
     qrow = rpos[:, None] * H + h[None, :]                              # [TP, HP]
     kq2 = keep[:, None] & hm[None, :]
     gq3 = kq2[:, :, None] & (gi < NG)[None, None, :]
@@ -321,18 +459,17 @@ def _int4_encode_channel(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shar
                          T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr,
                          D: tl.constexpr, HWP: tl.constexpr, L: tl.constexpr,
                          E: tl.constexpr, KQ: tl.constexpr, KP: tl.constexpr,
-                         BITMAP: tl.constexpr, EXACT: tl.constexpr, SPARSE: tl.constexpr,
                          INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
-    """INT4 and sparse with keys per channel: the keys (the values are
-    :func:`_int4_encode_token`'s). Shard ``program_id(0)``, head ``program_id(1)``: a tile
-    ``[tokens, D / 2]`` of pair words whose accesses declare a contiguity of two words, so
-    that the threads lie along the channels, two words each, and the tokens along the threads
+    """INT4 with keys per channel: the keys (the values are :func:`_int4_encode_token`'s; the
+    sparse codec's keys are :func:`_sparse_select`'s). Shard ``program_id(0)``, head
+    ``program_id(1)``: a tile ``[tokens, D / 2]`` of pair words whose accesses declare a
+    contiguity of two words, so that the threads lie along the channels, two words each, and
+    the tokens along the threads
     (and across warps only past ``32 * 32`` pair words a warp): a channel's minimum and maximum
     over the tokens are reduced within the thread, and its scale and constants computed by the
     one thread that holds it. (Laid out for vector loads, as the values are, every thread would
     hold a token of many channels and recompute their constants: most of the work.)
-    Quantization as in :func:`_int4_encode_token`. SPARSE: the salient tokens (read from the
-    bitmap, as there) are stored exact and left out of the minima and maxima."""
+    Quantization as in :func:`_int4_encode_token`."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = s // L
@@ -348,25 +485,11 @@ def _int4_encode_channel(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shar
     tm = (t < T) & ((t * 0 + blk) >= 0)
     wm = (w < HW) & ((w * 0 + blk) >= 0)
     base = enc + i * (enc_pitch8 * 8) + k * E
-    if SPARSE:
-        byte = tl.load(base + BITMAP + t // 8, mask=tm, other=0).to(tl.int32)
-        sel = (((byte >> (t % 8)) & 1) != 0) & tm
-        epos = tl.sum(((t[None, :] < t[:, None]) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
-        rpos = t - epos
-    else:
-        sel = t < 0
-        epos = t * 0
-        rpos = t
-    keep = tm & (sel.to(tl.int32) == 0)
     vk = k * (2 * T * H) + t * H + h
     kb = (tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
           + blk * tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN))
     wk = tl.load(tl.max_contiguous(raw + kb[:, None] + w[None, :], [1, 2]),
                  mask=tm[:, None] & wm[None, :], other=0)
-    if SPARSE:
-        ex = (base + EXACT).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
-        tl.store(tl.max_contiguous(ex + (((epos * 2) * H + h) * HW)[:, None] + w[None, :], [1, 2]),
-                 wk, mask=(sel & tm)[:, None] & wm[None, :])
     if DT == 0:      # bfloat16 pairs in an int32
         ke = (wk << 16).to(tl.float32, bitcast=True)
         ko = (wk & -65536).to(tl.float32, bitcast=True)
@@ -382,8 +505,8 @@ def _int4_encode_channel(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shar
     z0 = tl.zeros(z.shape, dtype=tl.int32)
     tl.store(flags + s + z0, z0, mask=z != z)
     tl.store(flags + n_shards + z0, z0, mask=z != z)                # any bad
-    if SPARSE or T < TP:   # rows left out of the extremes: salient tokens, tokens past T
-        km = keep[:, None]
+    if T < TP:   # rows left out of the extremes: tokens past T
+        km = tm[:, None]
         mne = tl.min(tl.where(km, ke, _INF), axis=0)
         mxe = tl.max(tl.where(km, ke, -_INF), axis=0)
         mno = tl.min(tl.where(km, ko, _INF), axis=0)
@@ -426,9 +549,9 @@ def _int4_encode_channel(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shar
         if half == 0:
             qe = q
         else:
-            tl.store(tl.max_contiguous(base + KQ + ((rpos * H + h) * HW)[:, None] + w[None, :],
+            tl.store(tl.max_contiguous(base + KQ + ((t * H + h) * HW)[:, None] + w[None, :],
                                        [1, 2]),
-                     (qe + (q << 4)).to(tl.uint8), mask=keep[:, None] & wm[None, :])
+                     (qe + (q << 4)).to(tl.uint8), mask=tm[:, None] & wm[None, :])
 
 
 def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch8,
@@ -436,8 +559,12 @@ def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch8,
                  DP: tl.constexpr, G: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
                  KQ: tl.constexpr, VQ: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
                  BITMAP: tl.constexpr, EXACT: tl.constexpr, CHANNEL: tl.constexpr,
-                 SPARSE: tl.constexpr, HPP: tl.constexpr, INDEXED: tl.constexpr,
-                 ALIGN: tl.constexpr, BF16: tl.constexpr):
+                 SPARSE: tl.constexpr, C: tl.constexpr, HPP: tl.constexpr,
+                 INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr):
+    """INT4 and sparse: shard ``program_id(0)``, heads ``[program_id(1) * HPP, + HPP)``.
+    SPARSE: the ``C`` salient tokens (the bitmap's; token 0 alone when ``C == 1``) from exact
+    row ``epos`` (the salient tokens before them), the others from INT4 row ``rpos = t -
+    epos``, both counted by a population count of the bitmap's bits below the token."""
     s = tl.program_id(0).to(tl.int64)
     hc = tl.program_id(1)
     i = s // L
@@ -457,10 +584,24 @@ def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch8,
     dlive = dm & ((d * 0 + blk) >= 0)
     base = enc + i * (enc_pitch8 * 8) + k * E
     tab = k * V
-    if SPARSE:
-        byte = tl.load(base + BITMAP + t // 8, mask=tm, other=0).to(tl.int32)
-        sel = (((byte >> (t % 8)) & 1) != 0) & tm
-        epos = tl.sum(((t[None, :] < t[:, None]) & tl.reshape(sel, [1, TP])).to(tl.int32), axis=1)
+    if SPARSE and C == 1:
+        sel = (t == 0) & tm
+        epos = t * 0
+        rpos = t - 1
+    elif SPARSE:
+        b32 = (base + BITMAP).to(tl.pointer_type(tl.int32), bitcast=True)
+        epos = t * 0
+        sel = t < 0
+        for jw in tl.static_range((T + 31) // 32):
+            bw = tl.load(b32 + jw + t * 0, mask=tm & ((t >> 5) >= jw), other=0)
+            here = (t >> 5) == jw
+            sel = sel | (here & (((bw >> (t & 31)) & 1) != 0))
+            bw = tl.where(here, bw & ((1 << (t & 31)) - 1), bw)
+            bw = bw - ((bw >> 1) & 0x55555555)
+            bw = (bw & 0x33333333) + ((bw >> 2) & 0x33333333)
+            bw = (bw + (bw >> 4)) & 0x0F0F0F0F
+            epos += (bw * 0x01010101) >> 24
+        sel = sel & tm
         rpos = t - epos
     else:
         sel = t < 0
