@@ -82,7 +82,7 @@ class CodecSpec:
     bits: int = 8
     group: int = 64
     key_mode: str = "auto"
-    salient: float = 0.0625
+    salient: float = 0.0078125      # 1/128: token 0 alone in blocks of <= 128 tokens
     ratio: float = 0.25
     projection: Optional["Projection"] = dataclasses.field(default=None, compare=False, repr=False)
 

@@ -310,9 +310,10 @@ OPTIONS: tuple[Option, ...] = (
            "(one scale per channel over the block's tokens, as KIVI), 'token' (like the values) "
            "or 'auto' (INT8: token; INT4 and sparse: channel).",
            choices=("auto", "channel", "token")),
-    Option("compression.salient", "float", 0.0625, "'sparse': fraction of each block's tokens "
-           "kept exact (token 0, where a sequence's attention sink sits, then those whose keys "
-           "have the largest magnitude).", min=0.0, max=0.5,
+    Option("compression.salient", "float", 0.0078125, "'sparse': fraction of each block's tokens "
+           "kept exact, at least one (token 0, where a sequence's attention sink sits, then "
+           "those whose keys have the largest magnitude; the default keeps token 0 alone in "
+           "blocks of up to 128 tokens).", min=0.0, max=0.5,
            min_exclusive=True),
     Option("compression.compression_ratio", "float", 0.25, "'learned': kept rank / head "
            "dimension (stored bytes per value: this ratio of bfloat16).", min=0.0, max=1.0,
