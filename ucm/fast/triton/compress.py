@@ -35,10 +35,11 @@ encode with keys per channel and for a sparse encode):
   program per (shard, head), launched after ``_int4_encode_token``: each kernel lays its tile
   out for its reductions (over channels for the values, over tokens for these keys).
 * ``_int4_decode``: INT4 and sparse, a program per (shard, chunk of heads).
-* sparse: ``_sparse_select`` first, a program per shard: the salient tokens (token 0, then
-  the largest ``max |K|`` over heads and channels, ties to the lower token) into the bitmap,
-  their keys and values into the exact rows, and with keys per channel (the default) the
-  other tokens' keys quantized, laid out as ``_int4_encode_channel``'s; then
+* sparse: ``_sparse_select`` (:mod:`ucm.fast.triton.compress_sparse`) first, a program per
+  shard: the salient tokens (token 0, then the largest ``max |K|`` over heads and channels,
+  ties to the lower token) into the bitmap, their keys and values into the exact rows, and
+  with keys per channel (the default) the other tokens' keys quantized, laid out as
+  ``_int4_encode_channel``'s; then
   ``_int4_encode_token`` quantizes the other tokens' values (and keys per token), their rows
   counted from the bitmap.
 * ``learned``: the reference (PyTorch einsum, cuBLAS on CUDA tensors).
@@ -63,7 +64,8 @@ import triton
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets
 from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode_channel,
                                               _int4_encode_token, _int8_decode, _int8_encode,
-                                              _int8c_decode, _int8c_encode, _sparse_select, jit)
+                                              _int8c_decode, _int8c_encode, jit)
+from ucm.fast.triton.compress_sparse import _sparse_select
 from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_STAGING, KVLayout
 from ucm.reference import compress as _ref
 
