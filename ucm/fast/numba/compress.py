@@ -224,9 +224,8 @@ def _encode_learned(x, rs, geo, mean, basis_t, out, ro, c_off, pads, ok, buf, to
 def _q8_keys_dt(src, qi, so, y, base_h, t_n, h_n, d_n, s_h, q_off, s_off, ks_off, chan, kf, sc):
     """The key planes of one row written channel-major (element (t, d) of head ``h`` at
     ``base_h + h * s_h + d * T + t``): a head's keys are dequantized token-major into ``kf``
-    (float32 T x D, in L1; vectorized along the channels), then each channel's row is
-    gathered from it and written contiguously (writing token by token would scatter every
-    store across the plane)."""
+    (float32 T x D, in L1; vectorized along the channels), then written a channel row at a
+    time (:func:`_rows_from_plane`)."""
     for h in range(h_n):
         if chan:
             for d in range(d_n):
@@ -243,10 +242,7 @@ def _q8_keys_dt(src, qi, so, y, base_h, t_n, h_n, d_n, s_h, q_off, s_off, ks_off
                 s = _get_bf16(src, so + s_off + 2 * v)
                 for d in range(d_n):
                     kv_[d] = np.float32(qv[d]) * s
-        for d in range(d_n):
-            row = y[base_h + h * s_h + d * t_n:base_h + h * s_h + (d + 1) * t_n]
-            for t in range(t_n):
-                st(row, t, kf[t * d_n + d])
+        _rows_from_plane(kf.view(np.uint32), y, base_h + h * s_h, t_n, d_n)
 
 
 @njit(nogil=True)
