@@ -118,7 +118,7 @@ def test_stored_kv_is_used_and_the_recompute_fraction_holds():
     assert res[0.25].stats.recomputed == math.ceil(0.25 * n)
     # stored chunk KV was computed without the other chunks: without recompute it differs
     err = {r: float((x.logits - x.full_logits).abs().mean()) for r, x in res.items()}
-    assert err[0.0] > 1e-3 and err[1.0] < 1e-5   # (what recompute buys: evals/blend_*.py)
+    assert err[0.0] > 1e-3 and err[1.0] < 1e-4   # (what recompute buys: evals/blend_*.py)
     # a chunk that is not stored is recomputed in place, whatever the ratio
     part = blended_logits(model, prefix, cs, suffix, 0.0, stored=[True, False, True])
     assert part.stats.loaded == n - len(cs[1]) and part.stats.recomputed == len(cs[1])
@@ -224,6 +224,65 @@ def test_the_lookahead_keeps_ratio_one_exact_and_the_recompute_count():
     a = blended_logits(model, prefix, cs, suffix, 0.2, lookahead=0).logits
     b = blended_logits(model, prefix, cs, suffix, 0.2).logits
     assert not torch.equal(a, b)
+
+
+
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("order", ["ascending", "shuffled", "dense"])
+def test_attend_is_causal_attention_at_the_query_positions(flash, order, monkeypatch):
+    # against float64 softmax attention; tiles of 8 queries, so some tiles start at key 0 and
+    # others split their keys into the part every query sees and the masked rest
+    from ucm.blend import engine
+
+    monkeypatch.setattr(engine, "QUERY_TILE", 8)
+    if not flash:
+        monkeypatch.setattr(engine, "_flash_cpu", lambda: None)
+    g = torch.Generator().manual_seed(8)
+    E, hkv, rep, D, m = 90, 2, 3, 16, 37
+    q = torch.randn(m, hkv * rep, D, generator=g) * 3
+    k = torch.randn(E, hkv, D, generator=g) * 3
+    v = torch.randn(E, hkv, D, generator=g)
+    pos = {"ascending": torch.sort(torch.randperm(E, generator=g)[:m]).values,
+           "shuffled": torch.randperm(E, generator=g)[:m],
+           "dense": torch.arange(E - m, E)}[order]
+    if order == "ascending":
+        pos[0] = 0                                     # a query that sees only key 0
+    kr, vr = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = torch.einsum("mhd,ehd->hme", q.double(), kr) * 0.3
+    s = s.masked_fill(torch.arange(E)[None, None] > pos[None, :, None], float("-inf"))
+    want = torch.einsum("hme,ehd->mhd", s.softmax(-1), vr)
+    got = engine.attend(q, k, v, pos, 0.3)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert torch.allclose(got.double(), want, atol=2e-5)
+
+
+def test_with_a_lookahead_no_layer_is_computed_in_full(monkeypatch):
+    # the lookahead ranks the stored tokens over their stored KV, so the region's tokens are
+    # computed only where they are recomputed; without one, CacheBlend's check layer computes
+    # every region token up to it
+    model = tiny_model(layers=4, scale=3.0)
+    prefix, cs, suffix = _request(7)
+    n = sum(map(len, cs))
+    rows = []
+    qkv = LlamaBlendModel.qkv
+
+    def counting(self, layer, h, pos):
+        rows.append((layer, int(h.shape[0])))
+        return qkv(self, layer, h, pos)
+
+    monkeypatch.setattr(LlamaBlendModel, "qkv", counting)
+    for look, full_rows in ((None, 0), (0, 2)):
+        rows.clear()
+        res = blended_logits(model, prefix, cs, suffix, 0.2, lookahead=look)
+        sel = res.stats.recomputed
+        assert sel == math.ceil(0.2 * n)
+        region = [r for r in rows if r[1] == n]
+        assert len(region) == full_rows                  # (layers 0 and 1 with the check)
+        assert sum(r for _, r in rows if r in (sel, n)) <= full_rows * n + 4 * sel
+    # ratio 0 is naive concatenation: every stored token keeps its stored KV in every layer
+    rows.clear()
+    res = blended_logits(model, prefix, cs, suffix, 0.0)
+    assert res.stats.recomputed == 0 and not [r for r in rows if r[1] == n]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -443,10 +443,12 @@ OPTIONS: tuple[Option, ...] = (
            "chunk's KV wherever the chunk sits, recomputing a fraction of its tokens "
            "(docs/blend.md)."),
     Option("blend.recompute_ratio", "float", 0.15, "Fraction of a blended region's stored "
-           "tokens recomputed past the check layer: those whose stored KV deviates most from "
-           "what a full prefill computes.", min=0, max=1),
-    Option("blend.check_layer", "int", 1, "Layer where Blend measures the deviation; the "
-           "layers up to it are computed for every token.", min=0),
+           "tokens recomputed: those the prompt after the chunks attends to most (without one, "
+           "those whose stored KV deviates most from a full prefill's at the check layer).",
+           min=0, max=1),
+    Option("blend.check_layer", "int", 1, "Blend's lookahead counts the attention of the "
+           "layers above this one; without a lookahead, the layer where the deviation is "
+           "measured (the layers up to it are then computed for every token).", min=0),
     Option("blend.separator", "list[int]", [], "Token ids that separate chunks in every prompt "
            "(the text before the first and after the last separator is not a chunk); empty: "
            "only requests that mark chunks blend."),

@@ -120,7 +120,7 @@ SERIES = {s.name: s for s in (
     Series("ucm_blend_stored_tokens_total", "counter",
            "Tokens of blended regions whose KV came from stored chunks."),
     Series("ucm_blend_recomputed_tokens_total", "counter",
-           "Tokens of blended regions recomputed past the check layer (selected or not stored)."),
+           "Tokens of blended regions recomputed (selected or not stored)."),
     Series("ucm_blend_load_blocks_total", "counter", "Chunk blocks loaded for Blend."),
     Series("ucm_blend_load_failed_blocks_total", "counter",
            "Chunk blocks whose load failed (their tokens were recomputed)."),

@@ -6,21 +6,24 @@ whose KV is already in the cache (a prefix hit, or tokens computed before). Some
 have stored KV (``loaded``: the keys already rotated to their positions in this request, see
 :func:`ucm.blend.ops.rope_rotate`); the others (chunks not stored, text between chunks) do not.
 
-Layer by layer:
+Which tokens are recomputed (a fraction ``ratio`` of the loaded ones, plus every token without
+stored KV) is chosen one of two ways:
 
-* the layers up to ``check_layer`` are computed for every region token, exactly as a full
-  prefill would (their inputs are exact: layer 0 sees only embeddings). Their K/V are written;
-* at ``check_layer`` the fresh K/V of the loaded tokens are compared with the stored ones
-  (:func:`ucm.blend.ops.kv_deviation`): the tokens whose stored KV deviates most from what the
-  full prefill computes are the ones whose cross-chunk attention matters. Those (a fraction
-  ``ratio`` of the loaded tokens) and every token without stored KV go on; the others keep
-  their stored KV from the next layer on (:func:`ucm.blend.ops.select_recompute`);
-* every later layer computes only the tokens that went on: their queries attend to the whole
-  cache up to their position (stored KV of the others, fresh KV of their own), and their fresh
-  K/V overwrite the stored ones.
+* **by lookahead** (the prompt continues after the region, the usual case: a question closes
+  it): every layer's stored KV is written into the cache, the tokens after the region run over
+  it (:func:`lookahead_mass`), and the stored tokens they attend to most are recomputed, since a
+  stored token's error reaches the answer in proportion to that attention. No layer is
+  computed in full;
+* **by deviation** (nothing follows the region; CacheBlend's rule): the layers up to
+  ``check_layer`` are computed for every region token, exactly as a full prefill would (layer 0
+  sees only embeddings). At ``check_layer`` the fresh K/V of the loaded tokens are compared with
+  the stored ones (:func:`ucm.blend.ops.kv_deviation`) and those that deviate most go on; the
+  others keep their stored KV from the next layer on.
 
-``ratio=1`` recomputes everything (the result is the full prefill's); ``ratio=0`` keeps the
-stored KV of every loaded token after ``check_layer`` (close to naive concatenation).
+Then every remaining layer computes only the selected tokens: their queries attend to the whole
+cache up to their position (stored KV of the others, fresh KV of their own), and their fresh
+K/V overwrite the stored ones. ``ratio=1`` recomputes everything (the result is the full
+prefill's); ``ratio=0`` keeps the stored KV of every loaded token (naive concatenation).
 
 The model is reached through :class:`BlendModel` (embedding, per-layer q/k/v with RoPE, the
 rest of a layer), the cache through :class:`RequestKV` (read positions ``[0, end)`` of a layer,
@@ -95,12 +98,23 @@ def _ungrouped(x: torch.Tensor, m: int) -> torch.Tensor:
     return x.reshape(hkv, rm // m, m, d).permute(2, 0, 1, 3).reshape(m, hkv * (rm // m), d)
 
 
+def _flash_cpu():
+    """torch's CPU flash-attention op, which returns the log-sum-exp beside the output (None
+    where this torch lacks it)."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
            scale: float) -> torch.Tensor:
     """Causal attention of queries at positions ``q_pos [m]`` over keys/values of positions
     ``[0, E)`` (``k, v [E, Hkv, D]``): query ``i`` sees keys ``j <= q_pos[i]``. Returns
     ``[m, Hq, D]`` in ``q``'s dtype (softmax in float32 for half inputs). Grouped-query heads
-    attend per KV head (:func:`_grouped`), so the keys and values are never repeated."""
+    attend per KV head (:func:`_grouped`), so the keys and values are never repeated.
+
+    Queries go in tiles of ``QUERY_TILE``; a tile (queries in position order, as Blend's are)
+    needs the keys up to its last query. On CPU the keys before its first query, which every
+    query of the tile sees, are attended without a mask, and only the rest with one; the two
+    parts are merged by their log-sum-exp (a masked call costs about 1.2x an unmasked one)."""
     m, hq, _ = q.shape
     E, hkv, _ = k.shape
     rep = hq // hkv
@@ -110,14 +124,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     keys = torch.arange(E, device=q.device)
     pos = q_pos.tolist()
     ascending = all(x <= y for x, y in zip(pos, pos[1:]))
+    flash = _flash_cpu() if q.device.type == "cpu" and ascending else None
     for a in range(0, m, QUERY_TILE):
         b = min(m, a + QUERY_TILE)
-        # queries in position order (Blend's are): a tile needs the keys up to its last one
         end = min(E, (pos[b - 1] if ascending else max(pos[a:b])) + 1)
-        mask = (keys[None, :end] <= q_pos[a:b, None]).repeat(rep, 1)  # [rep * t, end]
+        lo = min(pos[a], end) if flash is not None else 0   # keys [0, lo): seen by all
+        mask = (keys[None, lo:end] <= q_pos[a:b, None]).repeat(rep, 1)  # [rep * t, end - lo]
         qq = _grouped(q[a:b], hkv)[None]                               # [1, Hkv, rep * t, D]
-        o = F.scaled_dot_product_attention(qq, kk[:, :, :end], vv[:, :, :end],
-                                           attn_mask=mask, scale=scale)
+        if flash is None:
+            o = F.scaled_dot_product_attention(qq, kk[:, :, :end], vv[:, :, :end],
+                                               attn_mask=mask, scale=scale)
+        else:
+            add = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+            o, lse = flash(qq, kk[:, :, lo:end], vv[:, :, lo:end], attn_mask=add, scale=scale)
+            if lo > 0:   # (every query sees key lo, its tile's first position: lse is finite)
+                o0, lse0 = flash(qq, kk[:, :, :lo], vv[:, :, :lo], scale=scale)
+                total = torch.logaddexp(lse0, lse)
+                o = o0 * torch.exp(lse0 - total)[..., None] + o * torch.exp(lse - total)[..., None]
         out[a:b] = _ungrouped(o[0], b - a)
     return out
 
@@ -127,14 +150,13 @@ def lookahead_mass(model: BlendModel, kv: RequestKV, start: int, end: int,
                    check_layer: int) -> torch.Tensor:
     """How much the tokens after a region look at each of its stored tokens, in a cheap
     approximate pass: the tokens ``ids [m]`` at positions ``pos [m]`` (increasing, all at or
-    after ``end``) go through every layer, attending to the cache and to each other; up to
-    ``check_layer`` the cache holds the region computed in full (exact), above it the prefix
-    and, at the stored tokens, their stored KV: what a Blend at ratio 0 would give them. The
-    cache must hold that stored KV above ``check_layer`` (:func:`blend_fill` writes it before
-    it calls this); region tokens without stored KV are left out there. Returns float32
-    ``[end - start]``: the softmax mass their queries give each region token, summed over the
-    layers above ``check_layer``, heads and queries (0 for tokens without stored KV). Nothing
-    is written to the cache."""
+    after ``end``) go through every layer, attending to the cache and to each other. The cache
+    holds the prefix and, at the stored tokens, their stored KV in every layer (:func:`blend_fill`
+    writes it before it calls this): what a Blend at ratio 0 would give them. Region tokens
+    without stored KV are left out. Returns float32 ``[end - start]``: the softmax mass their
+    queries give each region token, summed over the layers above ``check_layer`` (the first
+    layers attend mostly to nearby tokens and to the sequence's first), heads and queries (0 for
+    tokens without stored KV). Nothing is written to the cache."""
     n = end - start
     device = loaded_mask.device
     mass = torch.zeros(n, dtype=torch.float32, device=device)
@@ -142,29 +164,30 @@ def lookahead_mass(model: BlendModel, kv: RequestKV, start: int, end: int,
     if m == 0 or check_layer + 1 >= model.num_layers:
         return mass
     hkv = model.num_kv_heads
-    visible = torch.ones(end, dtype=torch.bool, device=device)
-    own = pos[None, :] <= pos[:, None]                                # [m, m] causal among them
+    hidden = start + (~loaded_mask).nonzero().flatten()             # region tokens left out
+    later = pos[None, :] > pos[:, None]                               # [m, m] causal among them
     h = model.embed(ids)
     for layer in range(model.num_layers):
         q, k, v = model.qkv(layer, h, pos)
         ck, cv = kv.read(layer, end)
         above = layer > check_layer
-        if above:
-            visible[start:] = loaded_mask
-        kk = torch.cat([ck.to(q.dtype), k]).transpose(0, 1).float()     # [Hkv, end + m, D]
-        vv = torch.cat([cv.to(q.dtype), v]).transpose(0, 1).float()
-        allow = torch.cat([visible[None, :].expand(m, end), own], 1)  # [m, end + m]
+        # keys and values [Hkv, D, E] / [Hkv, E, D] as strided views (no copy in float32):
+        # the cache's and the lookahead's own are scored apart, one product each
+        kc, vc = ck.to(q.dtype).float().permute(1, 2, 0), cv.to(q.dtype).float().transpose(0, 1)
+        ko, vo = k.float().permute(1, 2, 0), v.float().transpose(0, 1)
         out = torch.empty_like(q)
         for a in range(0, m, QUERY_TILE):
             b = min(m, a + QUERY_TILE)
-            qg = _grouped(q[a:b].float(), hkv)                        # [Hkv, rep * t, D]
-            s = torch.bmm(qg, kk.transpose(1, 2)) * model.scale       # [Hkv, rep * t, end + m]
-            s = s.view(hkv, -1, b - a, end + m).masked_fill(~allow[None, None, a:b], float("-inf"))
-            p = s.softmax(-1)                                         # [Hkv, rep, t, end + m]
-            o = torch.bmm(p.view(hkv, -1, end + m), vv)               # [Hkv, rep * t, D]
+            qg = _grouped(q[a:b].float() * model.scale, hkv)          # [Hkv, rep * t, D]
+            s = torch.cat([torch.bmm(qg, kc), torch.bmm(qg, ko)], 2)  # [Hkv, rep * t, end + m]
+            s4 = s.view(hkv, -1, b - a, end + m)
+            s4[..., hidden] = float("-inf")
+            s4[..., end:].masked_fill_(later[a:b], float("-inf"))
+            p = s.softmax(-1)                                         # [Hkv, rep * t, end + m]
+            o = torch.bmm(p[..., :end], vc).add_(torch.bmm(p[..., end:], vo))
             out[a:b] = _ungrouped(o, b - a).to(q.dtype)
             if above:
-                mass += p[..., start:end].sum((0, 1, 2))
+                mass += p[..., start:end].sum((0, 1))
         h = model.finish(layer, h, out)
     return mass
 
@@ -192,56 +215,122 @@ def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
                stats: Optional[BlendStats] = None,
                lookahead: Optional[tuple] = None) -> torch.Tensor:
     """Fill the KV of region ``[start, start + n)`` of one request (module doc) and return the
-    last layer's output hidden states of the tokens computed through every layer (those past
-    the check layer, in position order; all of them when ``ratio`` is 1 or nothing is loaded).
+    last layer's output hidden states of the tokens computed through every layer (those
+    recomputed, in position order; all of them when ``ratio`` is 1 or nothing is loaded).
 
-    ``ids [n]``: the region's token ids; ``loaded(layer) -> (k, v)``, each ``[n, Hkv, D]``: the
-    stored KV of the region's tokens at that layer, keys already at their positions here (rows
-    of tokens without stored KV are ignored); ``loaded_mask [n]`` bool: which tokens have it.
+    ``ids [n]``: the region's token ids; ``loaded_mask [n]`` bool: which tokens have stored KV;
+    ``loaded(layer) -> (k, v)``, each ``[L, Hkv, D]`` for the ``L`` tokens of ``loaded_mask`` in
+    position order: their stored KV at that layer, keys already at their positions here.
     The stored KV of a layer is written first, so the cache holds it wherever no token is
     recomputed. ``lookahead``: ``(ids [m], pos [m])`` of prompt tokens after the region (the
-    question of a retrieval prompt); when given, part of the recompute goes to the stored tokens
-    they attend to (:func:`choose_recompute`)."""
-    from ucm.blend import ops
-
+    question of a retrieval prompt); when given, the recompute goes to the stored tokens they
+    attend to (:func:`choose_recompute`) and no layer is computed in full."""
     n = int(ids.shape[0])
     device = loaded_mask.device
     pos = torch.arange(start, start + n, device=device)
-    forced = ~loaded_mask
     any_loaded = bool(loaded_mask.any()) and loaded is not None
     if not 0 <= check_layer < model.num_layers:
         raise ValueError(f"check_layer: {check_layer} is outside the model's "
                          f"{model.num_layers} layers")
-    sel = torch.arange(n, device=device)                 # region tokens computed at this layer
-    h = model.embed(ids)
     if n == 0:
-        return h
-    end = start + n
-    blended = any_loaded and ratio < 1
-    for layer in range(model.num_layers):
-        q, k, v = model.qkv(layer, h, pos[sel])
-        kv.write(layer, pos[sel], k, v)
-        if blended and layer == check_layer:
-            lk, lv = loaded(layer)
-            dev = ops.kv_deviation(k, v, lk, lv, backend=backend)      # sel is every token here
-            # the stored KV of every later layer goes in now: it stays wherever no token
-            # recomputes (the recomputed ones overwrite theirs), and the lookahead reads it
-            stored = pos[loaded_mask]
-            for later in range(layer + 1, model.num_layers):
-                lk, lv = loaded(later)
-                kv.write(later, stored, lk[loaded_mask], lv[loaded_mask])
-            mass = None
-            if lookahead is not None and len(lookahead[0]) and ratio > 0:
-                mass = lookahead_mass(model, kv, start, end, loaded_mask, lookahead[0],
-                                      lookahead[1], check_layer)
-            keep_idx = choose_recompute(dev, float(ratio), forced, mass)
-            q, h, sel = q[keep_idx], h[keep_idx], sel[keep_idx]
-            if len(sel) == 0:   # nothing recomputes: the later layers keep the stored KV
-                break
-        ck, cv = kv.read(layer, end)
-        h = model.finish(layer, h, attend(q, ck, cv, pos[sel], model.scale))
+        return model.embed(ids)
+    sel, h, first = torch.arange(n, device=device), None, 0
+    if any_loaded and ratio < 1:
+        look = lookahead if lookahead is not None and len(lookahead[0]) > 0 else None
+        chosen = None
+        if ratio == 0 or look is not None:
+            chosen = _select_over_stored(model, kv, ids, start, loaded, loaded_mask, ratio,
+                                         check_layer, look)
+        if chosen is not None:
+            sel = chosen
+        else:
+            sel, h, first = _select_at_check_layer(model, kv, ids, start, loaded, loaded_mask,
+                                                   ratio, check_layer, backend)
+    h = _forward(model, kv, ids, pos, sel, h, first, start + n)
     if stats is not None:
         stats.tokens += n
         stats.loaded += int(loaded_mask.sum())
         stats.recomputed += int(len(sel))
     return h
+
+
+def _write_stored(model: BlendModel, kv: RequestKV, pos: torch.Tensor, loaded: Callable,
+                  loaded_mask: torch.Tensor, layers) -> None:
+    stored = pos[loaded_mask]
+    for layer in layers:
+        lk, lv = loaded(layer)
+        kv.write(layer, stored, lk, lv)
+
+
+def _forward(model: BlendModel, kv: RequestKV, ids: torch.Tensor, pos: torch.Tensor,
+             sel: torch.Tensor, h: Optional[torch.Tensor], first: int, end: int,
+             last: Optional[int] = None) -> torch.Tensor:
+    """Layers ``first`` to ``last - 1`` (default: to the end) for the region tokens ``sel``
+    (increasing indices; ``h``: their input to layer ``first``, or None for the embeddings at
+    layer 0): each layer writes their fresh K/V, then their queries attend to the cache up to
+    their positions."""
+    if h is None:
+        h = model.embed(ids[sel])
+    if len(sel) == 0:
+        return h
+    p = pos[sel]
+    for layer in range(first, model.num_layers if last is None else last):
+        q, k, v = model.qkv(layer, h, p)
+        kv.write(layer, p, k, v)
+        ck, cv = kv.read(layer, end)
+        h = model.finish(layer, h, attend(q, ck, cv, p, model.scale))
+    return h
+
+
+def _select_over_stored(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
+                        loaded: Callable, loaded_mask: torch.Tensor, ratio: float,
+                        check_layer: int, lookahead: Optional[tuple]) -> Optional[torch.Tensor]:
+    """The selection that needs no layer computed in full: every layer's stored KV goes into
+    the cache, the lookahead (if any) reads it, and the recompute goes to the stored tokens it
+    attends to most (at ratio 0: none, only the tokens without stored KV: naive
+    concatenation). None when the lookahead reads none of the stored tokens (the caller then
+    ranks by deviation)."""
+    from ucm.blend import ops
+
+    n = int(ids.shape[0])
+    pos = torch.arange(start, start + n, device=loaded_mask.device)
+    forced = ~loaded_mask
+    _write_stored(model, kv, pos, loaded, loaded_mask, range(model.num_layers))
+    if ratio == 0 or lookahead is None:
+        return forced.nonzero().flatten()
+    mass = lookahead_mass(model, kv, start, start + n, loaded_mask, lookahead[0], lookahead[1],
+                          check_layer)
+    if not bool((mass > 0).any()):
+        return None
+    return ops.select_recompute(mass, float(ratio), forced)
+
+
+def _select_at_check_layer(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
+                           loaded: Callable, loaded_mask: torch.Tensor, ratio: float,
+                           check_layer: int, backend: Optional[str]) -> tuple:
+    """CacheBlend's selection: the layers up to ``check_layer`` computed for every region token,
+    the tokens whose stored KV deviates most from the fresh one there go on. Returns ``(sel,
+    h, first)`` for :func:`_forward`: the selected indices, their hidden states after the
+    check layer's attention and the next layer."""
+    from ucm.blend import ops
+
+    n = int(ids.shape[0])
+    end = start + n
+    pos = torch.arange(start, end, device=loaded_mask.device)
+    forced = ~loaded_mask
+    h = _forward(model, kv, ids, pos, torch.arange(n, device=loaded_mask.device), None, 0, end,
+                 last=check_layer)
+    q, k, v = model.qkv(check_layer, h, pos)
+    kv.write(check_layer, pos, k, v)
+    lk, lv = loaded(check_layer)
+    dev = torch.zeros(n, dtype=torch.float32, device=loaded_mask.device)
+    dev[loaded_mask] = ops.kv_deviation(k[loaded_mask], v[loaded_mask], lk, lv, backend=backend)
+    # the stored KV of every later layer goes in now: it stays wherever no token recomputes
+    # (the recomputed ones overwrite theirs)
+    _write_stored(model, kv, pos, loaded, loaded_mask, range(check_layer + 1, model.num_layers))
+    keep = choose_recompute(dev, float(ratio), forced)
+    q, h = q[keep], h[keep]
+    if len(keep):
+        ck, cv = kv.read(check_layer, end)
+        h = model.finish(check_layer, h, attend(q, ck, cv, pos[keep], model.scale))
+    return keep, h, check_layer + 1

@@ -121,17 +121,14 @@ def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequenc
             pieces.append((off, memo[key]))
             mask[off:off + len(c)] = True
         off += len(c)
-    H, D = model.num_kv_heads, model.head_dim
-
-    def loaded(layer):
-        k = torch.zeros(region, H, D, device=dev)
-        v = torch.zeros(region, H, D, device=dev)
+    def loaded(layer):   # the stored chunks' rows, in position order
+        ks, vs = [], []
         for o, per_layer in pieces:
             ck, cv = per_layer[layer]
             delta = torch.full((len(ck),), P + o, dtype=torch.int64, device=dev)
-            k[o:o + len(ck)] = ops.rope_rotate(ck, delta, bm.inv_freq, backend=backend)
-            v[o:o + len(ck)] = cv
-        return k, v
+            ks.append(ops.rope_rotate(ck, delta, bm.inv_freq, backend=backend))
+            vs.append(cv)
+        return torch.cat(ks), torch.cat(vs)
 
     stats = BlendStats()
     if region:

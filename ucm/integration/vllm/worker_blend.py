@@ -142,19 +142,17 @@ class WorkerBlend:
             off = torch.as_tensor(pos - P, device=dev)
             mask[off] = True
             runs.append((off, torch.as_tensor(slot, device=dev), p.chunk_start))
-        H, D = model.num_kv_heads, model.head_dim
+        runs.sort(key=lambda r: int(r[0][0]))       # (loaded rows go in position order)
+        if runs:
+            slots = torch.cat([slot for _, slot, _ in runs])
+            deltas = torch.cat([torch.full((len(slot),), delta, dtype=torch.int64, device=dev)
+                                for _, slot, delta in runs])
+            blk, row = slots // bs, slots % bs
 
         def loaded(layer: int):
-            sk, sv = sviews[layer]
-            k = torch.zeros(n, H, D, dtype=sk.dtype, device=dev)
-            v = torch.zeros(n, H, D, dtype=sv.dtype, device=dev)
-            flat_k, flat_v = sk.reshape(-1, H, D), sv.reshape(-1, H, D)
-            for off, slot, delta in runs:
-                d = torch.full((len(slot),), delta, dtype=torch.int64, device=dev)
-                k[off] = ops.rope_rotate(flat_k[slot], d, model.inv_freq, neox=model.neox,
-                                         rotary_dim=model.rotary_dim)
-                v[off] = flat_v[slot]
-            return k, v
+            sk, sv = sviews[layer]     # (strided views: index them, a reshape would copy)
+            return (ops.rope_rotate(sk[blk, row], deltas, model.inv_freq, neox=model.neox,
+                                    rotary_dim=model.rotary_dim), sv[blk, row])
 
         from ucm.integration.vllm.blend_hook import PagedKV
 
