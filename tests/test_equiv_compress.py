@@ -402,6 +402,44 @@ def test_decode_scatter(name, dtype, kind, monkeypatch):
     assert all(bool((c.view(torch.uint8) == SENTINEL).all()) for c in ts)
 
 
+
+@pytest.mark.parametrize("name,dtype,kind", [
+    ("int8-channel", "float32", "cpu"), ("int4-token-g64", "bfloat16", "packed"),
+    ("sparse-channel-g32", "float32", "cuda"), ("learned", "float32", "cpu")])
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_layer_decoder_is_decode_scatter_a_layer_at_a_time(name, dtype, kind, backend,
+                                                            monkeypatch):
+    """``compress.layer_decoder`` (prepared once; the load thread calls it per layer) writes
+    what ``decode_scatter`` of all layers writes, whatever the order of the layers, and
+    nothing for rows of -1."""
+    if backend == "numba":
+        backend, _ = backend_of("decode_scatter", ("numba", "cpu", False), monkeypatch)
+    rng = np.random.default_rng(12)
+    t, h, d = (16, 3, 64) if name != "learned" else (16, 2, 64)
+    spec = make_spec(name, projection(rng, h, d, layers=3) if name == "learned" else None)
+    _, _, shape = _caches(kind, dtype, t, h, d)
+    E = encoded_bytes(spec, shape)
+    x = kv_rows(rng, dtype, t, h, d)[[0, 1, 2, 3]]
+    n = len(x)
+    src = torch.empty((n, 3 * E), dtype=torch.uint8)
+    for k in range(3):
+        assert compress.encode(spec, shape, raw_rows(x[np.roll(np.arange(n), k)], shape),
+                               src[:, k * E:(k + 1) * E], k, backend="reference").all()
+    idx = torch.tensor([3, -1, 0, 4])
+    want, layout, _ = _caches(kind, dtype, t, h, d)
+    compress.decode_scatter(layout, src, idx, spec, shape, backend="reference")
+    got, layout, _ = _caches(kind, dtype, t, h, d)
+    run = compress.layer_decoder(layout, src, idx, spec, shape, backend=backend)
+    for k in (2, 0, 1):
+        run(k)
+    for w, g in zip(want, got):
+        if name == "learned":
+            assert torch.allclose(w.float(), g.float(), rtol=1e-2, atol=1e-2)
+        else:
+            assert torch.equal(w.view(torch.uint8), g.view(torch.uint8))
+    with pytest.raises(ValueError, match="src"):
+        compress.layer_decoder(layout, src[:, :E], idx, spec, shape)
+
 @impls("encode")
 @pytest.mark.parametrize("layouts", [("strided", "strided"), ("unaligned", "unaligned"),
                                      ("strided", "unaligned"), ("unaligned", "contiguous")],

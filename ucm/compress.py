@@ -197,6 +197,33 @@ def decode_scatter(layout, src, block_indices, spec: CodecSpec, shape: KVShape, 
         dispatch.call("decode_scatter", layout, s, idx, spec, shape, layers, backend=backend)
 
 
+
+def layer_decoder(layout, src, block_indices, spec: CodecSpec, shape: KVShape, *,
+                  backend: Optional[str] = None):
+    """:func:`decode_scatter` of every layer, one layer per call: returns ``f(k)``, which
+    decodes shard ``k`` of the rows ``src`` (``[n, num_layers * encoded_bytes]``) into layer
+    ``k`` of blocks ``block_indices``. The checks and the choice of implementation run here,
+    once, and the numba implementation prepares its arrays here too. For the load thread,
+    which decodes a layer at a time while the forward runs: each Python step it takes waits
+    for the GIL the forward's thread holds, up to the interpreter's switch interval (5 ms)."""
+    from ucm.transfer import _check_indices
+
+    layers = _check_fused(layout, spec, shape, None)
+    idx = _check_indices(block_indices, layout, unique=True)
+    E = encoded_bytes(spec, shape)
+    s = _rows(src, len(layers) * E, "src", idx.shape[0])
+    if s.device != layout.device:
+        raise ValueError(f"src on {s.device}, the KV views on {layout.device}")
+    if not idx.shape[0]:
+        return lambda k: None
+    impl, _ = dispatch.select("decode_scatter", backend, (layout, s, idx, spec, shape, layers))
+    if impl.name == "numba":
+        from ucm.fast.numba.compress import layer_decoder as prepared
+
+        return prepared(layout, s, idx, spec, shape, layers)
+    fn = impl.load()
+    return lambda k: fn(layout, s[:, k * E:(k + 1) * E], idx, spec, shape, (layers[k],))
+
 def _layout_device(args, kwargs):
     layout = args[0] if args else kwargs.get("layout")
     return getattr(layout, "device", None)

@@ -229,6 +229,19 @@ class CodecStore(KVStore):
         n = int((block_indices >= 0).sum()) * len(layout.select(layers))
         self._codec_stats.add(decode_seconds=time.perf_counter() - t0, decoded_bytes=n * self.raw)
 
+    def layer_decoder(self, layout, src, block_indices):
+        """:meth:`decode_scatter` of every layer, one layer per call ``f(k)``, prepared once
+        (:func:`ucm.compress.layer_decoder`); counted as decoded bytes layer by layer."""
+        run = compress.layer_decoder(layout, src, block_indices, self.spec, self.shape)
+        n = int((block_indices >= 0).sum())
+
+        def layer(k: int) -> None:
+            t0 = time.perf_counter()
+            run(k)
+            self._codec_stats.add(decode_seconds=time.perf_counter() - t0,
+                                  decoded_bytes=n * self.raw)
+        return layer
+
     def lookup(self, block_ids) -> list[bool]:
         return self.inner.lookup(block_ids)
 

@@ -496,36 +496,50 @@ def _decode_rows(spec: CodecSpec, shape: KVShape, enc: np.ndarray, so: np.ndarra
                  y: np.ndarray, yo: np.ndarray, layer: int) -> None:
     """Decode the encoded rows at bytes ``so`` of ``enc`` into the raw rows at elements ``yo``
     of ``y`` (``y`` of the element bits of ``shape.dtype``)."""
+    _row_decoder(spec, shape, layer)(enc, so, y, yo)
+
+
+def _row_decoder(spec: CodecSpec, shape: KVShape, layer: int):
+    """:func:`_decode_rows` of one layer as ``f(enc, so, y, yo)``, its constants and scratch
+    bound once (one numba call, plus the key-plane turn of token-major decodes, per call)."""
     t_n, d_n = shape.tokens, shape.head_dim
     geo = _geometry(shape)
-    tok = np.arange(t_n, dtype=np.int64)
+    dt = shape.key_order == "dt"
     if spec.method == "quantize" and spec.bits == 8:
-        _decode_q8(enc, so, y, yo, geo, spec.key_mode == "channel", *_q8_at(spec, shape),
-                   np.empty(shape.heads * d_n, np.float32),
-                   np.empty(t_n * d_n, np.float32), shape.key_order == "dt")
-    elif spec.method == "quantize":
-        _decode_q4(enc, so, y, yo, geo, spec.group, spec.key_mode == "channel",
-                   _at(spec, shape, "kq", "vq", "kp", "vp"), tok, np.empty(d_n, np.float32),
-                   np.empty(d_n, np.float32), np.empty(d_n, np.float32),
-                   np.empty(t_n * d_n, np.uint32), shape.key_order == "dt")
-    elif spec.method == "sparse":
+        args = (geo, spec.key_mode == "channel", *_q8_at(spec, shape),
+                np.empty(shape.heads * d_n, np.float32), np.empty(t_n * d_n, np.float32), dt)
+        return lambda enc, so, y, yo: _decode_q8(enc, so, y, yo, *args)
+    if spec.method == "quantize":                      # (writes channel-major keys itself)
+        args = (geo, spec.group, spec.key_mode == "channel",
+                _at(spec, shape, "kq", "vq", "kp", "vp"), np.arange(t_n, dtype=np.int64),
+                np.empty(d_n, np.float32), np.empty(d_n, np.float32), np.empty(d_n, np.float32),
+                np.empty(t_n * d_n, np.uint32), dt)
+        return lambda enc, so, y, yo: _decode_q4(enc, so, y, yo, *args)
+    turn = np.empty(t_n * d_n, dtype=_BITS[shape.dtype])
+    if spec.method == "sparse":
         c = n_salient(spec, shape)
-        bad = _decode_sparse(enc, so, y, y.view(np.uint8), yo, geo, spec.group,
-                             spec.key_mode == "channel", c,
-                             _at(spec, shape, "kq", "vq", "kp", "vp", "bitmap", "exact"),
-                             np.empty(t_n, np.int64), np.empty(c, np.int64),
-                             np.empty(d_n, np.float32), np.empty(d_n, np.float32),
-                             np.empty(d_n, np.float32))
-        if bad >= 0:
-            raise ValueError(f"decode: row {bad}: its bitmap does not mark {c} exact tokens "
-                             f"(not a sparse shard of this codec)")
-    else:
-        mean, basis_t, r = _projection(spec, shape, layer)
-        _decode_learned(enc, so, y, yo, geo, mean, basis_t, *_at(spec, shape, "coef"),
-                        np.empty((t_n, r), np.float32), np.empty((t_n, d_n), np.float32))
-    direct = spec.method == "quantize"                 # (writes channel-major keys itself)
-    if shape.key_order == "dt" and not direct:         # decoded token-major: turn key planes
-        _keys_to_channel_major(y, yo, geo, np.empty(t_n * d_n, dtype=_BITS[shape.dtype]))
+        args = (geo, spec.group, spec.key_mode == "channel", c,
+                _at(spec, shape, "kq", "vq", "kp", "vp", "bitmap", "exact"),
+                np.empty(t_n, np.int64), np.empty(c, np.int64), np.empty(d_n, np.float32),
+                np.empty(d_n, np.float32), np.empty(d_n, np.float32))
+
+        def run(enc, so, y, yo):
+            bad = _decode_sparse(enc, so, y, y.view(np.uint8), yo, *args)
+            if bad >= 0:
+                raise ValueError(f"decode: row {bad}: its bitmap does not mark {c} exact tokens "
+                                 f"(not a sparse shard of this codec)")
+            if dt:                                     # decoded token-major: turn key planes
+                _keys_to_channel_major(y, yo, geo, turn)
+        return run
+    mean, basis_t, r = _projection(spec, shape, layer)
+    args = (geo, mean, basis_t, *_at(spec, shape, "coef"), np.empty((t_n, r), np.float32),
+            np.empty((t_n, d_n), np.float32))
+
+    def run_learned(enc, so, y, yo):
+        _decode_learned(enc, so, y, yo, *args)
+        if dt:
+            _keys_to_channel_major(y, yo, geo, turn)
+    return run_learned
 
 
 def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
@@ -552,32 +566,48 @@ def decode_scatter(layout, src: torch.Tensor, block_indices: torch.Tensor, spec:
     where a selected layer's block is one contiguous run of its view (vLLM-CPU's cache), each
     row decodes straight into the block, so the decoded KV is written once, into the cache;
     other layouts decode into a staging row and scatter it."""
+    run = layer_decoder(layout, src, block_indices, spec, shape, layers)
+    for k in range(len(layers)):
+        run(k)
+
+
+def layer_decoder(layout, src: torch.Tensor, block_indices: torch.Tensor, spec: CodecSpec,
+                  shape: KVShape, layers: tuple):
+    """:func:`decode_scatter` prepared for a decode a layer at a time: ``f(k)`` decodes shard
+    ``k`` of ``src`` into layer ``layers[k]``. Every array, offset and scratch buffer is made
+    here, so a call is one numba decode with the GIL released (or the staging path) and no
+    other Python work on tensors: a load thread that decodes beside the forward takes the GIL
+    once per layer, where each take can wait up to the interpreter's switch interval."""
     from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_VIEW
     from ucm.reference import transfer as ref_transfer
 
     good = np.flatnonzero(block_indices.numpy() >= 0)
     if not len(good):
-        return
+        return lambda k: None
     blocks = block_indices.numpy()[good]
     enc, ro = _flat(src, src.shape[1], np.uint8)
     E, es = encoded_bytes(spec, shape), shape.esize
+    steps = []
     for k, layer in enumerate(layers):
         so = good * ro + k * E
+        dec = _row_decoder(spec, shape, layer)
         tab = layout.table(layer)
         view = layout.views[int(tab[0, COL_VIEW])] if len(tab) == 1 else None
         if view is None or (int(tab[0, COL_BASE]) + int(tab[0, COL_OFFSET])) % es \
                 or int(tab[0, COL_BLOCK_STRIDE]) % es or int(tab[0, COL_LENGTH]) != shape.raw_bytes:
-            staging = torch.empty((len(good), shape.raw_bytes), dtype=torch.uint8)
-            rows = np.arange(len(good), dtype=np.int64)
-            y, rs = _flat(staging, shape.raw_bytes, _BITS[shape.dtype])
-            _decode_rows(spec, shape, enc, so, y, rows * rs, layer)
-            ref_transfer.scatter_blocks(layout, staging, torch.from_numpy(blocks), (layer,))
+            def staged(so=so, dec=dec, layer=layer):
+                staging = torch.empty((len(good), shape.raw_bytes), dtype=torch.uint8)
+                y, rs = _flat(staging, shape.raw_bytes, _BITS[shape.dtype])
+                dec(enc, so, y, np.arange(len(good), dtype=np.int64) * rs)
+                ref_transfer.scatter_blocks(layout, staging, torch.from_numpy(blocks), (layer,))
+            steps.append(staged)
             continue
         # the view's memory as one flat array; row i's block at block * stride + the run's offset
         stride, off = int(tab[0, COL_BLOCK_STRIDE]), int(tab[0, COL_OFFSET])
         y = _view_bytes(view, (layout.num_blocks - 1) * stride + off + shape.raw_bytes)
-        _decode_rows(spec, shape, enc, so, y.view(_BITS[shape.dtype]),
-                     (blocks * stride + off) // es, layer)
+        steps.append(lambda so=so, dec=dec, y=y.view(_BITS[shape.dtype]),
+                     yo=(blocks * stride + off) // es: dec(enc, so, y, yo))
+    return lambda k: steps[k]()
 
 
 def _view_bytes(view: torch.Tensor, span: int) -> np.ndarray:

@@ -220,6 +220,9 @@ class WorkerLoad:
 
     def _scatter_layer(self, ov: Overlap, k: int) -> None:
         layout, codec = self.core.layout, self.core.codec
+        if ov.decode is not None:
+            ov.decode(k)
+            return
         if codec is None:
             a, n = layout.shard_offset(k), layout.shard_bytes(k)
         else:  # encoded rows: shard k (layer k) at k * its encoded size
@@ -228,6 +231,15 @@ class WorkerLoad:
 
     def _overlap_job(self, ov: Overlap) -> None:
         t0 = time.perf_counter()
+        codec = self.core.codec
+        if codec is not None:
+            # prepared here, off the forward's path, so that each layer below is one decode
+            # with the GIL released (the forward's thread needs the GIL between its ops)
+            try:
+                ov.decode = codec.layer_decoder(self.core.layout, ov.src, ov.idx)
+            except Exception as exc:
+                log.warning("ucm: preparing the decode of a load failed (%r); decoding layer "
+                            "by layer", exc)
         for k in range(len(ov.done)):
             try:
                 self._scatter_layer(ov, k)
