@@ -298,6 +298,28 @@ def test_layer_subsets(impl, device, layout_name, use_impl, gen):
         oracle_scatter(want, full[:, a:a + n].contiguous(), [6, -1, 2], layers=[l])
         assert dst.equals(want.snapshot()), f"layer {l}"
 
+
+@pytest.mark.parametrize("layout_name", ["fa", "vllm_LHBNC", "mixed"])
+@pytest.mark.parametrize("impl,device", [p for p in IMPLS if p.values[0] != "triton"])
+def test_layer_scatter_is_scatter_blocks_a_layer_at_a_time(impl, device, layout_name, use_impl,
+                                                           gen):
+    # the load thread's prepared copy: layer by layer, in any order, the same bytes as one
+    # scatter_blocks of whole rows, -1 rows skipped, nothing else written
+    from ucm.transfer import layer_scatter
+
+    backend = use_impl(impl, device)
+    lay = Cache(layout_name, torch.float16, device, L=3).layout
+    src = _random_bytes(gen, (len(SCATTER_IDX), lay.block_bytes), device)
+    want = Cache(layout_name, torch.float16, device, L=3).fill(SENTINEL)
+    ucm.scatter_blocks(want.layout, src, SCATTER_IDX, backend="reference")
+    got = Cache(layout_name, torch.float16, device, L=3).fill(SENTINEL)
+    run = layer_scatter(got.layout, src, torch.tensor(SCATTER_IDX, device=device), backend=backend)
+    for k in (1, 2, 0):
+        run(k)
+    assert got.equals(want.snapshot())
+    with pytest.raises(ValueError, match="staging"):
+        layer_scatter(got.layout, src[:, :8], torch.tensor(SCATTER_IDX, device=device))
+
     # scatter one layer: only that layer's views change
     target = Cache(layout_name, torch.float16, device, L=3).fill(SENTINEL)
     expected = Cache(layout_name, torch.float16, device, L=3).fill(SENTINEL)

@@ -135,6 +135,32 @@ def scatter_blocks(layout: KVLayout, staging, block_indices, layers=None, *,
     dispatch.call("scatter_blocks", layout, staging, idx, layers, backend=backend)
 
 
+def layer_scatter(layout: KVLayout, staging, block_indices, *, backend: Optional[str] = None):
+    """:func:`scatter_blocks` of every layer, one layer per call: returns ``f(k)``, which copies
+    layer ``k``'s shard of the rows of ``staging`` (whole staged blocks, every layer) into
+    blocks ``block_indices``. The checks, the choice of implementation and the native copy's
+    segment table are made here, once, so that a call is one native copy with the GIL
+    released: for the load thread, which copies a layer at a time while the forward runs and
+    waits for the GIL at every Python step, up to the interpreter's switch interval (5 ms)."""
+    _check_layout(layout)
+    layers = layout.select(None)
+    idx = _check_indices(block_indices, layout, unique=True)
+    _check_staging(staging, layout, idx.shape[0], layout.row_bytes(layers))
+    if not bool((idx >= 0).any()):
+        return lambda k: None
+    impl, _ = dispatch.select("scatter_blocks", backend, (layout, staging, idx, layers))
+    if impl.name == "native":
+        from ucm.fast.native.transfer import layer_scatter as prepared
+
+        return prepared(layout, staging, idx)
+    fn = impl.load()
+
+    def run(k: int) -> None:
+        a = layout.shard_offset(k)
+        fn(layout, staging[:, a:a + layout.shard_bytes(k)], idx, (k,))
+    return run
+
+
 # ---------------------------------------------------------------------------------------------
 # implementations
 

@@ -43,3 +43,21 @@ def scatter_blocks(layout: KVLayout, staging, block_indices, layers: tuple) -> N
     """Same contract as :func:`ucm.reference.transfer.scatter_blocks`."""
     cache, stage, lengths = _segments(layout, block_indices, staging, layers)
     _copy(stage, cache, lengths)
+
+
+def layer_scatter(layout: KVLayout, staging, block_indices):
+    """:func:`scatter_blocks` prepared a layer at a time (:func:`ucm.transfer.layer_scatter`):
+    every layer's segment table made now, so ``f(k)`` is one native copy."""
+    tables = []
+    for k in range(layout.num_layers):
+        a = layout.shard_offset(k)
+        cache, stage, lengths = _segments(layout, block_indices,
+                                          staging[:, a:a + layout.shard_bytes(k)], (k,))
+        tables.append((stage, cache, lengths))
+    threads = default_threads()
+
+    def run(k: int) -> None:
+        stage, cache, lengths = tables[k]
+        if len(lengths):
+            native.copy_segments(stage, cache, lengths, threads)
+    return run

@@ -130,7 +130,7 @@ class Overlap:
     waited: set = field(default_factory=set)  # layers known to be in the cache
     future: Optional[Any] = None
     seconds: float = 0.0
-    decode: Optional[Any] = None  # a compressing store's decode of layer k, prepared once
+    layer_copy: Optional[Any] = None  # copy (or decode) of layer k, prepared once
 
     def __post_init__(self):
         if not self.done:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import ucm
+import ucm.transfer
 from ucm import threads as ucm_threads
 from ucm.integration.vllm.records import LayerLoad, Overlap, concat
 from ucm.integration.core import WorkerCore
@@ -220,8 +221,8 @@ class WorkerLoad:
 
     def _scatter_layer(self, ov: Overlap, k: int) -> None:
         layout, codec = self.core.layout, self.core.codec
-        if ov.decode is not None:
-            ov.decode(k)
+        if ov.layer_copy is not None:
+            ov.layer_copy(k)
             return
         if codec is None:
             a, n = layout.shard_offset(k), layout.shard_bytes(k)
@@ -231,15 +232,16 @@ class WorkerLoad:
 
     def _overlap_job(self, ov: Overlap) -> None:
         t0 = time.perf_counter()
-        codec = self.core.codec
-        if codec is not None:
-            # prepared here, off the forward's path, so that each layer below is one decode
-            # with the GIL released (the forward's thread needs the GIL between its ops)
-            try:
-                ov.decode = codec.layer_decoder(self.core.layout, ov.src, ov.idx)
-            except Exception as exc:
-                log.warning("ucm: preparing the decode of a load failed (%r); decoding layer "
-                            "by layer", exc)
+        core = self.core
+        # prepared here, off the forward's path, so that each layer below is one copy or
+        # decode with the GIL released: every Python step of this thread waits for the GIL,
+        # which the forward's thread holds between its ops, up to the switch interval (5 ms)
+        try:
+            ov.layer_copy = ucm.transfer.layer_scatter(core.layout, ov.src, ov.idx) \
+                if core.codec is None else core.codec.layer_decoder(core.layout, ov.src, ov.idx)
+        except Exception as exc:
+            log.warning("ucm: preparing the copy of a load failed (%r); copying layer by "
+                        "layer", exc)
         for k in range(len(ov.done)):
             try:
                 self._scatter_layer(ov, k)
