@@ -197,7 +197,6 @@ def decode_scatter(layout, src, block_indices, spec: CodecSpec, shape: KVShape, 
         dispatch.call("decode_scatter", layout, s, idx, spec, shape, layers, backend=backend)
 
 
-
 def layer_decoder(layout, src, block_indices, spec: CodecSpec, shape: KVShape, *,
                   backend: Optional[str] = None):
     """:func:`decode_scatter` of every layer, one layer per call: returns ``f(k)``, which
@@ -223,6 +222,7 @@ def layer_decoder(layout, src, block_indices, spec: CodecSpec, shape: KVShape, *
         return prepared(layout, s, idx, spec, shape, layers)
     fn = impl.load()
     return lambda k: fn(layout, s[:, k * E:(k + 1) * E], idx, spec, shape, (layers[k],))
+
 
 def _layout_device(args, kwargs):
     layout = args[0] if args else kwargs.get("layout")
