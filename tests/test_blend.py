@@ -256,6 +256,25 @@ def test_attend_is_causal_attention_at_the_query_positions(flash, order, monkeyp
     assert torch.allclose(got.double(), want, atol=2e-5)
 
 
+def test_the_cpu_flash_op_is_used_only_if_it_behaves():
+    # a private torch op: probed once; one that raises, or returns another shape or value,
+    # leaves attend on masked SDPA
+    from ucm.blend import engine
+
+    real = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if real is not None:
+        assert engine._probe(real) is real
+    assert engine._probe(None) is None
+
+    def raises(*a, **k):
+        raise TypeError("another signature")
+
+    def wrong(q, k, v, attn_mask=None, scale=None):
+        return q, torch.zeros(q.shape[:3])
+
+    assert engine._probe(raises) is None and engine._probe(wrong) is None
+
+
 def test_with_a_lookahead_no_layer_is_computed_in_full(monkeypatch):
     # the lookahead ranks the stored tokens over their stored KV, so the region's tokens are
     # computed only where they are recomputed; without one, CacheBlend's check layer computes

@@ -98,10 +98,34 @@ def _ungrouped(x: torch.Tensor, m: int) -> torch.Tensor:
     return x.reshape(hkv, rm // m, m, d).permute(2, 0, 1, 3).reshape(m, hkv * (rm // m), d)
 
 
+_FLASH: list = []
+
+
 def _flash_cpu():
-    """torch's CPU flash-attention op, which returns the log-sum-exp beside the output (None
-    where this torch lacks it)."""
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    """torch's CPU flash-attention op, which returns the log-sum-exp beside the output; None
+    where this torch lacks it or calls it otherwise (a private op: probed once)."""
+    if not _FLASH:
+        _FLASH.append(_probe(getattr(torch.ops.aten,
+                                     "_scaled_dot_product_flash_attention_for_cpu", None)))
+    return _FLASH[0]
+
+
+def _probe(op):
+    """``op`` if it takes ``(q, k, v, attn_mask=, scale=)`` and returns ``(out, lse)`` of the
+    expected shapes and values, else None."""
+    if op is None:
+        return None
+    try:
+        q = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])
+        o, lse = op(q, q, q, attn_mask=torch.tensor([[0.0, float("-inf")], [0.0, 0.0]]),
+                    scale=1.0)
+        want = torch.logsumexp(torch.tensor([[1.0, float("-inf")], [0.0, 1.0]]), -1)
+        if o.shape != q.shape or not torch.allclose(lse.reshape(-1), want, atol=1e-5) or \
+                not torch.allclose(o[0, 0, 0], q[0, 0, 0], atol=1e-5):
+            return None
+    except Exception:
+        return None
+    return op
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
