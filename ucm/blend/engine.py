@@ -263,12 +263,12 @@ def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
         look = lookahead if lookahead is not None and len(lookahead[0]) > 0 else None
         chosen = None
         if ratio == 0 or look is not None:
-            chosen = _select_over_stored(model, kv, ids, start, loaded, loaded_mask, ratio,
+            chosen = _select_over_stored(model, kv, ids, pos, loaded, loaded_mask, ratio,
                                          check_layer, look)
         if chosen is not None:
             sel = chosen
         else:
-            sel, h, first = _select_at_check_layer(model, kv, ids, start, loaded, loaded_mask,
+            sel, h, first = _select_at_check_layer(model, kv, ids, pos, loaded, loaded_mask,
                                                    ratio, check_layer, backend)
     h = _forward(model, kv, ids, pos, sel, h, first, start + n)
     if stats is not None:
@@ -278,7 +278,7 @@ def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
     return h
 
 
-def _write_stored(model: BlendModel, kv: RequestKV, pos: torch.Tensor, loaded: Callable,
+def _write_stored(kv: RequestKV, pos: torch.Tensor, loaded: Callable,
                   loaded_mask: torch.Tensor, layers) -> None:
     stored = pos[loaded_mask]
     for layer in layers:
@@ -306,7 +306,8 @@ def _forward(model: BlendModel, kv: RequestKV, ids: torch.Tensor, pos: torch.Ten
     return h
 
 
-def _select_over_stored(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
+def _select_over_stored(model: BlendModel, kv: RequestKV, ids: torch.Tensor,
+                        pos: torch.Tensor,
                         loaded: Callable, loaded_mask: torch.Tensor, ratio: float,
                         check_layer: int, lookahead: Optional[tuple]) -> Optional[torch.Tensor]:
     """The selection that needs no layer computed in full: every layer's stored KV goes into
@@ -316,20 +317,20 @@ def _select_over_stored(model: BlendModel, kv: RequestKV, ids: torch.Tensor, sta
     ranks by deviation)."""
     from ucm.blend import ops
 
-    n = int(ids.shape[0])
-    pos = torch.arange(start, start + n, device=loaded_mask.device)
+    start, end = int(pos[0]), int(pos[-1]) + 1
     forced = ~loaded_mask
-    _write_stored(model, kv, pos, loaded, loaded_mask, range(model.num_layers))
+    _write_stored(kv, pos, loaded, loaded_mask, range(model.num_layers))
     if ratio == 0 or lookahead is None:
         return forced.nonzero().flatten()
-    mass = lookahead_mass(model, kv, start, start + n, loaded_mask, lookahead[0], lookahead[1],
+    mass = lookahead_mass(model, kv, start, end, loaded_mask, lookahead[0], lookahead[1],
                           check_layer)
     if not bool((mass > 0).any()):
         return None
     return ops.select_recompute(mass, float(ratio), forced)
 
 
-def _select_at_check_layer(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
+def _select_at_check_layer(model: BlendModel, kv: RequestKV, ids: torch.Tensor,
+                           pos: torch.Tensor,
                            loaded: Callable, loaded_mask: torch.Tensor, ratio: float,
                            check_layer: int, backend: Optional[str]) -> tuple:
     """CacheBlend's selection: the layers up to ``check_layer`` computed for every region token,
@@ -338,9 +339,7 @@ def _select_at_check_layer(model: BlendModel, kv: RequestKV, ids: torch.Tensor, 
     check layer's attention and the next layer."""
     from ucm.blend import ops
 
-    n = int(ids.shape[0])
-    end = start + n
-    pos = torch.arange(start, end, device=loaded_mask.device)
+    n, end = int(ids.shape[0]), int(pos[-1]) + 1
     forced = ~loaded_mask
     h = _forward(model, kv, ids, pos, torch.arange(n, device=loaded_mask.device), None, 0, end,
                  last=check_layer)
@@ -351,7 +350,7 @@ def _select_at_check_layer(model: BlendModel, kv: RequestKV, ids: torch.Tensor, 
     dev[loaded_mask] = ops.kv_deviation(k[loaded_mask], v[loaded_mask], lk, lv, backend=backend)
     # the stored KV of every later layer goes in now: it stays wherever no token recomputes
     # (the recomputed ones overwrite theirs)
-    _write_stored(model, kv, pos, loaded, loaded_mask, range(check_layer + 1, model.num_layers))
+    _write_stored(kv, pos, loaded, loaded_mask, range(check_layer + 1, model.num_layers))
     keep = choose_recompute(dev, float(ratio), forced)
     q, h = q[keep], h[keep]
     if len(keep):

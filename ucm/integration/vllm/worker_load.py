@@ -220,10 +220,10 @@ class WorkerLoad:
             core.codec.decode_scatter(core.layout, src, idx, layers)
 
     def _scatter_layer(self, ov: Overlap, k: int) -> None:
-        layout, codec = self.core.layout, self.core.codec
         if ov.layer_copy is not None:
             ov.layer_copy(k)
             return
+        layout, codec = self.core.layout, self.core.codec
         if codec is None:
             a, n = layout.shard_offset(k), layout.shard_bytes(k)
         else:  # encoded rows: shard k (layer k) at k * its encoded size
