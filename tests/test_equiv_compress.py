@@ -762,3 +762,45 @@ def test_numba_dot_rows():
             want = a[2:2 + k].astype(np.float64) @ b[3:3 + k * m].reshape(k, m).astype(np.float64)
             np.testing.assert_allclose(out[4:4 + m], want, rtol=1e-5, atol=1e-5 * k)
             assert (out[:4] == 7).all() and (out[4 + m:] == 7).all(), (k, m)
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "float32-bits", "bfloat16", "float16"])
+def test_numba_affine_rows(out_dtype):
+    """The learned decode's product: rows of bfloat16 coefficients (read from bytes at any offset
+    and pitch) times a float32 matrix plus a bias, rounded into each element type as
+    ``Tensor.to`` rounds the float64 result (within one float32 rounding of the sum); every path
+    (tiles of four rows and the rows after them; four, one and no whole vectors of columns, single
+    columns), nothing written outside the rows' columns."""
+    pytest.importorskip("numba")
+    from numba import njit
+
+    el = pytest.importorskip("ucm.fast.numba._elements")
+    tdt, bits = {"float32": (torch.float32, np.float32), "float32-bits": (torch.float32, np.uint32),
+                 "bfloat16": (torch.bfloat16, np.uint16), "float16": (torch.float16, np.int16)}[out_dtype]
+
+    @njit
+    def run(y, yi, ys, a, ai, pitch, b, bias, n, k, m, w):
+        el.affine_rows(y, yi, ys, a, ai, pitch, b, bias, n, k, m, w)
+    rng = np.random.default_rng(11)
+    for n, k, m in [(1, 1, 1), (3, 5, 19), (4, 16, 64), (7, 16, 64), (128, 16, 64), (9, 32, 128),
+                    (5, 8, 80), (6, 3, 15), (130, 24, 144), (5, 40, 64)]:
+        coef = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).to(torch.bfloat16)
+        pitch, ai = 2 * k + 6, 3                           # odd start: unaligned 16-bit reads
+        a = np.zeros(ai + n * pitch + 5, np.uint8)
+        for r in range(n):
+            a[ai + r * pitch:ai + r * pitch + 2 * k] = coef[r].view(torch.uint8).numpy()
+        b = rng.standard_normal((k, m)).astype(np.float32)
+        bias = (4 * rng.standard_normal(m)).astype(np.float32)
+        ys, yi = m + 3, 5
+        y = np.full(yi + n * ys + 4, 7, bits)
+        run(y, yi, ys, a, ai, pitch, b, bias, n, k, m, np.empty(4 * k, np.float32))
+        exact = coef.double().numpy() @ b.astype(np.float64) + bias
+        got = torch.from_numpy(y[yi:yi + n * ys].view(np.int16 if bits == np.uint16 else bits)
+                               ).view(tdt).reshape(n, ys)
+        want = torch.from_numpy(exact).to(tdt)
+        step = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[tdt]
+        err = (got[:, :m].double() - want.double()).abs()
+        assert (err <= 2 * step * want.double().abs() + 1e-5 * k).all(), (n, k, m, float(err.max()))
+        pad = y.copy()
+        pad[yi:yi + n * ys].reshape(n, ys)[:, :m] = 7
+        assert (pad == 7).all(), (n, k, m)

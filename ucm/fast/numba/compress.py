@@ -31,10 +31,10 @@ import torch
 
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets, rank
 from ucm.fast.numba._codec_planes import (_dec4_plane, _enc4_plane, _enc8_chan_plane, _enc8_plane,
-                                          _get16, _get_bf16, _keys_to_channel_major,
+                                          _get_bf16, _keys_to_channel_major,
                                           _keys_to_token_major, _load_plane, _put16,
                                           _rows_from_plane, _zero_pads)
-from ucm.fast.numba._elements import bf16_to_f32, dot_rows, inf_mag, mag, st, to_bf16
+from ucm.fast.numba._elements import affine_rows, dot_rows, inf_mag, mag, st, to_bf16
 from ucm.fast.numba._jit import njit
 
 # element bits of each cache dtype as the kernels see them (the type picks the conversions)
@@ -348,31 +348,27 @@ def _decode_sparse(src, so_, y, yb, yo, geo, g, chan, n_exact, offs, tok, exact,
 
 
 @njit(nogil=True)
-def _decode_learned(src, so_, y, yo, geo, mean, basis_t, c_off, coef, acc):
-    """``basis_t`` float32 [2, H, R, D] (the basis transposed). Scratch: ``coef`` float32
-    [T, R], ``acc`` float32 [T, D]."""
+def _decode_learned(src, so_, y, yo, geo, mean, basis_t, c_off, plane, w, keys_dt):
+    """``basis_t`` float32 [2, H, R, D] (the basis transposed). Each head's tokens are one
+    :func:`affine_rows` call (coefficients times the basis, plus the mean, rounded into ``y``;
+    ``w``: its float32 scratch of 4 * R); with ``keys_dt`` the key planes go through ``plane``
+    (float32 scratch [T * D]) and are written channel-major."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     r_n = basis_t.shape[2]
-    for i in range(so_.shape[0]):
+    pitch = 2 * h_n * r_n                                  # bytes from a token's coefficients
+    for i in range(so_.shape[0]):                          # to the next token's
         so = so_[i]
         for kv in range(2):
             for h in range(h_n):
                 base = yo[i] + kv * s_k + h * s_h
-                mu = mean[kv, h]
-                bt = basis_t[kv, h]
-                for t in range(t_n):
-                    at = so + c_off + 2 * (((kv * t_n + t) * h_n + h) * r_n)
-                    cv = src[at:at + 2 * r_n]
-                    ct = coef[t]
-                    for r in range(r_n):
-                        ct[r] = bf16_to_f32(_get16(cv, 2 * r))
-                for t in range(t_n):                       # acc[t, d] = sum_r coef[t, r] b[r, d]
-                    dot_rows(acc, t * d_n, coef, t * r_n, bt, 0, r_n, d_n)
-                    o = base + t * s_t
-                    yv = y[o:o + d_n]
-                    a = acc[t]
-                    for d in range(d_n):
-                        st(yv, d, a[d] + mu[d])
+                at = so + c_off + 2 * ((kv * t_n * h_n + h) * r_n)
+                if keys_dt and kv == 0:
+                    affine_rows(plane, 0, d_n, src, at, pitch, basis_t[kv, h], mean[kv, h],
+                                t_n, r_n, d_n, w)
+                    _rows_from_plane(plane.view(np.uint32), y, base, t_n, d_n)
+                else:
+                    affine_rows(y, base, s_t, src, at, pitch, basis_t[kv, h], mean[kv, h],
+                                t_n, r_n, d_n, w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,14 +528,9 @@ def _row_decoder(spec: CodecSpec, shape: KVShape, layer: int):
                 _keys_to_channel_major(y, yo, geo, turn)
         return run
     mean, basis_t, r = _projection(spec, shape, layer)
-    args = (geo, mean, basis_t, *_at(spec, shape, "coef"), np.empty((t_n, r), np.float32),
-            np.empty((t_n, d_n), np.float32))
-
-    def run_learned(enc, so, y, yo):
-        _decode_learned(enc, so, y, yo, *args)
-        if dt:
-            _keys_to_channel_major(y, yo, geo, turn)
-    return run_learned
+    args = (geo, mean, basis_t, *_at(spec, shape, "coef"), np.empty(t_n * d_n, np.float32),
+            np.empty(4 * r, np.float32), dt)
+    return lambda enc, so, y, yo: _decode_learned(enc, so, y, yo, *args)
 
 
 def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
