@@ -741,35 +741,13 @@ def test_numba_conversions():
                       " float16 -> float32 bits")
 
 
-def test_numba_dot_rows():
-    """The learned codec's small matrix products: every path of dot_rows (groups of eight, four
-    and one vectors of 16 columns, single columns), nothing written outside ``out[oi:oi + m]``."""
-    pytest.importorskip("numba")
-    from numba import njit
-
-    el = pytest.importorskip("ucm.fast.numba._elements")
-
-    @njit
-    def run(out, oi, a, ai, b, bi, k, m):
-        el.dot_rows(out, oi, a, ai, b, bi, k, m)
-    rng = np.random.default_rng(9)
-    for k in (1, 3, 16, 64):
-        for m in (1, 15, 16, 17, 48, 64, 65, 80, 100, 128, 130, 144, 208, 300):
-            a = rng.standard_normal(k + 5).astype(np.float32)
-            b = rng.standard_normal(k * m + 7).astype(np.float32)
-            out = np.full(m + 9, 7.0, np.float32)
-            run(out, 4, a, 2, b, 3, k, m)
-            want = a[2:2 + k].astype(np.float64) @ b[3:3 + k * m].reshape(k, m).astype(np.float64)
-            np.testing.assert_allclose(out[4:4 + m], want, rtol=1e-5, atol=1e-5 * k)
-            assert (out[:4] == 7).all() and (out[4 + m:] == 7).all(), (k, m)
-
-
+@pytest.mark.parametrize("rows", ["bfloat16", "float32"])
 @pytest.mark.parametrize("out_dtype", ["float32", "float32-bits", "bfloat16", "float16"])
-def test_numba_affine_rows(out_dtype):
-    """The learned decode's product: rows of bfloat16 coefficients (read from bytes at any offset
-    and pitch) times a float32 matrix plus a bias, rounded into each element type as
+def test_numba_affine_rows(out_dtype, rows):
+    """The learned codec's products: rows of coefficients (bfloat16 read from bytes at any offset
+    and pitch, or float32) times a float32 matrix plus a bias, rounded into each element type as
     ``Tensor.to`` rounds the float64 result (within one float32 rounding of the sum); every path
-    (tiles of four rows and the rows after them; four, one and no whole vectors of columns, single
+    (tiles of four rows by four vectors and of eight rows by one, the rows after them, single
     columns), nothing written outside the rows' columns."""
     pytest.importorskip("numba")
     from numba import njit
@@ -783,17 +761,24 @@ def test_numba_affine_rows(out_dtype):
         el.affine_rows(y, yi, ys, a, ai, pitch, b, bias, n, k, m, w)
     rng = np.random.default_rng(11)
     for n, k, m in [(1, 1, 1), (3, 5, 19), (4, 16, 64), (7, 16, 64), (128, 16, 64), (9, 32, 128),
-                    (5, 8, 80), (6, 3, 15), (130, 24, 144), (5, 40, 64)]:
-        coef = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).to(torch.bfloat16)
-        pitch, ai = 2 * k + 6, 3                           # odd start: unaligned 16-bit reads
-        a = np.zeros(ai + n * pitch + 5, np.uint8)
-        for r in range(n):
-            a[ai + r * pitch:ai + r * pitch + 2 * k] = coef[r].view(torch.uint8).numpy()
+                    (5, 8, 80), (6, 3, 15), (130, 24, 144), (5, 40, 64), (128, 64, 16),
+                    (19, 64, 32), (17, 7, 48)]:
+        coef = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+        if rows == "bfloat16":
+            coef = coef.to(torch.bfloat16)
+            pitch, ai = 2 * k + 6, 3                       # odd start: unaligned 16-bit reads
+            a = np.zeros(ai + n * pitch + 5, np.uint8)
+            for r in range(n):
+                a[ai + r * pitch:ai + r * pitch + 2 * k] = coef[r].view(torch.uint8).numpy()
+        else:
+            pitch, ai = k + 3, 2
+            a = np.full(ai + n * pitch + 5, np.nan, np.float32)
+            a[ai:ai + n * pitch].reshape(n, pitch)[:, :k] = coef.numpy()
         b = rng.standard_normal((k, m)).astype(np.float32)
         bias = (4 * rng.standard_normal(m)).astype(np.float32)
         ys, yi = m + 3, 5
         y = np.full(yi + n * ys + 4, 7, bits)
-        run(y, yi, ys, a, ai, pitch, b, bias, n, k, m, np.empty(4 * k, np.float32))
+        run(y, yi, ys, a, ai, pitch, b, bias, n, k, m, np.empty(8 * k, np.float32))
         exact = coef.double().numpy() @ b.astype(np.float64) + bias
         got = torch.from_numpy(y[yi:yi + n * ys].view(np.int16 if bits == np.uint16 else bits)
                                ).view(tdt).reshape(n, ys)

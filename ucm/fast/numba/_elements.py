@@ -303,90 +303,6 @@ def _st_impl(a, i, f):
         return st_f32
 
 
-@intrinsic
-def dot_rows(typingctx, out, oi, a, ai, b, bi, k_n, m_n):
-    """``out[oi + m] = sum_k a[ai + k] * b[bi + k * m_n + m]`` for ``m < m_n`` (float32 arrays, C
-    order): a row vector times a ``k_n x m_n`` matrix, with fused multiply-adds, summed over
-    ``k`` in order. Accumulators of 16 lanes stay in registers over ``k``, eight at a time (eight
-    independent chains of fused multiply-adds keep two units busy), then four, then one, then
-    single lanes for the rest of ``m``: the learned codec's products are too small for numba's
-    own loops, whose set-up costs more than the arithmetic. Indices are not checked."""
-    f32 = types.float32
-    arrays = (out, a, b)
-    if not (all(isinstance(v, types.Array) and v.dtype == f32 and v.layout == "C" for v in arrays)
-            and all(isinstance(v, types.Integer) for v in (oi, ai, bi, k_n, m_n))):
-        return None
-    sig = types.void(out, oi, a, ai, b, bi, k_n, m_n)
-
-    def codegen(context, builder, signature, args):
-        from numba.core import cgutils
-
-        bld = builder
-        ft = ir.FloatType()
-        vt = ir.VectorType(ft, 16)
-        intp = context.get_value_type(types.intp)
-
-        def c(v):
-            return ir.Constant(intp, v)
-        op = context.make_array(signature.args[0])(context, bld, args[0]).data
-        ap = context.make_array(signature.args[2])(context, bld, args[2]).data
-        bp = context.make_array(signature.args[4])(context, bld, args[4]).data
-        oi_, ai_, bi_, k_n_, m_n_ = (context.cast(bld, args[j], signature.args[j], types.intp)
-                                     for j in (1, 3, 5, 6, 7))
-        op = bld.gep(op, [oi_], source_etype=ft)
-        ap = bld.gep(ap, [ai_], source_etype=ft)
-        bp = bld.gep(bp, [bi_], source_etype=ft)
-        fma_v = cgutils.get_or_insert_function(bld.module, ir.FunctionType(vt, [vt, vt, vt]),
-                                               "llvm.fma.v16f32")
-        fma_s = cgutils.get_or_insert_function(bld.module, ir.FunctionType(ft, [ft, ft, ft]),
-                                               "llvm.fma.f32")
-        accs = [cgutils.alloca_once(bld, vt) for _ in range(8)]
-        acc_s = cgutils.alloca_once(bld, ft)
-        zero_v = ir.Constant(vt, [0.0] * 16)
-        mask0 = ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
-
-        def splat(x):
-            v = bld.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
-            return bld.shuffle_vector(v, ir.Constant(vt, ir.Undefined), mask0)
-
-        def vptr(p, at):
-            return bld.bitcast(bld.gep(p, [at], source_etype=ft), vt.as_pointer())
-
-        def blocks(start, count, width):
-            """Columns [start + 16 * width * g, ...) for g < count, ``width`` vectors each."""
-            with cgutils.for_range(bld, count) as g:
-                m0 = bld.add(start, bld.mul(g.index, c(16 * width)))
-                for j in range(width):
-                    bld.store(zero_v, accs[j])
-                with cgutils.for_range(bld, k_n_) as k:
-                    av = splat(bld.load(bld.gep(ap, [k.index], source_etype=ft), typ=ft))
-                    row = bld.add(bld.mul(k.index, m_n_), m0)
-                    for j in range(width):
-                        bv = bld.load(vptr(bp, bld.add(row, c(16 * j))), typ=vt, align=4)
-                        bld.store(bld.call(fma_v, [av, bv, bld.load(accs[j], typ=vt)]), accs[j])
-                for j in range(width):
-                    bld.store(bld.load(accs[j], typ=vt), vptr(op, bld.add(m0, c(16 * j))),
-                              align=4)
-        n_vec = bld.ashr(m_n_, c(4))                       # vectors of 16 columns
-        n_8 = bld.ashr(n_vec, c(3))
-        blocks(c(0), n_8, 8)
-        done = bld.shl(n_8, c(3))
-        n_4 = bld.ashr(bld.sub(n_vec, done), c(2))
-        blocks(bld.shl(done, c(4)), n_4, 4)
-        done = bld.add(done, bld.shl(n_4, c(2)))
-        blocks(bld.shl(done, c(4)), bld.sub(n_vec, done), 1)
-        with cgutils.for_range_slice(bld, bld.shl(n_vec, c(4)), m_n_, c(1)) as (m, _):
-            bld.store(ir.Constant(ft, 0.0), acc_s)
-            with cgutils.for_range(bld, k_n_) as k:
-                av = bld.load(bld.gep(ap, [k.index], source_etype=ft), typ=ft)
-                bv = bld.load(bld.gep(bp, [bld.add(bld.mul(k.index, m_n_), m)], source_etype=ft),
-                              typ=ft)
-                bld.store(bld.call(fma_s, [av, bv, bld.load(acc_s, typ=ft)]), acc_s)
-            bld.store(bld.load(acc_s, typ=ft), bld.gep(op, [m], source_etype=ft))
-        return context.get_dummy_value()
-    return sig, codegen
-
-
 class _BFloat(ir.Type):
     """LLVM's ``bfloat`` (llvmlite's IR builder has no such type)."""
 
@@ -418,29 +334,31 @@ _AFFINE_OUT = (types.float32, types.uint32, types.uint16, types.int16)
 @intrinsic
 def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
     """``y[yi + n * ys + m] = (sum_k a_n[k] * b[k * m_n + m]) + bias[m]`` for ``n < n_rows``,
-    ``m < m_n``, where ``a_n[k]`` is the bfloat16 at byte ``ai + n * as_ + 2 * k`` of the byte
-    array ``a``: rows of bfloat16 coefficients times a float32 ``k_n x m_n`` matrix plus a bias
-    row, stored in ``y``'s element type (float32, or the bits of float32 / bfloat16 / float16:
-    uint32 / uint16 / int16; rounded to nearest even). The learned codec's decode. ``w``:
-    float32 scratch of at least ``4 * k_n``.
+    ``m < m_n``: rows of coefficients times a float32 ``k_n x m_n`` matrix plus a bias row,
+    stored in ``y``'s element type (float32, or the bits of float32 / bfloat16 / float16:
+    uint32 / uint16 / int16; rounded to nearest even). ``a_n[k]`` is element ``ai + n * as_ +
+    k`` of a float32 array ``a``, or the bfloat16 at byte ``ai + n * as_ + 2 * k`` of a byte
+    array ``a``. The learned codec's encode (float32 rows) and decode (bfloat16 rows). ``w``:
+    float32 scratch of at least ``8 * k_n`` (bfloat16 rows only).
 
-    Register tiles of four rows by up to four vectors of 16 columns: each vector of ``b`` loaded
-    for a ``k`` feeds four rows, and sixteen independent chains of fused multiply-adds hide
-    their latency (a single row's four chains wait on it: about half the rate). A tile's
-    coefficients are widened to float32 into ``w`` first (a vector per 16), so that each
-    multiply-add takes its coefficient as a broadcast from memory (a load, not a shuffle that
-    would compete with the multiply-adds for their port). Remaining rows one at a time; columns
-    past the last full vector one at a time. Sums run over ``k`` in order, the bias added last
-    (as the reference does). Indices are not checked."""
+    Register tiles of four rows by four vectors of 16 columns, or of eight rows by one vector
+    where fewer than four vectors remain. Each vector of ``b`` loaded for a ``k``
+    feeds every row of the tile, and the tile's independent chains of fused multiply-adds hide
+    their latency (a single row's four chains wait on it: about half the rate). Coefficients
+    are taken as broadcasts from memory (a load, not a shuffle that would compete with the
+    multiply-adds for their port), bfloat16 ones widened into ``w`` first, a vector per 16.
+    Rows past the last full tile one at a time; columns past the last full vector one at a
+    time. Sums run over ``k`` in order, the bias added last (as the reference adds the mean).
+    Indices are not checked."""
     f32 = types.float32
     if not (isinstance(y, types.Array) and y.dtype in _AFFINE_OUT and y.layout == "C"
-            and isinstance(a, types.Array) and a.dtype == types.uint8 and a.layout == "C"
+            and isinstance(a, types.Array) and a.dtype in (types.uint8, f32) and a.layout == "C"
             and all(isinstance(v, types.Array) and v.dtype == f32 and v.layout == "C"
                     for v in (b, bias, w))
             and all(isinstance(v, types.Integer) for v in (yi, ys, ai, as_, n_rows, k_n, m_n))):
         return None
     sig = types.void(y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w)
-    elem = y.dtype
+    elem, packed = y.dtype, a.dtype == types.uint8
 
     def codegen(context, builder, signature, args):
         from numba.core import cgutils
@@ -451,6 +369,7 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
         et = context.get_value_type(elem)
         evt = ir.VectorType(et, 16)
         intp = context.get_value_type(types.intp)
+        i8 = ir.IntType(8)
 
         def c(v):
             return ir.Constant(intp, v)
@@ -459,7 +378,7 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
         yi_, ys_, ai_, as__, nr_, k_n_, m_n_ = (
             context.cast(bld, args[j], signature.args[j], types.intp) for j in (1, 2, 4, 5, 8, 9, 10))
         yp = bld.gep(yp, [yi_], source_etype=et)
-        ap = bld.gep(ap, [ai_], source_etype=ir.IntType(8))
+        ap = bld.gep(ap, [ai_], source_etype=i8 if packed else ft)
         fma_v = cgutils.get_or_insert_function(bld.module, ir.FunctionType(vt, [vt, vt, vt]),
                                                "llvm.fma.v16f32")
         fma_s = cgutils.get_or_insert_function(bld.module, ir.FunctionType(ft, [ft, ft, ft]),
@@ -480,72 +399,76 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
         def vload(p, i):
             return bld.load(bld.bitcast(at_f(p, i), vt.as_pointer()), typ=vt, align=4)
 
-        def widen(n0, rows):
-            """Rows n0 .. n0 + rows - 1 of coefficients -> w[i * k_n + k], float32."""
+        def rows_at(n0, rows):
+            """(pointer, row pitch) of the float32 coefficients of rows n0 .. n0 + rows - 1:
+            ``a`` itself, or bfloat16 rows widened into ``w``."""
+            if not packed:
+                return bld.gep(ap, [bld.mul(n0, as__)], source_etype=ft), as__
             n_vec = bld.ashr(k_n_, c(4))
             for i in range(rows):
-                src = bld.gep(ap, [bld.mul(bld.add(n0, c(i)), as__)], source_etype=ir.IntType(8))
+                src = bld.gep(ap, [bld.mul(bld.add(n0, c(i)), as__)], source_etype=i8)
                 dst = bld.mul(c(i), k_n_)
                 with cgutils.for_range(bld, n_vec) as v:
                     k0 = bld.shl(v.index, c(4))
-                    p = bld.gep(src, [bld.shl(k0, c(1))], source_etype=ir.IntType(8))
+                    p = bld.gep(src, [bld.shl(k0, c(1))], source_etype=i8)
                     h = bld.load(bld.bitcast(p, i16v.as_pointer()), typ=i16v, align=1)
                     f = bld.bitcast(bld.shl(bld.zext(h, i32v), ir.Constant(i32v, [16] * 16)), vt)
                     bld.store(f, bld.bitcast(at_f(wp, bld.add(dst, k0)), vt.as_pointer()),
                               align=4)
                 with cgutils.for_range_slice(bld, bld.shl(n_vec, c(4)), k_n_, c(1)) as (k, _):
-                    p = bld.gep(src, [bld.shl(k, c(1))], source_etype=ir.IntType(8))
+                    p = bld.gep(src, [bld.shl(k, c(1))], source_etype=i8)
                     h = bld.load(bld.bitcast(p, _I16.as_pointer()), typ=_I16, align=1)
                     bld.store(bld.bitcast(bld.shl(bld.zext(h, _I32), _c32(16)), ft),
                               at_f(wp, bld.add(dst, k)))
+            return wp, k_n_
 
         def tile(n0, rows, m0, width):
-            """Rows n0 .. n0 + rows - 1 (coefficients in w), columns m0 .. m0 + 16 * width - 1."""
+            """Rows n0 .. n0 + rows - 1, columns m0 .. m0 + 16 * width - 1."""
+            cf, pitch = rows_at(n0, rows)
             for j in range(width):
                 for i in range(rows):
-                    bld.store(zero_v, accs[i * 4 + j])
+                    bld.store(zero_v, accs[i * width + j])
             with cgutils.for_range(bld, k_n_) as k:
-                avs = [splat(bld.load(at_f(wp, bld.add(bld.mul(c(i), k_n_), k.index)), typ=ft))
+                avs = [splat(bld.load(at_f(cf, bld.add(bld.mul(c(i), pitch), k.index)), typ=ft))
                        for i in range(rows)]
                 row = bld.add(bld.mul(k.index, m_n_), m0)
                 for j in range(width):
                     bv = vload(bp, bld.add(row, c(16 * j)))
                     for i in range(rows):
-                        acc = accs[i * 4 + j]
+                        acc = accs[i * width + j]
                         bld.store(bld.call(fma_v, [avs[i], bv, bld.load(acc, typ=vt)]), acc)
             bias_v = [vload(cp, bld.add(m0, c(16 * j))) for j in range(width)]
             for i in range(rows):
                 base = bld.add(bld.mul(bld.add(n0, c(i)), ys_), m0)
                 for j in range(width):
-                    v = bld.fadd(bld.load(accs[i * 4 + j], typ=vt), bias_v[j])
-                    out = _vec_store_bits(bld, v, elem)
+                    v = bld.fadd(bld.load(accs[i * width + j], typ=vt), bias_v[j])
                     p = bld.gep(yp, [bld.add(base, c(16 * j))], source_etype=et)
-                    bld.store(out, bld.bitcast(p, evt.as_pointer()), align=1)
+                    bld.store(_vec_store_bits(bld, v, elem), bld.bitcast(p, evt.as_pointer()),
+                              align=1)
 
-        def columns(n0, rows):
-            widen(n0, rows)
-            n_vec = bld.ashr(m_n_, c(4))
-            n_4 = bld.ashr(n_vec, c(2))
-            with cgutils.for_range(bld, n_4) as g:
-                tile(n0, rows, bld.mul(g.index, c(64)), 4)
-            with cgutils.for_range_slice(bld, bld.shl(n_4, c(2)), n_vec, c(1)) as (v, _):
-                tile(n0, rows, bld.shl(v, c(4)), 1)
-            with cgutils.for_range(bld, c(rows)) as i:    # columns past the last vector
-                n = bld.add(n0, i.index)
-                with cgutils.for_range_slice(bld, bld.shl(n_vec, c(4)), m_n_, c(1)) as (m, _):
-                    bld.store(ir.Constant(ft, 0.0), acc_s)
-                    with cgutils.for_range(bld, k_n_) as k:
-                        av = bld.load(at_f(wp, bld.add(bld.mul(i.index, k_n_), k.index)), typ=ft)
-                        bv = bld.load(at_f(bp, bld.add(bld.mul(k.index, m_n_), m)), typ=ft)
-                        bld.store(bld.call(fma_s, [av, bv, bld.load(acc_s, typ=ft)]), acc_s)
-                    v = splat(bld.fadd(bld.load(acc_s, typ=ft), bld.load(at_f(cp, m), typ=ft)))
-                    e = bld.extract_element(_vec_store_bits(bld, v, elem),
-                                            ir.Constant(_I32, 0))
-                    bld.store(e, bld.gep(yp, [bld.add(bld.mul(n, ys_), m)], source_etype=et))
-        n_4r = bld.ashr(nr_, c(2))
-        with cgutils.for_range(bld, n_4r) as g:
-            columns(bld.shl(g.index, c(2)), 4)
-        with cgutils.for_range_slice(bld, bld.shl(n_4r, c(2)), nr_, c(1)) as (n, _):
-            columns(n, 1)
+        def all_rows(m0, width):
+            rows = 4 if width == 4 else 8
+            n_t = bld.udiv(nr_, c(rows))
+            with cgutils.for_range(bld, n_t) as g:
+                tile(bld.mul(g.index, c(rows)), rows, m0, width)
+            with cgutils.for_range_slice(bld, bld.mul(n_t, c(rows)), nr_, c(1)) as (n, _):
+                tile(n, 1, m0, width)
+        n_vec = bld.ashr(m_n_, c(4))
+        n_4 = bld.ashr(n_vec, c(2))
+        with cgutils.for_range(bld, n_4) as g:
+            all_rows(bld.mul(g.index, c(64)), 4)
+        with cgutils.for_range_slice(bld, bld.shl(n_4, c(2)), n_vec, c(1)) as (v, _):
+            all_rows(bld.shl(v, c(4)), 1)
+        with cgutils.for_range_slice(bld, bld.shl(n_vec, c(4)), m_n_, c(1)) as (m, _):
+            with cgutils.for_range(bld, nr_) as n:         # columns past the last vector
+                cf, _ = rows_at(n.index, 1)
+                bld.store(ir.Constant(ft, 0.0), acc_s)
+                with cgutils.for_range(bld, k_n_) as k:
+                    av = bld.load(at_f(cf, k.index), typ=ft)
+                    bv = bld.load(at_f(bp, bld.add(bld.mul(k.index, m_n_), m)), typ=ft)
+                    bld.store(bld.call(fma_s, [av, bv, bld.load(acc_s, typ=ft)]), acc_s)
+                v = splat(bld.fadd(bld.load(acc_s, typ=ft), bld.load(at_f(cp, m), typ=ft)))
+                e = bld.extract_element(_vec_store_bits(bld, v, elem), ir.Constant(_I32, 0))
+                bld.store(e, bld.gep(yp, [bld.add(bld.mul(n.index, ys_), m)], source_etype=et))
         return context.get_dummy_value()
     return sig, codegen

@@ -17,7 +17,9 @@ How it works:
   nearest even, as ``Tensor.to`` does. The arithmetic is float32 as in the reference (``/``
   correctly rounded, ``np.rint`` half to even; minima and maxima over integer keys of the
   floats, which vectorize), so integer payloads, scales and decoded bytes are bit-identical;
-  the learned codec's dot products sum in another order (within tolerance).
+  the learned codec's products (:func:`~ucm.fast.numba._elements.affine_rows`: register tiles
+  of fused multiply-adds) sum in another order and round its outputs through LLVM's
+  conversions (within tolerance).
 * A row with a NaN or an infinity is encoded again as zeros (the reference zeroes it too), so
   even its bytes match; ``ok`` is False for it.
 """
@@ -32,9 +34,9 @@ import torch
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets, rank
 from ucm.fast.numba._codec_planes import (_dec4_plane, _enc4_plane, _enc8_chan_plane, _enc8_plane,
                                           _get_bf16, _keys_to_channel_major,
-                                          _keys_to_token_major, _load_plane, _put16,
+                                          _keys_to_token_major, _load_plane,
                                           _rows_from_plane, _zero_pads)
-from ucm.fast.numba._elements import affine_rows, dot_rows, inf_mag, mag, st, to_bf16
+from ucm.fast.numba._elements import affine_rows, inf_mag, mag, st
 from ucm.fast.numba._jit import njit
 
 # element bits of each cache dtype as the kernels see them (the type picks the conversions)
@@ -182,40 +184,38 @@ def _encode_sparse(x, xb, rs, geo, g, chan, n_exact, out, ro, offs, pads, ok, bu
 
 
 @njit
-def _row_learned(x, xo, geo, mean, basis_t, out, oo, c_off, buf, tok, xt, acc, zero):
+def _row_learned(x, xo, geo, mean, basis, out16, oo, c_off, buf, tok, zero_r, w, zero):
+    """One row's coefficients: per (kv, head), the tokens loaded as float32 rows less the mean,
+    times the basis (:func:`affine_rows`), rounded to bfloat16 into ``out16`` (the encoded rows
+    as 16-bit words; ``oo``, ``c_off`` in words)."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
-    r_n = basis_t.shape[2]
+    r_n = basis.shape[3]
     for kv in range(2):
         for h in range(h_n):
             if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero):
                 return True
             mu = mean[kv, h]
-            bs = basis_t[kv, h]
-            for t in range(t_n):                           # xt[d, t] = x[t, d] - mean[d]
+            for t in range(t_n):
                 bv = buf[t * d_n:(t + 1) * d_n]
                 for d in range(d_n):
-                    xt[d, t] = bv[d] - mu[d]
-            for r in range(r_n):                           # acc[r, t] = sum_d b[r, d] xt[d, t]
-                dot_rows(acc, r * t_n, bs, r * d_n, xt, 0, d_n, t_n)
-            for t in range(t_n):
-                at = oo + c_off + 2 * (((kv * t_n + t) * h_n + h) * r_n)
-                ov = out[at:at + 2 * r_n]
-                for r in range(r_n):
-                    _put16(ov, 2 * r, to_bf16(acc[r, t]))
+                    bv[d] -= mu[d]
+            affine_rows(out16, oo + c_off + (kv * t_n * h_n + h) * r_n, h_n * r_n, buf, 0, d_n,
+                        basis[kv, h], zero_r, t_n, d_n, r_n, w)
     return False
 
 
 @njit(nogil=True)
-def _encode_learned(x, rs, geo, mean, basis_t, out, ro, c_off, pads, ok, buf, tok, xt, acc):
-    """``mean`` float32 [2, H, D], ``basis_t`` float32 [2, H, R, D] (the basis transposed);
-    coefficients bfloat16 at ``c_off`` as [2, T, H, R]. Scratch: ``xt`` float32 [D, T], ``acc``
-    float32 [R, T]."""
+def _encode_learned(x, rs, geo, mean, basis, out, out16, ro, c_off, pads, ok, buf, tok, zero_r,
+                    w):
+    """``mean`` float32 [2, H, D], ``basis`` float32 [2, H, D, R]; coefficients bfloat16 at
+    byte ``c_off`` of each row as [2, T, H, R]. ``out16``: ``out`` as 16-bit words (``ro`` and
+    ``c_off`` even). Scratch: ``zero_r`` float32 zeros [R], ``w`` float32 [8 * D]."""
     for i in range(ok.shape[0]):
-        bad = _row_learned(x, i * rs, geo, mean, basis_t, out, i * ro, c_off, buf, tok, xt, acc,
-                           False)
+        bad = _row_learned(x, i * rs, geo, mean, basis, out16, i * ro // 2, c_off // 2, buf, tok,
+                           zero_r, w, False)
         if bad:
-            _row_learned(x, i * rs, geo, mean, basis_t, out, i * ro, c_off, buf, tok, xt, acc,
-                         True)
+            _row_learned(x, i * rs, geo, mean, basis, out16, i * ro // 2, c_off // 2, buf, tok,
+                         zero_r, w, True)
         _zero_pads(out, i * ro, pads)
         ok[i] = not bad
 
@@ -351,7 +351,7 @@ def _decode_sparse(src, so_, y, yb, yo, geo, g, chan, n_exact, offs, tok, exact,
 def _decode_learned(src, so_, y, yo, geo, mean, basis_t, c_off, plane, w, keys_dt):
     """``basis_t`` float32 [2, H, R, D] (the basis transposed). Each head's tokens are one
     :func:`affine_rows` call (coefficients times the basis, plus the mean, rounded into ``y``;
-    ``w``: its float32 scratch of 4 * R); with ``keys_dt`` the key planes go through ``plane``
+    ``w``: its float32 scratch of 8 * R); with ``keys_dt`` the key planes go through ``plane``
     (float32 scratch [T * D]) and are written channel-major."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     r_n = basis_t.shape[2]
@@ -433,13 +433,15 @@ def _q8_at(spec, shape) -> np.ndarray:
     return np.append(_at(spec, shape, "q", "scale"), 0)
 
 
-def _projection(spec: CodecSpec, shape: KVShape, layer: int):
-    """(mean [2, H, D], the basis transposed [2, H, R, D], rank), float32."""
+def _projection(spec: CodecSpec, shape: KVShape, layer: int, transposed: bool):
+    """(mean [2, H, D], the basis [2, H, D, R] or transposed [2, H, R, D], rank), float32."""
     p = spec.projection
     r = rank(spec, shape)
     mean = np.ascontiguousarray(p.means[layer], dtype=np.float32)
-    basis_t = np.ascontiguousarray(p.bases[layer][..., :r].transpose(0, 1, 3, 2), dtype=np.float32)
-    return mean, basis_t, r
+    basis = p.bases[layer][..., :r]
+    basis = np.ascontiguousarray(basis.transpose(0, 1, 3, 2) if transposed else basis,
+                                 dtype=np.float32)
+    return mean, basis, r
 
 
 def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
@@ -481,10 +483,15 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
                        buf, np.empty(t_n, np.int64), lo, hi, np.empty(d_n, np.uint8),
                        np.empty(t_n, np.int64), np.empty(t_n, np.int64))
     else:
-        mean, basis_t, r = _projection(spec, shape, layer)
-        _encode_learned(x, rs, geo, mean, basis_t, out, ro, *_at(spec, shape, "coef"), pads, ok,
-                        buf, tok, np.empty((d_n, t_n), np.float32),
-                        np.empty((r, t_n), np.float32))
+        mean, basis, r = _projection(spec, shape, layer, transposed=False)
+        c_off = int(_at(spec, shape, "coef")[0])
+        if ro % 2 or out.ctypes.data % 2:              # 16-bit words need even rows: a copy
+            aligned = torch.empty((n, dst.shape[1]), dtype=torch.uint8)
+            ok = encode(spec, shape, src, aligned, layer)
+            dst.copy_(aligned)
+            return ok
+        _encode_learned(x, rs, geo, mean, basis, out, out.view(np.uint16), ro, c_off, pads, ok,
+                        buf, tok, np.zeros(r, np.float32), np.empty(8 * d_n, np.float32))
     return ok
 
 
@@ -527,9 +534,9 @@ def _row_decoder(spec: CodecSpec, shape: KVShape, layer: int):
             if dt:                                     # decoded token-major: turn key planes
                 _keys_to_channel_major(y, yo, geo, turn)
         return run
-    mean, basis_t, r = _projection(spec, shape, layer)
+    mean, basis_t, r = _projection(spec, shape, layer, transposed=True)
     args = (geo, mean, basis_t, *_at(spec, shape, "coef"), np.empty(t_n * d_n, np.float32),
-            np.empty(4 * r, np.float32), dt)
+            np.empty(8 * r, np.float32), dt)
     return lambda enc, so, y, yo: _decode_learned(enc, so, y, yo, *args)
 
 
