@@ -4,7 +4,7 @@ a document's first ``--prefix - 1`` tokens' KV passed through a quantization sch
 values only, or both), then its next ``--tokens`` tokens scored teacher-forced on that KV.
 
     python evals/kv_sensitivity.py [--docs 16] [--prefix 1024] [--tokens 256]
-                                   [--schemes int8-token,k-int8-token,...] [--json OUT]
+                                   [--schemes int8-token,k-int8-token,...] [--greedy 64] [--json OUT]
 
 Per scheme, against the same model on exact KV: the mean KL divergence of the next-token
 distribution, the positions whose top-1 token changes (what makes a greedy continuation differ)
@@ -13,9 +13,15 @@ to bfloat16 as the codecs store them): ``int8-token`` (symmetric per token and h
 codec's default), ``int8-channel`` (keys symmetric per channel over the block: its
 ``key_mode="channel"``), ``int8-channel-asym`` (keys with a minimum and a scale per channel),
 ``int8-hadamard`` (each token's head vector rotated by a normalized Hadamard matrix, then
-symmetric per token), ``int4`` / ``int4-g32`` (the INT4 codec: keys per channel, values in groups
+symmetric per token), ``int8-channel-asym-t0`` (as ``int8-channel-asym`` over the block's tokens
+after its first, whose key is kept exact: the attention sink's key is unlike the others and
+would set every channel's range), ``int4`` / ``int4-g32`` (the INT4 codec: keys per channel, values in groups
 of 64 / 32), ``bf16`` (a cast: the floor a 16-bit store would give). A ``k-`` / ``v-`` prefix
 applies the scheme to keys / values only, the other exact.
+
+``--greedy N``: also count, per scheme, the documents whose N-token greedy continuation of the
+prefix is identical to the one on exact KV (the KV of the generated tokens is exact in both, as
+in the engine, where only the stored prefix is decoded).
 
 The documents are those of ``evals/compression_quality.py`` (same ``--docs``, ``--prefix`` and
 ``--tokens`` as its ``--ppl``), whose vLLM runs count identical greedy continuations; the
@@ -85,12 +91,20 @@ def _schemes():
             return q4(v.reshape(t, h, d // g, g), -1).reshape(t, h, d)
         return keys, values
 
+    def first_exact(f):   # f over the block's tokens after its first; token 0 kept as it is
+        def g(x):
+            y = x.clone()
+            y[1:] = f(x[1:])
+            return y
+        return g
+
     # (keys, values) on one block [T, H, D]
     base = {
         "int8-token": (lambda k: sym8(k, -1), lambda v: sym8(v, -1)),
         "int8-channel": (lambda k: sym8(k, 0), lambda v: sym8(v, -1)),
         "int8-channel-asym": (lambda k: asym8(k, 0), lambda v: sym8(v, -1)),
         "int8-hadamard": (had8, had8),
+        "int8-channel-asym-t0": (first_exact(lambda k: asym8(k, 0)), lambda v: sym8(v, -1)),
         "int4": int4(64),
         "int4-g32": int4(32),
         "bf16": (bf16, bf16),
@@ -121,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--schemes", default="int8-token,int8-channel,int8-channel-asym,int8-hadamard,"
                                          "k-int8-token,v-int8-token,int4,int4-g32,bf16")
+    ap.add_argument("--greedy", type=int, default=0,
+                    help="also count identical greedy continuations of this many tokens")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import torch
@@ -140,8 +156,18 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     docs, _ = documents(tok, args.docs, args.prefix + args.tokens)
     n = args.tokens
-    acc = {s: {"nll": 0.0, "kl": 0.0, "top1_changes": 0} for s in names}
+    acc = {s: {"nll": 0.0, "kl": 0.0, "top1_changes": 0, "greedy_identical": 0,
+               "greedy_first_difference": []} for s in names}
     base_nll = 0.0
+
+    def greedy(kv, last):
+        out, cur = [], last
+        for _ in range(args.greedy):
+            nxt = int(model(cur, past_key_values=kv).logits[0, -1].argmax())
+            out.append(nxt)
+            cur = torch.tensor([[nxt]])
+        return out
+
     with torch.no_grad():
         for d in progress.track(docs, "documents", unit="doc"):
             ids = torch.tensor([d[:args.prefix + n]])
@@ -149,33 +175,49 @@ def main(argv=None) -> int:
             feed, target = ids[:, args.prefix - 1:args.prefix + n - 1], ids[0, args.prefix:]
             exact = model(feed, past_key_values=copy.deepcopy(past)).logits[0].log_softmax(-1)
             base_nll -= float(exact[torch.arange(n), target].sum())
+            last = ids[:, args.prefix - 1:args.prefix]
+            ref = greedy(copy.deepcopy(past), last) if args.greedy else None
             for s in names:
                 fk, fv = schemes[s]
                 kv = copy.deepcopy(past)
                 for layer in kv.layers:
                     layer.keys = _apply(fk, layer.keys[0]).unsqueeze(0)
                     layer.values = _apply(fv, layer.values[0]).unsqueeze(0)
-                lp = model(feed, past_key_values=kv).logits[0].log_softmax(-1)
                 a = acc[s]
+                if args.greedy:
+                    got = greedy(copy.deepcopy(kv), last)
+                    if got == ref:
+                        a["greedy_identical"] += 1
+                    else:
+                        a["greedy_first_difference"].append(
+                            next(j for j in range(args.greedy) if got[j] != ref[j]))
+                lp = model(feed, past_key_values=kv).logits[0].log_softmax(-1)
                 a["nll"] -= float(lp[torch.arange(n), target].sum())
                 a["kl"] += float((exact.exp() * (exact - lp)).sum())
                 a["top1_changes"] += int((lp.argmax(-1) != exact.argmax(-1)).sum())
     positions = n * len(docs)
     results = {}
     print(f"{len(docs)} documents, {positions} scored positions")
-    print("| scheme | mean KL | top-1 changes | perplexity change |\n|---|---|---|---|")
+    print("| scheme | mean KL | top-1 changes | perplexity change | identical greedy |\n"
+          "|---|---|---|---|---|")
     for s in names:
         a = acc[s]
         results[s] = {"mean_kl": a["kl"] / positions, "top1_changes": a["top1_changes"],
                       "ppl_change": math.exp((a["nll"] - base_nll) / positions) - 1}
+        if args.greedy:
+            results[s].update(greedy_identical=a["greedy_identical"],
+                              greedy_first_difference=a["greedy_first_difference"])
         r = results[s]
-        print(f"| {s} | {r['mean_kl']:.2e} | {r['top1_changes']} | {r['ppl_change']:+.3%} |")
+        same = f"{a['greedy_identical']}/{len(docs)}" if args.greedy else "-"
+        print(f"| {s} | {r['mean_kl']:.2e} | {r['top1_changes']} | {r['ppl_change']:+.3%} | "
+              f"{same} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": f"{platform.machine()} {os.cpu_count()} cores",
                        "date": datetime.date.today().isoformat(), "model": "SmolLM2-135M",
                        "dtype": "float32", "docs": len(docs), "prefix": args.prefix,
-                       "positions": positions, "results": results}, f, indent=1)
+                       "positions": positions, "greedy_tokens": args.greedy,
+                       "results": results}, f, indent=1)
     return 0
 
 
