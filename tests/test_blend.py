@@ -74,6 +74,25 @@ def test_chunk_ids_are_the_ids_of_a_request_that_begins_with_the_chunk():
     assert np.array_equal(chunks.chunk_ids(list(toks), ns, None), ids)
 
 
+def test_chunk_ids_after_a_sink_name_the_sink():
+    import ucm
+
+    ns = Namespace(model="m", dtype="float32", block_size=16)
+    toks = np.arange(50, dtype=np.int64)
+    plain = chunks.chunk_ids(toks, ns, None)
+    after = chunks.chunk_ids(toks, ns, None, [1])
+    assert after.shape == plain.shape == (3, 2)
+    # never a request's prefix (a request that begins with the chunk computes it without the
+    # sink), never KV computed after another sink, the same wherever the chunk sits
+    assert not (after == plain).all(axis=1).any()
+    assert not (after == ucm.hash_blocks(np.concatenate([[1], toks])[:48], ns)).all(axis=1).any()
+    for other in ([0], [1, 1], [2]):
+        assert not (chunks.chunk_ids(toks, ns, None, other) == after).all(axis=1).any()
+    assert np.array_equal(chunks.chunk_ids(list(toks), ns, None, np.array([1])), after)
+    root = np.array([1, 2], dtype=np.uint64)                # the request root still counts
+    assert not (chunks.chunk_ids(toks, ns, root, [1]) == after).all(axis=1).any()
+
+
 def test_plan_region():
     bs = 16
     spans = [(10, 110), (110, 300)]
@@ -130,6 +149,39 @@ def test_a_chunk_at_position_zero_is_exact_without_recompute():
     model = tiny_model(scale=3.0)
     _, cs, suffix = _request(2)
     res = blended_logits(model, [], cs[:1], suffix, 0.0)
+    assert torch.allclose(res.logits, res.full_logits, atol=1e-4)
+
+
+def test_a_chunk_computed_after_a_sink_is_the_prefill_of_sink_and_chunk():
+    model = tiny_model(scale=3.0)
+    _, cs, _ = _request(3)
+    sink = [5, 17]
+    got = chunk_kv(model, cs[0], sink)                # through AfterSink (the worker's path)
+    n, s, bs = len(cs[0]), len(sink), 16
+    cache = model.new_cache(math.ceil((n + s) / bs), bs)
+    model.prefill(sink + cs[0], cache, list(range(math.ceil((n + s) / bs))))
+    kv = PagedRequestKV(cache, range(math.ceil((n + s) / bs)))
+    for layer, (k, v) in enumerate(got):
+        fk, fv = kv.read(layer, n + s)
+        assert k.shape == (n, model.num_kv_heads, model.head_dim)
+        assert torch.allclose(k, fk[s:], atol=1e-5) and torch.allclose(v, fv[s:], atol=1e-5)
+    # without a sink: the chunk as the start of a sequence
+    alone = chunk_kv(model, cs[0])
+    assert not torch.allclose(alone[-1][1], got[-1][1], atol=1e-3)
+
+
+def test_a_chunk_after_the_same_sink_in_the_prompt_is_exact_without_recompute():
+    # the stored keys sit at positions len(sink).. and rotate by (chunk start - len(sink)): a
+    # chunk that follows exactly the sink tokens in a prompt is where it was computed
+    model = tiny_model(scale=3.0)
+    _, cs, suffix = _request(2)
+    sink = [7]
+    res = blended_logits(model, sink, cs[:1], suffix, 0.0, sink=sink)
+    assert torch.allclose(res.logits, res.full_logits, atol=1e-4)
+    # elsewhere it is approximate, and ratio 1 is still the full prefill
+    res = blended_logits(model, [3, 7, 9], cs[:2], suffix, 0.0, sink=sink)
+    assert not torch.allclose(res.logits, res.full_logits, atol=1e-3)
+    res = blended_logits(model, [3, 7, 9], cs[:2], suffix, 1.0, sink=sink)
     assert torch.allclose(res.logits, res.full_logits, atol=1e-4)
 
 
@@ -335,15 +387,17 @@ def _worker(model, ratio, fail=None, blocks=40, bs=16):
                        on_failed=failed.extend), views, failed
 
 
-def _serve(model, wb, views, prefix, cs, suffix, bs=16, order=None):
+def _serve(model, wb, views, prefix, cs, suffix, bs=16, order=None, sink=()):
     """Store the chunks (alone), then serve prefix + chunks + suffix with the worker's Blend;
     returns (suffix logits, full prefill logits, blocks of the request)."""
     from ucm.integration.vllm.blend_hook import PagedKV
 
     ns = Namespace(model="tiny", dtype="float32", block_size=bs)
-    ids = [chunks.chunk_ids(c, ns, None) for c in cs]
+    ids = [chunks.chunk_ids(c, ns, None, sink) for c in cs]
+    sink = np.asarray(sink, dtype=np.int64)
     wb.run([chunks.BlendJob("warm", 0, 0, np.zeros(0, np.int64), [], [],
-                            [chunks.ChunkSave(np.asarray(c[:len(i) * bs]), i) for c, i in zip(cs, ids)])])
+                            [chunks.ChunkSave(np.asarray(c[:len(i) * bs]), i) for c, i in zip(cs, ids)],
+                            sink=sink)])
     assert wb.store_chunks()
     prompt = list(prefix) + [t for c in cs for t in c] + list(suffix)
     spans, at = [], len(prefix)
@@ -360,19 +414,20 @@ def _serve(model, wb, views, prefix, cs, suffix, bs=16, order=None):
                    ratio=1.0)
     end, runs = chunks.plan_region(spans, P, len(prompt), bs, [len(i) for i in ids])
     pieces = [chunks.Piece(ids[i][f:f + n], f, spans[i][0]) for i, f, n in runs]
-    wb.run([chunks.BlendJob("r", P, end, np.asarray(prompt[P:end]), blocks, pieces)])
+    wb.run([chunks.BlendJob("r", P, end, np.asarray(prompt[P:end]), blocks, pieces, sink=sink)])
     h = blend_fill(bm, kv, torch.tensor(prompt[end:]), end, None,
                    torch.zeros(len(prompt) - end, dtype=torch.bool), ratio=1.0)
     n_suffix = len(suffix)
     return bm.logits(h)[-n_suffix:], model.forward(prompt, logits_from=len(prompt) - n_suffix), blocks
 
 
-def test_worker_blend_from_the_store_reproduces_the_full_prefill_at_ratio_one():
+@pytest.mark.parametrize("sink", [(), (1,)])
+def test_worker_blend_from_the_store_reproduces_the_full_prefill_at_ratio_one(sink):
     model = tiny_model(layers=4, scale=3.0)
     prefix, cs, suffix = _request(4, sizes=(40, 57, 33), prefix=21)
     wb, views, failed = _worker(model, 1.0)
     order = list(np.random.default_rng(0).permutation(40))   # the request's blocks, scattered
-    got, full, _ = _serve(model, wb, views, prefix, cs, suffix, order=order)
+    got, full, _ = _serve(model, wb, views, prefix, cs, suffix, order=order, sink=sink)
     assert not failed
     assert torch.allclose(got, full, atol=2e-3, rtol=1e-4)   # (float32, other op order)
     m = wb.core.metrics.totals()
@@ -380,6 +435,17 @@ def test_worker_blend_from_the_store_reproduces_the_full_prefill_at_ratio_one():
     # stored: the chunks' full blocks after the prefix hit (16 tokens of the prefix's 21 hit)
     assert m["ucm_blend_stored_tokens_total"] == 32 + 48 + 32
     assert m["ucm_blend_tokens_total"] == 21 - 16 + 40 + 57 + 33
+
+
+def test_worker_blend_rotates_chunks_stored_after_a_sink_from_the_sinks_end():
+    # the worker's stored rows hold keys at positions len(sink)..: a chunk right after the
+    # same tokens in a prompt needs no recompute at all
+    model = tiny_model(layers=4, scale=3.0)
+    _, cs, suffix = _request(7, sizes=(48,))
+    wb, views, failed = _worker(model, 0.0)
+    got, full, _ = _serve(model, wb, views, [5], cs, suffix, sink=(5,))
+    assert not failed and wb.core.metrics.totals()["ucm_blend_stored_tokens_total"] == 48
+    assert torch.allclose(got, full, atol=2e-3, rtol=1e-4)
 
 
 def test_worker_blend_recomputes_the_ratio_and_falls_back_when_it_cannot_run():
@@ -433,6 +499,32 @@ def test_blend_is_off_by_name_for_models_it_cannot_serve(arch, rope, ok, caplog,
         assert blend_available(Config(), vc, SimpleNamespace(kv_load_failure_policy="fail")) is False
         with pytest.raises(ConfigError, match="blend.check_layer"):
             blend_available(Config({"blend": {"check_layer": 30}}), vc, ktc)
+
+
+@pytest.mark.parametrize("value,hf,want", [
+    ("bos", {"bos_token_id": 1, "vocab_size": 100}, [1]),
+    ("none", {"bos_token_id": 1, "vocab_size": 100}, []),
+    ("bos", {"bos_token_id": None, "vocab_size": 100}, []),    # no BOS: as "none"
+    ("bos", {"vocab_size": 100}, []),
+    ("bos", {"bos_token_id": 100, "vocab_size": 100}, []),     # outside the vocabulary
+    ("bos", {"bos_token_id": True, "vocab_size": 100}, []),
+])
+def test_blend_sink_is_the_models_bos_or_nothing(value, hf, want):
+    from types import SimpleNamespace
+
+    from ucm.config import Config
+    from ucm.integration.vllm.scheduler import blend_sink
+
+    vc = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(**hf)))
+    got = blend_sink(Config({"blend": {"sink": value}}), vc)
+    assert got.dtype == np.int64 and got.tolist() == want
+
+
+def test_a_bad_blend_sink_names_the_key_and_the_choices():
+    from ucm.config import Config, ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match=r"blend\.sink.*bos.*none"):
+        Config({"blend": {"sink": "eos"}})
 
 
 def test_chunks_of_another_model_or_codec_are_other_ids():

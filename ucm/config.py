@@ -453,7 +453,13 @@ OPTIONS: tuple[Option, ...] = (
            "(the text before the first and after the last separator is not a chunk); empty: "
            "only requests that mark chunks blend."),
     Option("blend.store_chunks", "bool", True, "A chunk the store lacks is computed on its own "
-           "(as if it began the sequence) and stored, so the next prompt holding it blends it."),
+           "(after blend.sink) and stored, so the next prompt holding it blends it."),
+    Option("blend.sink", "str", "bos", "What a chunk computed alone follows: 'bos', the model's "
+           "BOS token (its KV dropped), so the chunk's first token does not turn into an "
+           "attention sink whose stored KV the recompute must repair (no BOS in the model's "
+           "config: as 'none'); 'none', nothing: the chunk begins the sequence and a request "
+           "that begins with it stores it too. Part of the chunk ids: changing it is a clean "
+           "miss for chunks stored before.", choices=("bos", "none")),
     Option("connector.load_failure", "str", "recompute", "What vLLM does with blocks that fail to "
            "load: 'recompute' them (ucm sets vLLM's kv_load_failure_policy) or leave vLLM's own "
            "setting ('engine'; vLLM's default fails the request).", choices=("recompute", "engine")),

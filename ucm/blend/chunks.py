@@ -14,10 +14,12 @@ request says otherwise. With a separator, the text before its first occurrence a
 last are not chunks (typically a system prompt and a question), and the separators themselves
 belong to no chunk.
 
-A chunk's KV is stored under the ids its tokens would have at the start of a request
-(:func:`chunk_ids`): chunk KV is computed as if the chunk began the sequence, so any request
-that begins with the chunk stores it too, and a request with the chunk anywhere finds it.
-Only a chunk's full blocks are stored; its last partial block is recomputed in place.
+A chunk's KV is computed alone, after the model's BOS token (``blend.sink``: ``bos``; the
+sink's own KV is dropped), and stored under ids of the chunk's tokens alone (:func:`chunk_ids`,
+chained from a root that names the sink): the same chunk anywhere in any prompt finds it.
+With ``blend.sink: none`` the chunk is computed as if it began the sequence and its ids are
+those of a request that begins with the chunk, so such a request stores it too. Only a
+chunk's full blocks are stored; its last partial block is recomputed in place.
 """
 from __future__ import annotations
 
@@ -123,17 +125,32 @@ def _spans(prompt: Sequence[int], spec: dict) -> list:
     return out
 
 
-def chunk_ids(tokens: Sequence[int], ns, root: Optional[np.ndarray]) -> np.ndarray:
-    """Store ids ``uint64 [n_full, 2]`` of a chunk's full blocks: the chained ids its tokens
-    have at the start of a request with root ``root`` (LoRA adapter, cache salt, generation:
-    :func:`ucm.integration.vllm.keys.request_root`)."""
+def chunk_ids(tokens: Sequence[int], ns, root: Optional[np.ndarray],
+              sink: Sequence[int] = ()) -> np.ndarray:
+    """Store ids ``uint64 [n_full, 2]`` of a chunk's full blocks, computed after the ``sink``
+    tokens: the ids its tokens have at the start of a request with root ``root`` (LoRA
+    adapter, cache salt, generation: :func:`ucm.integration.vllm.keys.request_root`), the root
+    mixed with the sink when there is one (KV computed after a sink is never mistaken for a
+    request's prefix, nor for KV computed after another sink)."""
     import ucm
 
     bs = ns.block_size
     full = len(tokens) // bs * bs
     if full == 0:
         return np.zeros((0, 2), np.uint64)
+    if len(sink):
+        root = sink_root(root, sink)
     return ucm.hash_blocks(np.asarray(tokens[:full], dtype=np.int64), ns, parent=root)
+
+
+def sink_root(root: Optional[np.ndarray], sink: Sequence[int]) -> np.ndarray:
+    """The parent id of chunks computed after ``sink`` under request root ``root``."""
+    from ucm.murmur import murmur3_x64_128
+
+    base = bytes(16) if root is None else np.ascontiguousarray(root, dtype="<u8").tobytes()
+    toks = np.asarray(list(sink), dtype="<i8").tobytes()
+    digest = murmur3_x64_128(b"ucm-blend-sink-v1\0" + base + toks, 0)
+    return np.frombuffer(digest, dtype="<u8").astype(np.uint64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,8 +160,8 @@ def chunk_ids(tokens: Sequence[int], ns, root: Optional[np.ndarray]) -> np.ndarr
 class Piece:
     """Stored blocks of one chunk that a region uses: chunk blocks ``[first, first + len(ids))``
     (store ids ``ids``), the chunk starting at request position ``chunk_start``. The stored KV
-    of chunk token ``j`` belongs at position ``chunk_start + j``: its keys rotate by
-    ``chunk_start``."""
+    of chunk token ``j`` (computed at position ``len(sink) + j``, see :class:`BlendJob`)
+    belongs at position ``chunk_start + j``: its keys rotate by ``chunk_start - len(sink)``."""
     ids: np.ndarray
     first: int
     chunk_start: int
@@ -163,7 +180,7 @@ class ChunkSave:
 class BlendJob:
     """One request's Blend in one step: fill positions ``[start, end)`` (``tokens``: their ids)
     from ``pieces`` plus the recompute, into the request's vLLM ``blocks``; then store
-    ``saves``."""
+    ``saves``. Every chunk, stored or to store, is computed after the ``sink`` tokens."""
     req_id: str
     start: int
     end: int
@@ -176,6 +193,7 @@ class BlendJob:
     #: position of the first: the lookahead of :func:`ucm.blend.engine.blend_fill`
     after: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     after_start: int = 0
+    sink: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def plan_region(spans: list, start: int, num_tokens: int, block_size: int,

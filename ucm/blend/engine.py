@@ -278,6 +278,58 @@ def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
     return h
 
 
+class AfterSink:
+    """A :class:`RequestKV` for computing a chunk after ``sink`` tokens: positions ``[0, s)``
+    (the sink) live in buffers of this object, positions ``[s, ...)`` in ``inner`` at
+    ``pos - s``, so the chunk's rows start at the inner cache's row 0 (block aligned) while
+    its keys carry positions ``s...`` (a loader rotates them by ``chunk start - s``)."""
+
+    def __init__(self, inner: RequestKV, s: int):
+        self.inner, self.s = inner, s
+        self._k: dict = {}
+        self._v: dict = {}
+
+    def write(self, layer, pos, k, v):
+        low = pos < self.s
+        if bool(low.any()):
+            if layer not in self._k:
+                self._k[layer] = k.new_zeros((self.s,) + tuple(k.shape[1:]))
+                self._v[layer] = v.new_zeros((self.s,) + tuple(v.shape[1:]))
+            self._k[layer][pos[low]] = k[low]
+            self._v[layer][pos[low]] = v[low]
+        high = ~low
+        if bool(high.any()):
+            self.inner.write(layer, pos[high] - self.s, k[high], v[high])
+
+    def read(self, layer, end):
+        sk, sv = self._k[layer][:min(end, self.s)], self._v[layer][:min(end, self.s)]
+        if end <= self.s:
+            return sk, sv
+        k, v = self.inner.read(layer, end - self.s)
+        return torch.cat([sk, k.to(sk.dtype)]), torch.cat([sv, v.to(sv.dtype)])
+
+
+def chunk_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor,
+               sink: Optional[torch.Tensor] = None) -> None:
+    """Compute a chunk alone into ``kv`` (positions ``0..n-1`` of it): the KV a Blend stores
+    for the chunk. With ``sink`` (token ids ``[s]``, e.g. the model's BOS) the chunk is computed
+    after those tokens, whose KV is dropped: the keys then carry positions ``s..s+n-1``.
+
+    Why a sink: computed as the start of a sequence, a chunk's first token becomes an attention
+    sink (most of every later token's attention in most heads lands on position 0) and its
+    stored KV is far from what the token has in a real prompt, where the prompt's own first
+    token is the sink. After a shared sink token the chunk's tokens attend as they would
+    inside a prompt, so less of the recompute budget goes to repairing the chunk's start."""
+    if sink is None or len(sink) == 0:
+        blend_fill(model, kv, ids, 0, None, torch.zeros(len(ids), dtype=torch.bool,
+                                                        device=ids.device), ratio=1.0)
+        return
+    s = int(len(sink))
+    full = torch.cat([sink.to(ids.device, ids.dtype), ids])
+    blend_fill(model, AfterSink(kv, s), full, 0, None,
+               torch.zeros(len(full), dtype=torch.bool, device=ids.device), ratio=1.0)
+
+
 def _write_stored(kv: RequestKV, pos: torch.Tensor, loaded: Callable,
                   loaded_mask: torch.Tensor, layers) -> None:
     stored = pos[loaded_mask]

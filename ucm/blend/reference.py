@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ucm.blend.engine import BlendStats, blend_fill
+from ucm.blend.engine import BlendStats, blend_fill, chunk_fill
 from ucm.reference.llama import Llama, PagedKVCache
 
 
@@ -64,13 +64,16 @@ class PagedRequestKV:
         self.cache.v[layer][b, o] = v.to(self.cache.v[layer].dtype)
 
 
-def chunk_kv(model: Llama, ids: Sequence[int]) -> tuple:
-    """The KV of ``ids`` computed as if they began the sequence (positions ``0..n-1``): per
-    layer ``k, v [n, Hkv, D]`` (what a request made of the chunk alone stores)."""
+def chunk_kv(model: Llama, ids: Sequence[int], sink: Sequence[int] = ()) -> tuple:
+    """The KV of ``ids`` computed alone, as the vLLM worker stores it
+    (:func:`ucm.blend.engine.chunk_fill`): after the ``sink`` tokens (their KV dropped), keys at
+    positions ``len(sink)..``; per layer ``k, v [n, Hkv, D]``."""
     n, bs = len(ids), 16
     cache = model.new_cache(math.ceil(n / bs), bs)
-    model.prefill(list(ids), cache, list(range(math.ceil(n / bs))), logits_from=n - 1)
     kv = PagedRequestKV(cache, range(math.ceil(n / bs)))
+    dev = model.device
+    chunk_fill(LlamaBlendModel(model), kv, torch.tensor(list(ids), dtype=torch.long, device=dev),
+               torch.tensor(list(sink), dtype=torch.long, device=dev))
     return [kv.read(layer, n) for layer in range(model.num_layers)]
 
 
@@ -86,7 +89,7 @@ def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequenc
                    suffix: Sequence[int], ratio: float, *, check_layer: int = 1,
                    stored: Optional[Sequence[bool]] = None, backend: Optional[str] = None,
                    chunk_cache: Optional[dict] = None,
-                   lookahead: Optional[int] = None) -> Blended:
+                   lookahead: Optional[int] = None, sink: Sequence[int] = ()) -> Blended:
     """One request ``prefix + chunks... + suffix`` served with Blend: the prefix is computed
     (a prefix hit), each stored chunk's KV (computed alone, :func:`chunk_kv`) is rotated to its
     position, the chunk region is filled by :func:`ucm.blend.engine.blend_fill` at ``ratio``,
@@ -94,7 +97,9 @@ def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequenc
     prefill's. ``stored[i]`` False: chunk ``i`` has no stored KV (recomputed in place);
     ``chunk_cache``: memo of chunk KV by token tuple; ``lookahead``: how many leading suffix
     tokens the Blend's lookahead sees (default all, as the vLLM integration sees every prompt
-    token after the chunks; 0: none, CacheBlend's deviation-only selection)."""
+    token after the chunks; 0: none, CacheBlend's deviation-only selection); ``sink``: the
+    tokens each chunk is computed after (``blend.sink``; empty: as if it began the
+    sequence)."""
     from ucm.blend import ops
 
     bm = LlamaBlendModel(model)
@@ -115,9 +120,9 @@ def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequenc
     memo = {} if chunk_cache is None else chunk_cache
     for c, ok in zip(chunks, stored):
         if ok:
-            key = tuple(c)
+            key = (tuple(sink), tuple(c))
             if key not in memo:
-                memo[key] = chunk_kv(model, c)
+                memo[key] = chunk_kv(model, c, sink)
             pieces.append((off, memo[key]))
             mask[off:off + len(c)] = True
         off += len(c)
@@ -125,7 +130,7 @@ def blended_logits(model: Llama, prefix: Sequence[int], chunks: Sequence[Sequenc
         ks, vs = [], []
         for o, per_layer in pieces:
             ck, cv = per_layer[layer]
-            delta = torch.full((len(ck),), P + o, dtype=torch.int64, device=dev)
+            delta = torch.full((len(ck),), P + o - len(sink), dtype=torch.int64, device=dev)
             ks.append(ops.rope_rotate(ck, delta, bm.inv_freq, backend=backend))
             vs.append(cv)
         return torch.cat(ks), torch.cat(vs)

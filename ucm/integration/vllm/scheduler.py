@@ -132,6 +132,22 @@ def blend_available(cfg: Config, vllm_config, kv_transfer_config) -> bool:
     return True
 
 
+def blend_sink(cfg: Config, vllm_config) -> np.ndarray:
+    """The tokens a chunk computed alone follows (``blend.sink``): the model's BOS token, or
+    none (``none``, or a model whose config names no BOS)."""
+    if cfg["blend.sink"] == "none":
+        return np.zeros(0, np.int64)
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    bos = getattr(hf, "bos_token_id", None)
+    vocab = getattr(hf, "vocab_size", None)
+    if isinstance(bos, bool) or not isinstance(bos, int) or bos < 0 or \
+            (isinstance(vocab, int) and bos >= vocab):
+        log.info("ucm blend: the model's config names no BOS token (bos_token_id %r); chunks "
+                 "are computed as if they began the sequence", bos)
+        return np.zeros(0, np.int64)
+    return np.array([bos], np.int64)
+
+
 class ConnectorScheduler:
     """The scheduler side of one engine's connector (see the module doc).
 
@@ -170,6 +186,7 @@ class ConnectorScheduler:
                                                                      kv_transfer_config)
         self._separator = list(cfg["blend.separator"])
         self._store_chunks = bool(cfg["blend.store_chunks"])
+        self._sink = blend_sink(cfg, vllm_config) if self._blend else np.zeros(0, np.int64)
         self._arrived: dict = {}  # request id -> request, added since the last step (prefetch)
         # ids of partial tails live in their own namespace: a tail of t tokens is never
         # mistaken for a full block (and vice versa)
@@ -299,7 +316,8 @@ class ConnectorScheduler:
             return None
         bs = self.block_size
         try:
-            ids = [blend_chunks.chunk_ids(prompt[a:b], self.ns, st.chain.root) for a, b in spans]
+            ids = [blend_chunks.chunk_ids(prompt[a:b], self.ns, st.chain.root, self._sink)
+                   for a, b in spans]
             stored = [self._prefix_hits(i) if len(i) else 0 for i in ids]
         except Exception as exc:  # a store fault: no Blend, the prompt is computed
             log.warning("ucm blend: chunk lookup failed (%r); served without Blend", exc)
@@ -320,7 +338,8 @@ class ConnectorScheduler:
         return blend_chunks.BlendJob(request.request_id, start, end,
                                      np.asarray(prompt[start:end], dtype=np.int64), [],
                                      pieces, saves, ratio,
-                                     np.asarray(prompt[lo:request.num_tokens], dtype=np.int64), lo)
+                                     np.asarray(prompt[lo:request.num_tokens], dtype=np.int64), lo,
+                                     self._sink)
 
     def on_new_request(self, request: "Request") -> None:
         """A request joined the waiting queue. It is looked up when the step is built, and only

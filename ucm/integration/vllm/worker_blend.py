@@ -12,8 +12,8 @@ blended at all (no model, a model or cache Blend does not support, an error), it
 reported as failed loads: vLLM computes them (a full prefill of the region), never wrong output.
 
 After the forward (:meth:`WorkerBlend.store_chunks`, from ``wait_for_save``): each chunk the
-store lacked is computed alone, as if it began the sequence (positions ``0..n-1``), in the
-scratch cache and dumped under its chunk ids.
+store lacked is computed alone, after the job's sink tokens (:func:`ucm.blend.engine.chunk_fill`),
+in the scratch cache and dumped under its chunk ids.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import ucm
-from ucm.blend.engine import BlendStats, blend_fill
+from ucm.blend.engine import BlendStats, blend_fill, chunk_fill
 from ucm.integration.core import WorkerCore
 
 log = logging.getLogger("ucm.integration.vllm")
@@ -144,9 +144,10 @@ class WorkerBlend:
             runs.append((off, torch.as_tensor(slot, device=dev), p.chunk_start))
         runs.sort(key=lambda r: int(r[0][0]))       # (loaded rows go in position order)
         if runs:
+            s = len(job.sink)                        # (stored keys sit at positions s + j)
             slots = torch.cat([slot for _, slot, _ in runs])
-            deltas = torch.cat([torch.full((len(slot),), delta, dtype=torch.int64, device=dev)
-                                for _, slot, delta in runs])
+            deltas = torch.cat([torch.full((len(slot),), delta - s, dtype=torch.int64,
+                                           device=dev) for _, slot, delta in runs])
             blk, row = slots // bs, slots % bs
 
         def loaded(layer: int):
@@ -176,7 +177,7 @@ class WorkerBlend:
             for cs in job.saves:
                 t0 = time.perf_counter()
                 try:
-                    self._store_chunk(cs)
+                    self._store_chunk(cs, job.sink)
                 except Exception as exc:
                     log.warning("ucm blend: chunk of %d tokens not stored (%r)", len(cs.tokens), exc)
                     self.core.metrics.inc("ucm_blend_chunk_save_failed_total")
@@ -186,7 +187,7 @@ class WorkerBlend:
                 self.core.metrics.inc("ucm_blend_chunk_save_seconds_total", time.perf_counter() - t0)
         return ran
 
-    def _store_chunk(self, cs) -> None:
+    def _store_chunk(self, cs, sink: np.ndarray) -> None:
         from ucm.integration.vllm.blend_hook import PagedKV
 
         core, bs = self.core, self.bs
@@ -194,10 +195,9 @@ class WorkerBlend:
         nblk = len(cs.ids)
         layout, sviews = self.scratch(nblk)
         kv = PagedKV(sviews, range(nblk), bs)
-        none = torch.zeros(len(cs.tokens), dtype=torch.bool, device=core.device)
         with torch.inference_mode():
-            blend_fill(model, kv, torch.as_tensor(cs.tokens, device=core.device), 0, None, none,
-                       ratio=1.0, check_layer=0)
+            chunk_fill(model, kv, torch.as_tensor(cs.tokens, device=core.device),
+                       torch.as_tensor(sink, dtype=torch.int64, device=core.device))
         todo = nblk - cs.skip
         buf = core.take_staging(todo * core.block_bytes)
         rows = buf[:todo * core.block_bytes].view(todo, core.block_bytes)
