@@ -139,9 +139,11 @@ def main(argv=None) -> int:
                 rows[r]["agree"].append(agree)
             else:
                 rows[r]["ret_ok"] += b[:n_answer] == target
+                rows[r].setdefault("ret", []).append(b[:n_answer] == target)
         if kind == "retrieval":
             full["n_ret"] += 1
             full["ret_ok"] += f[:n_answer] == target
+            full.setdefault("ret", []).append(f[:n_answer] == target)
         print(f"sample {i + 1}/{len(kinds)} ({kind}, {len(prompt)} tokens) {time.time() - t0:.0f} s",
               flush=True)
     n_ret = max(1, full["n_ret"])
@@ -154,7 +156,10 @@ def main(argv=None) -> int:
                     # standard error over the prompts (positions of one prompt are correlated)
                     "top1_agreement_se": statistics.stdev(ag) / len(ag) ** 0.5 if len(ag) > 1
                     else None,
+                    "top1_agreement_per_prompt": ag,
                     "retrieval_correct": row["ret_ok"], "retrieval_full_correct": full["ret_ok"],
+                    "retrieval_per_prompt": row.get("ret", []),
+                    "retrieval_full_per_prompt": full.get("ret", []),
                     "retrieval": row["ret_ok"] / n_ret, "retrieval_full": full["ret_ok"] / n_ret,
                     "ttft_ratio": statistics.median(row["ttft"]) / full_ttft,
                     "ttft_ratio_per_sample": statistics.median(
