@@ -10,9 +10,10 @@ when every answer token is the argmax of its position.
 
 Each chunk's KV is computed alone, after the model's BOS token as ``blend.sink: bos`` does
 (``--sink none``: as if the chunk began the sequence), rotated to its place and blended
-(:func:`ucm.blend.reference.blended_logits`, the computation the vLLM integration runs); ratio 1.0 recomputes everything and must reproduce the full prefill. The
-lookahead that steers part of the recompute reads the question only (``--lookahead``): the
-answer tokens are teacher-forced here but would be generated in use.
+(:func:`ucm.blend.reference.blended_logits`, the computation the vLLM integration runs);
+ratio 1.0 recomputes everything and must reproduce the full prefill. The lookahead that
+steers part of the recompute reads the question only (``--lookahead``): the answer tokens are
+teacher-forced here but would be generated in use.
 
     .venv/bin/python evals/blend_quality.py --samples 8 --json OUT.json
 """

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -118,3 +118,13 @@ def id_bytes(ids: np.ndarray) -> list[bytes]:
 def id_hex(ids: np.ndarray) -> list[str]:
     """``uint64 [n, 2]`` → list of 32-character lowercase hex names (used for files and keys)."""
     return [b.hex() for b in id_bytes(ids)]
+
+
+def derived_id(parent: Optional[np.ndarray], tag: bytes, payload: Any) -> np.ndarray:
+    """An id ``uint64 [2]`` derived from ``parent`` (an id, or None) and ``payload`` (any value
+    with a stable ``repr``) under ``tag``: the roots of id chains (a request's LoRA adapter,
+    cache salt and generation; what a Blend chunk was computed after) and their per-block
+    extras."""
+    base = bytes(16) if parent is None else np.ascontiguousarray(parent, dtype="<u8").tobytes()
+    digest = murmur3_x64_128(tag + base + repr(payload).encode("utf-8", "backslashreplace"), 0)
+    return np.frombuffer(digest, dtype="<u8").astype(np.uint64)

@@ -145,12 +145,9 @@ def chunk_ids(tokens: Sequence[int], ns, root: Optional[np.ndarray],
 
 def sink_root(root: Optional[np.ndarray], sink: Sequence[int]) -> np.ndarray:
     """The parent id of chunks computed after ``sink`` under request root ``root``."""
-    from ucm.murmur import murmur3_x64_128
+    from ucm.ids import derived_id
 
-    base = bytes(16) if root is None else np.ascontiguousarray(root, dtype="<u8").tobytes()
-    toks = np.asarray(list(sink), dtype="<i8").tobytes()
-    digest = murmur3_x64_128(b"ucm-blend-sink-v1\0" + base + toks, 0)
-    return np.frombuffer(digest, dtype="<u8").astype(np.uint64)
+    return derived_id(root, b"ucm-blend-sink-v1\0", tuple(int(t) for t in sink))
 
 
 # ---------------------------------------------------------------------------------------------

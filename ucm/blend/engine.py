@@ -320,13 +320,9 @@ def chunk_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor,
     stored KV is far from what the token has in a real prompt, where the prompt's own first
     token is the sink. After a shared sink token the chunk's tokens attend as they would
     inside a prompt, so less of the recompute budget goes to repairing the chunk's start."""
-    if sink is None or len(sink) == 0:
-        blend_fill(model, kv, ids, 0, None, torch.zeros(len(ids), dtype=torch.bool,
-                                                        device=ids.device), ratio=1.0)
-        return
-    s = int(len(sink))
-    full = torch.cat([sink.to(ids.device, ids.dtype), ids])
-    blend_fill(model, AfterSink(kv, s), full, 0, None,
+    s = 0 if sink is None else int(len(sink))
+    full = ids if s == 0 else torch.cat([sink.to(ids.device, ids.dtype), ids])
+    blend_fill(model, kv if s == 0 else AfterSink(kv, s), full, 0, None,
                torch.zeros(len(full), dtype=torch.bool, device=ids.device), ratio=1.0)
 
 

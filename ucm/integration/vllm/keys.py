@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
 import ucm
-from ucm.ids import Namespace
+from ucm.ids import Namespace, derived_id
 from ucm.murmur import murmur3_x64_128
 
 log = logging.getLogger("ucm.integration.vllm")
@@ -99,12 +99,6 @@ def keyable(request) -> bool:
     return _vllm_extra_keys is not None or not _per_block_inputs(request)
 
 
-def _mix(parent: Optional[np.ndarray], tag: bytes, keys: Any) -> np.ndarray:
-    base = bytes(16) if parent is None else np.ascontiguousarray(parent, dtype="<u8").tobytes()
-    digest = murmur3_x64_128(tag + base + repr(keys).encode("utf-8", "backslashreplace"), 0)
-    return np.frombuffer(digest, dtype="<u8").astype(np.uint64)
-
-
 def request_root(request, ns: Namespace, generation: int) -> Optional[np.ndarray]:
     """Parent of the request's first block (None: the plain chain)."""
     wide = []
@@ -116,7 +110,7 @@ def request_root(request, ns: Namespace, generation: int) -> Optional[np.ndarray
         wide.append(("cache_salt", str(salt)))
     if not wide and not generation:
         return None
-    return _mix(np.frombuffer(ns.digest(), dtype="<u8"), b"ucm-root-v1\0", (int(generation), tuple(wide)))
+    return derived_id(np.frombuffer(ns.digest(), dtype="<u8"), b"ucm-root-v1\0", (int(generation), tuple(wide)))
 
 
 class RequestKeys:
@@ -153,7 +147,7 @@ class RequestKeys:
         k = have
         while k < n_blocks:
             if extras[k - have] is not None:
-                parent = _mix(parent, b"ucm-extra-v1\0", extras[k - have])
+                parent = derived_id(parent, b"ucm-extra-v1\0", extras[k - have])
             j = k + 1  # blocks without extra keys continue the chain in one call
             while j < n_blocks and extras[j - have] is None:
                 j += 1
