@@ -79,6 +79,18 @@ def retrieval_sample(ids: list, rng: random.Random, tok) -> tuple:
     return prefix, chunks, question + answer, len(answer)
 
 
+def context_tokens(ids: list, spec) -> list:
+    """``blend.context`` for the evals: ``LEN`` corpus tokens from ``START`` (``"START:LEN"``),
+    or none. Prompts draw their text from token 5000 on, so a context below it is in no
+    prompt."""
+    if not spec:
+        return []
+    a, n = (int(x) for x in spec.split(":"))
+    if a < 0 or n < 1 or a + n > 5000:
+        raise SystemExit(f"--context {spec}: expected START:LEN within the first 5000 tokens")
+    return list(ids[a:a + n])
+
+
 def score(res, suffix: list, n_answer: int) -> tuple:
     """(agreement with full prefill, mean KL(full || Blend), blend correct, full correct) over
     the answer positions."""
@@ -104,6 +116,10 @@ def main(argv=None) -> int:
                          "nothing (deviation-only selection)")
     ap.add_argument("--sink", choices=("bos", "none"), default="bos",
                     help="what each chunk is computed after (ucm's blend.sink)")
+    ap.add_argument("--context", default=None, metavar="START:LEN",
+                    help="ucm's blend.context: each chunk is also computed after LEN corpus "
+                         "tokens from START (a passage of the documents' kind that no prompt "
+                         "holds; prompts take the text from token 5000 on)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -116,6 +132,7 @@ def main(argv=None) -> int:
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         bos = json.load(f).get("bos_token_id")
     sink = [bos] if args.sink == "bos" and isinstance(bos, int) else []
+    sink += context_tokens(ids, args.context)
     ratios = [float(r) for r in args.ratios.split(",")]
     rng = random.Random(args.seed)
     rows = {r: {"agree": [], "text_agree": [], "text_kl": [], "blend_correct": 0, "full_correct": 0,
@@ -163,7 +180,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": "SmolLM2-135M", "dtype": "float32", "samples": args.samples,
                        "retrieval_samples": args.retrieval, "check_layer": args.check_layer,
-                       "lookahead": args.lookahead, "sink": sink,
+                       "lookahead": args.lookahead, "sink": sink[:1] if args.sink == "bos" else [],
+                       "context": args.context,
                        "rows": out}, f, indent=1)
     return 0
 

@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--sink", choices=("bos", "none"), default="bos",
                     help="ucm's blend.sink: what each chunk is computed after")
+    ap.add_argument("--context", default=None, metavar="START:LEN",
+                    help="ucm's blend.context: LEN corpus tokens from START (a passage of the "
+                         "documents' kind that no prompt holds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -55,7 +58,7 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from evals.blend_quality import retrieval_sample, text_sample
+    from evals.blend_quality import context_tokens, retrieval_sample, text_sample
     from evals.sparse_quality import corpus_ids
     from ucm.demo.engine import llm_kwargs
     from ucm.models import ensure_smollm2
@@ -67,7 +70,8 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="ucm-blend-eval-")
     spec = dict(model=path, dtype="float32", connector="ucm", block_size=32, max_model_len=8192,
                 extra_config={"store": {"pipeline": "memory|posix", "posix": {"roots": [root]}},
-                              "blend": {"sink": args.sink}})
+                              "blend": {"sink": args.sink,
+                                        "context": context_tokens(ids, args.context)}})
     llm = LLM(**llm_kwargs(spec))
 
     def params(spans, ratio):
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": "SmolLM2-135M", "dtype": "float32", "engine": "vLLM-CPU",
                        "samples": args.samples, "retrieval_samples": args.retrieval,
-                       "seed": args.seed, "sink": args.sink,
+                       "seed": args.seed, "sink": args.sink, "context": args.context,
                        "full_ttft_ms": 1e3 * full_ttft, "rows": out}, f, indent=1)
     return 0
 

@@ -170,12 +170,12 @@ def test_a_chunk_computed_after_a_sink_is_the_prefill_of_sink_and_chunk():
     assert not torch.allclose(alone[-1][1], got[-1][1], atol=1e-3)
 
 
-def test_a_chunk_after_the_same_sink_in_the_prompt_is_exact_without_recompute():
+@pytest.mark.parametrize("sink", [[7], [7, 3, 11, 2, 40]])   # BOS; BOS + blend.context
+def test_a_chunk_after_the_same_sink_in_the_prompt_is_exact_without_recompute(sink):
     # the stored keys sit at positions len(sink).. and rotate by (chunk start - len(sink)): a
     # chunk that follows exactly the sink tokens in a prompt is where it was computed
     model = tiny_model(scale=3.0)
     _, cs, suffix = _request(2)
-    sink = [7]
     res = blended_logits(model, sink, cs[:1], suffix, 0.0, sink=sink)
     assert torch.allclose(res.logits, res.full_logits, atol=1e-4)
     # elsewhere it is approximate, and ratio 1 is still the full prefill
@@ -437,13 +437,14 @@ def test_worker_blend_from_the_store_reproduces_the_full_prefill_at_ratio_one(si
     assert m["ucm_blend_tokens_total"] == 21 - 16 + 40 + 57 + 33
 
 
-def test_worker_blend_rotates_chunks_stored_after_a_sink_from_the_sinks_end():
+@pytest.mark.parametrize("sink", [(5,), (5, 9, 2, 11, 3, 60, 8)])   # BOS; BOS + context
+def test_worker_blend_rotates_chunks_stored_after_a_sink_from_the_sinks_end(sink):
     # the worker's stored rows hold keys at positions len(sink)..: a chunk right after the
     # same tokens in a prompt needs no recompute at all
     model = tiny_model(layers=4, scale=3.0)
     _, cs, suffix = _request(7, sizes=(48,))
     wb, views, failed = _worker(model, 0.0)
-    got, full, _ = _serve(model, wb, views, [5], cs, suffix, sink=(5,))
+    got, full, _ = _serve(model, wb, views, list(sink), cs, suffix, sink=sink)
     assert not failed and wb.core.metrics.totals()["ucm_blend_stored_tokens_total"] == 48
     assert torch.allclose(got, full, atol=2e-3, rtol=1e-4)
 
@@ -518,6 +519,64 @@ def test_blend_sink_is_the_models_bos_or_nothing(value, hf, want):
     vc = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(**hf)))
     got = blend_sink(Config({"blend": {"sink": value}}), vc)
     assert got.dtype == np.int64 and got.tolist() == want
+
+
+@pytest.mark.parametrize("value,hf,want", [
+    ("bos", {"bos_token_id": 1, "vocab_size": 100}, [1, 7, 99, 0]),
+    ("none", {"bos_token_id": 1, "vocab_size": 100}, [7, 99, 0]),
+    ("bos", {"bos_token_id": None, "vocab_size": 100}, [7, 99, 0]),   # no BOS: the context alone
+])
+def test_blend_context_follows_the_sink(value, hf, want):
+    from types import SimpleNamespace
+
+    from ucm.config import Config
+    from ucm.integration.vllm.scheduler import blend_sink
+
+    vc = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(**hf)))
+    got = blend_sink(Config({"blend": {"sink": value, "context": [7, 99, 0]}}), vc)
+    assert got.dtype == np.int64 and got.tolist() == want
+    # chunks stored after another context are other ids (a clean miss, never wrong KV)
+    ns = Namespace(model="m", dtype="float32", block_size=16)
+    toks = np.arange(32, dtype=np.int64)
+    assert not np.array_equal(chunks.chunk_ids(toks, ns, None, got),
+                              chunks.chunk_ids(toks, ns, None, got[:-1]))
+
+
+def test_a_bad_blend_context_names_the_key():
+    from types import SimpleNamespace
+
+    from ucm.config import Config, ConfigError
+    from ucm.integration.vllm.scheduler import blend_sink
+
+    with pytest.raises((ConfigError, ValueError), match=r"blend\.context.*>= 0"):
+        Config({"blend": {"context": [3, -1]}})
+    with pytest.raises((ConfigError, ValueError), match=r"blend\.context.*4096"):
+        Config({"blend": {"context": [1] * 5000}})
+    with pytest.raises((ConfigError, ValueError), match=r"blend\.context.*list of integers"):
+        Config({"blend": {"context": "a passage of text"}})
+    vc = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(
+        bos_token_id=1, vocab_size=100)))
+    with pytest.raises(ConfigError, match=r"blend\.context.*\[100, 250\].*vocabulary of 100"):
+        blend_sink(Config({"blend": {"context": [5, 100, 250]}}), vc)
+
+
+def test_a_chunk_too_long_to_follow_the_sink_is_served_without_blend(caplog):
+    # a chunk is computed at positions len(sink)..len(sink)+len(chunk): past max_model_len the
+    # model has no rotary positions for it, so the request is computed in full
+    import logging
+    from types import SimpleNamespace
+
+    from ucm.integration.vllm.scheduler import ConnectorScheduler
+
+    sched = object.__new__(ConnectorScheduler)
+    sched._separator, sched._sink, sched._max_len = [], np.arange(40, dtype=np.int64), 256
+    st = SimpleNamespace(chain=SimpleNamespace(per_block=False, root=None))
+    req = SimpleNamespace(request_id="r1", prompt_token_ids=list(range(300)), num_output_tokens=0,
+                          num_tokens=300,
+                          kv_transfer_params={"ucm_blend": {"chunks": [[10, 40], [40, 260]]}})
+    with caplog.at_level(logging.WARNING, logger="ucm"):
+        assert sched._blend_job(st, req, 0) is None
+    assert "passes max_model_len 256" in caplog.text
 
 
 def test_a_bad_blend_sink_names_the_key_and_the_choices():

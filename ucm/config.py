@@ -195,6 +195,14 @@ class Option:
         return value
 
 
+def _check_context(value: list) -> Optional[str]:
+    if any(t < 0 for t in value):
+        return "token ids must be >= 0"
+    if len(value) > 4096:
+        return f"at most 4096 tokens (got {len(value)}): each stored chunk is computed after them"
+    return None
+
+
 def _check_pipeline(value: str) -> Optional[str]:
     parts = value.split("|")
     ok = all(re.fullmatch(r"[A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*", p.strip()) for p in parts)
@@ -460,6 +468,12 @@ OPTIONS: tuple[Option, ...] = (
            "config: as 'none'); 'none', nothing: the chunk begins the sequence and a request "
            "that begins with it stores it too. Part of the chunk ids: changing it is a clean "
            "miss for chunks stored before.", choices=("bos", "none")),
+    Option("blend.context", "list[int]", [], "Token ids a chunk computed alone follows, after "
+           "blend.sink (their KV dropped): text of the kind that precedes chunks in your prompts "
+           "(a RAG system prompt, a passage like the documents), so a chunk's first tokens are "
+           "stored as they are inside a prompt rather than at its start. Part of the chunk ids "
+           "(changing it is a clean miss); every id must be in the model's vocabulary.",
+           check=_check_context),
     Option("connector.load_failure", "str", "recompute", "What vLLM does with blocks that fail to "
            "load: 'recompute' them (ucm sets vLLM's kv_load_failure_policy) or leave vLLM's own "
            "setting ('engine'; vLLM's default fails the request).", choices=("recompute", "engine")),

@@ -133,19 +133,29 @@ def blend_available(cfg: Config, vllm_config, kv_transfer_config) -> bool:
 
 
 def blend_sink(cfg: Config, vllm_config) -> np.ndarray:
-    """The tokens a chunk computed alone follows (``blend.sink``): the model's BOS token, or
-    none (``none``, or a model whose config names no BOS)."""
-    if cfg["blend.sink"] == "none":
-        return np.zeros(0, np.int64)
+    """The tokens a chunk computed alone follows: the model's BOS token (``blend.sink``; none
+    for ``none`` or a model whose config names no BOS), then ``blend.context``. A context id
+    outside the model's vocabulary is a :class:`ConfigError`."""
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    bos = getattr(hf, "bos_token_id", None)
     vocab = getattr(hf, "vocab_size", None)
-    if isinstance(bos, bool) or not isinstance(bos, int) or bos < 0 or \
+    context = [int(t) for t in cfg["blend.context"]]
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        bad = [t for t in context if t >= vocab]
+        if bad:
+            raise ConfigError(f"config key 'blend.context': token ids {bad[:8]} are outside the "
+                              f"model's vocabulary of {vocab}")
+    bos = getattr(hf, "bos_token_id", None)
+    if cfg["blend.sink"] == "none":
+        head = []
+    elif isinstance(bos, bool) or not isinstance(bos, int) or bos < 0 or \
             (isinstance(vocab, int) and bos >= vocab):
         log.info("ucm blend: the model's config names no BOS token (bos_token_id %r); chunks "
-                 "are computed as if they began the sequence", bos)
-        return np.zeros(0, np.int64)
-    return np.array([bos], np.int64)
+                 "are computed as if they began the sequence%s", bos,
+                 " after blend.context" if context else "")
+        head = []
+    else:
+        head = [bos]
+    return np.array(head + context, np.int64)
 
 
 class ConnectorScheduler:
@@ -187,6 +197,8 @@ class ConnectorScheduler:
         self._separator = list(cfg["blend.separator"])
         self._store_chunks = bool(cfg["blend.store_chunks"])
         self._sink = blend_sink(cfg, vllm_config) if self._blend else np.zeros(0, np.int64)
+        self._max_len = int(getattr(getattr(vllm_config, "model_config", None), "max_model_len",
+                                    0) or 0)
         self._arrived: dict = {}  # request id -> request, added since the last step (prefetch)
         # ids of partial tails live in their own namespace: a tail of t tokens is never
         # mistaken for a full block (and vice versa)
@@ -313,6 +325,13 @@ class ConnectorScheduler:
             log.warning("ucm blend: request %s: %s; served without Blend", request.request_id, exc)
             return None
         if not spans:
+            return None
+        longest = max(b - a for a, b in spans)
+        if self._max_len and len(self._sink) + longest > self._max_len:
+            # a chunk is computed at positions after the sink: they must exist in the model
+            log.warning("ucm blend: request %s: a chunk of %d tokens after the %d sink tokens "
+                        "(blend.sink, blend.context) passes max_model_len %d; served without "
+                        "Blend", request.request_id, longest, len(self._sink), self._max_len)
             return None
         bs = self.block_size
         try:
