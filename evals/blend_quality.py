@@ -131,8 +131,8 @@ def main(argv=None) -> int:
     ids = corpus_ids(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         bos = json.load(f).get("bos_token_id")
-    sink = [bos] if args.sink == "bos" and isinstance(bos, int) else []
-    sink += context_tokens(ids, args.context)
+    head = [bos] if args.sink == "bos" and isinstance(bos, int) else []
+    sink = head + context_tokens(ids, args.context)
     ratios = [float(r) for r in args.ratios.split(",")]
     rng = random.Random(args.seed)
     rows = {r: {"agree": [], "text_agree": [], "text_kl": [], "blend_correct": 0, "full_correct": 0,
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": "SmolLM2-135M", "dtype": "float32", "samples": args.samples,
                        "retrieval_samples": args.retrieval, "check_layer": args.check_layer,
-                       "lookahead": args.lookahead, "sink": sink[:1] if args.sink == "bos" else [],
+                       "lookahead": args.lookahead, "sink": head,
                        "context": args.context,
                        "rows": out}, f, indent=1)
     return 0
