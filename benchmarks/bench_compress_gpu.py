@@ -49,7 +49,7 @@ def _specs():
     from ucm.compress import CodecSpec
 
     return {
-        "int8": CodecSpec("quantize", 8),                     # (default: keys per token)
+        "int8": CodecSpec("quantize", 8),      # (auto: keys per token in these 16-token blocks)
         "int8_channel": CodecSpec("quantize", 8, key_mode="channel"),
         "int4_channel_g32": CodecSpec("quantize", 4, 32, "channel"),
         "int4_channel_g64": CodecSpec("quantize", 4, 64, "channel"),

@@ -35,7 +35,7 @@ SENTINEL = 0xA5
 
 SPECS = {
     "int8": CodecSpec("quantize", 8, key_mode="channel"),
-    "int8-tok": CodecSpec("quantize", 8),                   # (auto: keys per token)
+    "int8-tok": CodecSpec("quantize", 8),       # auto: keys per token below 128 tokens
     "int4-ch32": CodecSpec("quantize", 4, 32, "channel"),
     "int4-ch64": CodecSpec("quantize", 4, 64, "channel"),
     "int4-tok32": CodecSpec("quantize", 4, 32, "token"),
@@ -47,7 +47,8 @@ SPECS = {
 SMALL = [KVShape("kthd", 8, 2, 64, "bfloat16"), KVShape("hktd", 5, 3, 64, "float16"),
          KVShape("thkd", 4, 1, 64, "float32")]
 LARGE = [KVShape("kthd", 16, 8, 128, "bfloat16"), KVShape("htkd", 16, 3, 64, "bfloat16"),
-         KVShape("kthd", 7, 3, 96, "float16"), KVShape("hktd", 16, 2, 128, "float32")]
+         KVShape("kthd", 7, 3, 96, "float16"), KVShape("hktd", 16, 2, 128, "float32"),
+         KVShape("hktd", 128, 3, 64, "bfloat16")]     # (int8-tok: auto is per channel here)
 
 
 def _params():

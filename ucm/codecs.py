@@ -23,6 +23,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 DIMS = "kthd"
 KEY_ORDERS = ("td", "dt")
+#: INT8 ``key_mode="auto"``: keys per channel from blocks of this many tokens (CodecSpec.for_shape)
+INT8_CHANNEL_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +98,10 @@ class CodecSpec:
                 raise ValueError(f"compression.group: one of {GROUPS}, got {self.group!r}")
         if self.key_mode not in KEY_MODES:
             raise ValueError(f"compression.key_mode: one of {KEY_MODES}, got {self.key_mode!r}")
-        if self.key_mode == "auto":
-            # INT8: one scale per token and head (its GPU kernel runs at the device's copy
-            # rate; per-channel keys cut the key error 2.5x for a 4x slower GPU encode);
-            # INT4 and sparse: keys per channel (KIVI), which more than halves their error
-            object.__setattr__(self, "key_mode", "token" if self.method == "quantize"
-                               and self.bits == 8 else "channel")
+        if self.key_mode == "auto" and not self.int8:
+            # INT4 and sparse: keys per channel (KIVI), which more than halves their error.
+            # INT8's choice depends on the block's length (for_shape).
+            object.__setattr__(self, "key_mode", "channel")
         if self.method == "sparse" and not 0.0 < float(self.salient) <= 0.5:
             raise ValueError(f"compression.salient: a fraction in (0, 0.5], got {self.salient!r}")
         if self.method == "learned":
@@ -115,10 +115,30 @@ class CodecSpec:
     def int4(self) -> bool:
         return self.method == "sparse" or (self.method == "quantize" and self.bits == 4)
 
+    @property
+    def int8(self) -> bool:
+        return self.method == "quantize" and self.bits == 8
+
+    def for_shape(self, shape: "KVShape") -> "CodecSpec":
+        """This codec with ``key_mode`` ``auto`` resolved for blocks of ``shape``. INT8: keys
+        per channel (asymmetric, token 0 exact) where a block has at least
+        :data:`INT8_CHANNEL_TOKENS` tokens, else per token. Per-channel keys cut the KL of
+        SmolLM2's next-token distributions 3.7x against keys per token (RESULTS.md, "How
+        far 8-bit keys can go"), but their minimum, scale and exact first key cost 6 bytes per
+        (head, channel) and block: 1.2-1.6% of bfloat16's bytes from 128 tokens, 10% at 16
+        (vLLM's CUDA blocks), where per-token keys stay within 0.52 of bfloat16's bytes."""
+        if self.key_mode != "auto":
+            return self
+        mode = "channel" if shape.tokens >= INT8_CHANNEL_TOKENS else "token"
+        return dataclasses.replace(self, key_mode=mode)
+
     def params(self) -> dict:
         """What identifies the encoded bytes (no field that does not change them)."""
-        if self.method == "quantize" and self.bits == 8:
-            return {"method": "quantize", "bits": 8, "key_mode": self.key_mode}
+        if self.int8:       # ("auto": unresolved; stores name blocks by the resolved spec)
+            p = {"method": "quantize", "bits": 8, "key_mode": self.key_mode}
+            if self.key_mode == "channel":
+                p["keys"] = "asymmetric, token 0 exact"
+            return p
         if self.method == "learned":
             return {"method": "learned", "ratio": float(self.ratio),
                     "projection": self.projection.digest}
@@ -138,6 +158,12 @@ class CodecSpec:
 
     def check(self, shape: KVShape) -> None:
         """ValueError when this codec cannot encode shards of ``shape``."""
+        if self.key_mode == "auto":
+            return self.for_shape(shape).check(shape)
+        if self.int8 and self.key_mode == "channel" and shape.tokens < 2:
+            raise ValueError("compression.key_mode 'channel' of INT8 keeps token 0's key exact "
+                             "and scales the others per channel: blocks of 1 token have none "
+                             "(use 'token')")
         if self.int4:
             d = shape.head_dim
             if d % 2:
@@ -176,10 +202,12 @@ def _int4_segments(spec: CodecSpec, t: int, h: int, d: int, prefix: str) -> list
 def segments(spec: CodecSpec, shape: KVShape) -> list:
     """``[(name, dtype, shape)]`` of one encoded shard, in byte order (each segment starts at a
     multiple of 8 bytes)."""
+    spec = spec.for_shape(shape)
     t, h, d = shape.tokens, shape.heads, shape.head_dim
-    if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
-        return [("q", "int8", (2, t, h, d)), ("kscale", "bfloat16", (h, d)),
-                ("vscale", "bfloat16", (t, h))]
+    if spec.int8 and spec.key_mode == "channel":
+        # q: values int8; keys uint8 codes (token 0's unused: 0), its exact key in k0
+        return [("q", "int8", (2, t, h, d)), ("kp", "bfloat16", (h, d, 2)),
+                ("vscale", "bfloat16", (t, h)), ("k0", shape.dtype, (h, d))]
     if spec.method == "quantize" and spec.bits == 8:
         return [("q", "int8", (2, t, h, d)), ("scale", "bfloat16", (2, t, h))]
     if spec.method == "quantize":

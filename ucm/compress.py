@@ -83,9 +83,11 @@ def _check(spec, shape, layer):
         raise ValueError(f"spec: expected a ucm.compress.CodecSpec, got {type(spec).__name__}")
     if not isinstance(shape, KVShape):
         raise ValueError(f"shape: expected a ucm.compress.KVShape, got {type(shape).__name__}")
+    spec = spec.for_shape(shape)
     spec.check(shape)
     if spec.method == "learned" and not 0 <= int(layer) < spec.projection.layers:
         raise ValueError(f"layer {layer}: the projection has {spec.projection.layers} layers")
+    return spec
 
 
 def encode(spec: CodecSpec, shape: KVShape, src, dst, layer: int = 0, *,
@@ -94,7 +96,7 @@ def encode(spec: CodecSpec, shape: KVShape, src, dst, layer: int = 0, *,
     ``layer``) into the same row of ``dst`` (uint8 ``[n, encoded_bytes]``, same device).
     Returns ``ok``: bool ``[n]``, False where the shard held NaN or infinite values (its row of
     ``dst`` is then undefined)."""
-    _check(spec, shape, layer)
+    spec = _check(spec, shape, layer)
     s = _rows(src, shape.raw_bytes, "src")
     d = _rows(dst, encoded_bytes(spec, shape), "dst", s.shape[0])
     if s.device != d.device:
@@ -108,7 +110,7 @@ def decode(spec: CodecSpec, shape: KVShape, src, dst, layer: int = 0, *,
            backend: Optional[str] = None) -> None:
     """Decode each row of ``src`` (uint8 ``[n, encoded_bytes]``) into the same row of ``dst``
     (uint8 ``[n, shape.raw_bytes]``, in the shard's memory order)."""
-    _check(spec, shape, layer)
+    spec = _check(spec, shape, layer)
     s = _rows(src, encoded_bytes(spec, shape), "src")
     d = _rows(dst, shape.raw_bytes, "dst", s.shape[0])
     if s.device != d.device:
@@ -149,11 +151,11 @@ def _check_fused(layout, spec, shape, layers) -> tuple:
     _check_layout(layout)
     layers = layout.select(layers)
     for layer in layers:
-        _check(spec, shape, layer)
+        spec = _check(spec, shape, layer)
         if layout.shard_bytes(layer) != shape.raw_bytes:
             raise ValueError(f"shape: layer {layer}'s shard is {layout.shard_bytes(layer)} bytes, "
                              f"the KVShape describes {shape.raw_bytes}")
-    return layers
+    return layers, spec.for_shape(shape)
 
 
 def gather_encode(layout, block_indices, spec: CodecSpec, shape: KVShape, dst, layers=None, *,
@@ -170,7 +172,7 @@ def gather_encode(layout, block_indices, spec: CodecSpec, shape: KVShape, dst, l
     shard of the block held NaN or infinite values."""
     from ucm.transfer import _check_indices
 
-    layers = _check_fused(layout, spec, shape, layers)
+    layers, spec = _check_fused(layout, spec, shape, layers)
     idx = _check_indices(block_indices, layout, unique=False)
     d = _rows(dst, len(layers) * encoded_bytes(spec, shape), "dst", idx.shape[0])
     if d.device != layout.device:
@@ -188,7 +190,7 @@ def decode_scatter(layout, src, block_indices, spec: CodecSpec, shape: KVShape, 
     block number may appear only once."""
     from ucm.transfer import _check_indices
 
-    layers = _check_fused(layout, spec, shape, layers)
+    layers, spec = _check_fused(layout, spec, shape, layers)
     idx = _check_indices(block_indices, layout, unique=True)
     s = _rows(src, len(layers) * encoded_bytes(spec, shape), "src", idx.shape[0])
     if s.device != layout.device:
@@ -207,7 +209,7 @@ def layer_decoder(layout, src, block_indices, spec: CodecSpec, shape: KVShape, *
     for the GIL the forward's thread holds, up to the interpreter's switch interval (5 ms)."""
     from ucm.transfer import _check_indices
 
-    layers = _check_fused(layout, spec, shape, None)
+    layers, spec = _check_fused(layout, spec, shape, None)
     idx = _check_indices(block_indices, layout, unique=True)
     E = encoded_bytes(spec, shape)
     s = _rows(src, len(layers) * E, "src", idx.shape[0])

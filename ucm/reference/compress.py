@@ -120,6 +120,30 @@ def dequant8(q: torch.Tensor, s: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return q.float() * s.unsqueeze(dim)
 
 
+def quant8_asym(x: torch.Tensor, dim: int):
+    """Asymmetric 8-bit over ``dim``: (uint8 q in [0, 255], min, scale), min/scale float32
+    holding bfloat16 values, reduced over ``dim`` (kept as size 1); a zero extreme counts as
+    +0, as in :func:`quant4`."""
+    m = bf16_down(x.amin(dim=dim, keepdim=True) + 0.0)
+    s = bf16_up(_div(x.amax(dim=dim, keepdim=True) + 0.0 - m, 255.0))
+    q = torch.where(s > 0, torch.round((x - m) / s).clamp(0, 255), torch.zeros_like(x))
+    return q.to(torch.uint8), m, s
+
+
+def _int8_channel_encode(k: torch.Tensor, v: torch.Tensor):
+    """INT8 with keys per channel: k, v float32 ``[n, T, H, D]`` -> (q int8 ``[n, 2, T, H, D]``
+    whose keys are uint8 codes, kp bf16 bits ``[n, H, D, 2]``, vscale ``[n, T, H]``). Token 0's
+    key is kept exact (segment ``k0``; its codes are 0) and out of the channel ranges: in the
+    block that starts a sequence it is the attention sink, which most heads attend to and whose
+    key sits apart from the others (measured on SmolLM2: with it in the ranges asymmetric
+    keys' KL is 2x)."""
+    kq, km, ks = quant8_asym(k[:, 1:], dim=1)                       # [n, T-1, H, D], [n, 1, H, D]
+    kq = torch.cat([torch.zeros_like(kq[:, :1]), kq], dim=1)
+    vq, vs = quant8(v)                                              # [n, T, H, D], [n, T, H]
+    kp = torch.stack([km[:, 0], ks[:, 0]], dim=-1)                  # [n, H, D, 2]
+    return torch.stack([kq.view(torch.int8), vq], dim=1), bf16_bits(kp), bf16_bits(vs)
+
+
 def quant4(x: torch.Tensor, dim: int):
     """Asymmetric INT4 over ``dim``: (uint8 q in [0, 15], min, scale), min/scale float32
     holding bfloat16 values, reduced over ``dim`` (kept as size 1). A zero extreme counts as +0
@@ -193,18 +217,19 @@ def salient_tokens(k: torch.Tensor, count: int) -> torch.Tensor:
 # ops
 
 def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor, layer: int) -> np.ndarray:
+    spec = spec.for_shape(shape)
     x = to_canonical(src, shape)                                      # [n, 2, T, H, D]
     n, _, t, h, d = x.shape
     ok = torch.isfinite(x).reshape(n, -1).all(dim=1)
     x = torch.where(ok[:, None, None, None, None], x, torch.zeros_like(x))
     out = torch.zeros((n, encoded_bytes(spec, shape)), dtype=torch.uint8, device=x.device)
-    if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
-        kq, ks = quant8(x[:, 0], dim=1)                               # over tokens: [n, H, D]
-        vq, vs = quant8(x[:, 1])                                      # [n, T, H]
-        _put(out, spec, shape, "q", torch.stack([kq, vq], dim=1))
-        _put(out, spec, shape, "kscale", bf16_bits(ks))
-        _put(out, spec, shape, "vscale", bf16_bits(vs))
-    elif spec.method == "quantize" and spec.bits == 8:
+    if spec.int8 and spec.key_mode == "channel":
+        q, kp, vs = _int8_channel_encode(x[:, 0], x[:, 1])
+        _put(out, spec, shape, "q", q)
+        _put(out, spec, shape, "kp", kp)
+        _put(out, spec, shape, "vscale", vs)
+        _put(out, spec, shape, "k0", x[:, 0, 0].to(_TORCH[shape.dtype]))
+    elif spec.int8:
         q, s = quant8(x)
         _put(out, spec, shape, "q", q)
         _put(out, spec, shape, "scale", bf16_bits(s))
@@ -237,14 +262,17 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
 
 
 def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor, layer: int) -> None:
+    spec = spec.for_shape(shape)
     n = src.shape[0]
     t, h, d = shape.tokens, shape.heads, shape.head_dim
-    if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
+    if spec.int8 and spec.key_mode == "channel":
         q = _segment(src, spec, shape, "q")
-        k = dequant8(q[:, 0], from_bf16_bits(_segment(src, spec, shape, "kscale")), dim=1)
+        kp = from_bf16_bits(_segment(src, spec, shape, "kp"))             # [n, H, D, 2]
+        k = dequant4(q[:, 0].view(torch.uint8), kp[:, None, ..., 0], kp[:, None, ..., 1])
+        k[:, 0] = _segment(src, spec, shape, "k0").float()
         v = dequant8(q[:, 1], from_bf16_bits(_segment(src, spec, shape, "vscale")))
         x = torch.stack([k, v], dim=1)
-    elif spec.method == "quantize" and spec.bits == 8:
+    elif spec.int8:
         x = dequant8(_segment(src, spec, shape, "q"), from_bf16_bits(_segment(src, spec, shape, "scale")))
     elif spec.method == "quantize":
         k, v = _int4_decode(*(_segment(src, spec, shape, s) for s in ("kq", "vq", "kp", "vp")),

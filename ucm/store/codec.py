@@ -84,6 +84,7 @@ class CodecStore(KVStore):
     def __init__(self, inner: KVStore, geometry: BlockGeometry, spec: CodecSpec, shape: KVShape,
                  namespace: bytes = bytes(16), io_threads: int = 4, wait_timeout_s: float = 30.0):
         super().__init__(geometry, wait_timeout_s, namespace)
+        spec = spec.for_shape(shape)
         spec.check(shape)
         want = inner_geometry(geometry, spec, shape)
         if inner.geometry != want:

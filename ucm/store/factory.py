@@ -120,6 +120,7 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
                               "the KV (the vLLM connector passes it; open_store(..., kv_shape="
                               "ucm.compress.KVShape(...)))")
         try:
+            spec = spec.for_shape(kv_shape)
             spec.check(kv_shape)
             tier_geometry = inner_geometry(geometry, spec, kv_shape)
         except ValueError as exc:

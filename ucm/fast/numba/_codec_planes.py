@@ -11,6 +11,7 @@ from ucm.fast.numba._jit import njit
 
 _F0 = np.float32(0.0)
 _F15 = np.float32(15.0)
+_F255 = np.float32(255.0)
 _F127 = np.float32(127.0)
 _FM127 = np.float32(-127.0)
 _INF = np.float32(np.inf)
@@ -186,24 +187,31 @@ def _zero_pads(out, oo, pads):
 
 
 @njit
-def _enc8_chan_plane(buf, nt, d_n, out, q_at, q_ts, s_at, sc):
-    """INT8 of a key plane with one scale per channel over the ``nt`` tokens (``sc``: float32
-    [D] scratch): q at ``q_at + t * q_ts``, channel ``d``'s scale at ``s_at + 2 d``."""
-    for d in range(d_n):
-        sc[d] = _F0
-    for t in range(nt):
+def _enc8_chan_plane(buf, nt, d_n, out, q_at, q_ts, p_at, lo, hi):
+    """INT8 keys with a (min, scale) per channel over tokens ``1 .. nt - 1`` (token 0's key is
+    stored exact by the caller; its codes are 0): uint8 codes at ``q_at + t * q_ts``, channel
+    ``d``'s bfloat16 pair at ``p_at + 4 d``. ``lo``, ``hi``: float32 [D] scratch."""
+    lo[:] = _INF
+    hi[:] = _NINF
+    for t in range(1, nt):
         bv = buf[t * d_n:(t + 1) * d_n]
         for d in range(d_n):
-            sc[d] = max(sc[d], np.abs(bv[d]))
+            lo[d] = min(lo[d], bv[d])
+            hi[d] = max(hi[d], bv[d])
     for d in range(d_n):
-        sc[d] = bf16_up(sc[d] / _F127)
-        _put_bf16(out, s_at + 2 * d, sc[d])
-    for t in range(nt):
+        m = bf16_down(lo[d] + _F0)                        # + 0: a zero extreme is +0
+        sc = bf16_up((hi[d] + _F0 - m) / _F255)
+        lo[d] = m
+        hi[d] = sc
+        _put_bf16(out, p_at + 4 * d, m)
+        _put_bf16(out, p_at + 4 * d + 2, sc)
+    out[q_at:q_at + d_n] = 0
+    for t in range(1, nt):
         bv = buf[t * d_n:(t + 1) * d_n]
         ov = out[q_at + t * q_ts:q_at + t * q_ts + d_n]
         for d in range(d_n):
-            if sc[d] > _F0:
-                ov[d] = np.uint8(np.int32(min(max(np.rint(bv[d] / sc[d]), _FM127), _F127)))
+            if hi[d] > _F0:
+                ov[d] = np.uint8(np.int32(min(max(np.rint((bv[d] - lo[d]) / hi[d]), _F0), _F255)))
             else:
                 ov[d] = 0
 

@@ -36,7 +36,7 @@ from ucm.fast.numba._codec_planes import (_dec4_plane, _enc4_plane, _enc8_chan_p
                                           _get_bf16, _keys_to_channel_major,
                                           _keys_to_token_major, _load_plane,
                                           _rows_from_plane, _zero_pads)
-from ucm.fast.numba._elements import affine_rows, inf_mag, mag, st
+from ucm.fast.numba._elements import affine_rows, inf_mag, ld, mag, st
 from ucm.fast.numba._jit import njit
 
 # element bits of each cache dtype as the kernels see them (the type picks the conversions)
@@ -51,10 +51,13 @@ _ESIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 # infinity (it may then stop early); the row is then encoded again as zeros.
 
 @njit
-def _row_q8(x, xo, geo, chan, out, oo, q_off, s_off, ks_off, buf, tok, sc, zero):
-    """``chan``: keys scaled per channel (scales at ``ks_off``, values' at ``s_off``), else
-    every vector per token (``s_off``: keys' then values')."""
+def _row_q8(x, xb, xo, geo, chan, out, oo, offs, buf, tok, lo, hi, zero):
+    """``offs`` = [q, per-token scales, (keys per channel:) key pairs, exact keys].
+    ``chan``: keys with a (min, scale) per channel over tokens 1.. and token 0's key copied
+    exact from the raw bytes ``xb``; values (and keys without ``chan``) one scale per token."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    es = x.itemsize
+    q_off, s_off = offs[0], offs[1]
     for kv in range(2):
         for h in range(h_n):
             if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero):
@@ -62,7 +65,13 @@ def _row_q8(x, xo, geo, chan, out, oo, q_off, s_off, ks_off, buf, tok, sc, zero)
             v = (kv * t_n) * h_n + h
             if chan and kv == 0:
                 _enc8_chan_plane(buf, t_n, d_n, out, oo + q_off + v * d_n, h_n * d_n,
-                                 oo + ks_off + 2 * h * d_n, sc)
+                                 oo + offs[2] + 4 * h * d_n, lo, hi)
+                k0 = oo + offs[3] + h * d_n * es
+                if zero:
+                    out[k0:k0 + d_n * es] = 0
+                else:
+                    at = (xo + h * s_h) * es
+                    out[k0:k0 + d_n * es] = xb[at:at + d_n * es]
             else:
                 s_at = oo + s_off + 2 * (h if chan else v)
                 _enc8_plane(buf, t_n, d_n, out, oo + q_off + v * d_n, h_n * d_n, s_at, 2 * h_n)
@@ -70,12 +79,11 @@ def _row_q8(x, xo, geo, chan, out, oo, q_off, s_off, ks_off, buf, tok, sc, zero)
 
 
 @njit(nogil=True)
-def _encode_q8(x, rs, geo, chan, out, ro, q_off, s_off, ks_off, pads, ok, buf, tok, sc):
+def _encode_q8(x, xb, rs, geo, chan, out, ro, offs, pads, ok, buf, tok, lo, hi):
     for i in range(ok.shape[0]):
-        bad = _row_q8(x, i * rs, geo, chan, out, i * ro, q_off, s_off, ks_off, buf, tok, sc,
-                      False)
+        bad = _row_q8(x, xb, i * rs, geo, chan, out, i * ro, offs, buf, tok, lo, hi, False)
         if bad:
-            _row_q8(x, i * rs, geo, chan, out, i * ro, q_off, s_off, ks_off, buf, tok, sc, True)
+            _row_q8(x, xb, i * rs, geo, chan, out, i * ro, offs, buf, tok, lo, hi, True)
         _zero_pads(out, i * ro, pads)
         ok[i] = not bad
 
@@ -221,67 +229,72 @@ def _encode_learned(x, rs, geo, mean, basis, out, out16, ro, c_off, pads, ok, bu
 
 
 @njit
-def _q8_keys_dt(src, qi, so, y, base_h, t_n, h_n, d_n, s_h, q_off, s_off, ks_off, chan, kf, sc):
-    """The key planes of one row written channel-major (element (t, d) of head ``h`` at
-    ``base_h + h * s_h + d * T + t``): a head's keys are dequantized token-major into ``kf``
-    (float32 T x D, in L1; vectorized along the channels), then written a channel row at a
-    time (:func:`_rows_from_plane`)."""
-    for h in range(h_n):
+def _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, kf, sc, ys):
+    """Head ``h``'s keys of one row dequantized token-major into ``kf`` (float32 T x D);
+    with ``chan``, token 0's row is the exact key read as ``ys``'s element type (``ys``: a
+    one-element array of it, scratch)."""
+    if chan:
+        p_at = so + offs[2] + 4 * h * d_n
+        for d in range(d_n):
+            sc[d] = _get_bf16(src, p_at + 4 * d + 2)            # scale
+            sc[d_n + d] = _get_bf16(src, p_at + 4 * d)          # minimum
+        es = ys.itemsize
+        yb = ys.view(np.uint8)
+        k0 = so + offs[3] + h * d_n * es
+        for d in range(d_n):
+            yb[:] = src[k0 + d * es:k0 + (d + 1) * es]
+            kf[d] = ld(ys, 0)
+    for t in range(1 if chan else 0, t_n):
+        v = t * h_n + h
+        q = so + offs[0] + v * d_n
+        kv_ = kf[t * d_n:(t + 1) * d_n]
         if chan:
+            qv = src[q:q + d_n]
             for d in range(d_n):
-                sc[d] = _get_bf16(src, so + ks_off + 2 * (h * d_n + d))
-        for t in range(t_n):
-            v = t * h_n + h
-            q = so + q_off + v * d_n
+                kv_[d] = np.float32(qv[d]) * sc[d] + sc[d_n + d]
+        else:
             qv = qi[q:q + d_n]
-            kv_ = kf[t * d_n:(t + 1) * d_n]
-            if chan:
-                for d in range(d_n):
-                    kv_[d] = np.float32(qv[d]) * sc[d]
-            else:
-                s = _get_bf16(src, so + s_off + 2 * v)
-                for d in range(d_n):
-                    kv_[d] = np.float32(qv[d]) * s
-        _rows_from_plane(kf.view(np.uint32), y, base_h + h * s_h, t_n, d_n)
+            s = _get_bf16(src, so + offs[1] + 2 * v)
+            for d in range(d_n):
+                kv_[d] = np.float32(qv[d]) * s
 
 
 @njit(nogil=True)
-def _decode_q8(src, so_, y, yo, geo, chan, q_off, s_off, ks_off, sc, kf, keys_dt):
+def _decode_q8(src, so_, y, yo, geo, chan, offs, sc, kf, keys_dt):
     """Row ``i``: encoded at byte ``so_[i]`` of ``src``, decoded to element ``yo[i]`` of ``y``
     (the decode kernels all take such offsets, so they write into a staging row or straight into
-    a block of the paged cache alike). ``keys_dt``: write key planes channel-major (element
-    (t, d) at ``d * T + t`` of the plane) directly, instead of transposing them afterwards.
-    Vectors are visited in the encoded order (token, then head), so the int8 payload and the
-    scales are read sequentially; ``sc``: float32 scratch of H * D, ``kf``: float32 scratch
-    of T * D."""
+    a block of the paged cache alike). Keys go a head at a time through ``kf`` (float32 T x D
+    scratch, in L1: :func:`_q8_keys`), then to the cache token-major or, with ``keys_dt``,
+    channel-major (element (t, d) at ``d * T + t`` of the plane) directly, instead of
+    transposing them afterwards; values in the encoded order (token, then head), so the int8
+    payload and the scales are read sequentially. ``sc``: float32 scratch of 2 * D."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     qi = src.view(np.int8)
+    ys = y[:1].copy()
+    kb = kf.view(np.uint32)
     for i in range(so_.shape[0]):
         so = so_[i]
-        for kv in range(2):
-            if kv == 0 and keys_dt:
-                _q8_keys_dt(src, qi, so, y, yo[i], t_n, h_n, d_n, s_h, q_off, s_off, ks_off,
-                            chan, kf, sc)
-                continue
-            per_channel = chan and kv == 0
-            if per_channel:                   # keys: a scale per (head, channel)
-                for c in range(h_n * d_n):
-                    sc[c] = _get_bf16(src, so + ks_off + 2 * c)
-            for t in range(t_n):
-                for h in range(h_n):
-                    v = (kv * t_n + t) * h_n + h
-                    q = so + q_off + v * d_n
-                    qv = qi[q:q + d_n]
-                    o = yo[i] + kv * s_k + h * s_h + t * s_t
-                    yv = y[o:o + d_n]
-                    if per_channel:
-                        scv = sc[h * d_n:(h + 1) * d_n]
-                        for d in range(d_n):
-                            st(yv, d, np.float32(qv[d]) * scv[d])
-                    else:                     # one scale for the token's vector
-                        s = _get_bf16(src, so + s_off + 2 * ((t * h_n + h) if chan else v))
-                        for d in range(d_n):
-                            st(yv, d, np.float32(qv[d]) * s)
+        for h in range(h_n):
+            _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, kf, sc, ys)
+            base = yo[i] + h * s_h
+            if keys_dt:
+                _rows_from_plane(kb, y, base, t_n, d_n)
+            else:
+                for t in range(t_n):
+                    yv = y[base + t * s_t:base + t * s_t + d_n]
+                    kv_ = kf[t * d_n:(t + 1) * d_n]
+                    for d in range(d_n):
+                        st(yv, d, kv_[d])
+        for t in range(t_n):
+            for h in range(h_n):
+                v = (t_n + t) * h_n + h
+                q = so + offs[0] + v * d_n
+                qv = qi[q:q + d_n]
+                o = yo[i] + s_k + h * s_h + t * s_t
+                yv = y[o:o + d_n]
+                s = _get_bf16(src, so + offs[1] + 2 * ((t * h_n + h) if chan else v))
+                for d in range(d_n):
+                    st(yv, d, np.float32(qv[d]) * s)
 
 
 @njit(nogil=True)
@@ -427,10 +440,10 @@ def _at(spec, shape, *names) -> np.ndarray:
 
 
 def _q8_at(spec, shape) -> np.ndarray:
-    """INT8 offsets [q, per-token scales, per-channel key scales (0 without)]."""
+    """INT8 offsets [q, per-token scales, per-channel key pairs, exact keys] (0 without)."""
     if spec.key_mode == "channel":
-        return _at(spec, shape, "q", "vscale", "kscale")
-    return np.append(_at(spec, shape, "q", "scale"), 0)
+        return _at(spec, shape, "q", "vscale", "kp", "k0")
+    return np.append(_at(spec, shape, "q", "scale"), [0, 0])
 
 
 def _projection(spec: CodecSpec, shape: KVShape, layer: int, transposed: bool):
@@ -447,6 +460,7 @@ def _projection(spec: CodecSpec, shape: KVShape, layer: int, transposed: bool):
 def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
            layer: int) -> np.ndarray:
     """Same contract as :func:`ucm.reference.compress.encode` (CPU tensors)."""
+    spec = spec.for_shape(shape)
     n = src.shape[0]
     t_n, d_n = shape.tokens, shape.head_dim
     bits = _BITS[shape.dtype]
@@ -467,9 +481,10 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     ok = np.empty(n, dtype=bool)
     buf = np.empty(t_n * d_n, dtype=np.float32)
     tok = np.arange(t_n, dtype=np.int64)
-    if spec.method == "quantize" and spec.bits == 8:
-        _encode_q8(x, rs, geo, spec.key_mode == "channel", out, ro, *_q8_at(spec, shape), pads,
-                   ok, buf, tok, np.empty(d_n, np.float32))
+    if spec.int8:
+        _encode_q8(x, x.view(np.uint8), rs, geo, spec.key_mode == "channel", out, ro,
+                   _q8_at(spec, shape), pads, ok, buf, tok, np.empty(d_n, np.float32),
+                   np.empty(d_n, np.float32))
     elif spec.method == "quantize":
         lo, hi = np.empty(d_n, np.float32), np.empty(d_n, np.float32)
         _encode_q4(x, rs, geo, spec.group, spec.key_mode == "channel", out, ro,
@@ -505,12 +520,13 @@ def _decode_rows(spec: CodecSpec, shape: KVShape, enc: np.ndarray, so: np.ndarra
 def _row_decoder(spec: CodecSpec, shape: KVShape, layer: int):
     """:func:`_decode_rows` of one layer as ``f(enc, so, y, yo)``, its constants and scratch
     bound once (one numba call, plus the key-plane turn of token-major decodes, per call)."""
+    spec = spec.for_shape(shape)
     t_n, d_n = shape.tokens, shape.head_dim
     geo = _geometry(shape)
     dt = shape.key_order == "dt"
-    if spec.method == "quantize" and spec.bits == 8:
-        args = (geo, spec.key_mode == "channel", *_q8_at(spec, shape),
-                np.empty(shape.heads * d_n, np.float32), np.empty(t_n * d_n, np.float32), dt)
+    if spec.int8:
+        args = (geo, spec.key_mode == "channel", _q8_at(spec, shape),
+                np.empty(2 * d_n, np.float32), np.empty(t_n * d_n, np.float32), dt)
         return lambda enc, so, y, yo: _decode_q8(enc, so, y, yo, *args)
     if spec.method == "quantize":                      # (writes channel-major keys itself)
         args = (geo, spec.group, spec.key_mode == "channel",
@@ -543,6 +559,7 @@ def _row_decoder(spec: CodecSpec, shape: KVShape, layer: int):
 def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor,
            layer: int) -> None:
     """Same contract as :func:`ucm.reference.compress.decode` (CPU tensors)."""
+    spec = spec.for_shape(shape)
     n = src.shape[0]
     bits = _BITS[shape.dtype]
     target = dst
@@ -576,6 +593,7 @@ def layer_decoder(layout, src: torch.Tensor, block_indices: torch.Tensor, spec: 
     here, so a call is one numba decode with the GIL released (or the staging path) and no
     other Python work on tensors: a load thread that decodes beside the forward takes the GIL
     once per layer, where each take can wait up to the interpreter's switch interval."""
+    spec = spec.for_shape(shape)
     from ucm.layout import COL_BASE, COL_BLOCK_STRIDE, COL_LENGTH, COL_OFFSET, COL_VIEW
     from ucm.reference import transfer as ref_transfer
 

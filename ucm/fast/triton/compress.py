@@ -27,8 +27,8 @@ encode with keys per channel and for a sparse encode):
 
 * ``_int8_encode`` / ``_int8_decode``: INT8, a program per ``BV`` consecutive vectors (over all
   shards of the call).
-* ``_int8c_encode`` / ``_int8c_decode``: INT8 with keys per channel, a program per (shard,
-  head).
+* ``_int8c_encode`` / ``_int8c_decode``: INT8 with keys per channel (asymmetric, token 0's
+  exact), a program per (shard, head).
 * ``_int4_encode_token``: INT4 and sparse values (groups of channels per token), and the keys
   too when they are per token: a program per (shard, group of heads).
 * ``_int4_encode_channel``: INT4 keys per channel (``quantize`` bits 4 defaults to them), a
@@ -361,7 +361,7 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
             jit(_int8c_encode)[(n * L, H)](
                 raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
                 T=T, H=H, D=D, DP=_pow2(D), TB=min(_pow2(T), launch.int8_tokens), L=L, E=E,
-                KS=offs["kscale"], VS=offs["vscale"], NPAD=npad, NPADP=_pow2(npad),
+                KP=offs["kp"], VS=offs["vscale"], K0=offs["k0"], NPAD=npad, NPADP=_pow2(npad),
                 INDEXED=indexed, ALIGN=tabs.align, BF16=shape.dtype == "bfloat16",
                 num_warps=launch.int8_channel_warps)
             return
@@ -419,7 +419,7 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
             jit(_int8c_decode)[(n * L, H)](
                 raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8,
                 T=T, H=H, D=D, DP=_pow2(D), TB=min(_pow2(T), launch.int8_tokens), L=L, E=E,
-                KS=offs["kscale"], VS=offs["vscale"], INDEXED=indexed, ALIGN=tabs.align,
+                KP=offs["kp"], VS=offs["vscale"], K0=offs["k0"], INDEXED=indexed, ALIGN=tabs.align,
                 BF16=bf16, num_warps=launch.int8_warps)
             return
         if spec.method == "quantize" and spec.bits == 8:
@@ -491,6 +491,7 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
            *, launch: LaunchConfig = LAUNCH) -> np.ndarray:
     """Same contract as :func:`ucm.reference.compress.encode` (CUDA tensors, or CPU tensors
     under the interpreter); synchronizes once (the ``ok`` flags)."""
+    spec = spec.for_shape(shape)
     if spec.method == "learned":
         return _ref.encode(spec, shape, src, dst, layer)
     if shape.key_order == "dt":       # (vLLM-CPU's layout; a torch transposition on the device)
@@ -520,6 +521,7 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
            *, launch: LaunchConfig = LAUNCH) -> None:
     """Same contract as :func:`ucm.reference.compress.decode`; asynchronous on the current CUDA
     stream."""
+    spec = spec.for_shape(shape)
     if spec.method == "learned":
         return _ref.decode(spec, shape, src, dst, layer)
     if shape.key_order == "dt":
@@ -580,6 +582,7 @@ def gather_encode(layout: KVLayout, block_indices: torch.Tensor, spec: CodecSpec
     """Same contract as :func:`ucm.reference.compress_transfer.gather_encode`: one launch
     (two for sparse) reads each selected layer's shard of each block from the paged cache and
     writes its encoding into ``dst``; synchronizes once (the ``ok`` flags)."""
+    spec = spec.for_shape(shape)
     n, L = block_indices.shape[0], len(layers)
     if n == 0:
         return np.ones(0, dtype=bool)
@@ -609,6 +612,7 @@ def decode_scatter(layout: KVLayout, src: torch.Tensor, block_indices: torch.Ten
     """Same contract as :func:`ucm.reference.compress_transfer.decode_scatter`: one launch
     decodes each row's shards straight into the blocks of the paged cache; asynchronous on the
     current CUDA stream (the fused path)."""
+    spec = spec.for_shape(shape)
     n, L = block_indices.shape[0], len(layers)
     if n == 0:
         return

@@ -487,25 +487,27 @@ def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch8,
 
 def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
                   T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                  TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KS: tl.constexpr,
-                  VS: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
+                  TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KP: tl.constexpr,
+                  VS: tl.constexpr, K0: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
                   INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr):
-    """INT8 with keys scaled per channel (``key_mode="channel"``): a program per (shard, head).
-    The per-channel max |K| over the block's tokens, then keys quantized by their channel's
-    scale and values by their token's. A block of at most ``TB`` tokens is loaded once, keys
-    and values before any store (a store may alias a later load, so nothing is issued ahead of
-    it); a longer one in chunks of ``TB`` tokens, its keys read twice.
+    """INT8 with keys per channel (``key_mode="channel"``): a program per (shard, head). Each
+    channel's minimum and maximum over the block's tokens after the first, keys quantized by
+    their channel's (min, scale) to uint8 codes, token 0's key copied exact, values by their
+    token's symmetric scale. A block of at most ``TB`` tokens is loaded once, keys and values
+    before any store (a store may alias a later load, so nothing is issued ahead of it); a
+    longer one in chunks of ``TB`` tokens, its keys read twice.
 
-    The maxima are taken over the bits of ``|x|`` as integers (non-negative floats order as
-    their bits, and NaN's bits are above infinity's): one reduction gives the scale and says
+    Maxima of ``|x|`` are taken over its bits as integers (non-negative floats order as their
+    bits, and NaN's bits are above infinity's): one reduction gives a value scale and says
     whether the shard holds a non-finite value. ``q = rint(RN(x / s))`` is computed without a
     division, as in ``_int4_encode_token``: ``y = x f (1 / s')`` (``s' = s f``), ``k =
     floor(y)`` is within one of the quotient's integer part, and the exact ``h = (k + 1/2) s'``
-    (at most 16 significant bits) decides: ``x f > h`` rounds up, ``==`` is the tie (to even),
+    (at most 17 significant bits) decides: ``x f > h`` rounds up, ``==`` is the tie (to even),
     ``<`` down. ``f = 2**64`` where ``s`` is tiny (exact: it keeps ``h`` and ``1 / s'`` normal),
-    else 1. An ``h`` that overflows is above every finite ``x``, as its exact value is. ``|q| <=
-    127`` without a clamp (``s >= RN(max |x| / 127)``); ``s == 0`` gives ``h = inf``: 0. ``q``
-    is read from ``k + 1.5 * 2**23``'s low bits (no float to integer conversion)."""
+    else 1. An ``h`` that overflows is above every finite ``x``, as its exact value is. ``s ==
+    0`` gives ``h = inf``: 0. ``q`` is read from ``k + 1.5 * 2**23``'s low bits (no float to
+    integer conversion: ``k + 1.5 * 2**23`` is ``0x4B400000 + k`` as bits); key codes are clamped
+to [0, 255] as the reference does."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = s // L
@@ -523,7 +525,9 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
     base = enc + i * (enc_pitch8 * 8) + k * E
     tb = tl.arange(0, TB)
     i16 = raw.to(tl.pointer_type(tl.int16), bitcast=True)
-    kmax = tl.zeros([DP], dtype=tl.int32)       # max |K| per channel, as bits
+    kbad = tl.zeros([DP], dtype=tl.int32)       # max |K| per channel, as bits
+    kmin = tl.full([DP], float("inf"), dtype=tl.float32)    # over tokens 1..
+    kmax = tl.full([DP], float("-inf"), dtype=tl.float32)
     bad = tl.zeros([TB], dtype=tl.int32)        # max |V| over the shard's values, as bits
     xk = tl.zeros([TB, DP], dtype=tl.float32)
     xv = tl.zeros([TB, DP], dtype=tl.float32)
@@ -543,7 +547,10 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
         else:
             xk = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
             xv = tl.load(raw + (ov + blk * sv)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        kmax = tl.max(xk.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+        kbad = tl.max(xk.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+        r2 = (tm & (tb >= 1))[:, None]
+        kmin = tl.min(tl.where(r2, xk, float("inf")), axis=0)
+        kmax = tl.max(tl.where(r2, xk, float("-inf")), axis=0)
     else:
         for t0 in tl.static_range(0, T, TB):
             t = t0 + tb
@@ -552,19 +559,28 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
             ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
             sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
             if BF16:
-                xb = tl.load(i16 + (ok_ + blk * sk)[:, None] + d[None, :],
-                             mask=tm[:, None] & dm[None, :], other=0).to(tl.int32) << 16
+                xc = (tl.load(i16 + (ok_ + blk * sk)[:, None] + d[None, :],
+                              mask=tm[:, None] & dm[None, :], other=0).to(tl.int32)
+                      << 16).to(tl.float32, bitcast=True)
             else:
-                xb = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :], mask=tm[:, None] & dm[None, :],
-                             other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
-            kmax = tl.maximum(kmax, tl.max(xb & 0x7FFFFFFF, axis=0))
-    # key scales, per channel: s = bf16_up(amax / 127)
-    kbits = tl.math.div_rn(kmax.to(tl.float32, bitcast=True), 127.0).to(tl.int32, bitcast=True)
-    khi = kbits & -65536
-    kbits = tl.where((kbits & 0xFFFF) != 0, khi + 0x10000, khi)
-    ksc = kbits.to(tl.float32, bitcast=True)
+                xc = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :],
+                             mask=tm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+            kbad = tl.maximum(kbad, tl.max(xc.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+            r2 = (tm & (t >= 1))[:, None]
+            kmin = tl.minimum(kmin, tl.min(tl.where(r2, xc, float("inf")), axis=0))
+            kmax = tl.maximum(kmax, tl.max(tl.where(r2, xc, float("-inf")), axis=0))
+    # key pairs, per channel: m = bf16_down(min + 0), s = bf16_up((max + 0 - m) / 255)
+    b = (kmin + 0.0).to(tl.int32, bitcast=True)
+    bh = b & -65536
+    mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), bh + 0x10000, bh)
+    km = mb.to(tl.float32, bitcast=True)
+    b = tl.math.div_rn(kmax + 0.0 - km, 255.0).to(tl.int32, bitcast=True)
+    bh = b & -65536
+    sb = tl.where((b & 0xFFFF) != 0, bh + 0x10000, bh)
+    ksc = sb.to(tl.float32, bitcast=True)
     kf_ = tl.where((ksc > 0) & (ksc < _TINY), _SCALE, 1.0)
     ksp = ksc * kf_
+    kmp = km * kf_
     krp = 1.0 / tl.where(ksp == 0, 1.0, ksp)
     khs = tl.where(ksp == 0, _INF, ksp * 0.5)    # s == 0: q = 0
     for t0 in tl.static_range(0, T, TB):
@@ -585,14 +601,14 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
             else:
                 xk = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
                 xv = tl.load(raw + (ov + blk * sv)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        # ---- keys
-        nu = xk * kf_[None, :]
+        # ---- keys: uint8 codes of x - m (token 0's: 0)
+        nu = tl.fma(xk, kf_[None, :], -kmp[None, :])
         fl = tl.floor(nu * krp[None, :])
         hh = tl.fma(fl, ksp[None, :], khs[None, :])
-        b = (fl + _RINT).to(tl.int32, bitcast=True)
-        q = b + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
-        tl.store(base + ((t * H + h) * D)[:, None] + d[None, :],
-                 q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
+        b = (fl + _RINT).to(tl.int32, bitcast=True)      # 0x4B400000 + floor
+        q = b - 0x4B400000 + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
+        q = tl.where((t >= 1)[:, None], tl.minimum(tl.maximum(q, 0), 255), 0)
+        tl.store(base + ((t * H + h) * D)[:, None] + d[None, :], q.to(tl.uint8), mask=m2)
         # ---- values, per token
         vmax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
         bad = tl.maximum(bad, vmax)
@@ -613,9 +629,19 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
                  q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
         tl.store((base + VS).to(tl.pointer_type(tl.int16), bitcast=True) + t * H + h,
                  (vbits >> 16).to(tl.int16), mask=tm)
-    tl.store((base + KS).to(tl.pointer_type(tl.int16), bitcast=True) + h * D + d,
-             (kbits >> 16).to(tl.int16), mask=dm)
-    nb = tl.maximum(tl.max(kmax, axis=0), tl.max(bad, axis=0))
+    # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
+    tl.store((base + KP).to(tl.pointer_type(tl.int32), bitcast=True) + h * D + d,
+             ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=dm)
+    # token 0's key, exact (its element bits)
+    o0 = tl.multiple_of(tl.load(voff + k * V + h + d * 0, mask=dm, other=0), ALIGN)
+    s0 = tl.multiple_of(tl.load(vstride + k * V + h + d * 0, mask=dm, other=0), ALIGN)
+    if BF16:
+        tl.store((base + K0).to(tl.pointer_type(tl.int16), bitcast=True) + h * D + d,
+                 tl.load(i16 + o0 + blk * s0 + d, mask=dm, other=0), mask=dm)
+    else:
+        tl.store((base + K0).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True) + h * D + d,
+                 tl.load(raw + o0 + blk * s0 + d, mask=dm, other=0), mask=dm)
+    nb = tl.maximum(tl.max(kbad, axis=0), tl.max(bad, axis=0))
     tl.store(flags + s, 0, mask=live & (nb >= 0x7F800000))
     tl.store(flags + n_shards, 0, mask=live & (nb >= 0x7F800000))
     if NPAD > 0:
@@ -626,9 +652,9 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
 
 def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
                   T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                  TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KS: tl.constexpr,
-                  VS: tl.constexpr, INDEXED: tl.constexpr, ALIGN: tl.constexpr,
-                  BF16: tl.constexpr):
+                  TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KP: tl.constexpr,
+                  VS: tl.constexpr, K0: tl.constexpr, INDEXED: tl.constexpr,
+                  ALIGN: tl.constexpr, BF16: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = s // L
@@ -644,9 +670,10 @@ def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
     dm = d < d_lim
     V = 2 * T * H
     base = enc + i * (enc_pitch8 * 8) + k * E
-    lo = tl.load(base + KS + 2 * (h * D + d), mask=dm, other=0).to(tl.int32)
-    hi = tl.load(base + KS + 2 * (h * D + d) + 1, mask=dm, other=0).to(tl.int32)
-    ksc = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)
+    pw = tl.load((base + KP).to(tl.pointer_type(tl.int32), bitcast=True) + h * D + d,
+                 mask=dm, other=0)
+    km = (pw << 16).to(tl.float32, bitcast=True)
+    ksc = (pw & -65536).to(tl.float32, bitcast=True)
     tb = tl.arange(0, TB)
     for t0 in tl.static_range(0, T, TB):
         t = t0 + tb
@@ -654,7 +681,7 @@ def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
         m2 = tm[:, None] & dm[None, :]
         vk = (t * H + h)
         q = tl.load(base + (vk * D)[:, None] + d[None, :], mask=m2, other=0)
-        xk = q.to(tl.int8, bitcast=True).to(tl.float32) * ksc[None, :]
+        xk = q.to(tl.float32) * ksc[None, :] + km[None, :]      # (q s is exact)
         off = tl.multiple_of(tl.load(voff + k * V + vk, mask=tm, other=0), ALIGN)
         bst = tl.multiple_of(tl.load(vstride + k * V + vk, mask=tm, other=0), ALIGN)
         if BF16:
@@ -662,7 +689,8 @@ def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
             _o = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)   # RNE
         else:
             _o = xk.to(raw.dtype.element_ty)
-        tl.store(raw + (off + blk * bst)[:, None] + d[None, :], _o, mask=m2)
+        tl.store(raw + (off + blk * bst)[:, None] + d[None, :], _o,
+                 mask=m2 & (t >= 1)[:, None])
         vv = (T + t) * H + h
         q = tl.load(base + (vv * D)[:, None] + d[None, :], mask=m2, other=0)
         vlo = tl.load(base + VS + 2 * (t * H + h), mask=tm, other=0).to(tl.int32)
@@ -677,6 +705,17 @@ def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
         else:
             _o = xv.to(raw.dtype.element_ty)
         tl.store(raw + (off + blk * bst)[:, None] + d[None, :], _o, mask=m2)
+    # token 0's key, exact
+    o0 = tl.multiple_of(tl.load(voff + k * V + h + d * 0, mask=dm, other=0), ALIGN)
+    s0 = tl.multiple_of(tl.load(vstride + k * V + h + d * 0, mask=dm, other=0), ALIGN)
+    if BF16:
+        tl.store(raw.to(tl.pointer_type(tl.int16), bitcast=True) + o0 + blk * s0 + d,
+                 tl.load((base + K0).to(tl.pointer_type(tl.int16), bitcast=True) + h * D + d,
+                         mask=dm, other=0), mask=dm)
+    else:
+        tl.store(raw + o0 + blk * s0 + d,
+                 tl.load((base + K0).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+                         + h * D + d, mask=dm, other=0), mask=dm)
 
 
 _jitted: dict = {}
