@@ -11,10 +11,13 @@ floating point and match within the equivalence tolerance.
 
 Codecs (:class:`CodecSpec`):
 
-* ``quantize``, ``bits=8``: symmetric INT8: ``s = bf16_up(max|x| / 127)``,
-  ``q = clamp(rint(x / s), -127, 127)``, ``x' = q * s``; values one scale per (token, head)
-  vector; keys like the values (``key_mode="token"``, INT8's default) or one scale per (head,
-  channel) over the block's tokens (``key_mode="channel"``).
+* ``quantize``, ``bits=8``: values symmetric INT8, one scale per (token, head) vector:
+  ``s = bf16_up(max|x| / 127)``, ``q = clamp(rint(x / s), -127, 127)``, ``x' = q * s``. Keys
+  like the values (``key_mode="token"``) or per channel (``key_mode="channel"``): token 0's key
+  stored exact in the cache's type and out of the ranges, the others asymmetric per (head,
+  channel) over tokens 1..: ``m = bf16_down(min)``, ``s = bf16_up((max - m) / 255)``,
+  ``q = clamp(rint((x - m) / s), 0, 255)``, ``x' = q * s + m``. ``auto`` picks keys per channel
+  in blocks of at least 128 tokens (:meth:`CodecSpec.for_shape`).
 * ``quantize``, ``bits=4``: asymmetric INT4, two values per byte (low nibble first):
   ``m = bf16_down(min)``, ``s = bf16_up((max - m) / 15)``, ``q = clamp(rint((x - m) / s), 0, 15)``,
   ``x' = q * s + m`` (a zero min or max counts as +0, whatever the sign of the zeros). Values:

@@ -315,8 +315,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("compression.group", "int", 64, "INT4 group size along the head dimension (must "
            "divide it).", choices=(32, 64)),
     Option("compression.key_mode", "str", "auto", "Keys of 'quantize' and 'sparse': 'channel' "
-           "(one scale per channel over the block's tokens, as KIVI), 'token' (like the values) "
-           "or 'auto' (INT8: token; INT4 and sparse: channel).",
+           "(one scale per channel over the block's tokens, as KIVI; INT8 also keeps token 0's "
+           "key exact), 'token' (like the values) or 'auto' (INT4 and sparse: channel; INT8: "
+           "channel in blocks of 128 tokens or more, else token).",
            choices=("auto", "channel", "token")),
     Option("compression.salient", "float", 0.0078125, "'sparse': fraction of each block's tokens "
            "kept exact, at least one (token 0, where a sequence's attention sink sits, then "

@@ -81,7 +81,7 @@ class LaunchConfig:
     #: Tokens per chunk of the INT8 kernels with keys per channel (a program per shard and head),
     #: and the warps of that encode.
     int8_tokens: int = 32
-    int8_channel_warps: int = 2
+    int8_channel_warps: int = 1
     #: INT4 and sparse, values (and keys per token; ``_int4_encode_token``): KV heads per
     #: program (rounded down to a power of two, at most the head count rounded up to one); 0: as
     #: many as make a tile of about ``int4_token_tile`` pair words of values and as many of keys

@@ -499,15 +499,17 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
 
     Maxima of ``|x|`` are taken over its bits as integers (non-negative floats order as their
     bits, and NaN's bits are above infinity's): one reduction gives a value scale and says
-    whether the shard holds a non-finite value. ``q = rint(RN(x / s))`` is computed without a
+    whether the shard holds a non-finite value; the keys' extremes likewise, over order keys
+    (``b ^ ((b >> 31) & 0x7FFFFFFF)`` of the bits ``b``: integers that order as the floats,
+    -0 below +0, NaNs beyond the infinities). ``q = rint(RN(x / s))`` is computed without a
     division, as in ``_int4_encode_token``: ``y = x f (1 / s')`` (``s' = s f``), ``k =
     floor(y)`` is within one of the quotient's integer part, and the exact ``h = (k + 1/2) s'``
     (at most 17 significant bits) decides: ``x f > h`` rounds up, ``==`` is the tie (to even),
     ``<`` down. ``f = 2**64`` where ``s`` is tiny (exact: it keeps ``h`` and ``1 / s'`` normal),
     else 1. An ``h`` that overflows is above every finite ``x``, as its exact value is. ``s ==
     0`` gives ``h = inf``: 0. ``q`` is read from ``k + 1.5 * 2**23``'s low bits (no float to
-    integer conversion: ``k + 1.5 * 2**23`` is ``0x4B400000 + k`` as bits); key codes are clamped
-to [0, 255] as the reference does."""
+    integer conversion: ``k + 1.5 * 2**23`` is ``0x4B400000 + k`` as bits). Key codes need no
+clamp: ``x - m >= 0``, and ``(max - m) / s <= 255 (1 + 2**-23)``, which rounds to 255 at most."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = s // L
@@ -525,9 +527,11 @@ to [0, 255] as the reference does."""
     base = enc + i * (enc_pitch8 * 8) + k * E
     tb = tl.arange(0, TB)
     i16 = raw.to(tl.pointer_type(tl.int16), bitcast=True)
-    kbad = tl.zeros([DP], dtype=tl.int32)       # max |K| per channel, as bits
-    kmin = tl.full([DP], float("inf"), dtype=tl.float32)    # over tokens 1..
-    kmax = tl.full([DP], float("-inf"), dtype=tl.float32)
+    # per channel over tokens 1..: the extremes as order keys of the floats (integers that
+    # order as the floats do, NaNs beyond the infinities): two integer reductions give the
+    # range and say whether a key is not finite
+    kmin = tl.full([DP], 0x7FFFFFFF, dtype=tl.int32)
+    kmax = tl.full([DP], -0x7FFFFFFF - 1, dtype=tl.int32)
     bad = tl.zeros([TB], dtype=tl.int32)        # max |V| over the shard's values, as bits
     xk = tl.zeros([TB, DP], dtype=tl.float32)
     xv = tl.zeros([TB, DP], dtype=tl.float32)
@@ -547,10 +551,11 @@ to [0, 255] as the reference does."""
         else:
             xk = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
             xv = tl.load(raw + (ov + blk * sv)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        kbad = tl.max(xk.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+        xb = xk.to(tl.int32, bitcast=True)
+        ky = xb ^ ((xb >> 31) & 0x7FFFFFFF)
         r2 = (tm & (tb >= 1))[:, None]
-        kmin = tl.min(tl.where(r2, xk, float("inf")), axis=0)
-        kmax = tl.max(tl.where(r2, xk, float("-inf")), axis=0)
+        kmin = tl.min(tl.where(r2, ky, 0x7FFFFFFF), axis=0)
+        kmax = tl.max(tl.where(r2, ky, -0x7FFFFFFF - 1), axis=0)
     else:
         for t0 in tl.static_range(0, T, TB):
             t = t0 + tb
@@ -559,22 +564,26 @@ to [0, 255] as the reference does."""
             ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
             sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
             if BF16:
-                xc = (tl.load(i16 + (ok_ + blk * sk)[:, None] + d[None, :],
-                              mask=tm[:, None] & dm[None, :], other=0).to(tl.int32)
-                      << 16).to(tl.float32, bitcast=True)
+                xb = tl.load(i16 + (ok_ + blk * sk)[:, None] + d[None, :],
+                             mask=tm[:, None] & dm[None, :], other=0).to(tl.int32) << 16
             else:
-                xc = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :],
-                             mask=tm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            kbad = tl.maximum(kbad, tl.max(xc.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+                xb = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :],
+                             mask=tm[:, None] & dm[None, :],
+                             other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+            ky = xb ^ ((xb >> 31) & 0x7FFFFFFF)
             r2 = (tm & (t >= 1))[:, None]
-            kmin = tl.minimum(kmin, tl.min(tl.where(r2, xc, float("inf")), axis=0))
-            kmax = tl.maximum(kmax, tl.max(tl.where(r2, xc, float("-inf")), axis=0))
+            kmin = tl.minimum(kmin, tl.min(tl.where(r2, ky, 0x7FFFFFFF), axis=0))
+            kmax = tl.maximum(kmax, tl.max(tl.where(r2, ky, -0x7FFFFFFF - 1), axis=0))
+    # not finite: a key above +inf's (+inf, NaN) or below -inf's (-inf, negative NaN)
+    kbad = (kmax >= 0x7F800000) | (kmin <= -0x7F800001)
     # key pairs, per channel: m = bf16_down(min + 0), s = bf16_up((max + 0 - m) / 255)
-    b = (kmin + 0.0).to(tl.int32, bitcast=True)
+    fmin = (kmin ^ ((kmin >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    fmax = (kmax ^ ((kmax >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    b = (fmin + 0.0).to(tl.int32, bitcast=True)
     bh = b & -65536
     mb = tl.where(((b & 0xFFFF) != 0) & (b < 0), bh + 0x10000, bh)
     km = mb.to(tl.float32, bitcast=True)
-    b = tl.math.div_rn(kmax + 0.0 - km, 255.0).to(tl.int32, bitcast=True)
+    b = tl.math.div_rn(fmax + 0.0 - km, 255.0).to(tl.int32, bitcast=True)
     bh = b & -65536
     sb = tl.where((b & 0xFFFF) != 0, bh + 0x10000, bh)
     ksc = sb.to(tl.float32, bitcast=True)
@@ -607,7 +616,7 @@ to [0, 255] as the reference does."""
         hh = tl.fma(fl, ksp[None, :], khs[None, :])
         b = (fl + _RINT).to(tl.int32, bitcast=True)      # 0x4B400000 + floor
         q = b - 0x4B400000 + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
-        q = tl.where((t >= 1)[:, None], tl.minimum(tl.maximum(q, 0), 255), 0)
+        q = tl.where((t >= 1)[:, None], q, 0)        # (0 <= q <= 255 from token 1 on)
         tl.store(base + ((t * H + h) * D)[:, None] + d[None, :], q.to(tl.uint8), mask=m2)
         # ---- values, per token
         vmax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
@@ -636,12 +645,17 @@ to [0, 255] as the reference does."""
     o0 = tl.multiple_of(tl.load(voff + k * V + h + d * 0, mask=dm, other=0), ALIGN)
     s0 = tl.multiple_of(tl.load(vstride + k * V + h + d * 0, mask=dm, other=0), ALIGN)
     if BF16:
-        tl.store((base + K0).to(tl.pointer_type(tl.int16), bitcast=True) + h * D + d,
-                 tl.load(i16 + o0 + blk * s0 + d, mask=dm, other=0), mask=dm)
+        x0 = tl.load(i16 + o0 + blk * s0 + d, mask=dm, other=0)
+        tl.store((base + K0).to(tl.pointer_type(tl.int16), bitcast=True) + h * D + d, x0,
+                 mask=dm)
+        b0 = x0.to(tl.int32) << 16
     else:
+        x0 = tl.load(raw + o0 + blk * s0 + d, mask=dm, other=0)
         tl.store((base + K0).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True) + h * D + d,
-                 tl.load(raw + o0 + blk * s0 + d, mask=dm, other=0), mask=dm)
-    nb = tl.maximum(tl.max(kbad, axis=0), tl.max(bad, axis=0))
+                 x0, mask=dm)
+        b0 = x0.to(tl.float32).to(tl.int32, bitcast=True)
+    kbad = kbad | ((b0 & 0x7FFFFFFF) >= 0x7F800000)
+    nb = tl.maximum(tl.max(kbad.to(tl.int32), axis=0) * 0x7F800000, tl.max(bad, axis=0))
     tl.store(flags + s, 0, mask=live & (nb >= 0x7F800000))
     tl.store(flags + n_shards, 0, mask=live & (nb >= 0x7F800000))
     if NPAD > 0:
