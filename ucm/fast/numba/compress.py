@@ -272,19 +272,38 @@ def _decode_q8(src, so_, y, yo, geo, chan, offs, sc, kf, keys_dt):
     qi = src.view(np.int8)
     ys = y[:1].copy()
     kb = kf.view(np.uint32)
+    yb = y.view(np.uint8)
+    es = y.itemsize
     for i in range(so_.shape[0]):
         so = so_[i]
         for h in range(h_n):
-            _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, kf, sc, ys)
             base = yo[i] + h * s_h
-            if keys_dt:
-                _rows_from_plane(kb, y, base, t_n, d_n)
-            else:
-                for t in range(t_n):
-                    yv = y[base + t * s_t:base + t * s_t + d_n]
-                    kv_ = kf[t * d_n:(t + 1) * d_n]
-                    for d in range(d_n):
-                        st(yv, d, kv_[d])
+            if keys_dt or not chan:
+                _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, kf, sc, ys)
+                if keys_dt:
+                    _rows_from_plane(kb, y, base, t_n, d_n)
+                else:
+                    for t in range(t_n):
+                        yv = y[base + t * s_t:base + t * s_t + d_n]
+                        kv_ = kf[t * d_n:(t + 1) * d_n]
+                        for d in range(d_n):
+                            st(yv, d, kv_[d])
+                continue
+            # token-major keys per channel: straight into the cache, token 0 copied exact
+            p_at = so + offs[2] + 4 * h * d_n
+            for d in range(d_n):
+                sc[d] = _get_bf16(src, p_at + 4 * d + 2)
+                sc[d_n + d] = _get_bf16(src, p_at + 4 * d)
+            k0 = so + offs[3] + h * d_n * es
+            yb[base * es:(base + d_n) * es] = src[k0:k0 + d_n * es]
+            scv = sc[:d_n]
+            mnv = sc[d_n:2 * d_n]
+            for t in range(1, t_n):
+                q = so + offs[0] + (t * h_n + h) * d_n
+                qv = src[q:q + d_n]
+                yv = y[base + t * s_t:base + t * s_t + d_n]
+                for d in range(d_n):
+                    st(yv, d, np.float32(qv[d]) * scv[d] + mnv[d])
         for t in range(t_n):
             for h in range(h_n):
                 v = (t_n + t) * h_n + h
