@@ -508,8 +508,9 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
     ``<`` down. ``f = 2**64`` where ``s`` is tiny (exact: it keeps ``h`` and ``1 / s'`` normal),
     else 1. An ``h`` that overflows is above every finite ``x``, as its exact value is. ``s ==
     0`` gives ``h = inf``: 0. ``q`` is read from ``k + 1.5 * 2**23``'s low bits (no float to
-    integer conversion: ``k + 1.5 * 2**23`` is ``0x4B400000 + k`` as bits). Key codes need no
-clamp: ``x - m >= 0``, and ``(max - m) / s <= 255 (1 + 2**-23)``, which rounds to 255 at most."""
+    integer conversion: ``k + 1.5 * 2**23`` is ``0x4B400000 + k`` as bits, whose low byte is
+``k``'s). Key codes need no clamp: ``x - m >= 0``, and ``(max - m) / s <= 255 (1 + 2**-23)``,
+which rounds to 255 at most."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = s // L
@@ -614,9 +615,9 @@ clamp: ``x - m >= 0``, and ``(max - m) / s <= 255 (1 + 2**-23)``, which rounds t
         nu = tl.fma(xk, kf_[None, :], -kmp[None, :])
         fl = tl.floor(nu * krp[None, :])
         hh = tl.fma(fl, ksp[None, :], khs[None, :])
-        b = (fl + _RINT).to(tl.int32, bitcast=True)      # 0x4B400000 + floor
-        q = b - 0x4B400000 + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
-        q = tl.where((t >= 1)[:, None], q, 0)        # (0 <= q <= 255 from token 1 on)
+        b = (fl + _RINT).to(tl.int32, bitcast=True)      # 0x4B400000 + floor: low byte floor
+        q = b + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
+        q = tl.where((t >= 1)[:, None], q, 0)        # (0 <= code <= 255 from token 1 on)
         tl.store(base + ((t * H + h) * D)[:, None] + d[None, :], q.to(tl.uint8), mask=m2)
         # ---- values, per token
         vmax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
