@@ -298,6 +298,7 @@ def test_codec(impl, name, dtype, order, monkeypatch):
 
 @impls("encode")
 @pytest.mark.parametrize("name,dtype", [("int8-channel", "float32"), ("int8-token", "bfloat16"),
+                                        ("int8-auto", "bfloat16"), ("int8-channel", "float16"),
                                         ("int4-channel-g64", "float16"),
                                         ("int4-token-g32", "float32"),
                                         ("sparse-channel-g32", "bfloat16"), ("learned", "float32")])
