@@ -51,6 +51,7 @@ def _specs():
     return {
         "int8": CodecSpec("quantize", 8),      # (auto: keys per token in these 16-token blocks)
         "int8_channel": CodecSpec("quantize", 8, key_mode="channel"),
+        "int8_token": CodecSpec("quantize", 8, key_mode="token"),
         "int4_channel_g32": CodecSpec("quantize", 4, 32, "channel"),
         "int4_channel_g64": CodecSpec("quantize", 4, 64, "channel"),
         "int4_token_g32": CodecSpec("quantize", 4, 32, "token"),
@@ -59,11 +60,14 @@ def _specs():
     }
 
 
-def _shapes():
+def _shapes(tokens: int = 16):
+    """The two head geometries in blocks of ``tokens`` tokens (16: vLLM's CUDA default; the
+    names carry ``_t{tokens}`` otherwise)."""
     from ucm.compress import KVShape
 
-    return {"smollm2_like": KVShape("kthd", 16, 3, 64, "bfloat16"),
-            "llama70b_like": KVShape("kthd", 16, 8, 128, "bfloat16")}
+    tail = "" if tokens == 16 else f"_t{tokens}"
+    return {"smollm2_like" + tail: KVShape("kthd", tokens, 3, 64, "bfloat16"),
+            "llama70b_like" + tail: KVShape("kthd", tokens, 8, 128, "bfloat16")}
 
 
 SWEPT = ("int8", "int8_channel", "int4_channel_g32", "int4_token_g32", "sparse_channel_g32")
@@ -100,7 +104,7 @@ def codec_rates(torch, args, failures, out):
     from ucm.compress import encoded_bytes
     from ucm.fast.triton import compress as tc
 
-    specs, shapes = _specs(), _shapes()
+    specs, shapes = _specs(), _shapes(args.tokens)
     if args.codecs:
         specs = {k: v for k, v in specs.items() if k in args.codecs}
     res = {}
@@ -159,7 +163,8 @@ def codec_rates(torch, args, failures, out):
                  "encode_kernel_vs_copy": round(t_copy / t_enc_k, 3),
                  "decode_kernel_vs_copy": round(t_copy / t_dec_k, 3),
                  "encode_decode_op_vs_copy": round(2 * t_copy / (t_enc_op + t_dec_op), 3)}
-            if args.sweep and sname == "llama70b_like" and cname in SWEPT:
+            if args.sweep and cname in SWEPT and (sname.startswith("llama70b_like")
+                                                  or cname == "int8_channel"):
                 c["sweep"] = _sweep(torch, tc, spec, shape, raw, enc, dec, args.repeats)
             entry["codecs"][cname] = c
             print(f"{sname:14s} {cname:20s} enc {c['encode_op_GBps_raw']:7.1f} GB/s "
@@ -189,8 +194,9 @@ def _decode_kernel(torch, tc, spec, shape, enc, dec, launch):
 
 def _sweep(torch, tc, spec, shape, raw, enc, dec, repeats):
     """Kernel times of alternative launch constants (checked against the default's output)."""
-    if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
-        alts = [dict(int8_channel_warps=w) for w in (1, 2, 4)]
+    if spec.for_shape(shape).int8 and spec.for_shape(shape).key_mode == "channel":
+        alts = [dict(int8_channel_warps=w, int8_tokens=t) for w in (1, 2, 4, 8)
+                for t in (16, 32, 64, 128) if t <= max(16, shape.tokens)]
     elif spec.method == "quantize" and spec.bits == 8:
         alts = [dict(int8_vectors=v, int8_warps=w) for v in (16, 32, 64) for w in (4, 8)]
     else:
@@ -414,6 +420,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-sweep", dest="sweep", action="store_false")
     p.add_argument("--skip-round-trip", action="store_true")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per block of the codec-rate "
+                   "shapes (16: vLLM's CUDA default; INT8's auto key mode is per channel from 128)")
     p.add_argument("--codecs", nargs="*", default=None, help="a subset of the codecs (names as "
                    "in the JSON)")
     p.add_argument("--dry-run-cpu", action="store_true", help=argparse.SUPPRESS)

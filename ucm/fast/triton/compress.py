@@ -79,9 +79,11 @@ class LaunchConfig:
     int8_vectors: int = 32
     int8_warps: int = 4
     #: Tokens per chunk of the INT8 kernels with keys per channel (a program per shard and head),
-    #: and the warps of that encode.
-    int8_tokens: int = 32
-    int8_channel_warps: int = 1
+    #: and the warps of that encode: 0 is a warp per 2,048 elements of a chunk's key tile (1 to
+    #: 8), the best of 1-8 warps and chunks of 16-128 tokens on an H200 at 16 and 128 tokens,
+    #: 3 heads x 64 and 8 x 128 (one warp at 16 tokens; 2 and 4 in chunks of 64 at 128).
+    int8_tokens: int = 64
+    int8_channel_warps: int = 0
     #: INT4 and sparse, values (and keys per token; ``_int4_encode_token``): KV heads per
     #: program (rounded down to a power of two, at most the head count rounded up to one); 0: as
     #: many as make a tile of about ``int4_token_tile`` pair words of values and as many of keys
@@ -349,6 +351,7 @@ def _encodable(spec: CodecSpec, shape: KVShape, raw: torch.Tensor, tabs: _Tables
 def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, n, L,
                    launch: LaunchConfig) -> None:
     """``raw``: from :func:`_encodable`."""
+    spec = spec.for_shape(shape)
     offs, pad, E = _format(spec, shape)
     padt = _pad_table(spec, shape, enc.device)
     npad = len(pad)
@@ -358,12 +361,14 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
         idx = flags                                        # unused
     with _device_ctx(enc):
         if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
+            tb = min(_pow2(T), launch.int8_tokens)
+            warps = launch.int8_channel_warps or max(1, min(8, tb * _pow2(D) // 2048))
             jit(_int8c_encode)[(n * L, H)](
                 raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
-                T=T, H=H, D=D, DP=_pow2(D), TB=min(_pow2(T), launch.int8_tokens), L=L, E=E,
+                T=T, H=H, D=D, DP=_pow2(D), TB=tb, L=L, E=E,
                 KP=offs["kp"], VS=offs["vscale"], K0=offs["k0"], NPAD=npad, NPADP=_pow2(npad),
                 INDEXED=indexed, ALIGN=tabs.align, BF16=shape.dtype == "bfloat16",
-                num_warps=launch.int8_channel_warps)
+                num_warps=warps)
             return
         if spec.method == "quantize" and spec.bits == 8:
             V = 2 * T * H
@@ -408,6 +413,7 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
 def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
                    launch: LaunchConfig) -> None:
     """``raw``: the cache's element type (rows or anchor)."""
+    spec = spec.for_shape(shape)
     offs, _, E = _format(spec, shape)
     T, H, D = shape.tokens, shape.heads, shape.head_dim
     indexed = idx is not None
