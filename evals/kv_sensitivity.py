@@ -10,12 +10,14 @@ Per scheme, against the same model on exact KV: the mean KL divergence of the ne
 distribution, the positions whose top-1 token changes (what makes a greedy continuation differ)
 and the perplexity change. Schemes (per 128-token block, as vLLM-CPU's blocks; scales rounded
 to bfloat16 as the codecs store them): ``int8-token`` (symmetric per token and head: the INT8
-codec's default), ``int8-channel`` (keys symmetric per channel over the block: its
-``key_mode="channel"``), ``int8-channel-asym`` (keys with a minimum and a scale per channel),
+codec's ``key_mode="token"``), ``int8-channel`` (keys symmetric per channel over the block: the
+codec's per-channel format until 2026-12-04), ``int8-channel-asym`` (keys with a minimum and a
+scale per channel),
 ``int8-hadamard`` (each token's head vector rotated by a normalized Hadamard matrix, then
 symmetric per token), ``int8-channel-asym-t0`` (as ``int8-channel-asym`` over the block's tokens
 after its first, whose key is kept exact: the attention sink's key is unlike the others and
-would set every channel's range), ``int4`` / ``int4-g32`` (the INT4 codec: keys per channel, values in groups
+would set every channel's range; the INT8 codec's ``key_mode="channel"``, its default at
+128-token blocks), ``int4`` / ``int4-g32`` (the INT4 codec: keys per channel, values in groups
 of 64 / 32), ``bf16`` (a cast: the floor a 16-bit store would give). A ``k-`` / ``v-`` prefix
 applies the scheme to keys / values only, the other exact.
 
