@@ -232,3 +232,39 @@ def test_codecs_see_vllm_cpu_blocks_as_keys_and_values(dtype, tokens, heads, hea
     ref = cache[1].view(heads, 2, -1)
     err = (y.float() - ref.float()).norm() / ref.float().norm()
     assert err < 0.01
+
+
+def test_int8_auto_stores_the_resolved_format(tmp_path):
+    """At vLLM-CPU's 128-token blocks INT8's ``auto`` keys are per channel: the store encodes
+    them so (the bytes of the explicit format), a store configured with ``key_mode: channel``
+    reads them, and one with ``key_mode: token`` sees a clean miss (the namespace is the
+    resolved format's)."""
+    shape = C.KVShape("hktd", 128, 2, 64, "bfloat16", key_order="dt")
+    raw = shape.raw_bytes
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn((3, LAYERS * raw // 2), generator=g) * 2).to(torch.bfloat16)
+    x = x.view(torch.uint8).reshape(3, LAYERS * raw).numpy().copy()
+    ids = _ids(3, 70)
+    spec = C.CodecSpec(bits=8, key_mode="channel")
+    want = np.zeros_like(x)
+    enc = torch.zeros((3, C.encoded_bytes(spec, shape)), dtype=torch.uint8)
+    for k in range(LAYERS):
+        C.encode(spec, shape, torch.from_numpy(x[:, k * raw:(k + 1) * raw]), enc, k,
+                 backend="reference")
+        C.decode(spec, shape, enc, torch.from_numpy(want[:, k * raw:(k + 1) * raw]), k,
+                 backend="reference")
+
+    def store(**compression):
+        return open_store(_cfg(tmp_path, **compression), block_bytes=LAYERS * raw,
+                          shard_bytes=raw, namespace=NS.digest(), kv_shape=shape)
+
+    with store(bits=8) as st:
+        assert st.spec.key_mode == "channel"
+        st.commit(ids, st.wait(st.dump(ids, 0, x)).ok)
+        assert st.stats()["codec"]["stored_bytes"] == 3 * LAYERS * C.encoded_bytes(spec, shape)
+    with store(bits=8, key_mode="channel") as st:
+        out = np.zeros_like(x)
+        assert st.wait(st.load(ids, 0, out)).all_ok
+        assert np.array_equal(out, want)
+    with store(bits=8, key_mode="token") as st:
+        assert st.lookup(ids) == [False] * 3
