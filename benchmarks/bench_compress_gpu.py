@@ -118,6 +118,7 @@ def codec_rates(torch, args, failures, out):
                  "copy_GBps_raw": round(nbytes / t_copy / 1e6, 1), "codecs": {}}
         del copy_dst
         for cname, spec in specs.items():
+            spec = spec.for_shape(shape)          # (the kernels below are called directly)
             E = encoded_bytes(spec, shape)
             enc = torch.empty((n, E), dtype=torch.uint8, device=DEV)
             ok = compress.encode(spec, shape, raw, enc, backend="triton")
@@ -194,7 +195,7 @@ def _decode_kernel(torch, tc, spec, shape, enc, dec, launch):
 
 def _sweep(torch, tc, spec, shape, raw, enc, dec, repeats):
     """Kernel times of alternative launch constants (checked against the default's output)."""
-    if spec.for_shape(shape).int8 and spec.for_shape(shape).key_mode == "channel":
+    if spec.int8 and spec.key_mode == "channel":
         alts = [dict(int8_channel_warps=w, int8_tokens=t) for w in (1, 2, 4, 8)
                 for t in (16, 32, 64, 128) if t <= max(16, shape.tokens)]
     elif spec.method == "quantize" and spec.bits == 8:

@@ -120,16 +120,6 @@ def dequant8(q: torch.Tensor, s: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return q.float() * s.unsqueeze(dim)
 
 
-def quant8_asym(x: torch.Tensor, dim: int):
-    """Asymmetric 8-bit over ``dim``: (uint8 q in [0, 255], min, scale), min/scale float32
-    holding bfloat16 values, reduced over ``dim`` (kept as size 1); a zero extreme counts as
-    +0, as in :func:`quant4`."""
-    m = bf16_down(x.amin(dim=dim, keepdim=True) + 0.0)
-    s = bf16_up(_div(x.amax(dim=dim, keepdim=True) + 0.0 - m, 255.0))
-    q = torch.where(s > 0, torch.round((x - m) / s).clamp(0, 255), torch.zeros_like(x))
-    return q.to(torch.uint8), m, s
-
-
 def _int8_channel_encode(k: torch.Tensor, v: torch.Tensor):
     """INT8 with keys per channel: k, v float32 ``[n, T, H, D]`` -> (q int8 ``[n, 2, T, H, D]``
     whose keys are uint8 codes, kp bf16 bits ``[n, H, D, 2]``, vscale ``[n, T, H]``). Token 0's
@@ -137,23 +127,28 @@ def _int8_channel_encode(k: torch.Tensor, v: torch.Tensor):
     block that starts a sequence it is the attention sink, which most heads attend to and whose
     key sits apart from the others (measured on SmolLM2: with it in the ranges asymmetric
     keys' KL is 2x)."""
-    kq, km, ks = quant8_asym(k[:, 1:], dim=1)                       # [n, T-1, H, D], [n, 1, H, D]
+    kq, km, ks = quant_asym(k[:, 1:], 1, 255)                     # [n, T-1, H, D], [n, 1, H, D]
     kq = torch.cat([torch.zeros_like(kq[:, :1]), kq], dim=1)
     vq, vs = quant8(v)                                              # [n, T, H, D], [n, T, H]
     kp = torch.stack([km[:, 0], ks[:, 0]], dim=-1)                  # [n, H, D, 2]
     return torch.stack([kq.view(torch.int8), vq], dim=1), bf16_bits(kp), bf16_bits(vs)
 
 
-def quant4(x: torch.Tensor, dim: int):
-    """Asymmetric INT4 over ``dim``: (uint8 q in [0, 15], min, scale), min/scale float32
-    holding bfloat16 values, reduced over ``dim`` (kept as size 1). A zero extreme counts as +0
-    (``+ 0.0``): the min / max of -0 and +0 is either, and which one a reduction returns
-    depends on its order (torch's on the positions of the zeros), which the stored bits must
-    not."""
+def quant_asym(x: torch.Tensor, dim: int, levels: int):
+    """Asymmetric quantization over ``dim`` to codes ``0 .. levels``: (uint8 q, min, scale),
+    min/scale float32 holding bfloat16 values, reduced over ``dim`` (kept as size 1). A zero
+    extreme counts as +0 (``+ 0.0``): the min / max of -0 and +0 is either, and which one a
+    reduction returns depends on its order (torch's on the positions of the zeros), which the
+    stored bits must not."""
     m = bf16_down(x.amin(dim=dim, keepdim=True) + 0.0)
-    s = bf16_up(_div(x.amax(dim=dim, keepdim=True) + 0.0 - m, 15.0))
-    q = torch.where(s > 0, torch.round((x - m) / s).clamp(0, 15), torch.zeros_like(x))
+    s = bf16_up(_div(x.amax(dim=dim, keepdim=True) + 0.0 - m, float(levels)))
+    q = torch.where(s > 0, torch.round((x - m) / s).clamp(0, levels), torch.zeros_like(x))
     return q.to(torch.uint8), m, s
+
+
+def quant4(x: torch.Tensor, dim: int):
+    """Asymmetric INT4 over ``dim`` (:func:`quant_asym`, codes 0 .. 15)."""
+    return quant_asym(x, dim, 15)
 
 
 def dequant4(q: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ def gather_encode(layout: KVLayout, block_indices: torch.Tensor, spec: CodecSpec
     """``dst[i, k * E:(k + 1) * E]`` = encoding of layer ``layers[k]``'s shard of block
     ``block_indices[i]`` (``E = encoded_bytes``); rows of ``-1`` untouched. Returns ok per
     row: False where a selected shard held NaN or infinite values."""
-    spec = spec.for_shape(shape)
     n, L = block_indices.shape[0], len(layers)
     R, E = shape.raw_bytes, encoded_bytes(spec, shape)
     ok = np.ones(n, dtype=bool)
@@ -41,7 +40,6 @@ def decode_scatter(layout: KVLayout, src: torch.Tensor, block_indices: torch.Ten
                    spec: CodecSpec, shape: KVShape, layers: tuple) -> None:
     """Block ``block_indices[i]``'s shard of layer ``layers[k]`` = decoding of
     ``src[i, k * E:(k + 1) * E]``; nothing written for rows of ``-1``."""
-    spec = spec.for_shape(shape)
     L = len(layers)
     R, E = shape.raw_bytes, encoded_bytes(spec, shape)
     rows = torch.nonzero(block_indices >= 0).squeeze(1)

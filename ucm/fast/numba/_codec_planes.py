@@ -99,25 +99,34 @@ def _pack(qb, out, o, d_n):
 
 
 @njit
+def _channel_params(buf, t0, nt, d_n, levels, out, p_at, lo, hi):
+    """Asymmetric (min, scale) per channel over tokens ``t0 .. nt - 1`` of a plane, for codes
+    ``0 .. levels``: ``m = bf16_down(min)``, ``s = bf16_up((max - m) / levels)`` (a zero
+    extreme counts as +0), written as bfloat16 pairs at ``p_at + 4 d`` and left in ``lo``
+    (minima) and ``hi`` (scales), float32 [D]."""
+    lo[:] = _INF
+    hi[:] = _NINF
+    for t in range(t0, nt):
+        bv = buf[t * d_n:(t + 1) * d_n]
+        for d in range(d_n):
+            lo[d] = min(lo[d], bv[d])
+            hi[d] = max(hi[d], bv[d])
+    for d in range(d_n):
+        m = bf16_down(lo[d] + _F0)                        # + 0: a zero extreme is +0
+        sc = bf16_up((hi[d] + _F0 - m) / levels)
+        lo[d] = m
+        hi[d] = sc
+        _put_bf16(out, p_at + 4 * d, m)
+        _put_bf16(out, p_at + 4 * d + 2, sc)
+
+
+@njit
 def _enc4_plane(buf, nt, d_n, g, chan, out, q_at, q_ts, p_at, p_ts, lo, hi, qb):
     """INT4 of a plane's ``nt`` tokens: packed q at ``q_at + t * q_ts``; (min, scale) per channel
     at ``p_at + 4 d`` (``chan``: over the tokens) or per token and group at
     ``p_at + t * p_ts + 4 group``. ``lo``, ``hi``: float32 [D] scratch; ``qb``: uint8 [D]."""
     if chan:
-        lo[:] = _INF
-        hi[:] = _NINF
-        for t in range(nt):
-            bv = buf[t * d_n:(t + 1) * d_n]
-            for d in range(d_n):
-                lo[d] = min(lo[d], bv[d])
-                hi[d] = max(hi[d], bv[d])
-        for d in range(d_n):
-            m = bf16_down(lo[d] + _F0)                    # + 0: a zero extreme is +0
-            s = bf16_up((hi[d] + _F0 - m) / _F15)
-            lo[d] = m
-            hi[d] = s
-            _put_bf16(out, p_at + 4 * d, m)
-            _put_bf16(out, p_at + 4 * d + 2, s)
+        _channel_params(buf, 0, nt, d_n, _F15, out, p_at, lo, hi)
         for t in range(nt):
             bv = buf[t * d_n:(t + 1) * d_n]
             for d in range(d_n):
@@ -191,20 +200,7 @@ def _enc8_chan_plane(buf, nt, d_n, out, q_at, q_ts, p_at, lo, hi):
     """INT8 keys with a (min, scale) per channel over tokens ``1 .. nt - 1`` (token 0's key is
     stored exact by the caller; its codes are 0): uint8 codes at ``q_at + t * q_ts``, channel
     ``d``'s bfloat16 pair at ``p_at + 4 d``. ``lo``, ``hi``: float32 [D] scratch."""
-    lo[:] = _INF
-    hi[:] = _NINF
-    for t in range(1, nt):
-        bv = buf[t * d_n:(t + 1) * d_n]
-        for d in range(d_n):
-            lo[d] = min(lo[d], bv[d])
-            hi[d] = max(hi[d], bv[d])
-    for d in range(d_n):
-        m = bf16_down(lo[d] + _F0)                        # + 0: a zero extreme is +0
-        sc = bf16_up((hi[d] + _F0 - m) / _F255)
-        lo[d] = m
-        hi[d] = sc
-        _put_bf16(out, p_at + 4 * d, m)
-        _put_bf16(out, p_at + 4 * d + 2, sc)
+    _channel_params(buf, 1, nt, d_n, _F255, out, p_at, lo, hi)
     out[q_at:q_at + d_n] = 0
     for t in range(1, nt):
         bv = buf[t * d_n:(t + 1) * d_n]

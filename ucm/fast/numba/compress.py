@@ -229,81 +229,61 @@ def _encode_learned(x, rs, geo, mean, basis, out, out16, ro, c_off, pads, ok, bu
 
 
 @njit
-def _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, kf, sc, ys):
-    """Head ``h``'s keys of one row dequantized token-major into ``kf`` (float32 T x D);
-    with ``chan``, token 0's row is the exact key read as ``ys``'s element type (``ys``: a
-    one-element array of it, scratch)."""
+def _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, sc, ys, tgt, base, stride):
+    """Head ``h``'s keys of one row decoded into ``tgt`` (token ``t`` at ``base + t *
+    stride``, stored through :func:`st`: the cache's elements, or a float32 plane as uint32
+    bits). With ``chan``, token 0's key is the exact one, read as ``ys``'s element type
+    (``ys``: a D-element array of it, scratch); ``sc``: float32 scratch of 2 * D."""
     if chan:
         p_at = so + offs[2] + 4 * h * d_n
         for d in range(d_n):
             sc[d] = _get_bf16(src, p_at + 4 * d + 2)            # scale
             sc[d_n + d] = _get_bf16(src, p_at + 4 * d)          # minimum
         es = ys.itemsize
-        yb = ys.view(np.uint8)
         k0 = so + offs[3] + h * d_n * es
+        ys.view(np.uint8)[:] = src[k0:k0 + d_n * es]
+        tv = tgt[base:base + d_n]
         for d in range(d_n):
-            yb[:] = src[k0 + d * es:k0 + (d + 1) * es]
-            kf[d] = ld(ys, 0)
+            st(tv, d, ld(ys, d))                                # exact in either type
+    scv = sc[:d_n]
+    mnv = sc[d_n:2 * d_n]
     for t in range(1 if chan else 0, t_n):
         v = t * h_n + h
         q = so + offs[0] + v * d_n
-        kv_ = kf[t * d_n:(t + 1) * d_n]
+        tv = tgt[base + t * stride:base + t * stride + d_n]
         if chan:
             qv = src[q:q + d_n]
             for d in range(d_n):
-                kv_[d] = np.float32(qv[d]) * sc[d] + sc[d_n + d]
+                st(tv, d, np.float32(qv[d]) * scv[d] + mnv[d])
         else:
             qv = qi[q:q + d_n]
             s = _get_bf16(src, so + offs[1] + 2 * v)
             for d in range(d_n):
-                kv_[d] = np.float32(qv[d]) * s
+                st(tv, d, np.float32(qv[d]) * s)
 
 
 @njit(nogil=True)
 def _decode_q8(src, so_, y, yo, geo, chan, offs, sc, kf, keys_dt):
     """Row ``i``: encoded at byte ``so_[i]`` of ``src``, decoded to element ``yo[i]`` of ``y``
     (the decode kernels all take such offsets, so they write into a staging row or straight into
-    a block of the paged cache alike). Keys go a head at a time through ``kf`` (float32 T x D
-    scratch, in L1: :func:`_q8_keys`), then to the cache token-major or, with ``keys_dt``,
-    channel-major (element (t, d) at ``d * T + t`` of the plane) directly, instead of
+    a block of the paged cache alike). Keys a head at a time (:func:`_q8_keys`): straight into
+    the cache, or with ``keys_dt`` token-major into ``kf`` (float32 T x D scratch, in L1) and
+    from there channel-major (element (t, d) at ``d * T + t`` of the plane) instead of
     transposing them afterwards; values in the encoded order (token, then head), so the int8
     payload and the scales are read sequentially. ``sc``: float32 scratch of 2 * D."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     qi = src.view(np.int8)
-    ys = y[:1].copy()
+    ys = y[:d_n].copy()
     kb = kf.view(np.uint32)
-    yb = y.view(np.uint8)
-    es = y.itemsize
     for i in range(so_.shape[0]):
         so = so_[i]
         for h in range(h_n):
             base = yo[i] + h * s_h
-            if keys_dt or not chan:
-                _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, kf, sc, ys)
-                if keys_dt:
-                    _rows_from_plane(kb, y, base, t_n, d_n)
-                else:
-                    for t in range(t_n):
-                        yv = y[base + t * s_t:base + t * s_t + d_n]
-                        kv_ = kf[t * d_n:(t + 1) * d_n]
-                        for d in range(d_n):
-                            st(yv, d, kv_[d])
-                continue
-            # token-major keys per channel: straight into the cache, token 0 copied exact
-            p_at = so + offs[2] + 4 * h * d_n
-            for d in range(d_n):
-                sc[d] = _get_bf16(src, p_at + 4 * d + 2)
-                sc[d_n + d] = _get_bf16(src, p_at + 4 * d)
-            k0 = so + offs[3] + h * d_n * es
-            yb[base * es:(base + d_n) * es] = src[k0:k0 + d_n * es]
-            scv = sc[:d_n]
-            mnv = sc[d_n:2 * d_n]
-            for t in range(1, t_n):
-                q = so + offs[0] + (t * h_n + h) * d_n
-                qv = src[q:q + d_n]
-                yv = y[base + t * s_t:base + t * s_t + d_n]
-                for d in range(d_n):
-                    st(yv, d, np.float32(qv[d]) * scv[d] + mnv[d])
+            if keys_dt:
+                _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, sc, ys, kb, 0, d_n)
+                _rows_from_plane(kb, y, base, t_n, d_n)
+            else:
+                _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, sc, ys, y, base, s_t)
         for t in range(t_n):
             for h in range(h_n):
                 v = (t_n + t) * h_n + h
@@ -539,7 +519,6 @@ def _decode_rows(spec: CodecSpec, shape: KVShape, enc: np.ndarray, so: np.ndarra
 def _row_decoder(spec: CodecSpec, shape: KVShape, layer: int):
     """:func:`_decode_rows` of one layer as ``f(enc, so, y, yo)``, its constants and scratch
     bound once (one numba call, plus the key-plane turn of token-major decodes, per call)."""
-    spec = spec.for_shape(shape)
     t_n, d_n = shape.tokens, shape.head_dim
     geo = _geometry(shape)
     dt = shape.key_order == "dt"

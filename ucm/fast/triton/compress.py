@@ -351,7 +351,6 @@ def _encodable(spec: CodecSpec, shape: KVShape, raw: torch.Tensor, tabs: _Tables
 def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, n, L,
                    launch: LaunchConfig) -> None:
     """``raw``: from :func:`_encodable`."""
-    spec = spec.for_shape(shape)
     offs, pad, E = _format(spec, shape)
     padt = _pad_table(spec, shape, enc.device)
     npad = len(pad)
@@ -413,7 +412,6 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
 def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
                    launch: LaunchConfig) -> None:
     """``raw``: the cache's element type (rows or anchor)."""
-    spec = spec.for_shape(shape)
     offs, _, E = _format(spec, shape)
     T, H, D = shape.tokens, shape.heads, shape.head_dim
     indexed = idx is not None
