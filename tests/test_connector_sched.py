@@ -11,6 +11,8 @@ the default, stores the partial last block too), in a new engine as in the same 
 Load failures are injected (``InjectedLoadFaults``): a storage fault cannot be produced
 deterministically for real.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -176,6 +178,29 @@ def test_saves_landing_late_store_each_block_once(root, tp, prefix_caching):
         assert len(e.planned_saves) >= 7 + 7 + 4  # (a's and c's full prompt blocks, 4 tails)
         assert_scheduler_empty(e)
     H.assert_stored(H.store_config(root, "memory|posix"), prompts, tp=tp)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_a_block_evicted_after_its_save_is_saved_again(root, tp):
+    """Requests one at a time through a memory tier too small for them: a prompt's blocks are
+    evicted by the next ones, so the prompt coming back recomputes them and must store them
+    again. Its ids stayed "planned" for SAVING_STEPS steps after their save had landed, so it
+    stored nothing and the third time missed again."""
+    a, b, c = _prompt(40, 4 * BLOCK + 5), _prompt(41, 4 * BLOCK + 5), _prompt(42, 4 * BLOCK + 5)
+    extra = H.store_config(root, "memory|posix")
+    extra["buffer_number"] = 8 * tp      # a prompt takes 5 per rank (4 blocks and its tail)
+    with H.Engine(extra, tp=tp, prefix_caching=False) as e:
+        hits = [e.run_prompts([p])[0].ext for p in (a, b, c)]
+        # the posix tier's files collected meanwhile (another engine's budget, an operator)
+        for d, sub, files in os.walk(root):
+            sub[:] = [x for x in sub if not x.startswith(".")]
+            for f in files:
+                if not f.startswith("."):
+                    os.remove(os.path.join(d, f))
+        hits += [e.run_prompts([p])[0].ext for p in (a, a)]
+        assert_scheduler_empty(e)
+    assert hits[:3] == [0, 0, 0] and hits[3] < expected_hits(len(a)), hits
+    assert hits[4] == expected_hits(len(a)), hits
 
 
 @pytest.mark.parametrize("tp", TPS)

@@ -25,25 +25,28 @@ def agentic():
 
 
 def lru_model(trace, cap):
-    """Prefix hits of a plain LRU over blocks, written independently of the store."""
+    """Prefix hits of a plain LRU over blocks, written independently of the store. A request
+    touches its prefix hits, then its other blocks already held, then evicts the least recent
+    blocks its new ones need and inserts those; each group deepest first, so that a chain ages
+    from its tip (ucm/store/policy.py says why)."""
     cache, hits, blocks = OrderedDict(), 0, 0
     for r in trace.requests:
+        ids = list(r.hash_ids)
         k = 0
-        for h in r.hash_ids:
-            if h not in cache:
-                break
+        while k < len(ids) and ids[k] in cache:
             k += 1
-        for h in r.hash_ids[:k]:
+        for h in reversed(ids[:k]):
             cache.move_to_end(h)
-        for h in r.hash_ids[k:]:
-            if h in cache:
-                cache.move_to_end(h)
-                continue
-            if len(cache) >= cap:
-                cache.popitem(last=False)
+        rest = ids[k:]
+        for h in reversed([h for h in rest if h in cache]):
+            cache.move_to_end(h)
+        new = [h for h in rest if h not in cache][:cap]
+        while cache and len(cache) + len(new) > cap:
+            cache.popitem(last=False)
+        for h in reversed(new):
             cache[h] = None
         hits += k
-        blocks += len(r.hash_ids)
+        blocks += len(ids)
     return hits / blocks
 
 

@@ -16,7 +16,8 @@ its last token), ``prompts`` (lists of token ids), ``phases`` (list of {"name", 
 "read_cache": bool, "wait_for": path, "kv_params": [one kv_transfer_params object or null per
 prompt of the phase]}), ``env`` (extra environment for the engine). Each phase is one
 ``generate`` call with all its prompts in flight together; with ``ttft`` each prompt is instead
-timed alone with one output token (time to first token). With ``logprobs`` the log-probability
+timed alone with one output token (time to first token), the engine stepped between prompts until
+the previous one's saves are done, as a server's loop would have between requests. With ``logprobs`` the log-probability
 of each generated token is reported. With ``prompt_logprobs`` the log-probability of each prompt
 token given its prefix is reported (``None`` for the first token). vLLM then skips prefix-cache
 and connector hits, unless ``read_cache`` is set: it then computes log-probabilities only for the
@@ -115,6 +116,10 @@ def run(spec: dict) -> dict:
                 o = llm.generate([TokensPrompt(prompt_token_ids=prompts[i])], sp, use_tqdm=False)[0]
                 res["outputs"].append({"prompt": i, "ttft": time.perf_counter() - t,
                                        "tokens": list(o.outputs[0].token_ids)})
+                # a server's engine loop finishes the request's save while it waits for the
+                # next one; in process nothing steps it, and the next prompt would miss
+                # blocks still being saved
+                _drain_in_process(llm)
         else:
             plp = phase.get("prompt_logprobs")
             sp = [SamplingParams(max_tokens=phase.get("max_tokens", 24), temperature=0.0,

@@ -167,9 +167,11 @@ class MemoryStore(KVStore):
         return slots
 
     def _use(self, ids) -> None:
-        """Blocks read again, in chain order (caller holds the lock)."""
+        """Blocks read again, in chain order (caller holds the lock). The index-kept LRU is
+        touched deepest first, so that a chain ages from its tip: evicting its first block
+        would strand every block after it (see :mod:`ucm.store.policy`)."""
         if self._policy is None:
-            self._index.touch(ids)
+            self._index.touch(ids[::-1])
         else:
             self._policy.hit([ids[i].tobytes() for i in range(len(ids))])
 
@@ -305,8 +307,8 @@ class MemoryStore(KVStore):
                     p.discard = True
                 else:
                     self._release(p)
-            if rows:  # one index call for the batch
-                self._index.insert(ids[rows], np.asarray(slots, dtype=np.int64))
+            if rows:  # one index call for the batch, deepest first (as in _use)
+                self._index.insert(ids[rows][::-1], np.asarray(slots[::-1], dtype=np.int64))
                 self._inserted(ids[rows])
         self._stats.add(commits=len(rows))
 

@@ -4,9 +4,21 @@ A tier keeps its own map from block id to storage (slot, file); a policy only or
 was told about and names victims. Keys are the 16-byte ids (``ids[i].tobytes()``). Calls:
 
 * ``insert(keys)``: blocks just stored, in the order a request's chain dumped them;
-* ``hit(keys)``: stored blocks read again (a load, or a dump that found them present);
+* ``hit(keys)``: stored blocks read again (a load, or a dump that found them present), in
+  chain order;
 * ``remove(keys)``: blocks gone for another reason (deleted, failed a check);
 * ``evict(n, busy)``: drop up to ``n`` blocks for which ``busy(key)`` is false and return them.
+
+Every policy orders the blocks of one call deepest first: a chain's tip becomes its least
+recent block and its first block its most recent. The blocks of one request are used together,
+so their order among themselves is free, and only this one is right for a prefix cache: a
+cached block is a hit only after every block before it, so evicting a chain from its first
+block would strand the rest, unreachable until evicted in turn (seen on vLLM-CPU with chat
+sessions sharing system prompts: the prompt's first blocks went first, and every later session
+of it missed although most of its blocks were still in memory). The order holds within a call;
+a request's prefix hits are touched when loaded, before its new blocks are stored, so the
+blocks it loaded are older than the ones it added and can go first, leaving a gap in the chain
+(no worse than before: a chain then lost its first block first).
 
 Policies (``store.memory.policy``):
 
@@ -113,12 +125,12 @@ class LRUPolicy(EvictionPolicy):
         self._d: OrderedDict = OrderedDict()
 
     def insert(self, keys):
-        for k in keys:
+        for k in reversed(list(keys)):  # deepest first (the module docstring says why)
             self._d[k] = None
             self._d.move_to_end(k)
 
     def hit(self, keys):
-        for k in keys:
+        for k in reversed(list(keys)):
             if k in self._d:
                 self._d.move_to_end(k)
 
@@ -160,7 +172,7 @@ class ARCPolicy(EvictionPolicy):
 
     def insert(self, keys):
         c = self.capacity
-        for k in keys:
+        for k in reversed(list(keys)):  # deepest first (the module docstring says why)
             if k in self.t1 or k in self.t2:
                 self.hit((k,))
             elif k in self.b1:
@@ -175,7 +187,7 @@ class ARCPolicy(EvictionPolicy):
                 self.t1[k] = None
 
     def hit(self, keys):
-        for k in keys:
+        for k in reversed(list(keys)):
             if k in self.t1:
                 del self.t1[k]
                 self.t2[k] = None

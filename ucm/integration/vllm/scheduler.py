@@ -204,7 +204,11 @@ class ConnectorScheduler:
         # mistaken for a full block (and vice versa)
         self._tail_ns = murmur3_x64_128(ns.digest() + b"ucm-partial-tail-v1", 0)
         self._generation = 0
-        self._saving: dict[bytes, int] = {}  # id of a planned save -> the step that planned it
+        # ids whose save is planned and not known done -> the step that planned it; a request's
+        # ids leave when its saves are reported done (``_saves_done``), or SAVING_STEPS steps
+        # after planning when no report comes
+        self._saving: dict[bytes, int] = {}
+        self._saving_of: dict[str, list] = {}   # request id -> the ids it planned to save
         self._step = 0
         self.metrics = ucm_metrics.Recorder()   # lookups (drained into vLLM's connector stats)
         ucm.hash_blocks(np.zeros(self.block_size, np.int64), ns)  # compile now, not per request
@@ -430,6 +434,8 @@ class ConnectorScheduler:
         if self._saving and self._step % 16 == 0:
             old = self._step - SAVING_STEPS
             self._saving = {k: v for k, v in self._saving.items() if v >= old}
+            self._saving_of = {r: ks for r, ks in self._saving_of.items()
+                               if any(k in self._saving for k in ks)}
         meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         # vLLM frees a preempted request's blocks at once and may hand them out in this very
         # step: saves still reading them must finish before the step writes the cache.
@@ -492,7 +498,7 @@ class ConnectorScheduler:
             job.blocks = st.blocks[:-(-job.end // bs)] if job.end > job.start else []
             meta.blends.append(job)
             for cs in job.saves:
-                self._mark_planned(cs.ids[cs.skip:])
+                self._mark_planned(cs.ids[cs.skip:], st.request.request_id)
         if not self.is_producer or st.blended:
             return  # (a blended request's KV is approximate: never stored under its prefix)
         limit = st.request.num_tokens if self.cfg["connector.save_generated"] \
@@ -511,7 +517,7 @@ class ConnectorScheduler:
             if len(todo):
                 meta.saves.append(Transfer(st.request.request_id, ids[todo].copy(),
                                            [st.blocks[k] for k in todo]))
-                self._mark_planned(ids[todo])
+                self._mark_planned(ids[todo], st.request.request_id)
             st.known = n_full
         prompt = st.request.num_prompt_tokens
         if self._tail and not st.tail_done and computed_after >= prompt:
@@ -525,13 +531,23 @@ class ConnectorScheduler:
                             and not self._present(tid[None])[0]:
                         meta.saves.append(Transfer(st.request.request_id, tid[None].copy(),
                                                    [st.blocks[nf]], tail=True))
-                        self._mark_planned(tid[None])
+                        self._mark_planned(tid[None], st.request.request_id)
                 except Exception as exc:
                     log.warning("ucm: tail lookup failed (%r); not saving it", exc)
 
-    def _mark_planned(self, ids: np.ndarray) -> None:
-        for row in ids:
-            self._saving[row.tobytes()] = self._step
+    def _mark_planned(self, ids: np.ndarray, req_id: str) -> None:
+        keys = [row.tobytes() for row in ids]
+        for k in keys:
+            self._saving[k] = self._step
+        self._saving_of.setdefault(req_id, []).extend(keys)
+
+    def _saves_done(self, req_id: str) -> None:
+        """The request's saves are over (committed or failed): its ids are no longer in flight.
+        A block saved and then evicted must be planned again by the next request that computes
+        it; until now the planning window kept it from being saved again for SAVING_STEPS
+        steps, so requests served one at a time missed it for that long."""
+        for k in self._saving_of.pop(req_id, ()):
+            self._saving.pop(k, None)
 
     def _planned(self, ids: np.ndarray) -> np.ndarray:
         """Which ids a recent step planned to save (bool ``[n]``)."""
@@ -541,8 +557,11 @@ class ConnectorScheduler:
                            count=len(ids))
 
     def update_connector_output(self, connector_output) -> None:
-        """Blocks whose load failed are recomputed by vLLM: they (and the blocks after them)
-        are no longer known to be stored, so they are saved again once recomputed."""
+        """Requests whose background saves the worker reports done leave the planned saves.
+        Blocks whose load failed are recomputed by vLLM: they (and the blocks after them) are
+        no longer known to be stored, so they are saved again once recomputed."""
+        for req_id in getattr(connector_output, "finished_sending", None) or ():
+            self._saves_done(req_id)
         bad = getattr(connector_output, "invalid_block_ids", None)
         if not bad:
             return
@@ -572,6 +591,7 @@ class ConnectorScheduler:
             st.chain, st.known, st.tail_done = None, 0, False
         self._matched.clear()
         self._saving.clear()
+        self._saving_of.clear()
         log.info("ucm: connector cache reset: generation %d", self._generation)
         return ok
 
@@ -582,4 +602,7 @@ class ConnectorScheduler:
         self._arrived.pop(request.request_id, None)
         # With background saves vLLM keeps the blocks until the worker reports the request's
         # saves done (get_finished); the worker tracks exactly the requests it got saves for.
-        return bool(self._async and st is not None and st.saved), None
+        delayed = bool(self._async and st is not None and st.saved)
+        if not delayed:   # its saves ran inside the steps (or there were none)
+            self._saves_done(request.request_id)
+        return delayed, None
