@@ -27,8 +27,8 @@ def agentic():
 def lru_model(trace, cap):
     """Prefix hits of a plain LRU over blocks, written independently of the store. A request
     touches its prefix hits, then its other blocks already held, then evicts the least recent
-    blocks its new ones need and inserts those; each group deepest first, so that a chain ages
-    from its tip (ucm/store/policy.py says why)."""
+    blocks its new ones need and inserts those, then touches the blocks it read again; each
+    group deepest first, so that a chain ages from its tip (ucm/store/policy.py says why)."""
     cache, hits, blocks = OrderedDict(), 0, 0
     for r in trace.requests:
         ids = list(r.hash_ids)
@@ -45,6 +45,11 @@ def lru_model(trace, cap):
             cache.popitem(last=False)
         for h in reversed(new):
             cache[h] = None
+        if new:
+            for h in reversed(ids[:k]):
+                cache.move_to_end(h)
+            for h in reversed([h for h in rest if h in cache and h not in new]):
+                cache.move_to_end(h)
         hits += k
         blocks += len(ids)
     return hits / blocks

@@ -66,6 +66,9 @@ class MemoryStore(KVStore):
         self.n_slots = int(buffer_number)
         self.policy = policy
         self._policy = None if policy == "lru" else make_policy(policy, self.n_slots)
+        # (LRU) blocks read again since the last commit, touched again after it (see commit)
+        self._read_since_commit: list = []
+        self._read_count = 0
         self.pool = None  # allocated on first use or by prepare(): a lookup-only view costs nothing
         self.pinned = False
         self._want_pin = pin
@@ -172,6 +175,9 @@ class MemoryStore(KVStore):
         would strand every block after it (see :mod:`ucm.store.policy`)."""
         if self._policy is None:
             self._index.touch(ids[::-1])
+            if self._read_count < self.n_slots:
+                self._read_since_commit.append(ids)
+                self._read_count += len(ids)
         else:
             self._policy.hit([ids[i].tobytes() for i in range(len(ids))])
 
@@ -310,6 +316,14 @@ class MemoryStore(KVStore):
             if rows:  # one index call for the batch, deepest first (as in _use)
                 self._index.insert(ids[rows][::-1], np.asarray(slots[::-1], dtype=np.int64))
                 self._inserted(ids[rows])
+                # A request loads its prefix, then stores the blocks after it: the blocks it
+                # read are touched again, so that they stay more recent than the deeper ones
+                # just stored and the chain still ages from its tip (a read block otherwise
+                # went before the blocks stored after it and left a gap in the chain).
+                for read in self._read_since_commit:
+                    self._index.touch(read[::-1])
+            self._read_since_commit.clear()
+            self._read_count = 0
         self._stats.add(commits=len(rows))
 
     def _load(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:
