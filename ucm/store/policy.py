@@ -15,10 +15,11 @@ so their order among themselves is free, and only this one is right for a prefix
 cached block is a hit only after every block before it, so evicting a chain from its first
 block would strand the rest, unreachable until evicted in turn (seen on vLLM-CPU with chat
 sessions sharing system prompts: the prompt's first blocks went first, and every later session
-of it missed although most of its blocks were still in memory). The order holds within a call;
-a request's prefix hits are touched when loaded, before its new blocks are stored, so the
-blocks it loaded are older than the ones it added and can go first, leaving a gap in the chain
-(no worse than before: a chain then lost its first block first).
+of it missed although most of its blocks were still in memory). A request loads its prefix
+before it stores the blocks after it, so the blocks it read would be older than the deeper ones
+it stored and go first, leaving a gap: ``lru`` (in the memory tier) and ``prefix`` make the
+blocks read since the last insert recent again after it; ``arc`` keeps read blocks in a list
+of their own.
 
 Policies (``store.memory.policy``):
 
@@ -269,6 +270,14 @@ class _Segmented:
             dest = self.prot
         dest[k] = self.clock
 
+    def refresh(self, k) -> None:
+        """Most recent in its own list, not promoted (a read already counted)."""
+        self.clock += 1
+        for lst in (self.prob, self.prot):
+            if k in lst:
+                lst.move_to_end(k)
+                lst[k] = self.clock
+
     def remove(self, k) -> None:
         self.prob.pop(k, None)
         self.prot.pop(k, None)
@@ -324,6 +333,7 @@ class PrefixPolicy(EvictionPolicy):
         shadow_cap = max(8, capacity // self.SAMPLE)
         self._shadow = {False: _Segmented(shadow_cap), True: _Segmented(shadow_cap)}
         self._score = {False: 0.0, True: 0.0}
+        self._read: list = []    # keys read since the last insert, refreshed after it
 
     @property
     def frequency(self) -> bool:
@@ -341,12 +351,22 @@ class PrefixPolicy(EvictionPolicy):
         for k in reversed(keys):  # deepest first: the chain's tip is its oldest block
             self._sample(k)
             self._seg.insert(k)
+        # a request reads its prefix, then stores the blocks after it: what was read since
+        # the last insert stays more recent than these deeper blocks (as in the memory tier's
+        # LRU), so the chain keeps aging from its tip
+        if keys:
+            for read in self._read:
+                for k in reversed(read):
+                    self._seg.refresh(k)
+        self._read.clear()
 
     def hit(self, keys):
         keys = list(keys)
         for k in reversed(keys):
             self._sample(k)
             self._seg.hit(k)
+        if sum(map(len, self._read)) < self.capacity:
+            self._read.append(keys)
 
     def remove(self, keys):
         for k in keys:
