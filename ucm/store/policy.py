@@ -324,7 +324,10 @@ class PrefixPolicy(EvictionPolicy):
 
     name = "prefix"
     SAMPLE = 16          # shadows see ids whose first byte is 0 mod SAMPLE
-    DECAY = 0.999        # per sampled access: the duel follows the recent past
+    DECAY = 0.9997       # per sampled access: the duel averages about 3,300 of them. Its two
+    # hit rates differ by about 1% near the capacities where it matters, and a shorter memory
+    # lets noise switch protection on where it loses (a memory of about 1,000 fell below LRU
+    # at 20% of the conversation trace)
     MARGIN = 1.01        # protection must win by 1% to be switched on (no flapping on ties)
 
     def __init__(self, capacity: int):
