@@ -14,8 +14,9 @@ push the system prompts out.
    (its own stages: replay of every policy, vLLM TTFT of the tuned configuration and of the
    preset on the sample).
 2. Held-out: the next ``--requests`` requests (new sessions and documents, same applications),
-   served one at a time by a fresh engine with the tuned configuration and one with the preset
-   (``realtime_chat`` held to the same memory budget and tiers); mean TTFT of each.
+   served one at a time by a fresh engine with the tuned configuration (and the block size it
+   chose) and one with the preset (``realtime_chat`` held to the same memory budget and tiers);
+   mean TTFT of each.
 """
 from __future__ import annotations
 
@@ -77,7 +78,10 @@ def main(argv=None) -> int:
     chosen = dict(tuner.chosen)
     preset_name = f"preset {tuner.preset}"
     preset = tuner.candidates[preset_name]
-    held_ttft = compare_ttft(model, {"tuned": chosen, preset_name: preset}, held, progress=True)
+    # the tuned engine runs with the block size the tuner chose (its buffer_number counts
+    # blocks of that size); the preset with the default
+    held_ttft = compare_ttft(model, {"tuned": chosen, preset_name: preset}, held, progress=True,
+                             block_sizes={"tuned": tuner.engine_args["block_size"]})
     res = {k: dict(mean_ttft_ms=1e3 * float(np.mean(v)), p50_ttft_ms=1e3 * float(np.median(v)),
                    ttft_ms=[round(1e3 * x, 1) for x in v]) for k, v in held_ttft.items()}
     ratio = res["tuned"]["mean_ttft_ms"] / res[preset_name]["mean_ttft_ms"]
@@ -89,6 +93,7 @@ def main(argv=None) -> int:
                   constraints=constraints, memory_blocks=int(gb * 2**30) // block_bytes,
                   sample_distinct_blocks=distinct, chosen=chosen, preset=preset,
                   stages=[dict(name=s.name, rows=s.rows, choice=s.choice) for s in tuner.stages],
+                  engine_args=tuner.engine_args,
                   held_out=res, tuned_over_preset_mean_ttft=ratio, seconds=time.time() - t0,
                   config_memory_policy=cfg["store.memory.policy"])
     if args.json:
