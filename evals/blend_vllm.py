@@ -26,9 +26,11 @@ when the generated tokens are the code word.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -68,6 +70,7 @@ def main(argv=None) -> int:
     ids = corpus_ids(path)
     ratios = [float(r) for r in args.ratios.split(",")]
     root = tempfile.mkdtemp(prefix="ucm-blend-eval-")
+    atexit.register(shutil.rmtree, root, True)   # (a 100-prompt run stores tens of GB)
     spec = dict(model=path, dtype="float32", connector="ucm", block_size=32, max_model_len=8192,
                 extra_config={"store": {"pipeline": "memory|posix", "posix": {"roots": [root]}},
                               "blend": {"sink": args.sink,
