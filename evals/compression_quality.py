@@ -32,11 +32,13 @@ keys and values, and stored bytes per block against bfloat16.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -276,6 +278,8 @@ def main(argv=None) -> int:
         prompts[f"t{j}"] = joined[2000 * j:2000 * (j + 1)]
     tmp = args.keep or tempfile.mkdtemp(prefix="ucm-compress-eval-")
     os.makedirs(tmp, exist_ok=True)
+    if not args.keep:    # (the stores of a 32-document run take gigabytes)
+        atexit.register(shutil.rmtree, tmp, True)
     print(f"{len(ev)} documents, calibration {len(calib)}; files in {tmp}", flush=True)
     if args.ttft_only:
         return ttft_only(args, model, prompts, names, tmp)

@@ -24,8 +24,10 @@ hook did not act cannot pass for an accurate one.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -127,6 +129,7 @@ def main(argv=None) -> int:
     longest = max(len(p) for p in prompts)
     t0 = time.time()
     tmp = tempfile.mkdtemp(prefix="ucm-sparse-vllm-")
+    atexit.register(shutil.rmtree, tmp, True)
     stats = os.path.join(tmp, "sparse")
     base = dict(model=model, dtype="float32", prompts=prompts, block_size=BS,
                 max_model_len=longest + args.tokens + 16,
