@@ -556,8 +556,8 @@ def compare_ttft(model: str, candidates: dict, prompts: list, *, dtype: str = "b
                  block_sizes: Optional[dict] = None) -> dict:
     """TTFT lists of each candidate configuration on the same prompts (``block_sizes``: a
     candidate's own engine block size, default ``block_size``). Engines run side by side,
-    each bound to its own CPU (the last one left free for the rest of the machine), as many at
-    once as there are CPUs beyond the first."""
+    each bound to its own CPU: as many at once as there are CPUs beyond the first (left to the
+    rest of the machine), or one per CPU on a machine of two or fewer."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ucm.progress import bar
