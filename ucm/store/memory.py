@@ -176,7 +176,7 @@ class MemoryStore(KVStore):
         if self._policy is None:
             self._index.touch(ids[::-1])
             if self._read_count < self.n_slots:
-                self._read_since_commit.append(ids)
+                self._read_since_commit.append(ids.copy())  # (the caller may reuse its array)
                 self._read_count += len(ids)
         else:
             self._policy.hit([ids[i].tobytes() for i in range(len(ids))])

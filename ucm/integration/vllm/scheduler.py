@@ -544,8 +544,8 @@ class ConnectorScheduler:
     def _saves_done(self, req_id: str) -> None:
         """The request's saves are over (committed or failed): its ids are no longer in flight.
         A block saved and then evicted must be planned again by the next request that computes
-        it; until now the planning window kept it from being saved again for SAVING_STEPS
-        steps, so requests served one at a time missed it for that long."""
+        it, which the planning window alone would prevent for SAVING_STEPS steps (requests
+        served one at a time would miss it for that long)."""
         for k in self._saving_of.pop(req_id, ()):
             self._saving.pop(k, None)
 
