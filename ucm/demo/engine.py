@@ -16,9 +16,9 @@ its last token), ``prompts`` (lists of token ids), ``phases`` (list of {"name", 
 "read_cache": bool, "wait_for": path, "kv_params": [one kv_transfer_params object or null per
 prompt of the phase]}), ``env`` (extra environment for the engine). Each phase is one
 ``generate`` call with all its prompts in flight together; with ``ttft`` each prompt is instead
-timed alone with one output token (time to first token), the engine stepped between prompts until
-the previous one's saves are done, as a server's loop would have between requests. With ``logprobs`` the log-probability
-of each generated token is reported. With ``prompt_logprobs`` the log-probability of each prompt
+timed alone with one output token (time to first token), the engine stepped between prompts
+until the previous one's saves are done, as a server's loop would between requests. With
+``logprobs`` the log-probability of each generated token is reported. With ``prompt_logprobs`` the log-probability of each prompt
 token given its prefix is reported (``None`` for the first token). vLLM then skips prefix-cache
 and connector hits, unless ``read_cache`` is set: it then computes log-probabilities only for the
 prompt tokens it computed itself (the positions after the loaded prefix); ``prompt_logprobs_from``

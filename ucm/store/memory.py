@@ -66,8 +66,8 @@ class MemoryStore(KVStore):
         self.n_slots = int(buffer_number)
         self.policy = policy
         self._policy = None if policy == "lru" else make_policy(policy, self.n_slots)
-        # (LRU) blocks read again since the last commit, touched again after it (see commit)
-        self._read_since_commit: list = []
+        # blocks read since the last insert, made recent again after it (see _inserted)
+        self._reads: list = []
         self._read_count = 0
         self.pool = None  # allocated on first use or by prepare(): a lookup-only view costs nothing
         self.pinned = False
@@ -175,16 +175,29 @@ class MemoryStore(KVStore):
         would strand every block after it (see :mod:`ucm.store.policy`)."""
         if self._policy is None:
             self._index.touch(ids[::-1])
-            if self._read_count < self.n_slots:
-                self._read_since_commit.append(ids.copy())  # (the caller may reuse its array)
-                self._read_count += len(ids)
         else:
             self._policy.hit([ids[i].tobytes() for i in range(len(ids))])
+        if self._read_count < self.n_slots:
+            self._reads.append(ids.copy())       # (the caller may reuse its array)
+            self._read_count += len(ids)
 
-    def _inserted(self, ids) -> None:
-        """Blocks just published, in chain order (caller holds the lock)."""
+    def _inserted(self, ids, slots) -> None:
+        """Publish blocks, in chain order (caller holds the lock): into the index (the LRU
+        order deepest first, as in _use) and the policy. A request loads its prefix, then
+        stores the blocks after it: the blocks read since the last insert are made recent
+        again, so that they stay more recent than the deeper blocks just stored and the chain
+        still ages from its tip (a read block would otherwise go before the blocks stored
+        after it and leave a gap in the chain)."""
+        self._index.insert(ids[::-1], np.asarray(slots[::-1], dtype=np.int64))
         if self._policy is not None:
             self._policy.insert([ids[i].tobytes() for i in range(len(ids))])
+        for read in self._reads:
+            if self._policy is None:
+                self._index.touch(read[::-1])
+            else:
+                self._policy.refresh([read[i].tobytes() for i in range(len(read))])
+        self._reads.clear()
+        self._read_count = 0
 
     def _unhold(self, slots) -> None:
         with self._lock:
@@ -278,8 +291,7 @@ class MemoryStore(KVStore):
         if mine:
             del self._pending[p.key]
         if mine and not p.failed and p.shards.all():
-            self._index.insert(_id(p.key), np.asarray([p.slot], dtype=np.int64))
-            self._inserted(_id(p.key))
+            self._inserted(_id(p.key), [p.slot])
             self._stats.add(commits=1)
         else:
             self._release(p)
@@ -313,17 +325,8 @@ class MemoryStore(KVStore):
                     p.discard = True
                 else:
                     self._release(p)
-            if rows:  # one index call for the batch, deepest first (as in _use)
-                self._index.insert(ids[rows][::-1], np.asarray(slots[::-1], dtype=np.int64))
-                self._inserted(ids[rows])
-                # A request loads its prefix, then stores the blocks after it: the blocks it
-                # read are touched again, so that they stay more recent than the deeper ones
-                # just stored and the chain still ages from its tip (a read block otherwise
-                # went before the blocks stored after it and left a gap in the chain).
-                for read in self._read_since_commit:
-                    self._index.touch(read[::-1])
-            self._read_since_commit.clear()
-            self._read_count = 0
+            if rows:  # one index call for the batch
+                self._inserted(ids[rows], slots)
         self._stats.add(commits=len(rows))
 
     def _load(self, ids, offset, bufs: BlockBuffers, shards: range) -> Task:

