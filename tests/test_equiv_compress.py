@@ -850,3 +850,49 @@ def test_numba_affine_rows(out_dtype, rows):
         pad = y.copy()
         pad[yi:yi + n * ys].reshape(n, ys)[:, :m] = 7
         assert (pad == 7).all(), (n, k, m)
+
+
+# ---------------------------------------------------------------------------------------------
+# the numba kernels on CPUs with fewer instructions than this one
+
+_OLDER_CPU = r"""
+import numpy as np, torch
+from ucm import compress
+from ucm.codecs import CodecSpec, KVShape, encoded_bytes, fit_projection
+rng = np.random.default_rng(0)
+cal = rng.standard_normal((512, 2, 3, 64)).astype(np.float32)
+proj = fit_projection([cal])
+for method in ("learned", "int8"):
+    spec = (CodecSpec("learned", ratio=0.25, projection=proj) if method == "learned"
+            else CodecSpec("quantize", bits=8, key_mode="channel"))
+    for dtype, tt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        shape = KVShape("hktd", 128, 3, 64, dtype)
+        raw = torch.from_numpy(rng.standard_normal((4, 3, 2, 128, 64)).astype(np.float32))
+        raw = raw.to(tt).contiguous().view(torch.uint8).reshape(4, shape.raw_bytes)
+        enc = torch.empty((4, encoded_bytes(spec, shape)), dtype=torch.uint8)
+        compress.encode(spec, shape, raw, enc, backend="reference")
+        got, want = torch.empty_like(raw), torch.empty_like(raw)
+        compress.decode(spec, shape, enc, got, backend="numba")
+        compress.decode(spec, shape, enc, want, backend="reference")
+        g, w = got.view(tt).float(), want.view(tt).float()
+        step = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
+        assert bool(((g - w).abs() <= 2e-5 + step * w.abs()).all()), (method, dtype)
+        if method == "int8":
+            assert torch.equal(got, want), dtype
+print("ok")
+"""
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"),
+                    reason="x86 CPU models")
+@pytest.mark.parametrize("cpu", ["skylake-avx512", "x86-64"], ids=["no-avx512bf16", "no-avx512-f16c"])
+def test_numba_codecs_compile_and_agree_for_an_older_cpu(cpu, tmp_path):
+    """The kernels are built for numba's target CPU; one without AVX512-BF16 (or AVX-512, or
+    F16C) must get a portable rounding of the decoded values, not a call to a compiler-rt
+    routine numba's JIT cannot resolve (which crashed the process)."""
+    from conftest import run_python
+
+    r = run_python(_OLDER_CPU, env={"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "",
+                                    "UCM_JIT_CACHE": str(tmp_path / "jit")}, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), \
+        f"rc {r.returncode}: {r.stderr[-2000:]}"

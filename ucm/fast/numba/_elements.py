@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from ucm.fast.numba._jit import njit
@@ -122,6 +122,47 @@ def f16_to_f32(typingctx, v):
     return types.float32(v), codegen
 
 
+def _k(like, v):
+    """Integer constant ``v`` of ``like``'s type: i32, or a vector of i32 (every lane ``v``)."""
+    if isinstance(like, ir.VectorType):
+        return ir.Constant(like, [v] * like.count)
+    return ir.Constant(like, v)
+
+
+def _bf16_bits(b, x):
+    """float32 bits ``x`` (i32, or a vector of i32) -> bfloat16 bits in the low 16 bits, round
+    to nearest even (NaN: 0x7FC0), as Tensor.to does."""
+    t = x.type
+    lsb = b.and_(b.lshr(x, _k(t, 16)), _k(t, 1))
+    r = b.lshr(b.add(b.add(x, _k(t, 0x7FFF)), lsb), _k(t, 16))
+    nan = b.icmp_unsigned(">", b.and_(x, _k(t, 0x7FFFFFFF)), _k(t, 0x7F800000))
+    return b.select(nan, _k(t, 0x7FC0), r)
+
+
+def _f16_bits(b, x):
+    """float32 bits ``x`` (i32, or a vector of i32) -> float16 bits in the low 16 bits, round
+    to nearest even (subnormals; overflow: inf; NaN: 0x7E00), as Tensor.to does."""
+    t = x.type
+
+    def k(v):
+        return _k(t, v)
+    sign = b.and_(b.lshr(x, k(16)), k(0x8000))
+    a = b.and_(x, k(0x7FFFFFFF))
+    r = b.sub(a, k(0x38000000))                               # rebias the exponent: 127 -> 15
+    normal = b.lshr(b.add(b.add(r, k(0xFFF)), b.and_(b.lshr(r, k(13)), k(1))), k(13))
+    m = b.or_(b.and_(a, k(0x7FFFFF)), k(0x800000))
+    s = b.sub(k(126), b.lshr(a, k(23)))                       # subnormal: m * 2^(e-150) / 2^-24
+    s = b.select(b.icmp_signed("<", s, k(14)), k(14), s)
+    s = b.select(b.icmp_signed(">", s, k(25)), k(25), s)
+    half = b.sub(b.shl(k(1), b.sub(s, k(1))), k(1))
+    sub = b.lshr(b.add(b.add(m, half), b.and_(b.lshr(m, s), k(1))), s)
+    h = b.select(b.icmp_unsigned(">=", a, k(0x33000000)), sub, k(0))
+    h = b.select(b.icmp_unsigned(">=", a, k(0x38800000)), normal, h)
+    h = b.select(b.icmp_unsigned(">=", a, k(0x477FF000)), k(0x7C00), h)   # >= 65520
+    h = b.select(b.icmp_unsigned(">", a, k(0x7F800000)), k(0x7E00), h)
+    return b.or_(h, sign)
+
+
 @intrinsic
 def to_bf16(typingctx, f):
     """float32 -> bfloat16 bits, round to nearest even (NaN: 0x7FC0), as Tensor.to does."""
@@ -129,12 +170,7 @@ def to_bf16(typingctx, f):
         return None
 
     def codegen(context, builder, signature, args):
-        b = builder
-        x = b.bitcast(args[0], _I32)
-        lsb = b.and_(b.lshr(x, _c32(16)), _c32(1))
-        r = b.lshr(b.add(b.add(x, _c32(0x7FFF)), lsb), _c32(16))
-        nan = b.icmp_unsigned(">", b.and_(x, _c32(0x7FFFFFFF)), _c32(0x7F800000))
-        return b.trunc(b.select(nan, _c32(0x7FC0), r), _I16)
+        return builder.trunc(_bf16_bits(builder, builder.bitcast(args[0], _I32)), _I16)
     return types.uint16(f), codegen
 
 
@@ -146,24 +182,7 @@ def to_f16(typingctx, f):
         return None
 
     def codegen(context, builder, signature, args):
-        b = builder
-        x = b.bitcast(args[0], _I32)
-        sign = b.and_(b.lshr(x, _c32(16)), _c32(0x8000))
-        a = b.and_(x, _c32(0x7FFFFFFF))
-        r = b.sub(a, _c32(0x38000000))                    # rebias the exponent: 127 -> 15
-        normal = b.lshr(b.add(b.add(r, _c32(0xFFF)), b.and_(b.lshr(r, _c32(13)), _c32(1))),
-                        _c32(13))
-        m = b.or_(b.and_(a, _c32(0x7FFFFF)), _c32(0x800000))
-        s = b.sub(_c32(126), b.lshr(a, _c32(23)))         # subnormal: m * 2^(e-150) / 2^-24
-        s = b.select(b.icmp_signed("<", s, _c32(14)), _c32(14), s)
-        s = b.select(b.icmp_signed(">", s, _c32(25)), _c32(25), s)
-        half = b.sub(b.shl(_c32(1), b.sub(s, _c32(1))), _c32(1))
-        sub = b.lshr(b.add(b.add(m, half), b.and_(b.lshr(m, s), _c32(1))), s)
-        h = b.select(b.icmp_unsigned(">=", a, _c32(0x33000000)), sub, _c32(0))
-        h = b.select(b.icmp_unsigned(">=", a, _c32(0x38800000)), normal, h)
-        h = b.select(b.icmp_unsigned(">=", a, _c32(0x477FF000)), _c32(0x7C00), h)  # >= 65520
-        h = b.select(b.icmp_unsigned(">", a, _c32(0x7F800000)), _c32(0x7E00), h)
-        return b.trunc(b.or_(h, sign), _I16)
+        return builder.trunc(_f16_bits(builder, builder.bitcast(args[0], _I32)), _I16)
     return types.uint16(f), codegen
 
 
@@ -316,19 +335,50 @@ class _BFloat(ir.Type):
         return hash("bfloat")
 
 
-def _vec_store_bits(bld, v, elem):
-    """A vector of 16 float32 ``v`` as the element bits of ``elem`` (numba dtype of the output
-    array): float32 / uint32 as they are; float16 (int16) and bfloat16 (uint16) through LLVM's
-    ``fptrunc``: round to nearest even, overflow to inf, one instruction per vector where the
-    CPU has one (F16C, AVX512-BF16; that bfloat16 conversion flushes subnormals to zero, below
-    the learned codec's tolerance)."""
+def _target_has(context, *features):
+    """Whether the code being compiled may use all these LLVM target features: those of
+    numba's target machine (the host's, or ``NUMBA_CPU_FEATURES``), which also key numba's
+    on-disk cache, so code built for one CPU is not loaded on another."""
+    have = set(context.codegen().magic_tuple()[2].split(","))
+    return all("+" + f in have for f in features)
+
+
+def _rounded_bits(context, bld, vs, elem):
+    """Vectors of 16 float32 ``vs`` (consecutive columns) as the element bits of ``elem``
+    (numba dtype of the output array), as a list of vectors to store one after the other.
+
+    float32 / uint32 as they are. bfloat16 (uint16) and float16 (int16) round to nearest even,
+    overflow to inf: with AVX512-BF16 two vectors per ``vcvtne2ps2bf16`` (one instruction for 32
+    values, where ``fptrunc`` would take one per 16 and an insert), with F16C ``fptrunc`` to
+    ``half`` (``vcvtps2ph``); on CPUs without those, integer arithmetic on the bits
+    (:func:`_bf16_bits`, :func:`_f16_bits`): there ``fptrunc`` becomes calls to compiler-rt's
+    ``__truncsfbf2`` / ``__truncsfhf2``, which numba's JIT does not resolve (the kernel
+    crashes). The AVX512-BF16 conversion flushes subnormals to zero and keeps a NaN's payload,
+    both below the learned codec's tolerance; the integer path does neither."""
+    vt = ir.VectorType(ir.FloatType(), 16)
     if elem in (types.float32, types.uint32):
-        return v if elem == types.float32 else bld.bitcast(v, ir.VectorType(_I32, 16))
-    half = ir.HalfType() if elem == types.int16 else _BFloat()
-    return bld.bitcast(bld.fptrunc(v, ir.VectorType(half, 16)), ir.VectorType(_I16, 16))
+        return vs if elem == types.float32 else [bld.bitcast(v, ir.VectorType(_I32, 16))
+                                                 for v in vs]
+    i16v = ir.VectorType(_I16, 16)
+    if elem == types.uint16 and _target_has(context, "avx512bf16", "avx512f"):
+        i16x32 = ir.VectorType(_I16, 32)
+        both = cgutils.get_or_insert_function(
+            bld.module, ir.FunctionType(ir.VectorType(_BFloat(), 32), [vt, vt]),
+            "llvm.x86.avx512bf16.cvtne2ps2bf16.512")          # (high half, low half)
+        out = [bld.bitcast(bld.call(both, [vs[j + 1], vs[j]]), i16x32)
+               for j in range(0, len(vs) - 1, 2)]
+        if len(vs) % 2:
+            out.append(bld.bitcast(bld.fptrunc(vs[-1], ir.VectorType(_BFloat(), 16)), i16v))
+        return out
+    if elem == types.int16 and _target_has(context, "f16c"):
+        return [bld.bitcast(bld.fptrunc(v, ir.VectorType(ir.HalfType(), 16)), i16v) for v in vs]
+    bits = _bf16_bits if elem == types.uint16 else _f16_bits
+    return [bld.trunc(bits(bld, bld.bitcast(v, ir.VectorType(_I32, 16))), i16v) for v in vs]
 
 
 _AFFINE_OUT = (types.float32, types.uint32, types.uint16, types.int16)
+
+_PREFETCH_TILES = 2     # the output rows of the tile this many tiles ahead are prefetched
 
 
 @intrinsic
@@ -336,20 +386,35 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
     """``y[yi + n * ys + m] = (sum_k a_n[k] * b[k * m_n + m]) + bias[m]`` for ``n < n_rows``,
     ``m < m_n``: rows of coefficients times a float32 ``k_n x m_n`` matrix plus a bias row,
     stored in ``y``'s element type (float32, or the bits of float32 / bfloat16 / float16:
-    uint32 / uint16 / int16; rounded to nearest even). ``a_n[k]`` is element ``ai + n * as_ +
-    k`` of a float32 array ``a``, or the bfloat16 at byte ``ai + n * as_ + 2 * k`` of a byte
-    array ``a``. The learned codec's encode (float32 rows) and decode (bfloat16 rows). ``w``:
-    float32 scratch of at least ``8 * k_n`` (bfloat16 rows only).
+    uint32 / uint16 / int16; rounded to nearest even, :func:`_rounded_bits`). ``a_n[k]`` is
+    element ``ai + n * as_ + k`` of a float32 array ``a``, or the bfloat16 at byte ``ai + n *
+    as_ + 2 * k`` of a byte array ``a``. The learned codec's encode (float32 rows) and decode
+    (bfloat16 rows). ``w``: float32 scratch of at least ``8 * k_n`` (bfloat16 rows only).
 
     Register tiles of four rows by four vectors of 16 columns, or of eight rows by one vector
     where fewer than four vectors remain. Each vector of ``b`` loaded for a ``k``
     feeds every row of the tile, and the tile's independent chains of fused multiply-adds hide
     their latency (a single row's four chains wait on it: about half the rate). Coefficients
     are taken as broadcasts from memory (a load, not a shuffle that would compete with the
-    multiply-adds for their port), bfloat16 ones widened into ``w`` first, a vector per 16.
-    Rows past the last full tile one at a time; columns past the last full vector one at a
-    time. Sums run over ``k`` in order, the bias added last (as the reference adds the mean).
-    Indices are not checked."""
+    multiply-adds for their port). bfloat16 ones are widened into ``w`` first, 16 at a time
+    without a shuffle: their 32 bytes read as eight 32-bit words, each holding coefficients
+    ``2j`` (low half) and ``2j + 1`` (high half), give the even ones shifted left by 16 and
+    the odd ones masked, stored as ``[a0, a2, .., a14, a1, a3, .., a15]``; the ``k`` loop
+    reads them from there (widening 16 lanes in order takes a cross-lane shuffle and a shift,
+    which measured slower). Rows past the last full tile one at a time; columns past the last
+    full vector one at a time.
+
+    Sums run over ``k`` in order from zero, one rounding per multiply-add, the bias added last
+    as the reference adds the mean after its product: the decoded bytes then match the
+    reference's wherever its product sums in the same order (a store's tests compare them
+    exactly). That last addition is not free: on an AMD Zen 4 core a tile's 16 additions cost
+    about what 16 more multiply-adds do, a sixteenth of the work at rank 16; starting the sums
+    at the bias would save it but round differently.
+
+    The output rows of the tile ``_PREFETCH_TILES`` ahead are prefetched for writing: a
+    batch's decoded rows are larger than the caches and a store that misses waits for its line
+    (past the last row, the last row again: a prefetch does not fault, but it would fetch
+    another buffer's line). Indices are not checked."""
     f32 = types.float32
     if not (isinstance(y, types.Array) and y.dtype in _AFFINE_OUT and y.layout == "C"
             and isinstance(a, types.Array) and a.dtype in (types.uint8, f32) and a.layout == "C"
@@ -361,13 +426,11 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
     elem, packed = y.dtype, a.dtype == types.uint8
 
     def codegen(context, builder, signature, args):
-        from numba.core import cgutils
-
         bld = builder
         ft = ir.FloatType()
         vt = ir.VectorType(ft, 16)
         et = context.get_value_type(elem)
-        evt = ir.VectorType(et, 16)
+        esize = context.get_abi_sizeof(et)
         intp = context.get_value_type(types.intp)
         i8 = ir.IntType(8)
 
@@ -383,11 +446,15 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
                                                "llvm.fma.v16f32")
         fma_s = cgutils.get_or_insert_function(bld.module, ir.FunctionType(ft, [ft, ft, ft]),
                                                "llvm.fma.f32")
+        prefetch = cgutils.get_or_insert_function(
+            bld.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch.p0")
         accs = [cgutils.alloca_once(bld, vt) for _ in range(16)]
         acc_s = cgutils.alloca_once(bld, ft)
         mask0 = ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
         zero_v = ir.Constant(vt, [0.0] * 16)
-        i16v, i32v = ir.VectorType(_I16, 16), ir.VectorType(_I32, 16)
+        i32x8, f32x8 = ir.VectorType(_I32, 8), ir.VectorType(ft, 8)
+        n_full = bld.shl(bld.ashr(k_n_, c(4)), c(4))      # coefficients in groups of 16
 
         def splat(x):
             v = bld.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
@@ -399,37 +466,71 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
         def vload(p, i):
             return bld.load(bld.bitcast(at_f(p, i), vt.as_pointer()), typ=vt, align=4)
 
+        def store_row(vs, at):
+            """Vectors ``vs`` (consecutive columns) rounded into ``y`` from element ``at``."""
+            for v in _rounded_bits(context, bld, vs, elem):
+                bld.store(v, bld.bitcast(bld.gep(yp, [at], source_etype=et),
+                                         v.type.as_pointer()), align=1)
+                at = bld.add(at, c(v.type.count))
+
         def rows_at(n0, rows):
             """(pointer, row pitch) of the float32 coefficients of rows n0 .. n0 + rows - 1:
-            ``a`` itself, or bfloat16 rows widened into ``w``."""
+            ``a`` itself, or bfloat16 rows widened into ``w`` (groups of 16 even then odd,
+            :func:`w_index`)."""
             if not packed:
                 return bld.gep(ap, [bld.mul(n0, as__)], source_etype=ft), as__
-            n_vec = bld.ashr(k_n_, c(4))
             for i in range(rows):
                 src = bld.gep(ap, [bld.mul(bld.add(n0, c(i)), as__)], source_etype=i8)
                 dst = bld.mul(c(i), k_n_)
-                with cgutils.for_range(bld, n_vec) as v:
-                    k0 = bld.shl(v.index, c(4))
+                with cgutils.for_range_slice(bld, c(0), n_full, c(16)) as (k0, _):
                     p = bld.gep(src, [bld.shl(k0, c(1))], source_etype=i8)
-                    h = bld.load(bld.bitcast(p, i16v.as_pointer()), typ=i16v, align=1)
-                    f = bld.bitcast(bld.shl(bld.zext(h, i32v), ir.Constant(i32v, [16] * 16)), vt)
-                    bld.store(f, bld.bitcast(at_f(wp, bld.add(dst, k0)), vt.as_pointer()),
-                              align=4)
-                with cgutils.for_range_slice(bld, bld.shl(n_vec, c(4)), k_n_, c(1)) as (k, _):
+                    pairs = bld.load(bld.bitcast(p, i32x8.as_pointer()), typ=i32x8, align=1)
+                    even = bld.shl(pairs, ir.Constant(i32x8, [16] * 8))
+                    odd = bld.and_(pairs, ir.Constant(i32x8, [-0x10000] * 8))
+                    for half, v in ((0, even), (8, odd)):
+                        q = at_f(wp, bld.add(dst, bld.add(k0, c(half))))
+                        bld.store(bld.bitcast(v, f32x8), bld.bitcast(q, f32x8.as_pointer()),
+                                  align=4)
+                with cgutils.for_range_slice(bld, n_full, k_n_, c(1)) as (k, _):
                     p = bld.gep(src, [bld.shl(k, c(1))], source_etype=i8)
                     h = bld.load(bld.bitcast(p, _I16.as_pointer()), typ=_I16, align=1)
                     bld.store(bld.bitcast(bld.shl(bld.zext(h, _I32), _c32(16)), ft),
                               at_f(wp, bld.add(dst, k)))
             return wp, k_n_
 
-        def tile(n0, rows, m0, width):
+        def w_index(k):
+            """Where coefficient ``k`` of a row is in ``w``: in a group of 16, the even ones
+            first; past the last full group, in order."""
+            if not packed:
+                return k
+            o = bld.and_(k, c(15))
+            at = bld.add(bld.sub(k, o), bld.add(bld.lshr(o, c(1)), bld.shl(bld.and_(o, c(1)),
+                                                                           c(3))))
+            return bld.select(bld.icmp_signed("<", k, n_full), at, k)
+
+        def prefetch_rows(n0, rows, m0, width):
+            """Prefetch for writing the output lines of the tile ``_PREFETCH_TILES`` ahead."""
+            last = bld.sub(nr_, c(1))
+            for i in range(rows):
+                n = bld.add(n0, c(_PREFETCH_TILES * rows + i))
+                n = bld.select(bld.icmp_signed("<", n, nr_), n, last)
+                for q in range(0, 16 * width, 64 // esize):    # a cache line at a time
+                    p = bld.gep(yp, [bld.add(bld.mul(n, ys_), bld.add(m0, c(q)))],
+                                source_etype=et)
+                    bld.call(prefetch, [bld.bitcast(p, i8.as_pointer()), _c32(1), _c32(3),
+                                        _c32(1)])
+
+        def tile(n0, rows, m0, width, ahead):
             """Rows n0 .. n0 + rows - 1, columns m0 .. m0 + 16 * width - 1."""
             cf, pitch = rows_at(n0, rows)
+            if ahead:
+                prefetch_rows(n0, rows, m0, width)
             for j in range(width):
                 for i in range(rows):
                     bld.store(zero_v, accs[i * width + j])
             with cgutils.for_range(bld, k_n_) as k:
-                avs = [splat(bld.load(at_f(cf, bld.add(bld.mul(c(i), pitch), k.index)), typ=ft))
+                kw = w_index(k.index)
+                avs = [splat(bld.load(at_f(cf, bld.add(bld.mul(c(i), pitch), kw)), typ=ft))
                        for i in range(rows)]
                 row = bld.add(bld.mul(k.index, m_n_), m0)
                 for j in range(width):
@@ -439,20 +540,16 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
                         bld.store(bld.call(fma_v, [avs[i], bv, bld.load(acc, typ=vt)]), acc)
             bias_v = [vload(cp, bld.add(m0, c(16 * j))) for j in range(width)]
             for i in range(rows):
-                base = bld.add(bld.mul(bld.add(n0, c(i)), ys_), m0)
-                for j in range(width):
-                    v = bld.fadd(bld.load(accs[i * width + j], typ=vt), bias_v[j])
-                    p = bld.gep(yp, [bld.add(base, c(16 * j))], source_etype=et)
-                    bld.store(_vec_store_bits(bld, v, elem), bld.bitcast(p, evt.as_pointer()),
-                              align=1)
+                store_row([bld.fadd(bld.load(accs[i * width + j], typ=vt), bias_v[j])
+                           for j in range(width)], bld.add(bld.mul(bld.add(n0, c(i)), ys_), m0))
 
         def all_rows(m0, width):
             rows = 4 if width == 4 else 8
             n_t = bld.udiv(nr_, c(rows))
             with cgutils.for_range(bld, n_t) as g:
-                tile(bld.mul(g.index, c(rows)), rows, m0, width)
+                tile(bld.mul(g.index, c(rows)), rows, m0, width, True)
             with cgutils.for_range_slice(bld, bld.mul(n_t, c(rows)), nr_, c(1)) as (n, _):
-                tile(n, 1, m0, width)
+                tile(n, 1, m0, width, False)
         n_vec = bld.ashr(m_n_, c(4))
         n_4 = bld.ashr(n_vec, c(2))
         with cgutils.for_range(bld, n_4) as g:
@@ -464,11 +561,12 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
                 cf, _ = rows_at(n.index, 1)
                 bld.store(ir.Constant(ft, 0.0), acc_s)
                 with cgutils.for_range(bld, k_n_) as k:
-                    av = bld.load(at_f(cf, k.index), typ=ft)
+                    av = bld.load(at_f(cf, w_index(k.index)), typ=ft)
                     bv = bld.load(at_f(bp, bld.add(bld.mul(k.index, m_n_), m)), typ=ft)
                     bld.store(bld.call(fma_s, [av, bv, bld.load(acc_s, typ=ft)]), acc_s)
                 v = splat(bld.fadd(bld.load(acc_s, typ=ft), bld.load(at_f(cp, m), typ=ft)))
-                e = bld.extract_element(_vec_store_bits(bld, v, elem), ir.Constant(_I32, 0))
+                e = bld.extract_element(_rounded_bits(context, bld, [v], elem)[0],
+                                        ir.Constant(_I32, 0))
                 bld.store(e, bld.gep(yp, [bld.add(bld.mul(n.index, ys_), m)], source_etype=et))
         return context.get_dummy_value()
     return sig, codegen

@@ -18,8 +18,9 @@ How it works:
   correctly rounded, ``np.rint`` half to even; minima and maxima over integer keys of the
   floats, which vectorize), so integer payloads, scales and decoded bytes are bit-identical;
   the learned codec's products (:func:`~ucm.fast.numba._elements.affine_rows`: register tiles
-  of fused multiply-adds) sum in another order and round its outputs through LLVM's
-  conversions (within tolerance).
+  of fused multiply-adds over the rank in order, the mean added last) may round otherwise than
+  the reference's BLAS products, and where the CPU has AVX512-BF16 its bfloat16 outputs flush
+  subnormals (both within tolerance).
 * A row with a NaN or an infinity is encoded again as zeros (the reference zeroes it too), so
   even its bytes match; ``ok`` is False for it.
 """
@@ -383,6 +384,26 @@ def _decode_learned(src, so_, y, yo, geo, mean, basis_t, c_off, plane, w, keys_d
                                 t_n, r_n, d_n, w)
 
 
+_LEARNED_DECODE = {}      # (spec, shape, layer, projection digest) -> _learned_decode_constants
+
+
+def _learned_decode_constants(spec: CodecSpec, shape: KVShape, layer: int):
+    """(mean [2, H, D], basis transposed [2, H, R, D], byte offset of the coefficients) of a
+    layer's learned decode, made once per projection version and kept (a few hundred entries
+    at most, then started again): the transposed copy and the offsets are Python steps, which
+    after other work has evicted their data from the caches cost as much as decoding a few
+    shards. Keyed by the projection's digest too: ``CodecSpec`` compares without its
+    projection. Read-only: the decode's scratch is made per call."""
+    key = (spec, shape, layer, spec.projection.digest)
+    got = _LEARNED_DECODE.get(key)
+    if got is None:
+        if len(_LEARNED_DECODE) >= 512:
+            _LEARNED_DECODE.clear()
+        mean, basis_t, _ = _projection(spec, shape, layer, transposed=True)
+        got = _LEARNED_DECODE[key] = (mean, basis_t, int(_at(spec, shape, "coef")[0]))
+    return got
+
+
 # ---------------------------------------------------------------------------------------------
 # the ops
 
@@ -548,9 +569,9 @@ def _row_decoder(spec: CodecSpec, shape: KVShape, layer: int):
             if dt:                                     # decoded token-major: turn key planes
                 _keys_to_channel_major(y, yo, geo, turn)
         return run
-    mean, basis_t, r = _projection(spec, shape, layer, transposed=True)
-    args = (geo, mean, basis_t, *_at(spec, shape, "coef"), np.empty(t_n * d_n, np.float32),
-            np.empty(8 * r, np.float32), dt)
+    mean, basis_t, c_off = _learned_decode_constants(spec, shape, layer)
+    args = (geo, mean, basis_t, c_off, np.empty(t_n * d_n, np.float32),
+            np.empty(8 * basis_t.shape[2], np.float32), dt)
     return lambda enc, so, y, yo: _decode_learned(enc, so, y, yo, *args)
 
 
