@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BS = 128
+ROPE_THETA = 100000.0         # SmolLM2's
 
 
 def _schemes():
@@ -100,6 +101,17 @@ def _schemes():
             return y
         return g
 
+    def rope(x, sign):    # x [T, H, D] at positions 0.. of the block: rotate by sign * p
+        t, _, d = x.shape
+        inv = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = (torch.arange(t, dtype=torch.float64)[:, None] * inv[None]).repeat(1, 2)
+        cos, sin = ang.cos().float()[:, None], (sign * ang.sin()).float()[:, None]
+        half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
+        return x * cos + half * sin
+
+    def pre_rope(f):      # f on the keys with their rotation undone (positions within the block)
+        return lambda k: rope(f(rope(k, -1.0)), 1.0)
+
     # (keys, values) on one block [T, H, D]
     base = {
         "int8-token": (lambda k: sym8(k, -1), lambda v: sym8(v, -1)),
@@ -107,6 +119,9 @@ def _schemes():
         "int8-channel-asym": (lambda k: asym8(k, 0), lambda v: sym8(v, -1)),
         "int8-hadamard": (had8, had8),
         "int8-channel-asym-t0": (first_exact(lambda k: asym8(k, 0)), lambda v: sym8(v, -1)),
+        "int8-asym-t0-vhad": (first_exact(lambda k: asym8(k, 0)), had8),
+        "int8-prerope-asym-t0": (pre_rope(first_exact(lambda k: asym8(k, 0))), lambda v: sym8(v, -1)),
+        "int8-prerope-asym-t0-vhad": (pre_rope(first_exact(lambda k: asym8(k, 0))), had8),
         "int4": int4(64),
         "int4-g32": int4(32),
         "bf16": (bf16, bf16),
