@@ -409,17 +409,3 @@ def pack_selection(rows: Sequence[Sequence[int]], device) -> tuple:
         sel[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
     count = torch.tensor([len(r) for r in rows], dtype=torch.int32)
     return sel.to(device), count.to(device)
-
-
-def pack_selection_per_kv_head(rows: Sequence[Sequence[Sequence[int]]], device) -> tuple:
-    """``(sel int32 [b, Hkv, K], count int32 [b, Hkv])`` from, per row, one increasing list of
-    logical indexes per KV head."""
-    heads = len(rows[0])
-    width = max(len(h) for r in rows for h in r)
-    sel = torch.full((len(rows), heads, width), -1, dtype=torch.int32)
-    count = torch.zeros((len(rows), heads), dtype=torch.int32)
-    for i, r in enumerate(rows):
-        for j, h in enumerate(r):
-            sel[i, j, :len(h)] = torch.tensor(h, dtype=torch.int32)
-            count[i, j] = len(h)
-    return sel.to(device), count.to(device)
