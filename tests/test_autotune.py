@@ -211,3 +211,24 @@ def test_sparse_stage_bad_models_and_short_requests(model, tmp_path):
         t.tune(llama, long_requests(vocab=500))
     with pytest.raises(TuneError, match="max_ppl_increase=0"):
         AutoTuner(constraints={"max_ppl_increase": 0})
+
+
+def test_a_memory_budget_beyond_the_machine_is_held_to_it_and_reported(model):
+    """max_memory_gb is a ceiling: one larger than this machine's available memory must not
+    become a pool no engine can allocate; the tuner holds the memory tier to MEMORY_SHARE of
+    what is there and says so in the report."""
+    from ucm.autotune import MEMORY_SHARE, machine_memory_bytes
+
+    have = machine_memory_bytes()
+    assert have and have > 0
+    reqs = workload(12)
+    t = AutoTuner("chat", {"max_memory_gb": 1e6, "max_disk_gb": 0}, measure_vllm=False,
+                  progress=False, tune_block_size=False)
+    cfg = t.tune(model, reqs)
+    block_bytes = model_shape(model).kv_bytes_per_token * 32
+    assert 0 < cfg["buffer_number"] * block_bytes <= MEMORY_SHARE * have
+    assert len(t.notes) == 1 and "max_memory_gb=1000000.0" in t.notes[0]
+    assert t.notes[0] in t.report_markdown()
+    small = AutoTuner("chat", {"max_memory_gb": 0.001, "max_disk_gb": 0}, measure_vllm=False,
+                      progress=False, tune_block_size=False)
+    assert small._capacity(block_bytes) == int(0.001 * 2**30) // block_bytes and not small.notes

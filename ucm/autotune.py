@@ -31,7 +31,8 @@ Stages, each a measurement on this machine (the report keeps every figure):
    serve the sample requests one at a time; the tuned configuration is kept only if its mean
    TTFT is not worse, and ``max_latency_ms`` is checked against it.
 
-Constraints: ``max_memory_gb`` (the memory tier's pool), ``max_disk_gb`` (0: no disk tier;
+Constraints: ``max_memory_gb`` (the memory tier's pool; held to half the memory this machine
+has available, with a note in the report, where it is larger), ``max_disk_gb`` (0: no disk tier;
 absent: a disk tier under ``cache_capacity``'s default), ``max_latency_ms`` (mean TTFT of the
 sample requests), ``max_ppl_increase`` (percent perplexity change of sparse decode against
 dense; absent: decode stays dense). A constraint that cannot be met is named in a
@@ -70,6 +71,27 @@ def engine_block_sizes(device: Optional[str] = None) -> tuple:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     step = 32 if device == "cpu" else 16
     return tuple(b for b in BLOCK_SIZES if b % step == 0)
+
+
+#: the largest share of the machine's available memory the tuner gives the memory tier: the
+#: engine's weights, its own KV cache and the process need the rest
+MEMORY_SHARE = 0.5
+
+
+def machine_memory_bytes() -> Optional[int]:
+    """Memory available to a new allocation on this machine (``MemAvailable`` of
+    ``/proc/meminfo``; elsewhere the physical memory), or None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 class TuneError(ValueError):
@@ -167,6 +189,8 @@ class AutoTuner:
         self.tune_block_size = tune_block_size
         self.sparse_samples, self.sparse_tokens = sparse_samples, sparse_tokens
         self.stages: list[Stage] = []
+        #: what the tuner had to decide beyond the measurements (a constraint held to the machine)
+        self.notes: list[str] = []
         #: engine settings the tuner chose beside the ucm configuration (vLLM's ``block_size``)
         self.engine_args: dict = {"block_size": block_size}
         self.candidate_block_sizes: dict = {}
@@ -175,12 +199,29 @@ class AutoTuner:
 
     # -- stages ---------------------------------------------------------------------------------
     def _memory_bytes(self, block_bytes: int) -> int:
-        """The memory tier's byte budget (``max_memory_gb``, or the preset's pool at the default
-        block size)."""
+        """The memory tier's byte budget: ``max_memory_gb`` (or the preset's pool at the default
+        block size), at most :data:`MEMORY_SHARE` of the memory this machine has available.
+        ``max_memory_gb`` is a ceiling, not a request: a pool the machine cannot allocate would
+        make the tuned configuration fail when an engine starts, so a larger one is held to what
+        is there and the report says so."""
         gb = self.constraints.get("max_memory_gb")
         if gb is None:
-            return PRESETS[self.preset].get("buffer_number", Config()["buffer_number"]) * block_bytes
-        return int(gb * 2**30)
+            want = PRESETS[self.preset].get("buffer_number", Config()["buffer_number"]) * block_bytes
+        else:
+            want = int(gb * 2**30)
+        have = machine_memory_bytes()
+        if have is None or want <= MEMORY_SHARE * have:
+            return want
+        cap = int(MEMORY_SHARE * have)
+        note = (f"max_memory_gb={gb}: this machine has {have / 2**30:.1f} GiB available; the "
+                f"memory tier is held to {cap / 2**30:.1f} GiB ({MEMORY_SHARE:.0%} of it, the "
+                f"rest left to the engine)") if gb is not None else (
+                f"the {self.preset} preset's pool ({want / 2**30:.1f} GiB) is more than "
+                f"{MEMORY_SHARE:.0%} of the {have / 2**30:.1f} GiB available: held to "
+                f"{cap / 2**30:.1f} GiB")
+        if note not in self.notes:
+            self.notes.append(note)
+        return cap
 
     def _capacity(self, block_bytes: int) -> int:
         gb = self.constraints.get("max_memory_gb")
@@ -436,6 +477,7 @@ class AutoTuner:
             raise TuneError("sample_requests: at least one prompt (token ids) is needed")
         shape = model_shape(model, self.dtype)
         block_bytes = shape.kv_bytes_per_token * self.block_size
+        self.notes = []
         slots = self._capacity(block_bytes)
         disk = self.constraints.get("max_disk_gb", 1) != 0
         trace = requests_to_trace(sample_requests, self.block_size)
@@ -485,6 +527,7 @@ class AutoTuner:
     # -- report ---------------------------------------------------------------------------------
     def report_markdown(self) -> str:
         lines = [f"# ucm tune: workload {self.workload}, constraints {self.constraints}", ""]
+        lines += [f"- {n}" for n in self.notes] + ([""] if self.notes else [])
         for st in self.stages:
             lines += [f"## {st.name}", ""]
             if st.rows:
