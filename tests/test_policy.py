@@ -122,6 +122,46 @@ def test_memory_tier_keeps_a_shared_system_prompt_found_under_pressure(policy):
     assert hits == [0] + [8] * 11, hits
 
 
+def test_posix_tier_keeps_a_shared_system_prompt_found_under_pressure(tmp_path):
+    """The scenario above on the posix tier, whose collection evicts the least recently used
+    files by mtime: a publish and a load give the call's blocks ages that step back along the
+    chain (its head the newest), and the blocks a request stores go below the prefix it
+    loaded. Evicting by the order the files happened to be written removed the prompt's head
+    first and stranded the rest."""
+    from ucm.store.posix import PosixStore
+
+    geo = BlockGeometry(64, 32)
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "root").mkdir()
+    probe = PosixStore(geo, [str(tmp_path / "probe")], capacity_bytes=1 << 20, io_threads=1)
+    file_bytes = probe.file_bytes
+    probe.close()
+    store = PosixStore(geo, [str(tmp_path / "root")], capacity_bytes=16 * file_bytes,
+                       io_threads=1)
+    system = _ids(range(8))
+    hits = []
+    try:
+        for s in range(24):
+            doc = s % 2
+            chain = _ids(range(1000 + 10 * s, 1007 + 10 * s)) if doc else \
+                np.concatenate([system, _ids(range(100 + 10 * s, 104 + 10 * s))])
+            k = store.lookup_prefix(chain)
+            if k:
+                out = np.zeros((k, geo.block_bytes), dtype=np.uint8)
+                assert store.wait(store.load(chain[:k], 0, out)).all_ok
+                assert np.array_equal(out, _payload(chain[:k], geo.block_bytes))
+            if not doc:
+                hits.append(k)
+            rest = chain[k:]
+            r = store.wait(store.dump(rest, 0, _payload(rest, geo.block_bytes)))
+            store.commit(rest, r.ok)
+            held = np.asarray(store.lookup(system), dtype=bool)
+            assert not (~held[:-1] & held[1:]).any(), f"request {s}: the prompt held {held}"
+    finally:
+        store.close()
+    assert hits == [0] + [8] * 11, hits
+
+
 def _ids(nums) -> np.ndarray:
     return np.array([[n * 7919 + 1, n] for n in nums], dtype=np.uint64)
 

@@ -43,6 +43,13 @@ A header of another namespace, id, codec or geometry (valid in itself) is a miss
 a block failing its own checksums or size is quarantined. A successful load refreshes the
 file's mtime: collection evicts by least recent use. ``read_only`` stores write nothing at all:
 no lock, no quarantine, no mtime refresh.
+
+Ages: a call's blocks arrive in chain order (a request's prefix, head first), and a chain must
+age from its tip, or collection removes its head and leaves the rest unreachable. So the
+mtimes a publish or a load sets step back by :data:`AGE_STEP_NS` along the call's order (the
+head the most recent). And the blocks a publish makes go just below the blocks loaded since the
+previous publish: a request loads its prefix, then stores the blocks after it, which must not
+outlive that prefix (the memory tier keeps the same rule).
 """
 from __future__ import annotations
 
@@ -63,6 +70,23 @@ from ucm.store.posix_root import (SUFFIX, Perms, RootDir, _close, _err, _unlink_
                                   space_name)
 
 log = logging.getLogger("ucm.store.posix")
+
+#: mtime step between consecutive blocks of one publish or load (1 us: a float st_mtime keeps it)
+AGE_STEP_NS = 1000
+
+
+def _set_age(fd: int, ns: int) -> None:
+    """Set the mtime (and atime) of ``fd`` to ``ns``; where explicit times are not allowed (a
+    file of another owner on a shared file system), the current time, as before."""
+    try:
+        os.utime(fd, ns=(ns, ns))
+    except PermissionError:
+        try:
+            os.utime(fd)
+        except OSError:
+            pass
+    except OSError:
+        pass
 
 class _Pending:
     __slots__ = ("root", "hexid", "key", "tmp", "fd", "fd_direct", "checksums", "shards", "claimed",
@@ -131,6 +155,8 @@ class PosixStore(KVStore):
             raise
         self._pending: dict[bytes, _Pending] = {}
         self._lock = threading.Lock()
+        #: oldest mtime a load gave since the last publish (None: no load since)
+        self._read_floor_ns: Optional[int] = None
         self._seq = 0
         self._exec = threads.pool(self.io_threads, "ucm-posix")
         self._bounce_free: list = []  # pinned host buffers for CUDA rows, reused
@@ -259,6 +285,7 @@ class PosixStore(KVStore):
 
     def _submit(self, kind: str, fn, ids, bufs: BlockBuffers, shards: range) -> Task:
         task = Task(kind, ids)
+        task.t_ns = time.time_ns()   # one clock for the ages of all parts (a load's, see Ages)
         for start in range(0, len(ids), self.CHUNK):
             rows = np.arange(start, min(start + self.CHUNK, len(ids)))
             task.add_part()
@@ -496,12 +523,19 @@ class PosixStore(KVStore):
         """Write the headers of complete blocks and rename them into place; remove the
         temporaries of ``discard``."""
         by_root: dict[int, list] = {}
-        for p in ready:
+        floor = None
+        if ready:
+            with self._lock:
+                floor, self._read_floor_ns = self._read_floor_ns, None
+        now = time.time_ns()
+        base = now if floor is None else min(now, floor - AGE_STEP_NS)
+        for rank, p in enumerate(ready):
             try:
                 header = fmt.Header(self.namespace, bytes.fromhex(p.hexid), self.codec,
                                     self.geometry.block_bytes, self.geometry.shard_bytes,
                                     p.checksums).pack()
                 os.pwrite(p.fd, header.tobytes(), 0)
+                _set_age(p.fd, base - rank * AGE_STEP_NS)     # the call's first block newest
                 if self.fsync:
                     os.fsync(p.fd)
             except OSError as exc:
@@ -611,6 +645,7 @@ class PosixStore(KVStore):
         if len(ops):
             io_batch(ops, self.io_threads, want_checksum=True)
         ok = []
+        now = task.t_ns
         for n, (i, fd, fdd, header) in enumerate(opened):
             if ops["result"][n] < 0:
                 errors[i] = f"read failed: {_err(ops['result'][n])}"
@@ -621,12 +656,14 @@ class PosixStore(KVStore):
                     self._root_of(ids[i]).quarantine_block(self._hex(ids[i]))
                 else:
                     ok.append(i)
-                    if not self.read_only:
-                        try:
-                            os.utime(fd)  # least-recently-used order for GC
-                        except OSError:
-                            pass
+                    if not self.read_only:    # least recent use, the call's first block newest
+                        _set_age(fd, now - (base + i) * AGE_STEP_NS)
             _close(fd, fdd)
+        if ok and not self.read_only:
+            oldest = now - (base + max(ok)) * AGE_STEP_NS
+            with self._lock:
+                if self._read_floor_ns is None or oldest < self._read_floor_ns:
+                    self._read_floor_ns = oldest
         if bounce is not None:
             _, host = bounce
             for i in ok:
