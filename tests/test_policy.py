@@ -162,6 +162,43 @@ def test_posix_tier_keeps_a_shared_system_prompt_found_under_pressure(tmp_path):
     assert hits == [0] + [8] * 11, hits
 
 
+def test_posix_tier_stores_below_a_fresh_load_and_not_below_an_old_one(tmp_path):
+    """A request's new blocks go just below the prefix it loaded a moment before; a load long
+    before the publish (READ_FLOOR_WINDOW_NS) is another request's, and the new blocks then
+    start at the current time, not in the past."""
+    import os
+    import time
+
+    from ucm.store import posix as posix_mod
+
+    geo = BlockGeometry(64, 32)
+    store = posix_mod.PosixStore(geo, [str(tmp_path)], capacity_bytes=1 << 20, io_threads=1)
+    try:
+        def put(ids):
+            r = store.wait(store.dump(ids, 0, _payload(ids, geo.block_bytes)))
+            store.commit(ids, r.ok)
+
+        def mtime(ids):
+            return [os.stat(store.path_of(i)).st_mtime_ns for i in ids]
+
+        prefix, new, later = _ids(range(4)), _ids(range(10, 13)), _ids(range(20, 22))
+        put(prefix)
+        assert mtime(prefix) == sorted(mtime(prefix), reverse=True)      # head newest
+        out = np.zeros((4, geo.block_bytes), dtype=np.uint8)
+        assert store.wait(store.load(prefix, 0, out)).all_ok
+        put(new)
+        assert max(mtime(new)) < min(mtime(prefix))                       # below the prefix
+        assert mtime(new) == sorted(mtime(new), reverse=True)
+        assert store.wait(store.load(prefix, 0, out)).all_ok
+        with store._lock:                      # as if that load had been 2 minutes ago
+            store._read_floor_ns -= 2 * posix_mod.READ_FLOOR_WINDOW_NS
+        before = time.time_ns()
+        put(later)
+        assert min(mtime(later)) >= before - 10**6
+    finally:
+        store.close()
+
+
 def _ids(nums) -> np.ndarray:
     return np.array([[n * 7919 + 1, n] for n in nums], dtype=np.uint64)
 

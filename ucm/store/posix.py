@@ -48,8 +48,8 @@ Ages: a call's blocks arrive in chain order (a request's prefix, head first), an
 age from its tip, or collection removes its head and leaves the rest unreachable. So the
 mtimes a publish or a load sets step back by :data:`AGE_STEP_NS` along the call's order (the
 head the most recent). And the blocks a publish makes go just below the blocks loaded since the
-previous publish: a request loads its prefix, then stores the blocks after it, which must not
-outlive that prefix (the memory tier keeps the same rule).
+previous publish (within :data:`READ_FLOOR_WINDOW_NS`): a request loads its prefix, then stores
+the blocks after it, which must not outlive that prefix (the memory tier keeps the same rule).
 """
 from __future__ import annotations
 
@@ -73,6 +73,10 @@ log = logging.getLogger("ucm.store.posix")
 
 #: mtime step between consecutive blocks of one publish or load (1 us: a float st_mtime keeps it)
 AGE_STEP_NS = 1000
+#: a publish goes below the blocks loaded at most this long before it: a request loads its
+#: prefix and stores the blocks after it within one prefill; older loads are other requests',
+#: and new blocks placed below them would start out older than an hour of hits
+READ_FLOOR_WINDOW_NS = 60 * 10**9
 
 
 def _set_age(fd: int, ns: int) -> None:
@@ -528,7 +532,8 @@ class PosixStore(KVStore):
             with self._lock:
                 floor, self._read_floor_ns = self._read_floor_ns, None
         now = time.time_ns()
-        base = now if floor is None else min(now, floor - AGE_STEP_NS)
+        recent = floor is not None and now - floor < READ_FLOOR_WINDOW_NS
+        base = min(now, floor - AGE_STEP_NS) if recent else now
         for rank, p in enumerate(ready):
             try:
                 header = fmt.Header(self.namespace, bytes.fromhex(p.hexid), self.codec,
