@@ -1,7 +1,7 @@
 """Every tier and pipeline against the dictionary model of tests/store_model.py: random operation
 sequences (duplicates, present and pending ids, refusals, eviction pressure, prefetch, reopen).
 
-6,000 operations for each of 8 store kinds (48,000 in all) in CI; ``UCM_MODEL_OPS`` sets
+6,000 operations for each of 12 store kinds (72,000 in all) in CI; ``UCM_MODEL_OPS`` sets
 the number per kind, ``UCM_MODEL_SEED`` the first seed."""
 import os
 
@@ -21,8 +21,8 @@ SEED = int(os.environ.get("UCM_MODEL_SEED", "1"))
 FILE = 4096 + GEOMETRY.block_bytes
 
 
-def _memory(slots):
-    return MemoryStore(GEOMETRY, buffer_number=slots, io_threads=2, namespace=NS)
+def _memory(slots, policy="lru"):
+    return MemoryStore(GEOMETRY, buffer_number=slots, io_threads=2, namespace=NS, policy=policy)
 
 
 def _posix(roots, budget_blocks):
@@ -38,13 +38,16 @@ def _factory(kind, roomy, tmp_path):
         r.mkdir(exist_ok=True)
     if kind == "memory":
         return lambda: _memory(slots), False
+    if kind.startswith("memory ("):            # "memory (arc)": another eviction policy
+        return lambda: _memory(slots, kind[len("memory ("):-1]), False
     if kind == "posix":
         return lambda: _posix(roots, budget), True
     write_back = kind.endswith("write-back")
     return lambda: PipelineStore([_memory(slots), _posix(roots, budget)], write_back=write_back), True
 
 
-KINDS = ["memory", "posix", "memory|posix", "memory|posix write-back"]
+KINDS = ["memory", "posix", "memory|posix", "memory|posix write-back", "memory (arc)",
+         "memory (prefix)"]
 
 
 @pytest.mark.parametrize("roomy", [True, False], ids=["roomy", "tight"])
