@@ -17,7 +17,11 @@ scale per channel),
 symmetric per token), ``int8-channel-asym-t0`` (as ``int8-channel-asym`` over the block's tokens
 after its first, whose key is kept exact: the attention sink's key is unlike the others and
 would set every channel's range; the INT8 codec's ``key_mode="channel"``, its default at
-128-token blocks), ``int4`` / ``int4-g32`` (the INT4 codec: keys per channel, values in groups
+128-token blocks), ``int8-asym-t0-vhad`` (that format with values rotated by the normalized
+Hadamard matrix before their per-token scale), ``int8-prerope-asym-t0`` (keys with their rotary
+rotation undone at their positions within the block before the channel ranges, then rotated
+back: the codec would stay position-free), ``int8-prerope-asym-t0-vhad`` (both),
+``int4`` / ``int4-g32`` (the INT4 codec: keys per channel, values in groups
 of 64 / 32), ``bf16`` (a cast: the floor a 16-bit store would give). A ``k-`` / ``v-`` prefix
 applies the scheme to keys / values only, the other exact.
 
