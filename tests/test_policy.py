@@ -88,56 +88,11 @@ def test_every_policy_trims_a_chain_from_its_tip(cls):
     assert pol.evict(1) == [chain[3]]
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_memory_tier_keeps_a_shared_system_prompt_found_under_pressure(policy):
-    """Sessions under one system prompt between one-off documents, one request at a time (as
-    vLLM's connector runs them: look up the prefix, load the hits, store the rest), in a tier
-    too small for them all. Each document evicts blocks of the session before it; evicting
-    that chain from its first block (the system prompt's) stranded the rest, and the next
-    session missed the whole prompt although most of it was held. A request's chain ages from
-    its tip, its loaded prefix included: the session's own blocks go, the prompt stays whole,
-    and what is held of it is always a prefix."""
-    geo = BlockGeometry(64, 32)
-    store = MemoryStore(geo, buffer_number=16, io_threads=1, pin=False, policy=policy)
-    system = _ids(range(8))
-    hits = []
-    try:
-        for s in range(24):
-            doc = s % 2
-            chain = _ids(range(1000 + 10 * s, 1007 + 10 * s)) if doc else \
-                np.concatenate([system, _ids(range(100 + 10 * s, 104 + 10 * s))])
-            k = store.lookup_prefix(chain)
-            if k:
-                out = np.zeros((k, geo.block_bytes), dtype=np.uint8)
-                assert store.wait(store.load(chain[:k], 0, out)).all_ok
-            if not doc:
-                hits.append(k)
-            rest = chain[k:]
-            r = store.wait(store.dump(rest, 0, _payload(rest, geo.block_bytes)))
-            store.commit(rest, r.ok)
-            held = np.asarray(store.lookup(system), dtype=bool)
-            assert not (~held[:-1] & held[1:]).any(), f"request {s}: the prompt held {held}"
-    finally:
-        store.close()
-    assert hits == [0] + [8] * 11, hits
-
-
-def test_posix_tier_keeps_a_shared_system_prompt_found_under_pressure(tmp_path):
-    """The scenario above on the posix tier, whose collection evicts the least recently used
-    files by mtime: a publish and a load give the call's blocks ages that step back along the
-    chain (its head the newest), and the blocks a request stores go below the prefix it
-    loaded. Evicting by the order the files happened to be written removed the prompt's head
-    first and stranded the rest."""
-    from ucm.store.posix import PosixStore
-
-    geo = BlockGeometry(64, 32)
-    (tmp_path / "probe").mkdir()
-    (tmp_path / "root").mkdir()
-    probe = PosixStore(geo, [str(tmp_path / "probe")], capacity_bytes=1 << 20, io_threads=1)
-    file_bytes = probe.file_bytes
-    probe.close()
-    store = PosixStore(geo, [str(tmp_path / "root")], capacity_bytes=16 * file_bytes,
-                       io_threads=1)
+def _system_prompt_sessions(store, geo) -> list:
+    """Sessions under one system prompt (8 blocks) between one-off documents, one request at a
+    time as vLLM's connector runs them (look up the prefix, load the hits, store the rest);
+    after each request what is held of the prompt must be a prefix of it. Returns the hits of
+    the sessions."""
     system = _ids(range(8))
     hits = []
     try:
@@ -159,6 +114,36 @@ def test_posix_tier_keeps_a_shared_system_prompt_found_under_pressure(tmp_path):
             assert not (~held[:-1] & held[1:]).any(), f"request {s}: the prompt held {held}"
     finally:
         store.close()
+    return hits
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_memory_tier_keeps_a_shared_system_prompt_found_under_pressure(policy):
+    """The sessions of _system_prompt_sessions in a tier too small for them all. Each document
+    evicts blocks of the session before it; evicting that chain from its first block (the
+    system prompt's) stranded the rest, and the next session missed the whole prompt although
+    most of it was held. A request's chain ages from its tip, its loaded prefix included: the
+    session's own blocks go, the prompt stays whole, and what is held of it is always a
+    prefix."""
+    geo = BlockGeometry(64, 32)
+    store = MemoryStore(geo, buffer_number=16, io_threads=1, pin=False, policy=policy)
+    hits = _system_prompt_sessions(store, geo)
+    assert hits == [0] + [8] * 11, hits
+
+
+def test_posix_tier_keeps_a_shared_system_prompt_found_under_pressure(tmp_path):
+    """The same sessions on the posix tier, whose collection evicts the least recently used
+    files by mtime: a publish and a load give the call's blocks ages that step back along the
+    chain (its head the newest), and the blocks a request stores go below the prefix it
+    loaded. Evicting by the order the files happened to be written removed the prompt's head
+    first and stranded the rest."""
+    from ucm.store import format as fmt
+    from ucm.store.posix import PosixStore
+
+    geo = BlockGeometry(64, 32)
+    file_bytes = fmt.header_size(geo.n_shards) + geo.block_bytes
+    store = PosixStore(geo, [str(tmp_path)], capacity_bytes=16 * file_bytes, io_threads=1)
+    hits = _system_prompt_sessions(store, geo)
     assert hits == [0] + [8] * 11, hits
 
 

@@ -213,13 +213,11 @@ class AutoTuner:
         if have is None or want <= MEMORY_SHARE * have:
             return want
         cap = int(MEMORY_SHARE * have)
-        note = (f"max_memory_gb={gb}: this machine has {have / 2**30:.1f} GiB available; the "
-                f"memory tier is held to {cap / 2**30:.1f} GiB ({MEMORY_SHARE:.0%} of it, the "
-                f"rest left to the engine)") if gb is not None else (
-                f"the {self.preset} preset's pool ({want / 2**30:.1f} GiB) is more than "
-                f"{MEMORY_SHARE:.0%} of the {have / 2**30:.1f} GiB available: held to "
-                f"{cap / 2**30:.1f} GiB")
-        if note not in self.notes:
+        asked = f"max_memory_gb={gb}" if gb is not None else f"the {self.preset} preset's pool"
+        note = (f"{asked}: this machine has {have / 2**30:.1f} GiB available; the memory tier "
+                f"is held to {cap / 2**30:.1f} GiB ({MEMORY_SHARE:.0%} of it, the rest left to "
+                f"the engine)")
+        if note not in self.notes:       # (every stage asks for the budget)
             self.notes.append(note)
         return cap
 
