@@ -11,12 +11,9 @@ def method_variant(name: str, cfg: dict, **shape):
 
     base, _, opts = name.partition(":")
     cfg, extra = dict(cfg), {}
-    pool = 0
     for opt in filter(None, opts.split("+")):
         if opt == "kvhead":
             extra["per_kv_head"] = True
-        elif opt.startswith("pool"):
-            pool = float(opt[4:] or 2)
         elif opt[:1] == "g" and opt[1:].isdigit():
             cfg["sparse_repr_group"] = int(opt[1:])
         elif opt[:1] == "s" and opt[1:].isdigit():
@@ -24,6 +21,4 @@ def method_variant(name: str, cfg: dict, **shape):
         else:
             raise ValueError(f"--methods: unknown option {opt!r} in {name!r} (expected kvhead, "
                              f"gN or sN)")
-    m = ucm.sparse.create(cfg, method=base, **extra, **shape)
-    m.pool_kv_heads = pool
-    return m
+    return ucm.sparse.create(cfg, method=base, **extra, **shape)

@@ -374,40 +374,9 @@ class SparseMethod:
         """Top blocks of each KV head by ``scores [b, Hkv, M]``: ``(sel [b, Hkv, K],
         count [b, Hkv])``, the windows and the budget per KV head."""
         b, H, M = scores.shape
-        if getattr(self, "pool_kv_heads", 0):
-            return self._pick_pooled(scores, num_blocks, budget, self.pool_kv_heads)
         sel, count = self.pick(scores.reshape(b * H, M), num_blocks.repeat_interleave(H),
                                budget.repeat_interleave(H))
         return sel.reshape(b, H, -1), count.reshape(b, H)
-
-    def _pick_pooled(self, scores, num_blocks, budget, cap: float):
-        """EXPLORATION: one budget of ``H * budget`` blocks per row shared by its KV heads, the
-        highest (head, block) shares first; each head at most ``cap * budget`` blocks."""
-        b, H, M = scores.shape
-        rows_sel, rows_cnt = [], []
-        for i in range(b):
-            n, k = int(num_blocks[i]), int(budget[i])
-            s = scores[i, :, :n].float().clone()
-            forced = torch.tensor(self.forced(n), device=s.device)
-            s[:, forced] = float("inf")
-            lim = max(k, min(n, int(math.ceil(cap * k))))
-            total = min(H * k, H * n)
-            # per head cap: rank within the head must be < lim
-            rank = torch.argsort(torch.argsort(-s, dim=1, stable=True), dim=1)
-            s = torch.where(rank < lim, s, float("-inf"))
-            top = torch.topk(s.reshape(-1), total).indices
-            mask = torch.zeros(H * n, dtype=torch.bool, device=s.device)
-            mask[top] = True
-            mask = mask.reshape(H, n)
-            rows_sel.append([torch.nonzero(mask[h])[:, 0].tolist() for h in range(H)])
-        width = max(len(r) for rs in rows_sel for r in rs)
-        sel = torch.full((b, H, width), -1, dtype=torch.int32)
-        count = torch.zeros(b, H, dtype=torch.int32)
-        for i, rs in enumerate(rows_sel):
-            for h, r in enumerate(rs):
-                sel[i, h, :len(r)] = torch.tensor(r, dtype=torch.int32)
-                count[i, h] = len(r)
-        return sel.to(scores.device), count.to(scores.device)
 
     def kv_head_mass(self, per_head: torch.Tensor) -> torch.Tensor:
         """:meth:`head_mass` per KV head: ``[b, Hkv, M]``, the shares of attention averaged over
@@ -439,18 +408,4 @@ def pack_selection(rows: Sequence[Sequence[int]], device) -> tuple:
     for i, r in enumerate(rows):
         sel[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
     count = torch.tensor([len(r) for r in rows], dtype=torch.int32)
-    return sel.to(device), count.to(device)
-
-
-def pack_selection_per_kv_head(rows: Sequence[Sequence[Sequence[int]]], device) -> tuple:
-    """``(sel int32 [b, Hkv, K], count int32 [b, Hkv])`` from, per row, one increasing list of
-    logical indexes per KV head."""
-    heads = len(rows[0])
-    width = max(len(h) for r in rows for h in r)
-    sel = torch.full((len(rows), heads, width), -1, dtype=torch.int32)
-    count = torch.zeros((len(rows), heads), dtype=torch.int32)
-    for i, r in enumerate(rows):
-        for j, h in enumerate(r):
-            sel[i, j, :len(h)] = torch.tensor(h, dtype=torch.int32)
-            count[i, j] = len(h)
     return sel.to(device), count.to(device)

@@ -8,23 +8,18 @@ from the current query (``q_h . mean`` per query head, combined as shares of att
 first sparse step and then every ``retrieval_stride`` steps; in between, the previous selection is
 reused, extended by the blocks that are new since (the windows and the last block are always
 current, so a step never misses the token being decoded or its neighbours).
-
-``sparse_per_kv_head: true`` (or ``per_kv_head=True``): each KV head keeps its own top blocks by
-its query heads' shares (:meth:`SparseMethod.kv_head_mass`), reused between retrievals as the
-shared selection is; ``attention_begin`` then returns per-KV-head tables ``[B, Hkv, K]``.
 """
 from __future__ import annotations
 
 import torch
 
-from ucm.sparse.base import SparseMethod, pack_selection, pack_selection_per_kv_head
+from ucm.sparse.base import SparseMethod, pack_selection
 
 
 class ESA(SparseMethod):
     name = "esa"
     reprs = ("mean",)
     sub_blocks = True
-    supports_per_kv_head = True
 
     def __init__(self, config=None, **shape):
         super().__init__(config, **shape)
@@ -32,9 +27,6 @@ class ESA(SparseMethod):
         self.retrievals = 0          # fresh selections made (all requests, layers)
 
     def select(self, layer, states, q, k_cache, block_table, seq_lens, num_blocks, budget, tables):
-        if self.per_kv_head:
-            return self._select_per_kv_head(layer, states, q, block_table, num_blocks, budget,
-                                            tables)
         n = num_blocks.tolist()
         due = [i for i, st in enumerate(states)
                if layer not in st.selection or st.calls.get(layer, 0) % self.retrieval_stride == 0]
@@ -55,25 +47,3 @@ class ESA(SparseMethod):
                 rows[i] = sorted(set(st.selection[layer]).union(self.forced(n[i])))
             st.selection[layer] = rows[i]
         return pack_selection(rows, q.device) + folded
-
-    def _select_per_kv_head(self, layer, states, q, block_table, num_blocks, budget, tables):
-        """:meth:`select` with one selection per KV head: ``(sel [b, Hkv, K], count [b, Hkv])``."""
-        n = num_blocks.tolist()
-        due = [i for i, st in enumerate(states)
-               if layer not in st.selection or st.calls.get(layer, 0) % self.retrieval_stride == 0]
-        rows: list = [None] * len(states)
-        if due:
-            di = torch.tensor(due, device=q.device)
-            per_head = self.score_per_head(q[di], block_table[di], num_blocks[di], "mean", tables)
-            sel, count = self.pick_per_kv_head(self.kv_head_mass(per_head), num_blocks[di],
-                                               budget[di])
-            sel, count = sel.tolist(), count.tolist()
-            for j, i in enumerate(due):
-                rows[i] = [s[:c] for s, c in zip(sel[j], count[j])]
-            self.retrievals += len(due)
-        for i, st in enumerate(states):
-            if rows[i] is None:
-                keep = self.forced(n[i])
-                rows[i] = [sorted(set(h).union(keep)) for h in st.selection[layer]]
-            st.selection[layer] = rows[i]
-        return pack_selection_per_kv_head(rows, q.device)
