@@ -31,7 +31,9 @@ Codecs (:class:`CodecSpec`):
   outliers); a bitmap says which tokens are exact.
 * ``learned``: per layer, per head and for keys and values apart, a mean and a rank-``r``
   basis fitted by PCA on calibration KV (:func:`fit_projection`); ``r = round(ratio * D)``;
-  coefficients stored as bfloat16. The projection is one file per namespace whose digest is
+  coefficients stored as bfloat16; the decode multiplies them by the basis rounded to
+  bfloat16 (products of two bfloat16 values are exact in float32, so a CPU can take two
+  coefficients per instruction). The projection is one file per namespace whose digest is
   part of the codec's identity (:meth:`CodecSpec.digest`), so a block is never decoded with
   another projection.
 

@@ -289,7 +289,11 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         p = spec.projection
         r = rank(spec, shape)
         mean = torch.from_numpy(p.means[layer]).to(src.device)
+        # the decode multiplies by the basis rounded to bfloat16, as the coefficients are: the
+        # fast paths then multiply bfloat16 pairs exactly (ucm.fast.numba affine_pairs); the
+        # rounding is far below the rank truncation's error
         basis = torch.from_numpy(p.bases[layer][..., :r]).to(src.device)
+        basis = basis.to(torch.bfloat16).float()
         coef = _segment(src, spec, shape, "coef").float()
         x = torch.einsum("nkthr,khdr->nkthd", coef, basis) + mean[None, :, None]
     dst.copy_(from_canonical(x, shape))

@@ -570,3 +570,147 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
                 bld.store(e, bld.gep(yp, [bld.add(bld.mul(n.index, ys_), m)], source_etype=et))
         return context.get_dummy_value()
     return sig, codegen
+
+
+@intrinsic
+def affine_pairs(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
+    """:func:`affine_rows` for bfloat16 coefficients and a bfloat16 matrix, two coefficients
+    per step: ``y[yi + n * ys + m] = (sum_k a_n[k] * b[k][m]) + bias[m]``, ``a_n[k]`` the
+    bfloat16 at byte ``ai + n * as_ + 2 * k`` of the byte array ``a``, ``b`` given as pairs:
+    ``bp`` uint32 ``[k_n / 2, m_n]``, element ``j * m_n + m`` holding the bfloat16 bits of
+    ``b[2j][m]`` (high half) and ``b[2j + 1][m]`` (low half). Needs an even ``k_n`` and ``m_n``
+    a multiple of 16 (callers check). The learned codec's decode.
+
+    With AVX512-BF16 each pair of coefficients is one ``vdpbf16ps`` per 16 columns and row: the
+    coefficients' 32-bit pair broadcast from memory, no widening, half the instructions of the
+    float32 multiply-adds :func:`affine_rows` issues. Elsewhere the same sums by two fused
+    multiply-adds per pair on the halves widened to float32. The instruction adds the high
+    halves' product first, so the coefficients' pair is rotated to put ``a[2j]`` there and the
+    basis is paired the same way: both paths sum over ``k`` in order from zero, each product
+    (exact in float32: two bfloat16 values) rounded once into the sum, as :func:`affine_rows`
+    does, and agree with it but for subnormals, which the instruction flushes to zero. Tiles,
+    bias and rounding as :func:`affine_rows`. Indices are not checked."""
+    f32 = types.float32
+    if not (isinstance(y, types.Array) and y.dtype in _AFFINE_OUT and y.layout == "C"
+            and isinstance(a, types.Array) and a.dtype == types.uint8 and a.layout == "C"
+            and isinstance(bp, types.Array) and bp.dtype == types.uint32 and bp.layout == "C"
+            and isinstance(bias, types.Array) and bias.dtype == f32 and bias.layout == "C"
+            and all(isinstance(v, types.Integer) for v in (yi, ys, ai, as_, n_rows, k_n, m_n))):
+        return None
+    sig = types.void(y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n)
+    elem = y.dtype
+
+    def codegen(context, builder, signature, args):
+        bld = builder
+        ft = ir.FloatType()
+        vt = ir.VectorType(ft, 16)
+        iv = ir.VectorType(_I32, 16)
+        et = context.get_value_type(elem)
+        esize = context.get_abi_sizeof(et)
+        intp = context.get_value_type(types.intp)
+        i8 = ir.IntType(8)
+        dp_ok = _target_has(context, "avx512bf16", "avx512f")
+
+        def c(v):
+            return ir.Constant(intp, v)
+        yp, ap, bpp, cp = (context.make_array(signature.args[j])(context, bld, args[j]).data
+                           for j in (0, 3, 6, 7))
+        yi_, ys_, ai_, as__, nr_, k_n_, m_n_ = (
+            context.cast(bld, args[j], signature.args[j], types.intp) for j in (1, 2, 4, 5, 8, 9, 10))
+        yp = bld.gep(yp, [yi_], source_etype=et)
+        ap = bld.gep(ap, [ai_], source_etype=i8)
+        if dp_ok:
+            bt = ir.VectorType(_BFloat(), 32)
+            dp = cgutils.get_or_insert_function(bld.module, ir.FunctionType(vt, [vt, bt, bt]),
+                                                "llvm.x86.avx512bf16.dpbf16ps.512")
+        fma_v = cgutils.get_or_insert_function(bld.module, ir.FunctionType(vt, [vt, vt, vt]),
+                                               "llvm.fma.v16f32")
+        rot = cgutils.get_or_insert_function(bld.module, ir.FunctionType(_I32, [_I32] * 3),
+                                             "llvm.fshl.i32")
+        prefetch = cgutils.get_or_insert_function(
+            bld.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch.p0")
+        accs = [cgutils.alloca_once(bld, vt) for _ in range(16)]
+        zero_v = ir.Constant(vt, [0.0] * 16)
+        mask0 = ir.Constant(iv, [0] * 16)
+        hi_mask = ir.Constant(iv, [-0x10000] * 16)
+        sh16 = ir.Constant(iv, [16] * 16)
+        n_pairs = bld.ashr(k_n_, c(1))
+
+        def splat_i(x):
+            v = bld.insert_element(ir.Constant(iv, ir.Undefined), x, ir.Constant(_I32, 0))
+            return bld.shuffle_vector(v, ir.Constant(iv, ir.Undefined), mask0)
+
+        def vload_i(p, i):
+            q = bld.gep(p, [i], source_etype=_I32)
+            return bld.load(bld.bitcast(q, iv.as_pointer()), typ=iv, align=4)
+
+        def step(acc, av, bv):
+            """acc + high * high, then + low * low, lane by lane (av, bv: pairs as i32)."""
+            if dp_ok:
+                return bld.call(dp, [acc, bld.bitcast(av, bt), bld.bitcast(bv, bt)])
+            odd = bld.call(fma_v, [bld.bitcast(bld.and_(av, hi_mask), vt),
+                                   bld.bitcast(bld.and_(bv, hi_mask), vt), acc])
+            return bld.call(fma_v, [bld.bitcast(bld.shl(av, sh16), vt),
+                                    bld.bitcast(bld.shl(bv, sh16), vt), odd])
+
+        def store_row(vs, at):
+            for v in _rounded_bits(context, bld, vs, elem):
+                bld.store(v, bld.bitcast(bld.gep(yp, [at], source_etype=et),
+                                         v.type.as_pointer()), align=1)
+                at = bld.add(at, c(v.type.count))
+
+        def prefetch_rows(n0, rows, m0, width):
+            last = bld.sub(nr_, c(1))
+            for i in range(rows):
+                n = bld.add(n0, c(_PREFETCH_TILES * rows + i))
+                n = bld.select(bld.icmp_signed("<", n, nr_), n, last)
+                for q in range(0, 16 * width, 64 // esize):
+                    p = bld.gep(yp, [bld.add(bld.mul(n, ys_), bld.add(m0, c(q)))],
+                                source_etype=et)
+                    bld.call(prefetch, [bld.bitcast(p, i8.as_pointer()), _c32(1), _c32(3),
+                                        _c32(1)])
+
+        def tile(n0, rows, m0, width, ahead):
+            if ahead:
+                prefetch_rows(n0, rows, m0, width)
+            for j in range(width):
+                for i in range(rows):
+                    bld.store(zero_v, accs[i * width + j])
+            srcs = [bld.gep(ap, [bld.mul(bld.add(n0, c(i)), as__)], source_etype=i8)
+                    for i in range(rows)]
+            with cgutils.for_range(bld, n_pairs) as k:
+                off = bld.shl(k.index, c(2))
+                # the pair (a[2k] low, a[2k + 1] high) rotated by 16 bits: a[2k] in the high
+                # half, which the instruction multiplies first
+                avs = [splat_i(bld.call(rot, [x, x, _c32(16)])) for x in (
+                    bld.load(bld.bitcast(bld.gep(s, [off], source_etype=i8), _I32.as_pointer()),
+                             typ=_I32, align=1) for s in srcs)]
+                row = bld.add(bld.mul(k.index, m_n_), m0)
+                for j in range(width):
+                    bv = vload_i(bpp, bld.add(row, c(16 * j)))
+                    for i in range(rows):
+                        acc = accs[i * width + j]
+                        bld.store(step(bld.load(acc, typ=vt), avs[i], bv), acc)
+            bias_v = [bld.load(bld.bitcast(bld.gep(cp, [bld.add(m0, c(16 * j))], source_etype=ft),
+                                           vt.as_pointer()), typ=vt, align=4)
+                      for j in range(width)]
+            for i in range(rows):
+                store_row([bld.fadd(bld.load(accs[i * width + j], typ=vt), bias_v[j])
+                           for j in range(width)], bld.add(bld.mul(bld.add(n0, c(i)), ys_), m0))
+
+        def all_rows(m0, width):
+            rows = 4 if width == 4 else 8
+            n_t = bld.udiv(nr_, c(rows))
+            with cgutils.for_range(bld, n_t) as g:
+                tile(bld.mul(g.index, c(rows)), rows, m0, width, True)
+            with cgutils.for_range_slice(bld, bld.mul(n_t, c(rows)), nr_, c(1)) as (n, _):
+                tile(n, 1, m0, width, False)
+        n_vec = bld.ashr(m_n_, c(4))
+        n_4 = bld.ashr(n_vec, c(2))
+        with cgutils.for_range(bld, n_4) as g:
+            all_rows(bld.mul(g.index, c(64)), 4)
+        with cgutils.for_range_slice(bld, bld.shl(n_4, c(2)), n_vec, c(1)) as (v, _):
+            all_rows(bld.shl(v, c(4)), 1)
+        return context.get_dummy_value()
+    return sig, codegen

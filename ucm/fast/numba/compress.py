@@ -17,10 +17,12 @@ How it works:
   nearest even, as ``Tensor.to`` does. The arithmetic is float32 as in the reference (``/``
   correctly rounded, ``np.rint`` half to even; minima and maxima over integer keys of the
   floats, which vectorize), so integer payloads, scales and decoded bytes are bit-identical;
-  the learned codec's products (:func:`~ucm.fast.numba._elements.affine_rows`: register tiles
-  of fused multiply-adds over the rank in order, the mean added last) may round otherwise than
-  the reference's BLAS products, and where the CPU has AVX512-BF16 its bfloat16 outputs flush
-  subnormals (both within tolerance).
+  the learned codec's products may round otherwise than the reference's BLAS products: the
+  encode's (:func:`~ucm.fast.numba._elements.affine_rows`: register tiles of fused
+  multiply-adds over the rank in order, the mean added last) and the decode's
+  (:func:`~ucm.fast.numba._elements.affine_pairs`: bfloat16 coefficients times the basis
+  rounded to bfloat16, two coefficients a step, by ``vdpbf16ps`` where the CPU has
+  AVX512-BF16), and where the CPU has AVX512-BF16 subnormals flush (all within tolerance).
 * A row with a NaN or an infinity is encoded again as zeros (the reference zeroes it too), so
   even its bytes match; ``ok`` is False for it.
 """
@@ -37,7 +39,7 @@ from ucm.fast.numba._codec_planes import (_dec4_plane, _enc4_plane, _enc8_chan_p
                                           _get_bf16, _keys_to_channel_major,
                                           _keys_to_token_major, _load_plane,
                                           _rows_from_plane, _zero_pads)
-from ucm.fast.numba._elements import affine_rows, inf_mag, ld, mag, st
+from ucm.fast.numba._elements import affine_pairs, affine_rows, inf_mag, ld, mag, st
 from ucm.fast.numba._jit import njit
 
 # element bits of each cache dtype as the kernels see them (the type picks the conversions)
@@ -361,13 +363,17 @@ def _decode_sparse(src, so_, y, yb, yo, geo, g, chan, n_exact, offs, tok, exact,
 
 
 @njit(nogil=True)
-def _decode_learned(src, so_, y, yo, geo, mean, basis_t, c_off, plane, w, keys_dt):
-    """``basis_t`` float32 [2, H, R, D] (the basis transposed). Each head's tokens are one
-    :func:`affine_rows` call (coefficients times the basis, plus the mean, rounded into ``y``;
-    ``w``: its float32 scratch of 8 * R); with ``keys_dt`` the key planes go through ``plane``
-    (float32 scratch [T * D]) and are written channel-major."""
+def _decode_learned(src, so_, y, yo, geo, mean, basis_t, pairs, c_off, plane, w, keys_dt):
+    """``basis_t`` float32 [2, H, R, D] (the basis transposed, rounded to bfloat16 as the
+    reference decodes with it); ``pairs`` the same as bfloat16 pairs [2, H, R / 2, D]
+    (:func:`affine_pairs`), or [2, H, 0, D] where the rank is odd or D not a multiple of 16.
+    Each head's tokens are one :func:`affine_pairs` call (else :func:`affine_rows`, with its
+    float32 scratch ``w`` of 8 * R): coefficients times the basis, plus the mean, rounded into
+    ``y``; with ``keys_dt`` the key planes go through ``plane`` (float32 scratch [T * D]) and
+    are written channel-major."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     r_n = basis_t.shape[2]
+    by_pairs = pairs.shape[2] > 0
     pitch = 2 * h_n * r_n                                  # bytes from a token's coefficients
     for i in range(so_.shape[0]):                          # to the next token's
         so = so_[i]
@@ -376,9 +382,16 @@ def _decode_learned(src, so_, y, yo, geo, mean, basis_t, c_off, plane, w, keys_d
                 base = yo[i] + kv * s_k + h * s_h
                 at = so + c_off + 2 * ((kv * t_n * h_n + h) * r_n)
                 if keys_dt and kv == 0:
-                    affine_rows(plane, 0, d_n, src, at, pitch, basis_t[kv, h], mean[kv, h],
-                                t_n, r_n, d_n, w)
+                    if by_pairs:
+                        affine_pairs(plane, 0, d_n, src, at, pitch, pairs[kv, h], mean[kv, h],
+                                     t_n, r_n, d_n)
+                    else:
+                        affine_rows(plane, 0, d_n, src, at, pitch, basis_t[kv, h],
+                                    mean[kv, h], t_n, r_n, d_n, w)
                     _rows_from_plane(plane.view(np.uint32), y, base, t_n, d_n)
+                elif by_pairs:
+                    affine_pairs(y, base, s_t, src, at, pitch, pairs[kv, h], mean[kv, h],
+                                 t_n, r_n, d_n)
                 else:
                     affine_rows(y, base, s_t, src, at, pitch, basis_t[kv, h], mean[kv, h],
                                 t_n, r_n, d_n, w)
@@ -388,7 +401,8 @@ _LEARNED_DECODE = {}      # (spec, shape, layer, projection digest) -> _learned_
 
 
 def _learned_decode_constants(spec: CodecSpec, shape: KVShape, layer: int):
-    """(mean [2, H, D], basis transposed [2, H, R, D], byte offset of the coefficients) of a
+    """(mean [2, H, D], basis transposed [2, H, R, D] and rounded to bfloat16, the same as
+    bfloat16 pairs for :func:`affine_pairs` (or empty), byte offset of the coefficients) of a
     layer's learned decode, made once per projection version and kept (a few hundred entries
     at most, then started again): the transposed copy and the offsets are Python steps, which
     after other work has evicted their data from the caches cost as much as decoding a few
@@ -400,7 +414,16 @@ def _learned_decode_constants(spec: CodecSpec, shape: KVShape, layer: int):
         if len(_LEARNED_DECODE) >= 512:
             _LEARNED_DECODE.clear()
         mean, basis_t, _ = _projection(spec, shape, layer, transposed=True)
-        got = _LEARNED_DECODE[key] = (mean, basis_t, int(_at(spec, shape, "coef")[0]))
+        bits = torch.from_numpy(basis_t).to(torch.bfloat16).view(torch.int16).numpy()
+        bits = bits.astype(np.uint16).astype(np.uint32)           # [2, H, R, D]
+        basis_t = (bits << 16).view(np.float32)                   # the basis the decode uses
+        r_n, d_n = basis_t.shape[2], basis_t.shape[3]
+        if r_n % 2 == 0 and d_n % 16 == 0:
+            pairs = np.ascontiguousarray((bits[:, :, 0::2] << 16) | bits[:, :, 1::2])
+        else:
+            pairs = np.zeros(basis_t.shape[:2] + (0, d_n), np.uint32)
+        got = _LEARNED_DECODE[key] = (mean, np.ascontiguousarray(basis_t), pairs,
+                                      int(_at(spec, shape, "coef")[0]))
     return got
 
 
@@ -569,8 +592,8 @@ def _row_decoder(spec: CodecSpec, shape: KVShape, layer: int):
             if dt:                                     # decoded token-major: turn key planes
                 _keys_to_channel_major(y, yo, geo, turn)
         return run
-    mean, basis_t, c_off = _learned_decode_constants(spec, shape, layer)
-    args = (geo, mean, basis_t, c_off, np.empty(t_n * d_n, np.float32),
+    mean, basis_t, pairs, c_off = _learned_decode_constants(spec, shape, layer)
+    args = (geo, mean, basis_t, pairs, c_off, np.empty(t_n * d_n, np.float32),
             np.empty(8 * basis_t.shape[2], np.float32), dt)
     return lambda enc, so, y, yo: _decode_learned(enc, so, y, yo, *args)
 
