@@ -896,3 +896,21 @@ def test_numba_codecs_compile_and_agree_for_an_older_cpu(cpu, tmp_path):
                                     "UCM_JIT_CACHE": str(tmp_path / "jit")}, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), \
         f"rc {r.returncode}: {r.stderr[-2000:]}"
+
+
+@impls("encode")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("ratio,d", [(0.25, 64), (0.2, 64), (0.25, 40), (0.3, 24)])
+def test_learned_decode_ranks_and_widths(impl, ratio, d, dtype, monkeypatch):
+    """The learned decode takes two coefficients a step where the rank is even and the head
+    dimension a multiple of 16, and one a step elsewhere (ranks 16, 13, 10, 7 here; D 64, 40,
+    24): every case decodes as the reference does, token- and channel-major keys alike."""
+    backend, _ = backend_of("encode", impl, monkeypatch)
+    rng = np.random.default_rng(5)
+    h, t = 2, 16
+    proj = projection(rng, h, d)
+    spec = CodecSpec("learned", ratio=ratio, projection=proj)
+    for key_order in ("td", "dt"):
+        shape = KVShape("hktd", t, h, d, dtype, key_order=key_order)
+        x = rng.standard_normal((6, 2, t, h, d)).astype(np.float32)
+        round_trip(backend, spec, shape, raw_rows(x, shape))
