@@ -190,6 +190,41 @@ def _dec4_plane(src, nt, d_n, g, chan, y, base, tok, s_t, q_at, q_ts, p_at, p_ts
 
 
 @njit
+def _dec4_planes_by_token(src, nt, d_n, g, chan, y, base, s_h, tok, s_t, q_at, q_hs, q_ts,
+                          p_at, p_hs, p_ts, h_n, lo, hi, qb):
+    """:func:`_dec4_plane` for the ``h_n`` heads of one key or value plane group at once, token
+    by token across the heads: head ``h``'s payload at ``q_at + h * q_hs`` (token stride
+    ``q_ts``), its parameters at ``p_at + h * p_hs`` (per channel, or per token at stride
+    ``p_ts``), written to ``y[base + h * s_h + tok[j] * s_t:]``. The encoded payload is token,
+    then head, so this reads it in order; a head at a time reads it at a stride, which from
+    memory the hardware prefetchers do not follow. ``lo``, ``hi``: float32 scratch of H * D."""
+    if chan:
+        for h in range(h_n):
+            for d in range(d_n):
+                lo[h * d_n + d] = _get_bf16(src, p_at + h * p_hs + 4 * d)
+                hi[h * d_n + d] = _get_bf16(src, p_at + h * p_hs + 4 * d + 2)
+    for j in range(nt):
+        for h in range(h_n):
+            _unpack(src, q_at + h * q_hs + j * q_ts, d_n, qb)
+            o = base + h * s_h + tok[j] * s_t
+            if chan:
+                yv = y[o:o + d_n]
+                lv = lo[h * d_n:(h + 1) * d_n]
+                hv = hi[h * d_n:(h + 1) * d_n]
+                for d in range(d_n):
+                    st(yv, d, qb[d] * hv[d] + lv[d])
+            else:
+                for k in range(d_n // g):
+                    at = p_at + h * p_hs + j * p_ts + 4 * k
+                    m = _get_bf16(src, at)
+                    sc = _get_bf16(src, at + 2)
+                    qv = qb[k * g:(k + 1) * g]
+                    yv = y[o + k * g:o + (k + 1) * g]
+                    for d in range(g):
+                        st(yv, d, qv[d] * sc + m)
+
+
+@njit
 def _zero_pads(out, oo, pads):
     for k in range(pads.shape[0]):
         out[oo + pads[k, 0]:oo + pads[k, 1]] = 0
