@@ -714,26 +714,3 @@ def affine_pairs(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
             all_rows(bld.shl(v, c(4)), 1)
         return context.get_dummy_value()
     return sig, codegen
-
-
-@intrinsic
-def prefetch(typingctx, a, i, write):
-    """Hint the cache line of element ``i`` of the C array ``a`` in (``write``: a literal
-    bool, for writing). Never faults; ``i`` is not checked."""
-    if not (isinstance(a, types.Array) and isinstance(i, types.Integer)
-            and isinstance(write, types.BooleanLiteral)):
-        return None
-    rw = 1 if write.literal_value else 0
-
-    def codegen(context, builder, signature, args):
-        i8 = ir.IntType(8)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), _I32, _I32, _I32]),
-            "llvm.prefetch.p0")
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        et = context.get_value_type(signature.args[0].dtype)
-        idx = context.cast(builder, args[1], signature.args[1], types.intp)
-        p = builder.gep(data, [idx], source_etype=et)
-        builder.call(fn, [builder.bitcast(p, i8.as_pointer()), _c32(rw), _c32(3), _c32(1)])
-        return context.get_dummy_value()
-    return types.void(a, i, write), codegen
