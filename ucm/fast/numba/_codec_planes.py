@@ -163,41 +163,15 @@ def _unpack(src, o, d_n, qf):
 
 
 @njit
-def _dec4_plane(src, nt, d_n, g, chan, y, base, tok, s_t, q_at, q_ts, p_at, p_ts, lo, hi, qb):
-    """Inverse of :func:`_enc4_plane`: token ``j`` of the plane to ``y[base + tok[j] * s_t:]``."""
-    if chan:
-        for d in range(d_n):
-            lo[d] = _get_bf16(src, p_at + 4 * d)
-            hi[d] = _get_bf16(src, p_at + 4 * d + 2)
-        for j in range(nt):
-            _unpack(src, q_at + j * q_ts, d_n, qb)
-            o = base + tok[j] * s_t
-            yv = y[o:o + d_n]
-            for d in range(d_n):
-                st(yv, d, qb[d] * hi[d] + lo[d])
-        return
-    for j in range(nt):
-        _unpack(src, q_at + j * q_ts, d_n, qb)
-        o = base + tok[j] * s_t
-        for k in range(d_n // g):
-            at = p_at + j * p_ts + 4 * k
-            m = _get_bf16(src, at)
-            s = _get_bf16(src, at + 2)
-            qv = qb[k * g:(k + 1) * g]
-            yv = y[o + k * g:o + (k + 1) * g]
-            for d in range(g):
-                st(yv, d, qv[d] * s + m)
-
-
-@njit
-def _dec4_planes_by_token(src, nt, d_n, g, chan, y, base, s_h, tok, s_t, q_at, q_hs, q_ts,
-                          p_at, p_hs, p_ts, h_n, lo, hi, qb):
-    """:func:`_dec4_plane` for the ``h_n`` heads of one key or value plane group at once, token
+def _dec4_planes(src, nt, d_n, g, chan, y, base, s_h, tok, s_t, q_at, q_hs, q_ts, p_at, p_hs,
+                 p_ts, h_n, lo, hi, qb):
+    """Inverse of :func:`_enc4_plane` for ``h_n`` heads of one key or value plane group, token
     by token across the heads: head ``h``'s payload at ``q_at + h * q_hs`` (token stride
     ``q_ts``), its parameters at ``p_at + h * p_hs`` (per channel, or per token at stride
-    ``p_ts``), written to ``y[base + h * s_h + tok[j] * s_t:]``. The encoded payload is token,
-    then head, so this reads it in order; a head at a time reads it at a stride, which from
-    memory the hardware prefetchers do not follow. ``lo``, ``hi``: float32 scratch of H * D."""
+    ``p_ts``), token ``j`` written to ``y[base + h * s_h + tok[j] * s_t:]``. The encoded
+    payload is token, then head, so all heads at once read it in order; a head at a time reads
+    it at a stride, which from memory the hardware prefetchers do not follow (one head:
+    ``h_n = 1``). ``lo``, ``hi``: float32 scratch of ``h_n * D``."""
     if chan:
         for h in range(h_n):
             for d in range(d_n):

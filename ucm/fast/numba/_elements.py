@@ -381,6 +381,85 @@ _AFFINE_OUT = (types.float32, types.uint32, types.uint16, types.int16)
 _PREFETCH_TILES = 2     # the output rows of the tile this many tiles ahead are prefetched
 
 
+class _AffineOut:
+    """The output side the affine intrinsics share (:func:`affine_rows`, :func:`affine_pairs`),
+    emitted into one codegen: rows ``n`` of ``y`` from element ``n * ys_`` (``yp`` already at
+    the first), the bias row ``cp``, ``n_rows`` rows of ``m_n`` columns. A tile is ``rows``
+    rows by ``width`` vectors of 16 columns from column ``m0``; its sums are in
+    ``accs[i * width + j]``."""
+
+    def __init__(self, context, bld, elem, yp, ys_, nr_, m_n_, cp):
+        self.context, self.bld, self.elem = context, bld, elem
+        self.et = context.get_value_type(elem)
+        self.esize = context.get_abi_sizeof(self.et)
+        self.intp = context.get_value_type(types.intp)
+        self.yp, self.ys_, self.nr_, self.m_n_, self.cp = yp, ys_, nr_, m_n_, cp
+        self.vt = ir.VectorType(ir.FloatType(), 16)
+        i8 = ir.IntType(8)
+        self.prefetch = cgutils.get_or_insert_function(
+            bld.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch.p0")
+
+    def c(self, v):
+        return ir.Constant(self.intp, v)
+
+    def store_row(self, vs, at):
+        """Vectors ``vs`` (consecutive columns) rounded into ``y`` from element ``at``."""
+        bld = self.bld
+        for v in _rounded_bits(self.context, bld, vs, self.elem):
+            bld.store(v, bld.bitcast(bld.gep(self.yp, [at], source_etype=self.et),
+                                     v.type.as_pointer()), align=1)
+            at = bld.add(at, self.c(v.type.count))
+
+    def prefetch_rows(self, n0, rows, m0, width):
+        """Prefetch for writing the output lines of the tile ``_PREFETCH_TILES`` ahead (past
+        the last row, the last row again: a prefetch does not fault, but it would fetch another
+        buffer's line)."""
+        bld, c = self.bld, self.c
+        last = bld.sub(self.nr_, c(1))
+        for i in range(rows):
+            n = bld.add(n0, c(_PREFETCH_TILES * rows + i))
+            n = bld.select(bld.icmp_signed("<", n, self.nr_), n, last)
+            for q in range(0, 16 * width, 64 // self.esize):    # a cache line at a time
+                p = bld.gep(self.yp, [bld.add(bld.mul(n, self.ys_), bld.add(m0, c(q)))],
+                            source_etype=self.et)
+                bld.call(self.prefetch, [bld.bitcast(p, ir.IntType(8).as_pointer()), _c32(1),
+                                         _c32(3), _c32(1)])
+
+    def finish(self, accs, n0, rows, m0, width):
+        """The tile's sums plus the bias, rounded into its rows."""
+        bld, c, vt = self.bld, self.c, self.vt
+        bias_v = [bld.load(bld.bitcast(bld.gep(self.cp, [bld.add(m0, c(16 * j))],
+                                               source_etype=ir.FloatType()), vt.as_pointer()),
+                           typ=vt, align=4) for j in range(width)]
+        for i in range(rows):
+            self.store_row([bld.fadd(bld.load(accs[i * width + j], typ=vt), bias_v[j])
+                            for j in range(width)],
+                           bld.add(bld.mul(bld.add(n0, c(i)), self.ys_), m0))
+
+    def over_tiles(self, tile):
+        """``tile(n0, rows, m0, width, ahead)`` over the full vectors of every row: four vectors
+        by four rows, then one vector by eight rows where fewer than four remain; rows past the
+        last full tile one at a time (``ahead``: whether to prefetch). Returns the number of
+        full vectors (columns past them are the caller's)."""
+        bld, c = self.bld, self.c
+
+        def all_rows(m0, width):
+            rows = 4 if width == 4 else 8
+            n_t = bld.udiv(self.nr_, c(rows))
+            with cgutils.for_range(bld, n_t) as g:
+                tile(bld.mul(g.index, c(rows)), rows, m0, width, True)
+            with cgutils.for_range_slice(bld, bld.mul(n_t, c(rows)), self.nr_, c(1)) as (n, _):
+                tile(n, 1, m0, width, False)
+        n_vec = bld.ashr(self.m_n_, c(4))
+        n_4 = bld.ashr(n_vec, c(2))
+        with cgutils.for_range(bld, n_4) as g:
+            all_rows(bld.mul(g.index, c(64)), 4)
+        with cgutils.for_range_slice(bld, bld.shl(n_4, c(2)), n_vec, c(1)) as (v, _):
+            all_rows(bld.shl(v, c(4)), 1)
+        return n_vec
+
+
 @intrinsic
 def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
     """``y[yi + n * ys + m] = (sum_k a_n[k] * b[k * m_n + m]) + bias[m]`` for ``n < n_rows``,
@@ -430,25 +509,19 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
         ft = ir.FloatType()
         vt = ir.VectorType(ft, 16)
         et = context.get_value_type(elem)
-        esize = context.get_abi_sizeof(et)
-        intp = context.get_value_type(types.intp)
         i8 = ir.IntType(8)
-
-        def c(v):
-            return ir.Constant(intp, v)
         yp, ap, bp, cp, wp = (context.make_array(signature.args[j])(context, bld, args[j]).data
                               for j in (0, 3, 6, 7, 11))
         yi_, ys_, ai_, as__, nr_, k_n_, m_n_ = (
             context.cast(bld, args[j], signature.args[j], types.intp) for j in (1, 2, 4, 5, 8, 9, 10))
         yp = bld.gep(yp, [yi_], source_etype=et)
+        out = _AffineOut(context, bld, elem, yp, ys_, nr_, m_n_, cp)
+        c = out.c
         ap = bld.gep(ap, [ai_], source_etype=i8 if packed else ft)
         fma_v = cgutils.get_or_insert_function(bld.module, ir.FunctionType(vt, [vt, vt, vt]),
                                                "llvm.fma.v16f32")
         fma_s = cgutils.get_or_insert_function(bld.module, ir.FunctionType(ft, [ft, ft, ft]),
                                                "llvm.fma.f32")
-        prefetch = cgutils.get_or_insert_function(
-            bld.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), _I32, _I32, _I32]),
-            "llvm.prefetch.p0")
         accs = [cgutils.alloca_once(bld, vt) for _ in range(16)]
         acc_s = cgutils.alloca_once(bld, ft)
         mask0 = ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
@@ -465,13 +538,6 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
 
         def vload(p, i):
             return bld.load(bld.bitcast(at_f(p, i), vt.as_pointer()), typ=vt, align=4)
-
-        def store_row(vs, at):
-            """Vectors ``vs`` (consecutive columns) rounded into ``y`` from element ``at``."""
-            for v in _rounded_bits(context, bld, vs, elem):
-                bld.store(v, bld.bitcast(bld.gep(yp, [at], source_etype=et),
-                                         v.type.as_pointer()), align=1)
-                at = bld.add(at, c(v.type.count))
 
         def rows_at(n0, rows):
             """(pointer, row pitch) of the float32 coefficients of rows n0 .. n0 + rows - 1:
@@ -508,23 +574,11 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
                                                                            c(3))))
             return bld.select(bld.icmp_signed("<", k, n_full), at, k)
 
-        def prefetch_rows(n0, rows, m0, width):
-            """Prefetch for writing the output lines of the tile ``_PREFETCH_TILES`` ahead."""
-            last = bld.sub(nr_, c(1))
-            for i in range(rows):
-                n = bld.add(n0, c(_PREFETCH_TILES * rows + i))
-                n = bld.select(bld.icmp_signed("<", n, nr_), n, last)
-                for q in range(0, 16 * width, 64 // esize):    # a cache line at a time
-                    p = bld.gep(yp, [bld.add(bld.mul(n, ys_), bld.add(m0, c(q)))],
-                                source_etype=et)
-                    bld.call(prefetch, [bld.bitcast(p, i8.as_pointer()), _c32(1), _c32(3),
-                                        _c32(1)])
-
         def tile(n0, rows, m0, width, ahead):
             """Rows n0 .. n0 + rows - 1, columns m0 .. m0 + 16 * width - 1."""
             cf, pitch = rows_at(n0, rows)
             if ahead:
-                prefetch_rows(n0, rows, m0, width)
+                out.prefetch_rows(n0, rows, m0, width)
             for j in range(width):
                 for i in range(rows):
                     bld.store(zero_v, accs[i * width + j])
@@ -538,24 +592,9 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
                     for i in range(rows):
                         acc = accs[i * width + j]
                         bld.store(bld.call(fma_v, [avs[i], bv, bld.load(acc, typ=vt)]), acc)
-            bias_v = [vload(cp, bld.add(m0, c(16 * j))) for j in range(width)]
-            for i in range(rows):
-                store_row([bld.fadd(bld.load(accs[i * width + j], typ=vt), bias_v[j])
-                           for j in range(width)], bld.add(bld.mul(bld.add(n0, c(i)), ys_), m0))
+            out.finish(accs, n0, rows, m0, width)
 
-        def all_rows(m0, width):
-            rows = 4 if width == 4 else 8
-            n_t = bld.udiv(nr_, c(rows))
-            with cgutils.for_range(bld, n_t) as g:
-                tile(bld.mul(g.index, c(rows)), rows, m0, width, True)
-            with cgutils.for_range_slice(bld, bld.mul(n_t, c(rows)), nr_, c(1)) as (n, _):
-                tile(n, 1, m0, width, False)
-        n_vec = bld.ashr(m_n_, c(4))
-        n_4 = bld.ashr(n_vec, c(2))
-        with cgutils.for_range(bld, n_4) as g:
-            all_rows(bld.mul(g.index, c(64)), 4)
-        with cgutils.for_range_slice(bld, bld.shl(n_4, c(2)), n_vec, c(1)) as (v, _):
-            all_rows(bld.shl(v, c(4)), 1)
+        n_vec = out.over_tiles(tile)
         with cgutils.for_range_slice(bld, bld.shl(n_vec, c(4)), m_n_, c(1)) as (m, _):
             with cgutils.for_range(bld, nr_) as n:         # columns past the last vector
                 cf, _ = rows_at(n.index, 1)
@@ -606,18 +645,15 @@ def affine_pairs(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
         vt = ir.VectorType(ft, 16)
         iv = ir.VectorType(_I32, 16)
         et = context.get_value_type(elem)
-        esize = context.get_abi_sizeof(et)
-        intp = context.get_value_type(types.intp)
         i8 = ir.IntType(8)
         dp_ok = _target_has(context, "avx512bf16", "avx512f")
-
-        def c(v):
-            return ir.Constant(intp, v)
         yp, ap, bpp, cp = (context.make_array(signature.args[j])(context, bld, args[j]).data
                            for j in (0, 3, 6, 7))
         yi_, ys_, ai_, as__, nr_, k_n_, m_n_ = (
             context.cast(bld, args[j], signature.args[j], types.intp) for j in (1, 2, 4, 5, 8, 9, 10))
         yp = bld.gep(yp, [yi_], source_etype=et)
+        out = _AffineOut(context, bld, elem, yp, ys_, nr_, m_n_, cp)
+        c = out.c
         ap = bld.gep(ap, [ai_], source_etype=i8)
         if dp_ok:
             bt = ir.VectorType(_BFloat(), 32)
@@ -627,9 +663,6 @@ def affine_pairs(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
                                                "llvm.fma.v16f32")
         rot = cgutils.get_or_insert_function(bld.module, ir.FunctionType(_I32, [_I32] * 3),
                                              "llvm.fshl.i32")
-        prefetch = cgutils.get_or_insert_function(
-            bld.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), _I32, _I32, _I32]),
-            "llvm.prefetch.p0")
         accs = [cgutils.alloca_once(bld, vt) for _ in range(16)]
         zero_v = ir.Constant(vt, [0.0] * 16)
         mask0 = ir.Constant(iv, [0] * 16)
@@ -654,26 +687,9 @@ def affine_pairs(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
             return bld.call(fma_v, [bld.bitcast(bld.shl(av, sh16), vt),
                                     bld.bitcast(bld.shl(bv, sh16), vt), odd])
 
-        def store_row(vs, at):
-            for v in _rounded_bits(context, bld, vs, elem):
-                bld.store(v, bld.bitcast(bld.gep(yp, [at], source_etype=et),
-                                         v.type.as_pointer()), align=1)
-                at = bld.add(at, c(v.type.count))
-
-        def prefetch_rows(n0, rows, m0, width):
-            last = bld.sub(nr_, c(1))
-            for i in range(rows):
-                n = bld.add(n0, c(_PREFETCH_TILES * rows + i))
-                n = bld.select(bld.icmp_signed("<", n, nr_), n, last)
-                for q in range(0, 16 * width, 64 // esize):
-                    p = bld.gep(yp, [bld.add(bld.mul(n, ys_), bld.add(m0, c(q)))],
-                                source_etype=et)
-                    bld.call(prefetch, [bld.bitcast(p, i8.as_pointer()), _c32(1), _c32(3),
-                                        _c32(1)])
-
         def tile(n0, rows, m0, width, ahead):
             if ahead:
-                prefetch_rows(n0, rows, m0, width)
+                out.prefetch_rows(n0, rows, m0, width)
             for j in range(width):
                 for i in range(rows):
                     bld.store(zero_v, accs[i * width + j])
@@ -692,25 +708,8 @@ def affine_pairs(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
                     for i in range(rows):
                         acc = accs[i * width + j]
                         bld.store(step(bld.load(acc, typ=vt), avs[i], bv), acc)
-            bias_v = [bld.load(bld.bitcast(bld.gep(cp, [bld.add(m0, c(16 * j))], source_etype=ft),
-                                           vt.as_pointer()), typ=vt, align=4)
-                      for j in range(width)]
-            for i in range(rows):
-                store_row([bld.fadd(bld.load(accs[i * width + j], typ=vt), bias_v[j])
-                           for j in range(width)], bld.add(bld.mul(bld.add(n0, c(i)), ys_), m0))
+            out.finish(accs, n0, rows, m0, width)
 
-        def all_rows(m0, width):
-            rows = 4 if width == 4 else 8
-            n_t = bld.udiv(nr_, c(rows))
-            with cgutils.for_range(bld, n_t) as g:
-                tile(bld.mul(g.index, c(rows)), rows, m0, width, True)
-            with cgutils.for_range_slice(bld, bld.mul(n_t, c(rows)), nr_, c(1)) as (n, _):
-                tile(n, 1, m0, width, False)
-        n_vec = bld.ashr(m_n_, c(4))
-        n_4 = bld.ashr(n_vec, c(2))
-        with cgutils.for_range(bld, n_4) as g:
-            all_rows(bld.mul(g.index, c(64)), 4)
-        with cgutils.for_range_slice(bld, bld.shl(n_4, c(2)), n_vec, c(1)) as (v, _):
-            all_rows(bld.shl(v, c(4)), 1)
+        out.over_tiles(tile)
         return context.get_dummy_value()
     return sig, codegen

@@ -35,10 +35,10 @@ import numpy as np
 import torch
 
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets, rank
-from ucm.fast.numba._codec_planes import (_dec4_plane, _dec4_planes_by_token, _enc4_plane,
-                                          _enc8_chan_plane, _enc8_plane, _get_bf16,
-                                          _keys_to_channel_major, _keys_to_token_major,
-                                          _load_plane, _rows_from_plane, _zero_pads)
+from ucm.fast.numba._codec_planes import (_dec4_planes, _enc4_plane, _enc8_chan_plane,
+                                          _enc8_plane, _get_bf16, _keys_to_channel_major,
+                                          _keys_to_token_major, _load_plane, _rows_from_plane,
+                                          _zero_pads)
 from ucm.fast.numba._elements import affine_pairs, affine_rows, inf_mag, ld, mag, st
 from ucm.fast.numba._jit import njit
 
@@ -232,63 +232,32 @@ def _encode_learned(x, rs, geo, mean, basis, out, out16, ro, c_off, pads, ok, bu
 
 
 @njit
-def _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, sc, ys, tgt, base, stride):
-    """Head ``h``'s keys of one row decoded into ``tgt`` (token ``t`` at ``base + t *
-    stride``, stored through :func:`st`: the cache's elements, or a float32 plane as uint32
-    bits). With ``chan``, token 0's key is the exact one, read as ``ys``'s element type
-    (``ys``: a D-element array of it, scratch); ``sc``: float32 scratch of 2 * D."""
+def _q8_keys(src, qi, so, t_n, h_n, d_n, h0, h1, offs, chan, sc, ys, y, base, s_h, s_t):
+    """Heads ``h0 .. h1 - 1``'s keys of one row decoded into ``y`` (head ``h``, token ``t`` at
+    ``base + (h - h0) * s_h + t * s_t``, stored through :func:`st`: the cache's elements, or a
+    float32 plane as uint32 bits), token by token across the heads: the int8 payload (token,
+    then head) is then read in order, where a head at a time reads it at a stride of ``H * D``
+    bytes, which from memory ran at less than half the rate (the hardware prefetchers do not
+    follow it). With ``chan``, token 0's key is the exact one, read as ``ys``'s element type
+    (``ys``: a D-element array of it, scratch); ``sc``: float32 scratch of 2 * H * D."""
     if chan:
-        p_at = so + offs[2] + 4 * h * d_n
-        for d in range(d_n):
-            sc[d] = _get_bf16(src, p_at + 4 * d + 2)            # scale
-            sc[d_n + d] = _get_bf16(src, p_at + 4 * d)          # minimum
         es = ys.itemsize
-        k0 = so + offs[3] + h * d_n * es
-        ys.view(np.uint8)[:] = src[k0:k0 + d_n * es]
-        tv = tgt[base:base + d_n]
-        for d in range(d_n):
-            st(tv, d, ld(ys, d))                                # exact in either type
-    scv = sc[:d_n]
-    mnv = sc[d_n:2 * d_n]
-    for t in range(1 if chan else 0, t_n):
-        v = t * h_n + h
-        q = so + offs[0] + v * d_n
-        tv = tgt[base + t * stride:base + t * stride + d_n]
-        if chan:
-            qv = src[q:q + d_n]
-            for d in range(d_n):
-                st(tv, d, np.float32(qv[d]) * scv[d] + mnv[d])
-        else:
-            qv = qi[q:q + d_n]
-            s = _get_bf16(src, so + offs[1] + 2 * v)
-            for d in range(d_n):
-                st(tv, d, np.float32(qv[d]) * s)
-
-
-@njit
-def _q8_keys_by_token(src, qi, so, t_n, h_n, d_n, offs, chan, sc, ys, y, base, s_h, s_t):
-    """Every head's keys of one row decoded into ``y`` (head ``h``, token ``t`` at ``base + h
-    * s_h + t * s_t``) as :func:`_q8_keys` decodes one head's, token by token across the heads:
-    the int8 payload (token, then head) is read in order, where a head at a time reads it at a
-    stride of ``H * D`` bytes, which from memory ran at less than half the rate (the hardware
-    prefetchers do not follow it). ``sc``: float32 scratch of 2 * H * D."""
-    if chan:
-        for h in range(h_n):
+        for h in range(h0, h1):
             p_at = so + offs[2] + 4 * h * d_n
             for d in range(d_n):
                 sc[2 * h * d_n + d] = _get_bf16(src, p_at + 4 * d + 2)          # scale
                 sc[(2 * h + 1) * d_n + d] = _get_bf16(src, p_at + 4 * d)        # minimum
-            es = ys.itemsize
             k0 = so + offs[3] + h * d_n * es
             ys.view(np.uint8)[:] = src[k0:k0 + d_n * es]
-            tv = y[base + h * s_h:base + h * s_h + d_n]
+            o = base + (h - h0) * s_h
+            tv = y[o:o + d_n]
             for d in range(d_n):
-                st(tv, d, ld(ys, d))                                            # exact
+                st(tv, d, ld(ys, d))                                # exact in either type
     for t in range(1 if chan else 0, t_n):
-        for h in range(h_n):
+        for h in range(h0, h1):
             v = t * h_n + h
             q = so + offs[0] + v * d_n
-            o = base + h * s_h + t * s_t
+            o = base + (h - h0) * s_h + t * s_t
             tv = y[o:o + d_n]
             if chan:
                 qv = src[q:q + d_n]
@@ -308,8 +277,8 @@ def _decode_q8(src, so_, y, yo, geo, chan, offs, sc, kf, keys_dt):
     """Row ``i``: encoded at byte ``so_[i]`` of ``src``, decoded to element ``yo[i]`` of ``y``
     (the decode kernels all take such offsets, so they write into a staging row or straight into
     a block of the paged cache alike). Keys straight into the cache in the encoded order
-    (token, then head: :func:`_q8_keys_by_token`), or with ``keys_dt`` a head at a time
-    (:func:`_q8_keys`) token-major into ``kf`` (float32 T x D scratch, in L1) and from there
+    (token, then head: :func:`_q8_keys` over all heads), or with ``keys_dt`` a head at a time
+    token-major into ``kf`` (float32 T x D scratch, in L1) and from there
     channel-major (element (t, d) at ``d * T + t`` of the plane) instead of transposing them
     afterwards; values in the encoded order too, so the int8 payload and the scales are read
     sequentially. ``sc``: float32 scratch of 2 * H * D."""
@@ -321,10 +290,10 @@ def _decode_q8(src, so_, y, yo, geo, chan, offs, sc, kf, keys_dt):
         so = so_[i]
         if keys_dt:
             for h in range(h_n):
-                _q8_keys(src, qi, so, t_n, h_n, d_n, h, offs, chan, sc, ys, kb, 0, d_n)
+                _q8_keys(src, qi, so, t_n, h_n, d_n, h, h + 1, offs, chan, sc, ys, kb, 0, 0, d_n)
                 _rows_from_plane(kb, y, yo[i] + h * s_h, t_n, d_n)
         else:
-            _q8_keys_by_token(src, qi, so, t_n, h_n, d_n, offs, chan, sc, ys, y, yo[i], s_h, s_t)
+            _q8_keys(src, qi, so, t_n, h_n, d_n, 0, h_n, offs, chan, sc, ys, y, yo[i], s_h, s_t)
         for t in range(t_n):
             for h in range(h_n):
                 v = (t_n + t) * h_n + h
@@ -351,13 +320,14 @@ def _decode_q4(src, so_, y, yo, geo, g, chan, offs, tok, lo, hi, qb, kf, keys_dt
             if keys_dt and kv == 0:
                 for h in range(h_n):
                     p_at = so + offs[2 + kv] + (4 * h * d_n if c else 4 * h * ng)
-                    _dec4_plane(src, t_n, d_n, g, c, kf, 0, tok, d_n, so + offs[kv] + h * half,
-                                h_n * half, p_at, 4 * h_n * ng, lo, hi, qb)
+                    _dec4_planes(src, t_n, d_n, g, c, kf, 0, 0, tok, d_n,
+                                 so + offs[kv] + h * half, 0, h_n * half, p_at, 0,
+                                 4 * h_n * ng, 1, lo, hi, qb)
                     _rows_from_plane(kf, y, yo[i] + h * s_h, t_n, d_n)
             else:
-                _dec4_planes_by_token(src, t_n, d_n, g, c, y, yo[i] + kv * s_k, s_h, tok, s_t,
-                                      so + offs[kv], half, h_n * half, so + offs[2 + kv],
-                                      4 * d_n if c else 4 * ng, 4 * h_n * ng, h_n, lo, hi, qb)
+                _dec4_planes(src, t_n, d_n, g, c, y, yo[i] + kv * s_k, s_h, tok, s_t,
+                             so + offs[kv], half, h_n * half, so + offs[2 + kv],
+                             4 * d_n if c else 4 * ng, 4 * h_n * ng, h_n, lo, hi, qb)
 
 
 @njit(nogil=True)
@@ -393,9 +363,9 @@ def _decode_sparse(src, so_, y, yb, yo, geo, g, chan, n_exact, offs, tok, exact,
                     o = (base + exact[j] * s_t) * es
                     yb[o:o + d_n * es] = src[at:at + d_n * es]
             c = chan and kv == 0
-            _dec4_planes_by_token(src, n_rest, d_n, g, c, y, yo[i] + kv * s_k, s_h, tok, s_t,
-                                  so + offs[kv], half, h_n * half, so + offs[2 + kv],
-                                  4 * d_n if c else 4 * ng, 4 * h_n * ng, h_n, lo, hi, qb)
+            _dec4_planes(src, n_rest, d_n, g, c, y, yo[i] + kv * s_k, s_h, tok, s_t,
+                         so + offs[kv], half, h_n * half, so + offs[2 + kv],
+                         4 * d_n if c else 4 * ng, 4 * h_n * ng, h_n, lo, hi, qb)
     return -1
 
 
