@@ -196,8 +196,11 @@ def _decode_kernel(torch, tc, spec, shape, enc, dec, launch):
 def _sweep(torch, tc, spec, shape, raw, enc, dec, repeats):
     """Kernel times of alternative launch constants (checked against the default's output)."""
     if spec.int8 and spec.key_mode == "channel":
-        alts = [dict(int8_channel_warps=w, int8_tokens=t) for w in (1, 2, 4, 8)
-                for t in (16, 32, 64, 128) if t <= max(16, shape.tokens)]
+        alts = [dict(int8_channel_fused=0), dict(int8_channel_fused=1 << 20)]
+        alts += [dict(int8_channel_key_warps=w, int8_channel_key_tokens=t) for w in (1, 2, 4)
+                 for t in (16, 32, 64)]
+        alts += [dict(int8_value_elems=e, int8_value_warps=w) for e in (1024, 2048, 4096)
+                 for w in (2, 4)]
     elif spec.method == "quantize" and spec.bits == 8:
         alts = [dict(int8_vectors=v, int8_warps=w) for v in (16, 32, 64) for w in (4, 8)]
     else:

@@ -216,7 +216,12 @@ def test_signed_zero_extremes(triton_on, device, name):
     assert torch.equal(got.cpu(), want)
 
 
+#: INT8 with keys per channel in two launches (keys, then values) at any block size, in chunks
+#: of 2 tokens (channel ranges) and 4 (codes), value programs of 4 vectors
+INT8_SPLIT = dict(int8_channel_fused=0, int8_channel_range_elems=128, int8_channel_key_tokens=4,
+                  int8_value_elems=256, int8_channel_key_warps=1, int8_value_warps=1)
 LAUNCHES = [dict(int8_vectors=8, int8_warps=2, int8_tokens=4, int8_channel_warps=4),
+            INT8_SPLIT,
             dict(int4_channel_warp_words=64, int4_token_heads=1, int4_token_warps=2,
                  int4_decode_heads=1),
             dict(int4_channel_warp_words=4096, int4_token_heads=2, int4_decode_heads=3,
@@ -228,7 +233,7 @@ def _launch_params():
     with the codecs whose kernels it changes (INT8 tiles with INT8, the INT4 variants with INT4
     and sparse). The shape has 3 heads: by default the INT4 encodes take 4 per program (one
     absent)."""
-    ids = ["int8-small", "int4-small", "int4-large"]
+    ids = ["int8-small", "int8-split", "int4-small", "int4-large"]
     out = []
     for changes, cid in zip(LAUNCHES, ids):
         for name in ["int8", "int8-tok", "int4-ch32", "int4-tok64", "sparse-ch32"]:
@@ -410,6 +415,37 @@ def test_fused_fallback_layout(triton_on, device):
     decode_scatter(KVLayout.from_views(views_of(dev2)), want.to(device), [3, -1, 1], spec, shape,
                    backend="triton")
     assert torch.equal(dev2.cpu(), raw2)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
+                         + (["cuda"] if HAS_CUDA else []))
+@pytest.mark.parametrize("launch_id", ["default", "split"])
+def test_gather_encode_int8_channel_blocks(triton_on, device, launch_id):
+    """INT8 keys per channel fused with the gather at 128-token blocks (the keys and the values
+    in two launches by default there) and, with :data:`INT8_SPLIT`, at small ones: ``-1`` rows,
+    a layer subset, a non-finite block."""
+    from ucm.fast.triton import compress as tc
+
+    triton_on(device)
+    size = dict(B=5, N=128 if launch_id == "default" else 8, H=2, D=64, L=2)
+    launch = tc.LAUNCH if launch_id == "default" else tc.LAUNCH.replace(**INT8_SPLIT)
+    spec = SPECS["int8"]
+    shape = KVShape(FUSED_LAYOUTS["fa"], size["N"], size["H"], size["D"], "bfloat16")
+    cache = _fill_kv(Cache("fa", torch.bfloat16, device, **size), torch.Generator().manual_seed(5))
+    cache.views[2][3, 0, 0, 6] = float("inf")          # block 3, layer 1: a key of token 0
+    twin = _twin(cache, "fa", torch.bfloat16, size)
+    E = encoded_bytes(spec, shape)
+    for idx, layers in (([4, -1, 0, 3], (0, 1)), ([3, 1], (1,))):
+        want = torch.full((len(idx), len(layers) * E), SENTINEL, dtype=torch.uint8)
+        ok_want = gather_encode(twin.layout, idx, spec, shape, want, list(layers),
+                                backend="reference")
+        got = torch.full(want.shape, SENTINEL, dtype=torch.uint8, device=device)
+        ok_got = tc.gather_encode(cache.layout, torch.tensor(idx, device=device), spec, shape,
+                                  got, layers, launch=launch)
+        np.testing.assert_array_equal(ok_got, ok_want)
+        assert not ok_want[-1 if idx[-1] == 3 else 0]
+        diff = (got.cpu() != want).nonzero()
+        assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first {diff[:5].tolist()}"
 
 
 def test_fused_ops_registered_and_validated():

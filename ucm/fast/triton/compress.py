@@ -23,12 +23,14 @@ byte runs (a layout whose runs cut a vector, or whose addresses are not multiple
 size, takes the unfused path: Triton gather + encode). One kernel family serves both.
 
 Kernels (:mod:`ucm.fast.triton.compress_kernels`; one launch per call, but two for an INT4
-encode with keys per channel and for a sparse encode):
+encode with keys per channel, for a sparse encode and for an INT8 encode with keys per channel
+beyond small blocks):
 
 * ``_int8_encode`` / ``_int8_decode``: INT8, a program per ``BV`` consecutive vectors (over all
   shards of the call).
 * ``_int8c_encode`` / ``_int8c_decode``: INT8 with keys per channel (asymmetric, token 0's
-  exact), a program per (shard, head).
+  exact), a program per (shard, head); beyond small blocks the encode takes the keys only and
+  ``_int8_encode`` quantizes the values, a second launch.
 * ``_int4_encode_token``: INT4 and sparse values (groups of channels per token), and the keys
   too when they are per token: a program per (shard, group of heads).
 * ``_int4_encode_channel``: INT4 keys per channel (``quantize`` bits 4 defaults to them), a
@@ -78,12 +80,26 @@ class LaunchConfig:
     #: Vectors (of ``head_dim`` channels) per program of the INT8 kernels.
     int8_vectors: int = 32
     int8_warps: int = 4
-    #: Tokens per chunk of the INT8 kernels with keys per channel (a program per shard and head),
-    #: and the warps of that encode: 0 is a warp per 2,048 elements of a chunk's key tile (1 to
-    #: 8), the best of 1-8 warps and chunks of 16-128 tokens on an H200 at 16 and 128 tokens,
-    #: 3 heads x 64 and 8 x 128 (one warp at 16 tokens; 2 and 4 in chunks of 64 at 128).
+    #: Tokens per chunk of the INT8 decode with keys per channel (a program per shard and head).
     int8_tokens: int = 64
+    #: INT8 encode with keys per channel. Blocks whose key tile (tokens x head_dim, each rounded
+    #: up to a power of two) has at most ``int8_channel_fused`` elements: one launch, keys and
+    #: values of a (shard, head) in one program, a warp per 2,048 elements of the tile
+    #: (``int8_channel_warps``: 0) or that many warps. Longer blocks: two launches, the keys
+    #: (``int8_channel_key_warps`` warps; channel ranges over chunks of
+    #: ``int8_channel_range_elems`` elements, codes over chunks of ``int8_channel_key_tokens``
+    #: tokens) and the values as per-token vectors (``int8_value_elems`` elements per program,
+    #: ``int8_value_warps`` warps). Measured on an H200, 1 GiB of bf16 KV, 3 heads x 64 and
+    #: 8 x 128: one launch 0.78 / 0.67 of a device copy at 16 tokens (two: 0.67 / 0.69), 0.61 /
+    #: 0.56 at 128 (two, these constants the best of a sweep of 1-8 key warps, 16-128-token
+    #: chunks, 1-4 KiB value tiles and 2-8 value warps: 0.75 / 0.72).
+    int8_channel_fused: int = 4096
     int8_channel_warps: int = 0
+    int8_channel_key_warps: int = 2
+    int8_channel_range_elems: int = 8192
+    int8_channel_key_tokens: int = 32
+    int8_value_elems: int = 2048
+    int8_value_warps: int = 2
     #: INT4 and sparse, values (and keys per token; ``_int4_encode_token``): KV heads per
     #: program (rounded down to a power of two, at most the head count rounded up to one); 0: as
     #: many as make a tile of about ``int4_token_tile`` pair words of values and as many of keys
@@ -359,25 +375,39 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
     if idx is None:
         idx = flags                                        # unused
     with _device_ctx(enc):
-        if spec.method == "quantize" and spec.bits == 8 and spec.key_mode == "channel":
-            tb = min(_pow2(T), launch.int8_tokens)
-            warps = launch.int8_channel_warps or max(1, min(8, tb * _pow2(D) // 2048))
-            jit(_int8c_encode)[(n * L, H)](
-                raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
-                T=T, H=H, D=D, DP=_pow2(D), TB=tb, L=L, E=E,
-                KP=offs["kp"], VS=offs["vscale"], K0=offs["k0"], NPAD=npad, NPADP=_pow2(npad),
-                INDEXED=indexed, ALIGN=tabs.align, BF16=shape.dtype == "bfloat16",
-                num_warps=warps)
-            return
         if spec.method == "quantize" and spec.bits == 8:
-            V = 2 * T * H
-            bv = _pow2(launch.int8_vectors)
-            total = n * L * V
+            V, DP, bf16 = 2 * T * H, _pow2(D), shape.dtype == "bfloat16"
+            if spec.key_mode == "channel":
+                tile = _pow2(T) * DP
+                fused = tile <= launch.int8_channel_fused
+                if fused:
+                    tb = tq = _pow2(T)
+                    warps = launch.int8_channel_warps or max(1, min(8, tile // 2048))
+                else:
+                    tb = min(_pow2(T), _pow2_floor(max(1, launch.int8_channel_range_elems // DP)))
+                    tq = min(_pow2(T), _pow2(launch.int8_channel_key_tokens))
+                    warps = launch.int8_channel_key_warps
+                jit(_int8c_encode)[(n * L, H)](
+                    raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
+                    T=T, H=H, D=D, DP=DP, TB=tb, TQ=tq, L=L, E=E, KP=offs["kp"],
+                    VS=offs["vscale"], K0=offs["k0"], VALUES=fused, NPAD=npad,
+                    NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.align, BF16=bf16,
+                    num_warps=warps)
+                if fused:
+                    return
+                # the values: vectors T H .. 2 T H of each shard, scales at ``vscale``
+                v0, vn, scale, npad = T * H, T * H, offs["vscale"], 0
+                bv = _pow2_floor(max(1, launch.int8_value_elems // DP))
+                warps = launch.int8_value_warps
+            else:
+                v0, vn, scale = 0, V, offs["scale"]
+                bv, warps = _pow2(launch.int8_vectors), launch.int8_warps
+            total = n * L * vn
             jit(_int8_encode)[(triton.cdiv(total, bv),)](
                 raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, total, n * L,
-                V=V, L=L, D=D, DP=_pow2(D), E=E, SCALE=offs["scale"], NPAD=npad,
-                NPADP=_pow2(npad), BV=bv, INDEXED=indexed, ALIGN=tabs.align,
-                BF16=shape.dtype == "bfloat16", num_warps=launch.int8_warps)
+                V=V, V0=v0, VN=vn, L=L, D=D, DP=DP, E=E, SCALE=scale, NPAD=npad,
+                NPADP=_pow2(npad), BV=bv, INDEXED=indexed, ALIGN=tabs.align, BF16=bf16,
+                num_warps=warps)
             return
         sparse = spec.method == "sparse"
         G = spec.group

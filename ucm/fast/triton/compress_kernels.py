@@ -27,16 +27,20 @@ _SCALE = tl.constexpr(2.0 ** 64)
 
 
 def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_vectors, n_shards,
-                 V: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                 E: tl.constexpr, SCALE: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
-                 BV: tl.constexpr, INDEXED: tl.constexpr, ALIGN: tl.constexpr,
-                 BF16: tl.constexpr):
-    """Vectors ``[pid * BV, pid * BV + BV)`` of the call (vector ``g`` = shard ``g // V``, vector
-    ``g % V`` of it; shard ``s`` = row ``s // L``, selected layer ``s % L``)."""
+                 V: tl.constexpr, V0: tl.constexpr, VN: tl.constexpr, L: tl.constexpr,
+                 D: tl.constexpr, DP: tl.constexpr, E: tl.constexpr, SCALE: tl.constexpr,
+                 NPAD: tl.constexpr, NPADP: tl.constexpr, BV: tl.constexpr,
+                 INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr):
+    """Each vector ``v`` in ``[V0, V0 + VN)`` of every shard quantized by its own symmetric
+    scale (the per-token INT8 rule), its scale at ``SCALE + 2 (v - V0)``: every vector for INT8
+    with keys per token (``V0 = 0``, ``VN = V``), the values for keys per channel (``V0 = VN =
+    T H``). Program ``pid`` takes the call's vectors ``[pid * BV, pid * BV + BV)`` (vector ``g``
+    = shard ``g // VN``, its vector ``V0 + g % VN``; shard ``s`` = row ``s // L``, selected layer
+    ``s % L``)."""
     g = tl.program_id(0).to(tl.int64) * BV + tl.arange(0, BV)
     live = g < n_vectors
-    s = g // V
-    v = g - s * V
+    s = g // VN
+    v = V0 + (g - s * VN)
     i = s // L
     k = s - i * L
     if INDEXED:
@@ -76,13 +80,13 @@ def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_vectors
     tl.store(base[:, None] + (v * D)[:, None] + d[None, :],
              q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
     b16 = bits >> 16
-    tl.store(base + SCALE + 2 * v, (b16 & 255).to(tl.uint8), mask=live)
-    tl.store(base + SCALE + 2 * v + 1, ((b16 >> 8) & 255).to(tl.uint8), mask=live)
+    tl.store(base + SCALE + 2 * (v - V0), (b16 & 255).to(tl.uint8), mask=live)
+    tl.store(base + SCALE + 2 * (v - V0) + 1, ((b16 >> 8) & 255).to(tl.uint8), mask=live)
     if NPAD > 0:
         j = tl.arange(0, NPADP)
         po = tl.load(pad + j, mask=j < NPAD, other=0)
         tl.store(base[:, None] + po[None, :], tl.zeros([BV, NPADP], dtype=tl.uint8),
-                 mask=(live & (v == 0))[:, None] & (j < NPAD)[None, :])
+                 mask=(live & (v == V0))[:, None] & (j < NPAD)[None, :])
 
 
 def _int8_decode(raw, voff, vstride, idx, enc, enc_pitch8, n_vectors,
@@ -487,15 +491,23 @@ def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch8,
 
 def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
                   T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                  TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KP: tl.constexpr,
-                  VS: tl.constexpr, K0: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
-                  INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr):
+                  TB: tl.constexpr, TQ: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
+                  KP: tl.constexpr, VS: tl.constexpr, K0: tl.constexpr, VALUES: tl.constexpr,
+                  NPAD: tl.constexpr, NPADP: tl.constexpr, INDEXED: tl.constexpr,
+                  ALIGN: tl.constexpr, BF16: tl.constexpr):
     """INT8 with keys per channel (``key_mode="channel"``): a program per (shard, head). Each
     channel's minimum and maximum over the block's tokens after the first, keys quantized by
-    their channel's (min, scale) to uint8 codes, token 0's key copied exact, values by their
-    token's symmetric scale. A block of at most ``TB`` tokens is loaded once, keys and values
-    before any store (a store may alias a later load, so nothing is issued ahead of it); a
-    longer one in chunks of ``TB`` tokens, its keys read twice.
+    their channel's (min, scale) to uint8 codes, token 0's key copied exact; with ``VALUES``
+    the values too, by their token's symmetric scale.
+
+    Two shapes. ``VALUES`` (small blocks: ``T <= TB``): the block's keys and values are
+    loaded once, together, before any store (a store may alias a later load, so nothing is
+    issued ahead of it). Otherwise keys only (the values are :func:`_int8_encode`'s, in a
+    launch of their own): the channel ranges over chunks of ``TB`` tokens, then the codes over
+    chunks of ``TQ``, the keys read a second time (from L2: a program's keys are a few tens of
+    KiB). A program that holds keys and values of a long block together needs about twice the
+    registers and ran at 0.56-0.61 of a device copy on an H200 at 128-token blocks, against
+    0.72-0.75 for the two launches.
 
     Maxima of ``|x|`` are taken over its bits as integers (non-negative floats order as their
     bits, and NaN's bits are above infinity's): one reduction gives a value scale and says
@@ -534,9 +546,7 @@ which rounds to 255 at most."""
     kmin = tl.full([DP], 0x7FFFFFFF, dtype=tl.int32)
     kmax = tl.full([DP], -0x7FFFFFFF - 1, dtype=tl.int32)
     bad = tl.zeros([TB], dtype=tl.int32)        # max |V| over the shard's values, as bits
-    xk = tl.zeros([TB, DP], dtype=tl.float32)
-    xv = tl.zeros([TB, DP], dtype=tl.float32)
-    if T <= TB:                          # one chunk: keys and values loaded together
+    if VALUES:                           # one chunk: keys and values loaded together
         tm = tb < t_lim
         m2 = tm[:, None] & dm[None, :]
         vk = k * V + tb * H + h
@@ -593,24 +603,21 @@ which rounds to 255 at most."""
     kmp = km * kf_
     krp = 1.0 / tl.where(ksp == 0, 1.0, ksp)
     khs = tl.where(ksp == 0, _INF, ksp * 0.5)    # s == 0: q = 0
-    for t0 in tl.static_range(0, T, TB):
-        t = t0 + tb
+    tq = tl.arange(0, TQ)               # (VALUES: TQ == TB, one chunk, the keys loaded above)
+    for t0 in tl.static_range(0, T, TQ):
+        t = t0 + tq
         tm = t < t_lim
         m2 = tm[:, None] & dm[None, :]
-        if T > TB:                        # chunked: the keys again, and this chunk's values
+        if not VALUES:                   # the keys again
             vk = k * V + t * H + h
             ok_ = tl.multiple_of(tl.load(voff + vk, mask=tm, other=0), ALIGN)
             sk = tl.multiple_of(tl.load(vstride + vk, mask=tm, other=0), ALIGN)
-            ov = tl.multiple_of(tl.load(voff + vk + T * H, mask=tm, other=0), ALIGN)
-            sv = tl.multiple_of(tl.load(vstride + vk + T * H, mask=tm, other=0), ALIGN)
             if BF16:
                 xk = (tl.load(i16 + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2,
                               other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-                xv = (tl.load(i16 + (ov + blk * sv)[:, None] + d[None, :], mask=m2,
-                              other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
             else:
-                xk = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-                xv = tl.load(raw + (ov + blk * sv)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                xk = tl.load(raw + (ok_ + blk * sk)[:, None] + d[None, :], mask=m2,
+                             other=0.0).to(tl.float32)
         # ---- keys: uint8 codes of x - m (token 0's: 0)
         nu = tl.fma(xk, kf_[None, :], -kmp[None, :])
         fl = tl.floor(nu * krp[None, :])
@@ -619,26 +626,27 @@ which rounds to 255 at most."""
         q = b + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
         q = tl.where((t >= 1)[:, None], q, 0)        # (0 <= code <= 255 from token 1 on)
         tl.store(base + ((t * H + h) * D)[:, None] + d[None, :], q.to(tl.uint8), mask=m2)
-        # ---- values, per token
-        vmax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-        bad = tl.maximum(bad, vmax)
-        vbits = tl.math.div_rn(vmax.to(tl.float32, bitcast=True), 127.0).to(tl.int32, bitcast=True)
-        vhi = vbits & -65536
-        vbits = tl.where((vbits & 0xFFFF) != 0, vhi + 0x10000, vhi)
-        vsc = vbits.to(tl.float32, bitcast=True)
-        vf = tl.where((vsc > 0) & (vsc < _TINY), _SCALE, 1.0)
-        vsp = vsc * vf
-        vrp = 1.0 / tl.where(vsp == 0, 1.0, vsp)
-        vhs = tl.where(vsp == 0, _INF, vsp * 0.5)
-        nu = xv * vf[:, None]
-        fl = tl.floor(nu * vrp[:, None])
-        hh = tl.fma(fl, vsp[:, None], vhs[:, None])
-        b = (fl + _RINT).to(tl.int32, bitcast=True)
-        q = b + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
-        tl.store(base + (((T + t) * H + h) * D)[:, None] + d[None, :],
-                 q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
-        tl.store((base + VS).to(tl.pointer_type(tl.int16), bitcast=True) + t * H + h,
-                 (vbits >> 16).to(tl.int16), mask=tm)
+        if VALUES:
+            # ---- values, per token
+            vmax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+            bad = tl.maximum(bad, vmax)
+            vbits = tl.math.div_rn(vmax.to(tl.float32, bitcast=True), 127.0).to(tl.int32, bitcast=True)
+            vhi = vbits & -65536
+            vbits = tl.where((vbits & 0xFFFF) != 0, vhi + 0x10000, vhi)
+            vsc = vbits.to(tl.float32, bitcast=True)
+            vf = tl.where((vsc > 0) & (vsc < _TINY), _SCALE, 1.0)
+            vsp = vsc * vf
+            vrp = 1.0 / tl.where(vsp == 0, 1.0, vsp)
+            vhs = tl.where(vsp == 0, _INF, vsp * 0.5)
+            nu = xv * vf[:, None]
+            fl = tl.floor(nu * vrp[:, None])
+            hh = tl.fma(fl, vsp[:, None], vhs[:, None])
+            b = (fl + _RINT).to(tl.int32, bitcast=True)
+            q = b + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
+            tl.store(base + (((T + t) * H + h) * D)[:, None] + d[None, :],
+                     q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
+            tl.store((base + VS).to(tl.pointer_type(tl.int16), bitcast=True) + t * H + h,
+                     (vbits >> 16).to(tl.int16), mask=tm)
     # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
     tl.store((base + KP).to(tl.pointer_type(tl.int32), bitcast=True) + h * D + d,
              ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=dm)
