@@ -614,8 +614,9 @@ def gather_encode(layout: KVLayout, block_indices: torch.Tensor, spec: CodecSpec
                   shape: KVShape, dst: torch.Tensor, layers: tuple, *,
                   launch: LaunchConfig = LAUNCH) -> np.ndarray:
     """Same contract as :func:`ucm.reference.compress_transfer.gather_encode`: one launch
-    (two for sparse) reads each selected layer's shard of each block from the paged cache and
-    writes its encoding into ``dst``; synchronizes once (the ``ok`` flags)."""
+    (two where the encode takes two, see the module docstring) reads each selected layer's
+    shard of each block from the paged cache and writes its encoding into ``dst``;
+    synchronizes once (the ``ok`` flags)."""
     spec = spec.for_shape(shape)
     n, L = block_indices.shape[0], len(layers)
     if n == 0:
