@@ -417,6 +417,32 @@ def test_fused_fallback_layout(triton_on, device):
     assert torch.equal(dev2.cpu(), raw2)
 
 
+@pytest.mark.parametrize("shape", [KVShape("hktd", 8, 3, 64, "float16"),
+                                   KVShape("kthd", 5, 2, 96, "float32"),
+                                   KVShape("thkd", 9, 2, 40, "bfloat16")],
+                         ids=lambda s: f"{s.order}-{s.tokens}x{s.heads}x{s.head_dim}-{s.dtype}")
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
+                         + (["cuda"] if HAS_CUDA else []))
+def test_int8_channel_split_types(triton_on, device, shape):
+    """The two-launch INT8 keys-per-channel encode (:data:`INT8_SPLIT`) over element types,
+    memory orders, odd token counts and head dims, and the special rows of :func:`kv_rows`
+    (ties, tiny and huge values, NaN, infinity): the reference's bytes and ``ok`` flags."""
+    from ucm.fast.triton import compress as tc
+
+    spec = SPECS["int8"]
+    triton_on(device)
+    src = kv_rows(shape, torch.Generator().manual_seed(zlib.crc32(str(shape).encode())))
+    E = encoded_bytes(spec, shape)
+    want = torch.full((src.shape[0], E), SENTINEL, dtype=torch.uint8)
+    ok = encode(spec, shape, src, want, backend="reference")
+    got = torch.full(want.shape, 0x5A, dtype=torch.uint8, device=device)
+    launch = tc.LAUNCH.replace(**INT8_SPLIT)
+    np.testing.assert_array_equal(tc.encode(spec, shape, src.to(device), got, 0, launch=launch), ok)
+    assert list(ok[-2:]) == [False, False] and ok[:-2].all()
+    diff = (got.cpu() != want).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at (row, byte) {diff[:5].tolist()}"
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
                          + (["cuda"] if HAS_CUDA else []))
 @pytest.mark.parametrize("launch_id", ["default", "split"])
