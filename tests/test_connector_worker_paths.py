@@ -254,3 +254,43 @@ def test_the_worker_paths_run_without_vllm(tmp_path):
     out = subprocess.run([sys.executable, "-c", _NO_VLLM, os.path.dirname(os.path.abspath(__file__)),
                           str(a), str(b)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "NO-VLLM-OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_a_layerwise_save_whose_wait_fails_is_logged_and_its_blocks_miss(tmp_path, caplog,
+                                                                        monkeypatch):
+    """A layer's dump whose wait raises (a wait that timed out: MOCKED, since a tier that stalls
+    past the timeout cannot be produced on demand) fails the whole save: its blocks are counted
+    as failed, never published (a later lookup misses), and a warning names the error."""
+    from ucm.errors import TaskTimeoutError
+
+    cfg = Config({"store.pipeline": "memory|posix", "store.posix.roots": [str(tmp_path)]})
+    _, src_views = _caches(seed=5)
+    layout = ucm.KVLayout.from_views(src_views)
+    store = open_store(cfg, block_bytes=layout.block_bytes, shard_bytes=layout.shard_bytes(0),
+                       namespace=NS)
+    core = WorkerCore(layout, store, "cpu")
+    save = WorkerSave(core, background=False, during_forward=False, layerwise=True)
+    real_wait, stall = store.wait, []
+
+    def wait(task, timeout=None):
+        if stall:
+            raise TaskTimeoutError("mocked: a tier stalled past the wait timeout")
+        return real_wait(task, timeout)
+
+    monkeypatch.setattr(store, "wait", wait)
+    ids = _ids(SAVED, 6)
+    for step_ids, step_blocks in [(ids[:1], SAVED[:1]), (ids[1:], SAVED[1:])]:
+        save.begin_step([Transfer("a", step_ids, list(step_blocks))])
+        for k in range(L):
+            save.layer_done(k)
+        with caplog.at_level("WARNING", logger="ucm.integration.vllm"):
+            save.end_step()
+        save.clear_step()
+        stall.append(1)                      # the second step's waits raise
+    save.shutdown()
+    assert core.metrics.get("ucm_save_blocks_total") == 1
+    assert core.metrics.get("ucm_save_failed_blocks_total") == 3
+    assert "layer-wise save of 3 blocks failed" in caplog.text and "mocked" in caplog.text
+    assert list(store.lookup(ids[1:])) == [False, False, False]
+    assert list(store.lookup(ids[:1])) == [True]
+    store.close()

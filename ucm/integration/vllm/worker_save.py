@@ -242,11 +242,15 @@ class WorkerSave:
         t0 = time.perf_counter()
         ids = self._layer_dumps[0].ids
         ok = np.ones(len(ids), dtype=bool)
+        failed = None
         for d in self._layer_dumps:
             try:
                 ok &= store.wait(d.task).ok
-            except Exception:
+            except Exception as exc:
                 ok[:] = False
+                failed = failed or exc
+        if failed is not None:     # (the blocks are counted as failed saves: a future miss)
+            log.warning("ucm: layer-wise save of %d blocks failed: %r", len(ids), failed)
         complete = len(self._layer_dumps) == self.core.n_layers
         store.commit(ids, ok & complete)
         self._layer_dumps = []
