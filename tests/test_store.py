@@ -191,6 +191,25 @@ def test_wait_times_out_and_task_continues(tmp_path):
     s.close()
 
 
+def test_a_pipeline_dump_that_times_out_names_the_late_tier(tmp_path):
+    """Write-through: the memory tier is done at once, the posix tier's only worker is busy (test
+    harness: a slow device); the timed-out wait says which tier it waits for, and the dump
+    still completes once the device is free."""
+    from ucm.store.pipeline import PipelineStore
+
+    low = posix(tmp_path, io_threads=1)
+    s = PipelineStore([memory(), low])
+    gate = threading.Event()
+    low._exec.submit(gate.wait)
+    ids = make_ids(2, seed=16)
+    task = s.dump(ids, 0, payload(ids))
+    with pytest.raises(TaskTimeoutError, match=r"not done after 0.2 s \(waiting for posix\)$"):
+        s.wait(task, timeout=0.2)
+    gate.set()
+    assert s.wait(task, timeout=10).all_ok
+    s.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # memory tier
 

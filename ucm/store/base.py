@@ -230,6 +230,9 @@ class Task:
         self._t0 = time.perf_counter()
         self._t1 = None
         self._callbacks: list = []
+        #: what a composite task is still waiting for, for the timeout's message (a pipeline
+        #: names its tiers whose parts are not done)
+        self.pending = None
 
     def __repr__(self):
         return f"Task(#{self.id} {self.kind} n={self.n} done={self.done()})"
@@ -285,8 +288,9 @@ class Task:
 
     def wait(self, timeout: Optional[float]) -> TaskResult:
         if not self._event.wait(timeout):
+            late = self.pending() if self.pending is not None else ""
             raise TaskTimeoutError(f"task #{self.id} ({self.kind} of {self.n} blocks) not done "
-                                   f"after {timeout} s")
+                                   f"after {timeout} s" + (f" (waiting for {late})" if late else ""))
         with self._lock:
             return TaskResult(self._ok.copy(), dict(self._errors), self._nbytes,
                               (self._t1 or time.perf_counter()) - self._t0)

@@ -219,6 +219,7 @@ class PipelineStore(KVStore):
                     log.info("ucm pipeline: %s failed %d of %d blocks another tier stored",
                              t.name, int((~r.ok & ok).sum()), len(ids))
             task.finish_part(np.flatnonzero(ok), errors, max((r.nbytes for r in results), default=0))
+        task.pending = lambda: ", ".join(t.name for t, sub in zip(targets, subs) if not sub.done())
         combine("dump", subs).on_done(finish)
         return task.seal()
 
