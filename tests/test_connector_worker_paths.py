@@ -57,16 +57,22 @@ def _transfers(ids, blocks):
     return [Transfer("a", ids[:2], list(blocks[:2])), Transfer("b", ids[2:], list(blocks[2:]), tail=True)]
 
 
+def _source(root: str, seed: int):
+    """A memory|posix store over ``root`` and a worker core over fresh random caches:
+    ``(cfg, packed caches, layout, store, core)``."""
+    cfg = Config({"store.pipeline": "memory|posix", "store.posix.roots": [root]})
+    src_packed, src_views = _caches(seed=seed)
+    layout = ucm.KVLayout.from_views(src_views)
+    store = open_store(cfg, block_bytes=layout.block_bytes, shard_bytes=layout.shard_bytes(0),
+                       namespace=NS)
+    return cfg, src_packed, layout, store, WorkerCore(layout, store, "cpu")
+
+
 def round_trip(root: str, *, background: bool = True, during: bool = False,
                layerwise: bool = False, reopen: bool = False) -> dict:
     """Save ``SAVED`` blocks of one cache through the save path, load them into ``LOADED``
     blocks of another through the load path, check the bytes; returns both paths' counters."""
-    cfg = Config({"store.pipeline": "memory|posix", "store.posix.roots": [root]})
-    src_packed, src_views = _caches(seed=11)
-    layout = ucm.KVLayout.from_views(src_views)
-    store = open_store(cfg, block_bytes=layout.block_bytes, shard_bytes=layout.shard_bytes(0),
-                       namespace=NS)
-    core = WorkerCore(layout, store, "cpu")
+    cfg, src_packed, layout, store, core = _source(root, 11)
     assert core.shard == layout.shard_bytes(0) and core.shard * L == layout.block_bytes
     save = WorkerSave(core, background=background, during_forward=during, layerwise=layerwise)
     assert save.during == (background and during and not layerwise)
@@ -132,12 +138,7 @@ def test_save_then_load_moves_the_bytes(tmp_path, background, during, layerwise,
 
 
 def test_a_load_of_blocks_all_in_the_memory_tier_is_borrowed(tmp_path):
-    cfg = Config({"store.pipeline": "memory|posix", "store.posix.roots": [str(tmp_path)]})
-    src_packed, src_views = _caches(seed=3)
-    layout = ucm.KVLayout.from_views(src_views)
-    store = open_store(cfg, block_bytes=layout.block_bytes, shard_bytes=layout.shard_bytes(0),
-                       namespace=NS)
-    core = WorkerCore(layout, store, "cpu")
+    _, src_packed, _, store, core = _source(str(tmp_path), 3)
     save = WorkerSave(core, background=True, during_forward=False)
     ids = _ids(SAVED, 9)
     save.begin_step(_transfers(ids, SAVED))
@@ -263,12 +264,7 @@ def test_a_layerwise_save_whose_wait_fails_is_logged_and_its_blocks_miss(tmp_pat
     as failed, never published (a later lookup misses), and a warning names the error."""
     from ucm.errors import TaskTimeoutError
 
-    cfg = Config({"store.pipeline": "memory|posix", "store.posix.roots": [str(tmp_path)]})
-    _, src_views = _caches(seed=5)
-    layout = ucm.KVLayout.from_views(src_views)
-    store = open_store(cfg, block_bytes=layout.block_bytes, shard_bytes=layout.shard_bytes(0),
-                       namespace=NS)
-    core = WorkerCore(layout, store, "cpu")
+    store, core = _source(str(tmp_path), 5)[3:]
     save = WorkerSave(core, background=False, during_forward=False, layerwise=True)
     real_wait, stall = store.wait, []
 
