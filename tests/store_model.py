@@ -11,7 +11,9 @@ and checks every answer against the model:
   reported present or loaded;
 * liveness, when the store has room for every id (``roomy``): an id whose every shard was
   dumped cleanly and then committed is present and loads, until a reopen of a store that keeps
-  nothing (``persistent=False``).
+  nothing (``persistent=False``); ``persistent="admitted"`` (a pipeline with a write-admission
+  filter, whose persistent tier holds only the blocks it admitted): after a reopen a published
+  id may be present or not, and everything else holds.
 
 ``open_store()`` returns a fresh store (called again for each reopen); the store's geometry must
 be :data:`GEOMETRY`. Each id's bytes are a function of the id, as a real KV block's are. The
@@ -92,7 +94,7 @@ class _Model:
         self.may.clear()
 
 
-def run_model(open_store, seed: int, n_ops: int, roomy: bool, persistent: bool = True,
+def run_model(open_store, seed: int, n_ops: int, roomy: bool, persistent=True,
               universe: int = 48, timeout: float = 30.0) -> dict:
     """Drive a store through ``n_ops`` random operations; raise :class:`ModelError` on the
     first answer the model forbids. Returns counts of what ran."""
@@ -217,7 +219,11 @@ def run_model(open_store, seed: int, n_ops: int, roomy: bool, persistent: bool =
             else:  # close and reopen
                 store.close()
                 store = open_store()
-                model.forget_pending() if persistent else model.forget_all()
+                if persistent == "admitted":   # only what a lower tier admitted survives
+                    model.forget_pending()
+                    model.must.clear()
+                else:
+                    model.forget_pending() if persistent else model.forget_all()
                 log.append("reopen")
                 counts["reopen"] += 1
     finally:

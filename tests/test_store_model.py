@@ -43,11 +43,13 @@ def _factory(kind, roomy, tmp_path):
     if kind == "posix":
         return lambda: _posix(roots, budget), True
     write_back = kind.endswith("write-back")
-    return lambda: PipelineStore([_memory(slots), _posix(roots, budget)], write_back=write_back), True
+    admission = "second_hit" if "second-hit" in kind else "all"
+    return lambda: PipelineStore([_memory(slots), _posix(roots, budget)], write_back=write_back,
+                                 admission=admission), "admitted" if admission != "all" else True
 
 
 KINDS = ["memory", "posix", "memory|posix", "memory|posix write-back", "memory (arc)",
-         "memory (prefix)"]
+         "memory (prefix)", "memory|posix second-hit", "memory|posix second-hit write-back"]
 
 
 @pytest.mark.parametrize("roomy", [True, False], ids=["roomy", "tight"])
