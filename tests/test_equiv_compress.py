@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 
 import ucm.reference.compress as ref  # noqa: E402
 from ucm import compress, dispatch  # noqa: E402
-from ucm.codecs import (CodecSpec, KVShape, encoded_bytes, fit_projection, n_salient,  # noqa: E402
-                        offsets)
+from ucm.codecs import (MAGNITUDE_LIMIT, CodecSpec, KVShape, encoded_bytes,  # noqa: E402
+                        fit_projection, n_salient, offsets)
 from equivalence import assert_equivalent, compare, implementation_params, runnable  # noqa: E402
 
 TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -79,8 +79,10 @@ def backend_of(op, impl, monkeypatch):
 
 def kv_rows(rng, dtype, t, h, d):
     """float32 ``[n, 2, T, H, D]`` (keys, values): random and edge rows, finite in ``dtype``
-    except where a row is meant to hold a NaN or an infinity (rows 4, 5, 6, 10)."""
-    big = 6e4 if dtype == "float16" else 1e30
+    except where a row is meant to hold a NaN or an infinity (rows 4, 5, 6, 10); row 15 reaches
+    just below the magnitude limit (``ucm.codecs.MAGNITUDE_LIMIT``: stored), row 16 holds one
+    value at it (refused)."""
+    big = 2e4 if dtype == "float16" else 1e30
     tiny = 1e-3 if dtype == "float16" else 1e-30
     sub = 3e-6 if dtype == "float16" else 1e-40          # subnormal in the cache's type
 
@@ -105,7 +107,7 @@ def kv_rows(rng, dtype, t, h, d):
     x = normal()
     x[1, 0, h // 2, 1] = -np.inf
     rows.append(x)
-    rows.append(np.clip(normal(big), -6e4, 6e4) if dtype == "float16" else normal(big))
+    rows.append(np.clip(normal(big), -3.2e4, 3.2e4) if dtype == "float16" else normal(big))
     rows.append(normal(tiny))
     rows.append(normal(sub))
     x = normal()                                          # NaN in the values of the most
@@ -133,10 +135,19 @@ def kv_rows(rng, dtype, t, h, d):
     halves[..., 0::32] = 0.0
     halves[..., 1::32] = 15.0
     rows.append(halves.astype(np.float32))
+    limit = MAGNITUDE_LIMIT[dtype]
+    below = np.float32(limit * (1 - 2 ** -8))             # representable in every type
+    x = np.clip(normal(limit / 4), -below, below)         # both signs: ranges up to 2 x below
+    x[0, :, :, 0] = below
+    x[1, :, :, 1] = -below
+    rows.append(x)
+    x = normal()
+    x[0, t - 1, h - 1, d - 1] = np.float32(limit)
+    rows.append(x)
     return np.stack(rows)
 
 
-NOT_OK = [4, 5, 6, 10]
+NOT_OK = [4, 5, 6, 10, 16]
 # rows of normal magnitudes for the learned codec (its tolerance is relative to them)
 LEARNED_ROWS, LEARNED_NOT_OK = [0, 2, 3, 4, 5, 6, 10, 11, 12], [3, 4, 5, 6]
 

@@ -144,7 +144,7 @@ def test_nan_and_inf_shards_are_refused_and_counted(tmp_path):
     with _open(_cfg(tmp_path, bits=4)) as st:
         r = st.wait(st.dump(ids, 0, bad))
         assert list(r.ok) == [True, False, True, False]
-        assert "NaN or infinite" in r.errors[1]
+        assert "NaN, infinite or too large" in r.errors[1]
         st.commit(ids, r.ok)
         assert st.lookup(ids) == [True, False, True, False]
         assert st.stats()["codec"]["refused"] == 2

@@ -20,6 +20,12 @@ BITS = (4, 8)
 GROUPS = (32, 64)
 KEY_MODES = ("auto", "channel", "token")
 DTYPES = ("float16", "bfloat16", "float32")
+#: Encoding refuses a shard holding a value whose magnitude reaches this (or NaN): the top of
+#: the element type's range, where a quantizer's scale, rounded up, or a range ``max - min``
+#: (float32) would decode or compute past the largest finite value. Finite KV this large is an
+#: overflow in the making, never a value worth caching. As float32 bits: ``LIMIT_BITS``.
+MAGNITUDE_LIMIT = {"float16": 2.0 ** 15, "bfloat16": 2.0 ** 126, "float32": 2.0 ** 126}
+LIMIT_BITS = {"float16": 0x47000000, "bfloat16": 0x7E800000, "float32": 0x7E800000}
 ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 DIMS = "kthd"
 KEY_ORDERS = ("td", "dt")
@@ -91,6 +97,13 @@ class CodecSpec:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"compression.method: one of {METHODS}, got {self.method!r}")
+        for name, allowed in (("bits", BITS), ("group", GROUPS)):
+            v = getattr(self, name)
+            # ints only (8.0 or a numpy integer would pass ``in`` but make float byte counts
+            # or an identity that cannot be serialized): normalized to a Python int
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"compression.{name}: one of {allowed}, got {v!r}")
+            object.__setattr__(self, name, int(v))
         if self.bits not in BITS:
             raise ValueError(f"compression.bits: one of {BITS}, got {self.bits!r}")
         if self.method in ("sparse", "learned") or self.bits == 4:

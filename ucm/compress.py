@@ -42,8 +42,11 @@ so a group's extremes never clip and the scales cost 2 bytes. All arithmetic is 
 IEEE rounding (divisions correctly rounded, ``rint`` = round half to even); ``q * s`` is exact in
 float32, so every implementation decodes to the same bits.
 
-Values that are NaN or infinite make ``encode`` refuse the shard (``ok[i] = False``; the store
-then does not keep the block) instead of poisoning a group.
+Values that are NaN, infinite or at the top of the element type's range
+(:data:`ucm.codecs.MAGNITUDE_LIMIT`: ``|x| >= 2**15`` in float16, ``2**126`` in bfloat16 and
+float32, where a rounded-up scale or a float32 range would overflow on decode) make ``encode``
+refuse the shard (``ok[i] = False``; the store then does not keep the block) instead of
+poisoning a group or decoding to infinities.
 
 Ops (dispatched through :mod:`ucm.dispatch`): :func:`encode`, :func:`decode`; implementations
 ``reference`` (:mod:`ucm.reference.compress`, PyTorch), ``numba`` (:mod:`ucm.fast.numba.compress`,
@@ -88,6 +91,9 @@ def _check(spec, shape, layer):
         raise ValueError(f"spec: expected a ucm.compress.CodecSpec, got {type(spec).__name__}")
     if not isinstance(shape, KVShape):
         raise ValueError(f"shape: expected a ucm.compress.KVShape, got {type(shape).__name__}")
+    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) \
+            or layer < 0:
+        raise ValueError(f"layer: expected an int >= 0 (the shard's layer), got {layer!r}")
     spec = spec.for_shape(shape)
     spec.check(shape)
     if spec.method == "learned" and not 0 <= int(layer) < spec.projection.layers:
@@ -99,7 +105,7 @@ def encode(spec: CodecSpec, shape: KVShape, src, dst, layer: int = 0, *,
            backend: Optional[str] = None) -> np.ndarray:
     """Encode each row of ``src`` (uint8 ``[n, shape.raw_bytes]``: raw shards of layer
     ``layer``) into the same row of ``dst`` (uint8 ``[n, encoded_bytes]``, same device).
-    Returns ``ok``: bool ``[n]``, False where the shard held NaN or infinite values (its row of
+    Returns ``ok``: bool ``[n]``, False where the shard held NaN, infinite or too large values (its row of
     ``dst`` is then undefined)."""
     spec = _check(spec, shape, layer)
     s = _rows(src, shape.raw_bytes, "src")
@@ -174,7 +180,8 @@ def gather_encode(layout, block_indices, spec: CodecSpec, shape: KVShape, dst, l
 
     layout: a :class:`ucm.KVLayout`; block_indices: as for ``gather_blocks``; layers: ``None``
     (all) or the layer ids, in row order. Returns ``ok``: bool ``[n]``, False where a selected
-    shard of the block held NaN or infinite values."""
+    shard of the block held NaN, infinite or too large values
+    (:data:`ucm.codecs.MAGNITUDE_LIMIT`)."""
     from ucm.transfer import _check_indices
 
     layers, spec = _check_fused(layout, spec, shape, layers)

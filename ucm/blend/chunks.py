@@ -97,9 +97,13 @@ def _spans(prompt: Sequence[int], spec: dict) -> list:
     if "separator" in spec:
         sep = spec["separator"]
         if not isinstance(sep, (list, tuple)) or not sep or \
-                not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in sep):
+                not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63
+                        for t in sep):
+            # (token ids past int64 would overflow the search below: a request's bad input
+            # must be this error, which the scheduler logs, not an OverflowError)
             raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['separator']: expected a "
-                                 f"non-empty list of token ids, got {sep!r}")
+                                 f"non-empty list of token ids (ints in [0, 2**63)), got "
+                                 f"{sep!r}")
         return spans_from_separator(prompt, sep)
     chunks = spec["chunks"]
     if not isinstance(chunks, (list, tuple)):

@@ -32,6 +32,8 @@ write given positions): the vLLM integration and the reference harness
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -249,6 +251,10 @@ def blend_fill(model: BlendModel, kv: RequestKV, ids: torch.Tensor, start: int,
     recomputed. ``lookahead``: ``(ids [m], pos [m])`` of prompt tokens after the region (the
     question of a retrieval prompt); when given, the recompute goes to the stored tokens they
     attend to (:func:`choose_recompute`) and no layer is computed in full."""
+    # ratio NaN or past 1 would silently run the full prefill ("ratio < 1" is False)
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) \
+            or not math.isfinite(ratio) or not 0 <= ratio <= 1:
+        raise ValueError(f"ratio: expected a real number in [0, 1], got {ratio!r}")
     n = int(ids.shape[0])
     device = loaded_mask.device
     pos = torch.arange(start, start + n, device=device)

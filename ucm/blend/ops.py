@@ -23,7 +23,9 @@ Numerics of :func:`rope_rotate`: the angle ``delta * inv_freq`` (up to ~1e5 radi
 contexts) is a float64 product everywhere; the reference keeps float64 to the end, the fast
 paths reduce the angle modulo 2 pi in float64 and rotate in float32 (errors within
 ``tests/test_blend_ops.py``'s table: a few float32 ulps, or one rounding step of a 16-bit
-output). ``delta = 0`` is an exact copy in every implementation.
+output). ``delta = 0`` is an exact copy in every implementation. Shifts are positions:
+``|delta| <= MAX_DELTA`` (2**31, beyond any int32), checked; past ~2**36 the float64 angle loses the digits
+that its reduction modulo 2 pi needs, and the implementations would disagree.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from ucm.dispatch import ImplSpec
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: the largest position shift rope_rotate takes (module doc: its numerics)
+MAX_DELTA = 2 ** 31
 FREQ_DTYPES = (torch.float32, torch.float64)
 DEVIATION_DTYPES = FLOAT_DTYPES + (torch.float64,)
 
@@ -119,6 +123,46 @@ def _no_self_overlap(t: torch.Tensor, name: str) -> None:
         span += st * (sz - 1)
 
 
+def _element_offsets(t: torch.Tensor) -> torch.Tensor:
+    """int64 ``[numel]``: each element's offset in its storage, in elements (metadata only)."""
+    off = torch.full((), t.storage_offset(), dtype=torch.int64)
+    for dim, (n, st) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[dim] = n
+        off = off + (torch.arange(n, dtype=torch.int64) * st).reshape(shape)
+    return off.reshape(-1)
+
+
+def _in_place_or_apart(out: torch.Tensor, x: torch.Tensor, name: str) -> None:
+    """``out`` (``x``'s shape and dtype) is ``x``'s memory element for element (in place) or
+    shares none of it: an implementation that writes ``out`` while it reads ``x`` (the fast
+    paths do, token by token) would otherwise read values it has already rotated."""
+    if x.device.type == "meta" or out.numel() == 0:
+        return
+    same = [(a, b) for n, a, b in zip(x.shape, x.stride(), out.stride()) if n > 1]
+    if out.data_ptr() == x.data_ptr() and all(a == b for a, b in same):
+        return                                                      # in place
+    if out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        return
+    es = x.element_size()
+
+    def extent(t):
+        lo = t.data_ptr()
+        return lo, lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * es
+    (a0, a1), (b0, b1) = extent(out), extent(x)
+    if a1 <= b0 or b1 <= a0:
+        return
+    if (out.data_ptr() - x.data_ptr()) % es == 0:
+        oo, xo = _element_offsets(out), _element_offsets(x)
+        if torch.equal(oo, xo):
+            return                                                  # in place, other strides
+        if not bool(torch.isin(oo, xo).any()):
+            return                                                  # interleaved, apart
+    raise ValueError(f"{name}: overlaps x in memory without being x (shape {list(out.shape)}, "
+                     f"strides {list(out.stride())} vs x's {list(x.stride())}): pass out=x to "
+                     f"rotate in place, or a tensor that shares no memory with x")
+
+
 def _rotary_dim(rotary_dim, D: int) -> int:
     if rotary_dim is None:
         if D % 2:
@@ -152,14 +196,20 @@ def rope_rotate(x, delta, inv_freq, *, neox: bool = True, rotary_dim: Optional[i
     ``a' = a cos t - b sin t``, ``b' = b cos t + a sin t``.
 
     out: optional ``[N, H, D]`` tensor of ``x``'s dtype and device, any strides, written and
-    returned; it may be ``x`` itself (in place). Other overlaps of ``out`` with ``x`` are not
-    supported. Without ``out``: a new contiguous tensor. ``N = 0`` is fine (nothing runs).
+    returned; it may be ``x`` itself (in place). Other overlaps of ``out`` with ``x`` are
+    refused (ValueError). Without ``out``: a new contiguous tensor. ``N = 0`` is fine (nothing runs).
     """
     x = _heads(x, "x")
     N, H, D = x.shape
     dev = x.device
     delta = _tensor(delta, "delta", INDEX_DTYPES, 1, dev)
     _shape(delta, "delta", (N,), "one shift per token of x")
+    if N and delta.dtype == torch.int64:          # (int32 shifts are in range by their type)
+        lo, hi = (int(v) for v in torch.aminmax(delta))   # one read back on CUDA
+        if lo < -MAX_DELTA or hi > MAX_DELTA:
+            bad = lo if lo < -MAX_DELTA else hi
+            raise ValueError(f"delta: a shift of {bad} positions; expected |delta| <= "
+                             f"{MAX_DELTA} (a position shift within any context)")
     R = _rotary_dim(rotary_dim, D)
     inv_freq = _tensor(inv_freq, "inv_freq", FREQ_DTYPES, 1, dev)
     _shape(inv_freq, "inv_freq", (R // 2,), f"rotary_dim / 2 = {R // 2} frequencies")
@@ -168,6 +218,7 @@ def rope_rotate(x, delta, inv_freq, *, neox: bool = True, rotary_dim: Optional[i
         out = _tensor(out, "out", (x.dtype,), 3, dev)
         _shape(out, "out", x.shape, "like x")
         _no_self_overlap(out, "out")
+        _in_place_or_apart(out, x, "out")
     if N == 0:
         return torch.empty((0, H, D), dtype=x.dtype, device=dev) if out is None else out
     return dispatch.call("rope_rotate", x, delta, inv_freq, neox=neox, rotary_dim=R, out=out,

@@ -51,8 +51,10 @@ def rope_rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, *,
     y = x.to(torch.float64)                   # a copy: channels R..D-1 pass through exactly
     a = y[:, :, first].clone()                # [N, H, R/2]
     b = y[:, :, second].clone()
-    y[:, :, first] = a * cos - b * sin
-    y[:, :, second] = b * cos + a * sin
+    # delta 0 is an exact copy: a * 1 - b * 0 is not (-0 pairs, infinities, NaN)
+    zero = (delta == 0)[:, None, None]
+    y[:, :, first] = torch.where(zero, a, a * cos - b * sin)
+    y[:, :, second] = torch.where(zero, b, b * cos + a * sin)
     result = y.to(x.dtype)
     if out is None:
         return result.contiguous()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets, rank
+from ucm.codecs import (MAGNITUDE_LIMIT, CodecSpec, KVShape, encoded_bytes, n_salient, offsets,
+                         rank)
 
 _TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "uint8": torch.uint8, "int8": torch.int8}
@@ -215,7 +216,7 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     spec = spec.for_shape(shape)
     x = to_canonical(src, shape)                                      # [n, 2, T, H, D]
     n, _, t, h, d = x.shape
-    ok = torch.isfinite(x).reshape(n, -1).all(dim=1)
+    ok = (x.abs() < MAGNITUDE_LIMIT[shape.dtype]).reshape(n, -1).all(dim=1)   # NaN: False
     x = torch.where(ok[:, None, None, None, None], x, torch.zeros_like(x))
     out = torch.zeros((n, encoded_bytes(spec, shape)), dtype=torch.uint8, device=x.device)
     if spec.int8 and spec.key_mode == "channel":
@@ -278,6 +279,10 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         bitmap = _segment(src, spec, shape, "bitmap")
         mask = ((bitmap[..., None] >> torch.arange(8, device=src.device, dtype=torch.uint8)) & 1)
         mask = mask.reshape(n, -1)[:, :t].bool()
+        wrong = (mask.sum(dim=1) != c).nonzero().flatten()
+        if len(wrong):                          # (the numba implementation's error)
+            raise ValueError(f"decode: row {int(wrong[0])}: its bitmap does not mark {c} exact "
+                             f"tokens (not a sparse shard of this codec)")
         exact = _segment(src, spec, shape, "exact").float()                # [n, c, 2, H, D]
         k, v = _int4_decode(*(_segment(src, spec, shape, s) for s in ("kq", "vq", "kp", "vp")),
                             spec, t - c, h, d)

@@ -19,7 +19,7 @@ def gather_encode(layout: KVLayout, block_indices: torch.Tensor, spec: CodecSpec
                   shape: KVShape, dst: torch.Tensor, layers: tuple) -> np.ndarray:
     """``dst[i, k * E:(k + 1) * E]`` = encoding of layer ``layers[k]``'s shard of block
     ``block_indices[i]`` (``E = encoded_bytes``); rows of ``-1`` untouched. Returns ok per
-    row: False where a selected shard held NaN or infinite values."""
+    row: False where a selected shard held NaN, infinite or too large values."""
     n, L = block_indices.shape[0], len(layers)
     R, E = shape.raw_bytes, encoded_bytes(spec, shape)
     ok = np.ones(n, dtype=bool)

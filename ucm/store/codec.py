@@ -11,7 +11,7 @@ with a block header record the codec's code, so blocks of another codec, other p
 another projection version are a clean miss, never decoded wrongly; so is a raw block for a
 compressing store and the reverse.
 
-Encoding refuses shards with NaN or infinite values: the block's dump fails (``refused``
+Encoding refuses shards with NaN, infinite or too large values (``ucm.codecs.MAGNITUDE_LIMIT``): the block's dump fails (``refused``
 counted) and nothing is stored. Buffers on a CUDA device are encoded there (Triton), so what
 crosses to the host tiers is the encoded bytes.
 """
@@ -145,7 +145,7 @@ class CodecStore(KVStore):
         except Exception as exc:  # a source that cannot be read: every block fails
             task.finish_part((), {i: f"codec: {exc!r}" for i in range(n)})
             return
-        refused = {int(i): "codec: NaN or infinite values (not stored)" for i in np.flatnonzero(~ok)}
+        refused = {int(i): "codec: NaN, infinite or too large values (not stored)" for i in np.flatnonzero(~ok)}
         self._codec_stats.add(refused=len(refused), encode_seconds=time.perf_counter() - t0,
                               raw_bytes=int(ok.sum()) * span,
                               stored_bytes=int(ok.sum()) * len(shards) * self.enc)

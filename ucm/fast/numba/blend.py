@@ -117,6 +117,11 @@ def _rope(x, xs, y, ys, delta, inv_freq, h_n, d_n, r_n, neox, tail, cs, sn):
     xs_n, xs_h, xs_d = xs[0], xs[1], xs[2]
     ys_n, ys_h, ys_d = ys[0], ys[1], ys[2]
     for t in range(delta.shape[0]):
+        if delta[t] == 0:                    # an exact copy (a * 1 - b * 0 is not: -0, inf)
+            for h in range(h_n):
+                for c in range(d_n):
+                    y[t * ys_n + h * ys_h + c * ys_d] = x[t * xs_n + h * xs_h + c * xs_d]
+            continue
         _angles(np.float64(delta[t]), inv_freq, half, cs, sn)
         for h in range(h_n):
             xb = t * xs_n + h * xs_h
@@ -142,6 +147,13 @@ def _rope_dense(x, xs, y, ys, delta, inv_freq, h_n, d_n, r_n, neox, tail, cs, sn
     xs_n, xs_h = xs[0], xs[1]
     ys_n, ys_h = ys[0], ys[1]
     for t in range(delta.shape[0]):
+        if delta[t] == 0:                    # an exact copy (a * 1 - b * 0 is not: -0, inf)
+            for h in range(h_n):
+                xv = x[t * xs_n + h * xs_h:t * xs_n + h * xs_h + d_n]
+                yv = y[t * ys_n + h * ys_h:t * ys_n + h * ys_h + d_n]
+                for c in range(d_n):
+                    yv[c] = xv[c]
+            continue
         _angles(np.float64(delta[t]), inv_freq, half, cs, sn)
         for h in range(h_n):
             xv = x[t * xs_n + h * xs_h:t * xs_n + h * xs_h + d_n]

@@ -23,8 +23,8 @@ How it works:
   (:func:`~ucm.fast.numba._elements.affine_pairs`: bfloat16 coefficients times the basis
   rounded to bfloat16, two coefficients a step, by ``vdpbf16ps`` where the CPU has
   AVX512-BF16), and where the CPU has AVX512-BF16 subnormals flush (all within tolerance).
-* A row with a NaN or an infinity is encoded again as zeros (the reference zeroes it too), so
-  even its bytes match; ``ok`` is False for it.
+* A row with a NaN, an infinity or a value past :data:`ucm.codecs.MAGNITUDE_LIMIT` is encoded
+  again as zeros (the reference zeroes it too), so even its bytes match; ``ok`` is False for it.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from ucm.fast.numba._codec_planes import (_dec4_planes, _enc4_plane, _enc8_chan_
                                           _enc8_plane, _get_bf16, _keys_to_channel_major,
                                           _keys_to_token_major, _load_plane, _rows_from_plane,
                                           _zero_pads)
-from ucm.fast.numba._elements import affine_pairs, affine_rows, inf_mag, ld, mag, st
+from ucm.fast.numba._elements import affine_pairs, affine_rows, ld, limit_mag, mag, st
 from ucm.fast.numba._jit import njit
 
 # element bits of each cache dtype as the kernels see them (the type picks the conversions)
@@ -126,7 +126,7 @@ def _row_sparse(x, xb, xo, geo, g, chan, n_exact, out, oo, offs, buf, tok, lo, h
                 order, zero):
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     es = x.itemsize
-    inf_bits = inf_mag(x)
+    limit_bits = limit_mag(x)
     # scores: max |K[t]| as magnitude bits (ordered as the values are); ties -> the lower
     # token: key = score << 32 | (2^32 - 1 - t), all distinct
     keys[:] = 0
@@ -142,7 +142,7 @@ def _row_sparse(x, xb, xo, geo, g, chan, n_exact, out, oo, offs, buf, tok, lo, h
         worst = np.int64(0)
         for t in range(t_n):
             worst = max(worst, keys[t])
-        if worst >= inf_bits:
+        if worst >= limit_bits:
             return True
     keys[0] = 0x7FFFFFFF                                    # token 0 first (the reference's rule)
     for t in range(t_n):
@@ -172,7 +172,7 @@ def _row_sparse(x, xb, xo, geo, g, chan, n_exact, out, oo, offs, buf, tok, lo, h
                 worst = np.int32(0)
                 for d in range(d_n):
                     worst = max(worst, mag(xv, d))
-                if worst >= inf_bits:
+                if worst >= limit_bits:
                     return True
                 ov[:] = xb[o * es:(o + d_n) * es]
         j += 1

@@ -120,6 +120,7 @@ def _rope_kernel(x_ptr, y_ptr, delta_ptr, freq_ptr, N, H, D,
     r = (angle - turns * tl.full([], TWO_PI, tl.float64)).to(tl.float32)   # in [-pi, pi]
     c = tl.cos(r)
     s = tl.sin(r)
+    z = (d == 0.0)[:, None]                                      # delta 0: an exact copy
     ca = i.to(tl.int64)[None, :]                                 # NEOX: pair (ca, ca + HALF)
     c2 = tl.arange(0, 2 * HALF_P).to(tl.int64)[None, :]          # GPT-J: channels 2 i, 2 i + 1
     ok = n_ok[:, None] & i_ok[None, :]
@@ -131,18 +132,20 @@ def _rope_kernel(x_ptr, y_ptr, delta_ptr, freq_ptr, N, H, D,
         h_ok = ((n * 0 + h0 + hh) < H)[:, None]                  # [BLOCK_N, 1]: the head exists
         if NEOX:                                                 # two contiguous halves
             m = ok & h_ok
-            a = tl.load(xr + ca * sxd, mask=m, other=0.0).to(tl.float32)
-            b = tl.load(xr + (ca + HALF) * sxd, mask=m, other=0.0).to(tl.float32)
-            tl.store(yr + ca * syd, (a * c - b * s).to(y_ptr.dtype.element_ty), mask=m)
-            tl.store(yr + (ca + HALF) * syd, (b * c + a * s).to(y_ptr.dtype.element_ty),
+            a0 = tl.load(xr + ca * sxd, mask=m, other=0.0)
+            b0 = tl.load(xr + (ca + HALF) * sxd, mask=m, other=0.0)
+            a, b = a0.to(tl.float32), b0.to(tl.float32)
+            tl.store(yr + ca * syd, tl.where(z, a0, (a * c - b * s).to(y_ptr.dtype.element_ty)),
                      mask=m)
+            tl.store(yr + (ca + HALF) * syd,
+                     tl.where(z, b0, (b * c + a * s).to(y_ptr.dtype.element_ty)), mask=m)
         else:                                                    # one load, split into pairs
             m = ok2 & h_ok
-            v = tl.load(xr + c2 * sxd, mask=m, other=0.0).to(tl.float32)
-            a, b = tl.split(tl.reshape(v, [BLOCK_N, HALF_P, 2]))
+            v0 = tl.load(xr + c2 * sxd, mask=m, other=0.0)
+            a, b = tl.split(tl.reshape(v0.to(tl.float32), [BLOCK_N, HALF_P, 2]))
             rotated = tl.join(a * c - b * s, b * c + a * s)     # [BLOCK_N, HALF_P, 2]
-            tl.store(yr + c2 * syd, tl.reshape(rotated, [BLOCK_N, 2 * HALF_P])
-                     .to(y_ptr.dtype.element_ty), mask=m)
+            rotated = tl.reshape(rotated, [BLOCK_N, 2 * HALF_P]).to(y_ptr.dtype.element_ty)
+            tl.store(yr + c2 * syd, tl.where(z, v0, rotated), mask=m)
         if TAIL:
             for c0 in range(2 * HALF, D, TAIL_P):
                 cc = c0 + tl.arange(0, TAIL_P).to(tl.int64)

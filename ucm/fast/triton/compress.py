@@ -9,7 +9,7 @@ divisions (``tl.math.div_rn``: Triton's ``/`` is approximate; the per-token INT4
 :func:`~ucm.fast.triton.compress_kernels._int4_encode_token`), round half to even, the
 reference's ``bf16_up`` / ``bf16_down`` bit rules, ``q * s`` (exact) then ``+ m``, round to
 nearest even into the cache's type; padding bytes between segments are written as zeros. A shard
-holding NaN or infinite values gets ``ok = False`` and the encoding of an all-zero shard (what
+holding NaN, infinite values or values past :data:`ucm.codecs.MAGNITUDE_LIMIT` gets ``ok = False`` and the encoding of an all-zero shard (what
 the reference writes), so even refused rows match byte for byte.
 
 Addressing. Every kernel sees a shard as ``2 * T * H`` *vectors* of ``D`` contiguous elements,
@@ -63,7 +63,8 @@ import numpy as np
 import torch
 import triton
 
-from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets
+from ucm.codecs import (LIMIT_BITS, MAGNITUDE_LIMIT, CodecSpec, KVShape, encoded_bytes, n_salient,
+                        offsets)
 from ucm.fast.triton.compress_kernels import (_int4_decode, _int4_encode_channel,
                                               _int4_encode_token, _int8_decode, _int8_encode,
                                               _int8c_decode, _int8c_encode, jit)
@@ -374,6 +375,10 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
     indexed = idx is not None
     if idx is None:
         idx = flags                                        # unused
+    # refused shards: a value at or past MAGNITUDE_LIMIT (its float32 bits: LIMB), NaN, inf;
+    # (x * ovf) overflows to inf exactly from the limit on (ovf = 2 ** (128 - log2 limit))
+    limb = LIMIT_BITS[shape.dtype]
+    ovf = 2.0 ** (128 - int(math.log2(MAGNITUDE_LIMIT[shape.dtype])))
     with _device_ctx(enc):
         if spec.method == "quantize" and spec.bits == 8:
             V, DP, bf16 = 2 * T * H, _pow2(D), shape.dtype == "bfloat16"
@@ -392,7 +397,7 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
                     T=T, H=H, D=D, DP=DP, TB=tb, TQ=tq, L=L, E=E, KP=offs["kp"],
                     VS=offs["vscale"], K0=offs["k0"], VALUES=fused, NPAD=npad,
                     NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.align, BF16=bf16,
-                    num_warps=warps)
+                    LIMB=limb, num_warps=warps)
                 if fused:
                     return
                 # the values: vectors T H .. 2 T H of each shard, scales at ``vscale``
@@ -407,7 +412,7 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
                 raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, total, n * L,
                 V=V, V0=v0, VN=vn, L=L, D=D, DP=DP, E=E, SCALE=scale, NPAD=npad,
                 NPADP=_pow2(npad), BV=bv, INDEXED=indexed, ALIGN=tabs.align, BF16=bf16,
-                num_warps=warps)
+                LIMB=limb, num_warps=warps)
             return
         sparse = spec.method == "sparse"
         G = spec.group
@@ -421,7 +426,7 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
                 T=T, TP=TP, H=H, HC=hc, D=D, HWP=_pow2(D // 2), L=L, E=E, KQ=offs["kq"],
                 KP=offs["kp"], BITMAP=offs["bitmap"], EXACT=offs["exact"],
                 C=n_salient(spec, shape), CHANNEL=channel, INDEXED=indexed,
-                ALIGN=min(tabs.palign, 2), DT=_DT[shape.dtype], **opts)
+                ALIGN=min(tabs.palign, 2), DT=_DT[shape.dtype], LIMB=limb, **opts)
         hp = _token_heads(shape, launch, keys=not channel)
         jit(_int4_encode_token)[(n * L, triton.cdiv(H, hp))](
             raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
@@ -430,13 +435,13 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
             BITMAP=offs.get("bitmap", 0), KEYS=not channel, SPARSE=sparse,
             C=n_salient(spec, shape) if sparse else 0, NPAD=npad,
             NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
-            num_warps=launch.int4_token_warps)
+            OVF=ovf, num_warps=launch.int4_token_warps)
         if channel and not sparse:
             jit(_int4_encode_channel)[(n * L, H)](
                 raw, tabs.pvoff, tabs.pvstride, idx, enc, enc_pitch // 8, flags, n * L,
                 T=T, TP=TP, H=H, D=D, HWP=_pow2(D // 2), L=L, E=E, KQ=offs["kq"],
                 KP=offs["kp"], INDEXED=indexed, ALIGN=tabs.palign, DT=_DT[shape.dtype],
-                num_warps=_channel_warps(shape, launch))
+                OVF=ovf, num_warps=_channel_warps(shape, launch))
 
 
 def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,

@@ -30,7 +30,8 @@ def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_vectors
                  V: tl.constexpr, V0: tl.constexpr, VN: tl.constexpr, L: tl.constexpr,
                  D: tl.constexpr, DP: tl.constexpr, E: tl.constexpr, SCALE: tl.constexpr,
                  NPAD: tl.constexpr, NPADP: tl.constexpr, BV: tl.constexpr,
-                 INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr):
+                 INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr,
+                 LIMB: tl.constexpr):
     """Each vector ``v`` in ``[V0, V0 + VN)`` of every shard quantized by its own symmetric
     scale (the per-token INT8 rule), its scale at ``SCALE + 2 (v - V0)``: every vector for INT8
     with keys per token (``V0 = 0``, ``VN = V``), the values for keys per channel (``V0 = VN =
@@ -60,7 +61,8 @@ def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_vectors
     else:
         x = tl.load(raw + (off + blk * bst)[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
     a = tl.abs(x)
-    bad = tl.max(tl.where(a < _INF, 0, 1), axis=1)
+    # refused: |x| at or past the limit (LIMB: its float32 bits; NaN's bits are above them)
+    bad = tl.max(tl.where(a.to(tl.int32, bitcast=True) < LIMB, 0, 1), axis=1)
     tl.store(flags + s, tl.zeros_like(bad), mask=live & (bad > 0))
     tl.store(flags + n_shards + s * 0, tl.zeros_like(bad), mask=live & (bad > 0))   # any bad
     amax = tl.max(a, axis=1)
@@ -131,7 +133,8 @@ def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_s
                        VQ: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
                        BITMAP: tl.constexpr, KEYS: tl.constexpr, SPARSE: tl.constexpr,
                        C: tl.constexpr, NPAD: tl.constexpr, NPADP: tl.constexpr,
-                       INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
+                       INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr,
+                       OVF: tl.constexpr):
     """INT4 and sparse: the values, and with ``KEYS`` the keys too (keys per token, like the
     values; keys per channel are :func:`_int4_encode_channel`'s, or the sparse codec's
     :func:`_sparse_select`'s). Shard ``program_id(0)`` (row
@@ -223,9 +226,11 @@ def _int4_encode_token(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_s
         else:            # float32 pairs in an int64
             xe = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
             xo = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        # non-finite values: x * 0 is NaN for them, 0 otherwise (masked lanes load as 0); the
-        # flags are stored by the lanes that see one (no reduction across the program)
-        z = tl.sum(tl.sum(xe * 0.0 + xo * 0.0, axis=3), axis=2)      # [TP, HP]
+        # refused values: x * OVF (a power of two that overflows exactly from the magnitude
+        # limit on) times 0 is NaN for them and for NaN and infinities, 0 otherwise (masked
+        # lanes load as 0); the flags are stored by the lanes that see one (no reduction
+        # across the program)
+        z = tl.sum(tl.sum((xe * OVF) * 0.0 + (xo * OVF) * 0.0, axis=3), axis=2)   # [TP, HP]
         z0 = tl.zeros(z.shape, dtype=tl.int32)
         tl.store(flags + s + z0, z0, mask=z != z)
         tl.store(flags + n_shards + z0, z0, mask=z != z)            # any bad
@@ -278,7 +283,8 @@ def _int4_encode_channel(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shar
                          T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr,
                          D: tl.constexpr, HWP: tl.constexpr, L: tl.constexpr,
                          E: tl.constexpr, KQ: tl.constexpr, KP: tl.constexpr,
-                         INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
+                         INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr,
+                         OVF: tl.constexpr):
     """INT4 with keys per channel: the keys (the values are :func:`_int4_encode_token`'s; the
     sparse codec's keys are :func:`_sparse_select`'s). Shard ``program_id(0)``, head
     ``program_id(1)``: a tile ``[tokens, D / 2]`` of pair words whose accesses declare a
@@ -318,9 +324,10 @@ def _int4_encode_channel(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shar
     else:            # float32 pairs in an int64
         ke = (wk & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
         ko = (wk >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    # non-finite values: x * 0 is NaN for them, 0 otherwise (masked lanes load as 0); summed
-    # over the tokens, the flags stored by the lanes that see one
-    z = tl.sum(ke * 0.0 + ko * 0.0, axis=0)                         # [HWP]
+    # refused values (past the magnitude limit, NaN, infinities): (x * OVF) * 0 is NaN for
+    # them, 0 otherwise (masked lanes load as 0); summed over the tokens, the flags stored by
+    # the lanes that see one
+    z = tl.sum((ke * OVF) * 0.0 + (ko * OVF) * 0.0, axis=0)         # [HWP]
     z0 = tl.zeros(z.shape, dtype=tl.int32)
     tl.store(flags + s + z0, z0, mask=z != z)
     tl.store(flags + n_shards + z0, z0, mask=z != z)                # any bad
@@ -494,7 +501,7 @@ def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards
                   TB: tl.constexpr, TQ: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
                   KP: tl.constexpr, VS: tl.constexpr, K0: tl.constexpr, VALUES: tl.constexpr,
                   NPAD: tl.constexpr, NPADP: tl.constexpr, INDEXED: tl.constexpr,
-                  ALIGN: tl.constexpr, BF16: tl.constexpr):
+                  ALIGN: tl.constexpr, BF16: tl.constexpr, LIMB: tl.constexpr):
     """INT8 with keys per channel (``key_mode="channel"``): a program per (shard, head). Each
     channel's minimum and maximum over the block's tokens after the first, keys quantized by
     their channel's (min, scale) to uint8 codes, token 0's key copied exact; with ``VALUES``
@@ -585,8 +592,9 @@ which rounds to 255 at most."""
             r2 = (tm & (t >= 1))[:, None]
             kmin = tl.minimum(kmin, tl.min(tl.where(r2, ky, 0x7FFFFFFF), axis=0))
             kmax = tl.maximum(kmax, tl.max(tl.where(r2, ky, -0x7FFFFFFF - 1), axis=0))
-    # not finite: a key above +inf's (+inf, NaN) or below -inf's (-inf, negative NaN)
-    kbad = (kmax >= 0x7F800000) | (kmin <= -0x7F800001)
+    # refused: a key at or past the magnitude limit (LIMB: its bits; order key -1 - LIMB for
+    # -limit), NaNs and infinities included
+    kbad = (kmax >= LIMB) | (kmin <= -1 - LIMB)
     # key pairs, per channel: m = bf16_down(min + 0), s = bf16_up((max + 0 - m) / 255)
     fmin = (kmin ^ ((kmin >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
     fmax = (kmax ^ ((kmax >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
@@ -663,10 +671,10 @@ which rounds to 255 at most."""
         tl.store((base + K0).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True) + h * D + d,
                  x0, mask=dm)
         b0 = x0.to(tl.float32).to(tl.int32, bitcast=True)
-    kbad = kbad | ((b0 & 0x7FFFFFFF) >= 0x7F800000)
-    nb = tl.maximum(tl.max(kbad.to(tl.int32), axis=0) * 0x7F800000, tl.max(bad, axis=0))
-    tl.store(flags + s, 0, mask=live & (nb >= 0x7F800000))
-    tl.store(flags + n_shards, 0, mask=live & (nb >= 0x7F800000))
+    kbad = kbad | ((b0 & 0x7FFFFFFF) >= LIMB)
+    nb = tl.maximum(tl.max(kbad.to(tl.int32), axis=0) * LIMB, tl.max(bad, axis=0))
+    tl.store(flags + s, 0, mask=live & (nb >= LIMB))
+    tl.store(flags + n_shards, 0, mask=live & (nb >= LIMB))
     if NPAD > 0:
         j = tl.arange(0, NPADP)
         po = tl.load(pad + j, mask=j < NPAD, other=0)

@@ -13,7 +13,8 @@ def _sparse_select(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shards,
                    D: tl.constexpr, HWP: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
                    KQ: tl.constexpr, KP: tl.constexpr, BITMAP: tl.constexpr,
                    EXACT: tl.constexpr, C: tl.constexpr, CHANNEL: tl.constexpr,
-                   INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr):
+                   INDEXED: tl.constexpr, ALIGN: tl.constexpr, DT: tl.constexpr,
+                   LIMB: tl.constexpr):
     """Sparse codec, first kernel: shard ``program_id(0)`` (row ``s // L``, selected layer
     ``s % L``). The ``C`` salient tokens (token 0, then the ``C - 1`` others of largest ``max
     |K|`` over heads and channels, ties to the lower token: the reference's rule) into the
@@ -91,7 +92,7 @@ def _sparse_select(raw, voff, vstride, idx, enc, enc_pitch8, flags, n_shards,
         top = tl.max(worst, axis=0)
     else:
         top = tl.max(score, axis=0)
-    bad = (t * 0 + top) >= 0x7F800000
+    bad = (t * 0 + top) >= LIMB           # at or past the magnitude limit (NaN, inf too)
     tl.store(flags + s + t * 0, t * 0, mask=(t == 0) & live & bad)
     tl.store(flags + n_shards + t * 0, t * 0, mask=(t == 0) & live & bad)     # any bad
     # ---- selection: token 0 (the reference's rule), then C - 1 rounds

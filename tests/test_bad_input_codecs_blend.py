@@ -1,0 +1,286 @@
+"""Hostile inputs to KV compression (ucm.compress, ucm.codecs) and Blend (ucm.blend.ops, chunks,
+engine): each test pins a bug found by feeding the features what a careless or hostile caller
+would."""
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import ucm.compress as C
+from equivalence import runnable, tensor_impls
+from ucm.blend import chunks, ops
+from ucm.codecs import offsets
+
+pytest.importorskip("numba")
+
+BACKENDS = ("reference", "numba")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8).reshape(x.shape[0], -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# compression: the spec's parameters
+
+
+@pytest.mark.parametrize("kw,key", [({"bits": 8.0}, "bits"), ({"bits": 4, "group": 32.0}, "group"),
+                                    ({"bits": 4.0}, "bits"), ({"bits": 4, "group": True}, "group")])
+def test_codec_spec_refuses_non_int_bits_and_group(kw, key):
+    """bits=8.0 / group=32.0 passed ``in (4, 8)``: group 32.0 then made encoded_bytes a float
+    (1664.0) and a digest unlike group=32's."""
+    with pytest.raises(ValueError, match=rf"compression\.{key}: one of"):
+        C.CodecSpec(**kw)
+
+
+def test_codec_spec_takes_numpy_ints_as_ints():
+    """np.int64 passed the checks, then digest() raised 'Object of type int64 is not JSON
+    serializable' (the store names blocks by it)."""
+    a = C.CodecSpec(bits=np.int64(4), group=np.int64(32))
+    b = C.CodecSpec(bits=4, group=32)
+    assert a.digest() == b.digest() and a == b
+    shape = C.KVShape("kthd", 8, 2, 64, "bfloat16")
+    assert type(C.encoded_bytes(a, shape)) is int
+
+
+# ---------------------------------------------------------------------------------------------
+# compression: the layer argument
+
+
+def _learned(layers=2, heads=2, d=64):
+    rng = np.random.default_rng(0)
+    return C.fit_projection([rng.standard_normal((16, 2, heads, d)) for _ in range(layers)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layer", [True, 0.5, 1.9, "0", -1, None])
+def test_encode_and_decode_want_a_non_negative_int_layer(backend, layer):
+    """layer True ran layer 1's projection, 0.5 / 1.9 / "0" were truncated by int() (a float
+    layer silently used another layer's projection), -1 and None were accepted or failed
+    inside int()."""
+    spec = C.CodecSpec("learned", ratio=0.25, projection=_learned())
+    shape = C.KVShape("kthd", 8, 2, 64, "bfloat16")
+    src = torch.zeros(1, shape.raw_bytes, dtype=torch.uint8)
+    enc = torch.zeros(1, C.encoded_bytes(spec, shape), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"layer: expected an int >= 0"):
+        C.encode(spec, shape, src, enc, layer, backend=backend)
+    with pytest.raises(ValueError, match=r"layer: expected an int >= 0"):
+        C.decode(spec, shape, enc, src, layer, backend=backend)
+    # a numpy integer is an int
+    assert C.encode(spec, shape, src, enc, np.int64(1), backend=backend).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# compression: a damaged sparse shard
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_shard_with_a_damaged_bitmap_is_a_clear_error_in_every_implementation(backend):
+    """The reference raised torch's 'shape mismatch ... cannot be broadcast' RuntimeError where
+    numba names the problem (ValueError)."""
+    shape = C.KVShape("kthd", 12, 2, 32, "bfloat16")
+    spec = C.CodecSpec("sparse", group=32, salient=0.25)
+    g = torch.Generator().manual_seed(0)
+    src = _rows(torch.randn(2, shape.raw_bytes // 2, generator=g).to(torch.bfloat16))
+    enc = torch.zeros(2, C.encoded_bytes(spec, shape), dtype=torch.uint8)
+    assert C.encode(spec, shape, src, enc, backend=backend).all()
+    at = offsets(spec, shape)["bitmap"][0]
+    for flip in (0x80, 0x02):                     # one bit more or one bit less
+        bad = enc.clone()
+        bad[1, at] ^= flip
+        out = torch.zeros_like(src)
+        with pytest.raises(ValueError, match=r"row 1: its bitmap does not mark 3 exact tokens"):
+            C.decode(spec, shape, bad, out, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# compression: finite KV at the edge of its type
+
+
+def _edge(case):
+    g = torch.Generator().manual_seed(1)
+    sign = torch.randn(1, 2, 8, 2, 64, generator=g).sign()
+    if case == "float16-max":
+        return "float16", C.CodecSpec(bits=8), sign * 65504.0
+    if case == "bfloat16-max":
+        return "bfloat16", C.CodecSpec(bits=8), sign * torch.finfo(torch.bfloat16).max
+    if case == "bfloat16-range":                  # +-2e38: max - min overflows float32
+        return "bfloat16", C.CodecSpec(bits=4, group=32), sign * 2e38
+    return "float32", C.CodecSpec(bits=8, key_mode="channel"), sign * 3e38
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["float16-max", "bfloat16-max", "bfloat16-range", "float32-range"])
+def test_finite_kv_at_the_type_limit_is_refused(case, backend):
+    """Finite KV near its type's largest value was encoded with ok=True and decoded to inf /
+    NaN: INT8's 127 * bf16_up(max / 127) rounds past float16's 65504, and an asymmetric range
+    max - min overflows float32 (scale inf, q * inf + m = NaN). Such a shard is now refused as
+    a NaN one is (ucm.codecs.MAGNITUDE_LIMIT), with the same bytes in every implementation."""
+    dtype, spec, x = _edge(case)
+    shape = C.KVShape("kthd", 8, 2, 64, dtype)
+    x = x.to(getattr(torch, dtype))
+    assert torch.isfinite(x).all()
+    src = _rows(x)
+    enc = torch.zeros(1, C.encoded_bytes(spec, shape), dtype=torch.uint8)
+    ok = C.encode(spec, shape, src, enc, backend=backend)
+    assert not ok[0]
+    zero = torch.zeros(1, C.encoded_bytes(spec, shape), dtype=torch.uint8)
+    C.encode(spec, shape, torch.zeros_like(src), zero, backend="reference")
+    assert torch.equal(enc, zero)                 # a refused shard: the all-zero shard's bytes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("spec", [C.CodecSpec(bits=8, key_mode="token"),
+                                  C.CodecSpec(bits=8, key_mode="channel"),
+                                  C.CodecSpec(bits=4, group=32, key_mode="token"),
+                                  C.CodecSpec(bits=4, group=64, key_mode="channel"),
+                                  C.CodecSpec(method="sparse", bits=4, group=32)],
+                         ids=["int8-token", "int8-channel", "int4-token", "int4-channel", "sparse"])
+def test_kv_just_below_the_limit_decodes_finite_and_at_it_is_refused(spec, dtype, backend):
+    """The rule's edge, both sides, in every quantizing codec: values of both signs up to just
+    below MAGNITUDE_LIMIT (ranges up to twice it) encode ok and decode to finite values within
+    the codec's step; one value at the limit refuses the shard."""
+    from ucm.codecs import MAGNITUDE_LIMIT
+
+    limit = MAGNITUDE_LIMIT[dtype]
+    shape = C.KVShape("kthd", 16, 2, 64, dtype)
+    g = torch.Generator().manual_seed(7)
+    x = (torch.rand(1, 2, 16, 2, 64, generator=g) * 2 - 1) * (limit * (1 - 2 ** -8))
+    x[0, 0, :, :, 0] = limit * (1 - 2 ** -8)
+    x[0, 1, :, :, 1] = -limit * (1 - 2 ** -8)
+    x = x.to(getattr(torch, dtype))
+    enc = torch.zeros(1, C.encoded_bytes(spec, shape), dtype=torch.uint8)
+    assert C.encode(spec, shape, _rows(x), enc, backend=backend)[0]
+    out = torch.zeros_like(_rows(x))
+    C.decode(spec, shape, enc, out, backend=backend)
+    y = out.view(getattr(torch, dtype)).float().reshape(x.shape)
+    assert torch.isfinite(y).all()
+    step = (2 * limit) / (15 if spec.bits == 4 else 127)
+    assert (y - x.float()).abs().max() <= step
+    x[0, 1, 15, 1, 63] = -limit
+    assert not C.encode(spec, shape, _rows(x), enc, backend=backend)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# blend: rope_rotate
+
+
+def _freq(R):
+    return (1.0 / 10000.0 ** (torch.arange(0, R, 2, dtype=torch.float64) / R)).float()
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@tensor_impls("rope_rotate")
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_delta_zero_is_a_bit_exact_copy_of_signed_zeros_and_infinities(impl, dtype, neox,
+                                                                          monkeypatch):
+    """The documented 'delta = 0 is an exact copy' failed: a * cos - b * sin with cos 1, sin 0
+    turned a (-0, -0) pair's first channel into +0 and an inf's partner into NaN."""
+    backend, dev = runnable("rope_rotate", impl, monkeypatch)
+    x = torch.zeros(3, 2, 8, dtype=dtype)
+    x[0, 0, 0], x[0, 0, 4], x[0, 0, 1] = -0.0, -0.0, -0.0   # -0 pairs (both pairings)
+    x[1, 1, 2] = float("inf")
+    x[1, 1, 6], x[1, 1, 3] = 1.0, 2.0
+    x[2, 0, 5] = float("-inf")
+    x[2, 1] = torch.arange(8, dtype=dtype)
+    x = x.to(dev)
+    d = torch.tensor([0, 0, 0], dtype=torch.int64, device=dev)
+    y = ops.rope_rotate(x, d, _freq(8).to(dev), neox=neox, backend=backend)
+    assert torch.equal(_bits(y.cpu()), _bits(x.cpu()))
+    # and in place
+    z = x.clone()
+    ops.rope_rotate(z, d, _freq(8).to(dev), neox=neox, out=z, backend=backend)
+    assert torch.equal(_bits(z.cpu()), _bits(x.cpu()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_out_partially_overlapping_x_is_refused(backend):
+    """out overlapping x without being x (shifted by a token, or x's memory transposed) was
+    accepted; numba then read keys it had already rotated (errors of ~4)."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(5, 4, 8, generator=g)
+    d = torch.arange(4, dtype=torch.int64) * 7
+    f = _freq(8)
+    with pytest.raises(ValueError, match=r"out: overlaps x in memory"):
+        ops.rope_rotate(base[0:4], d, f, out=base[1:5], backend=backend)
+    sq = base[:4].clone()
+    with pytest.raises(ValueError, match=r"out: overlaps x in memory"):
+        ops.rope_rotate(sq, d, f, out=sq.transpose(0, 1), backend=backend)
+    # still fine: in place through another view object, and interleaved views sharing nothing
+    want = ops.rope_rotate(base[0:4].clone(), d, f, backend="reference")
+    a = base[0:4].clone()
+    ops.rope_rotate(a, d, f, out=a.view(4, 4, 8), backend=backend)
+    torch.testing.assert_close(a, want, atol=1e-5, rtol=1e-5)
+    inter = torch.zeros(8, 4, 8)
+    inter[0::2] = base[0:4]
+    ops.rope_rotate(inter[0::2], d, f, out=inter[1::2], backend=backend)
+    torch.testing.assert_close(inter[1::2], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(inter[0::2], base[0:4])
+    # one token: strides of a size-1 dimension do not matter
+    one = base[:1].clone()
+    ops.rope_rotate(one, d[:1] + 3, f, out=torch.as_strided(one, (1, 4, 8), (999, 8, 1)),
+                    backend=backend)
+
+
+@pytest.mark.parametrize("delta", [2 ** 31 + 1, 2 ** 40, 2 ** 53 + 1, -2 ** 62, -2 ** 63])
+def test_rope_shifts_past_any_context_are_refused(delta):
+    """Past ~2^36 the fast paths (angle reduced modulo 2 pi in float64) and the reference (cos /
+    sin of the float64 angle) disagreed: 1.5e-4 at 2^40, 0.17 at 2^53, garbage at 2^62. A shift
+    is a position: |delta| <= 2^31 is the contract, and a larger one an error naming delta."""
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(3))
+    d = torch.zeros(4, dtype=torch.int64)
+    d[2] = delta
+    for backend in ("reference", "numba"):
+        with pytest.raises(ValueError, match=r"delta: a shift of -?\d+ positions"):
+            ops.rope_rotate(x, d, _freq(8), backend=backend)
+
+
+@pytest.mark.parametrize("delta", [2 ** 31, -2 ** 31, 2 ** 31 - 12345])
+def test_rope_largest_shifts_agree(delta):
+    """At the contract's edge the implementations still agree (int32's whole range is in it)."""
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(3))
+    d = torch.full((4,), delta, dtype=torch.int64)
+    want = ops.rope_rotate(x, d, _freq(8), backend="reference")
+    got = ops.rope_rotate(x, d, _freq(8), backend="numba")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if delta >= -2 ** 31 and delta < 2 ** 31:
+        got32 = ops.rope_rotate(x, d.to(torch.int32), _freq(8), backend="numba")
+        torch.testing.assert_close(got32, want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# blend: chunks and the engine
+
+
+@pytest.mark.parametrize("sep", [[2 ** 63], [3, 2 ** 70], [-1]])
+def test_a_separator_token_id_outside_int64_is_a_chunk_spec_error(sep):
+    """A request's separator [2**63] raised OverflowError out of np.asarray: the scheduler
+    catches ChunkSpecError only (ucm/integration/vllm/scheduler.py _blend_job), so one request
+    could take down the scheduler's step."""
+    with pytest.raises(chunks.ChunkSpecError, match=re.escape("['separator']: expected a non-empty "
+                                                              "list of token ids")):
+        chunks.parse_request(list(range(20)), {"ucm_blend": {"separator": sep}})
+
+
+@pytest.mark.parametrize("ratio", [float("nan"), 1.5, -0.1, True, "0.5", math.inf])
+def test_blend_fill_refuses_a_bad_ratio(ratio):
+    """ratio NaN or 1.5 ran the full prefill without a word ('ratio < 1' is False for both)."""
+    from tiny_llama import tiny_model
+    from ucm.blend.engine import blend_fill
+    from ucm.blend.reference import LlamaBlendModel, PagedRequestKV, chunk_kv
+
+    model = tiny_model(scale=3.0)
+    bm = LlamaBlendModel(model)
+    toks = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(3))
+    stored = chunk_kv(model, toks.tolist())
+    kv = PagedRequestKV(model.new_cache(4, 16), [0, 1])
+    with pytest.raises(ValueError, match=r"ratio: expected a real number in \[0, 1\]"):
+        blend_fill(bm, kv, toks, 0, lambda layer: stored[layer],
+                   torch.ones(20, dtype=torch.bool), ratio=ratio)
