@@ -164,6 +164,32 @@ def test_kv_just_below_the_limit_decodes_finite_and_at_it_is_refused(spec, dtype
     assert not C.encode(spec, shape, _rows(x), enc, backend=backend)[0]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_learned_values_that_would_decode_past_the_type_are_refused(backend):
+    """The learned codec decodes ``mean + P (x - mean)`` (P its rank-r projector): a float16
+    key of +-30000 along a row of P decoded to inf while encode said ok. Its refusal limit now
+    comes from the projection (ucm.codecs.magnitude_limit: a power of two, 8192 here), and
+    whatever it stores decodes finite."""
+    from ucm.codecs import magnitude_limit
+
+    proj = _learned(layers=1)
+    spec = C.CodecSpec("learned", ratio=0.5, projection=proj)
+    shape = C.KVShape("kthd", 16, 2, 64, "float16")
+    lim = magnitude_limit(spec, shape, 0)
+    assert lim < 2 ** 15 and math.log2(lim).is_integer()
+    b = proj.bases[0][..., :32].astype(np.float64)
+    row = np.sign(np.einsum("hdr,her->hde", b[0], b[0])[0, 0])     # the worst row's signs
+    for val, stored in ((30000.0, False), (lim * (1 - 2 ** -8), True), (lim, False)):
+        x = torch.zeros(1, 2, 16, 2, 64)
+        x[0, 0, :, 0] = torch.as_tensor(row * val, dtype=torch.float32)
+        src = _rows(x.to(torch.float16))
+        enc = torch.zeros(1, C.encoded_bytes(spec, shape), dtype=torch.uint8)
+        assert bool(C.encode(spec, shape, src, enc, backend=backend)[0]) is stored, val
+        out = torch.zeros_like(src)
+        C.decode(spec, shape, enc, out, backend=backend)
+        assert torch.isfinite(out.view(torch.float16).float()).all(), val
+
+
 # ---------------------------------------------------------------------------------------------
 # blend: rope_rotate
 

@@ -23,7 +23,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 #: Encoding refuses a shard holding a value whose magnitude reaches this (or NaN): the top of
 #: the element type's range, where a quantizer's scale, rounded up, or a range ``max - min``
 #: (float32) would decode or compute past the largest finite value. Finite KV this large is an
-#: overflow in the making, never a value worth caching. As float32 bits: ``LIMIT_BITS``.
+#: overflow in the making, never a value worth caching. As float32 bits: ``LIMIT_BITS``. The
+#: learned codec's limit is lower, from its projection: :func:`magnitude_limit`.
 MAGNITUDE_LIMIT = {"float16": 2.0 ** 15, "bfloat16": 2.0 ** 126, "float32": 2.0 ** 126}
 LIMIT_BITS = {"float16": 0x47000000, "bfloat16": 0x7E800000, "float32": 0x7E800000}
 ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -197,6 +198,36 @@ def n_salient(spec: CodecSpec, shape: KVShape) -> int:
 
 def rank(spec: CodecSpec, shape: KVShape) -> int:
     return max(1, min(shape.head_dim, round(float(spec.ratio) * shape.head_dim)))
+
+
+#: the element types' largest finite values
+TYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
+_LEARNED_LIMITS: dict = {}
+
+
+def magnitude_limit(spec: CodecSpec, shape: KVShape, layer: int = 0) -> float:
+    """The magnitude from which ``encode`` refuses a shard (a power of two, so exact in every
+    element type): :data:`MAGNITUDE_LIMIT` for the quantizers. For ``learned`` it is lower, so
+    that no value below it decodes past ``TYPE_MAX / 2`` or rounds a coefficient past
+    bfloat16's range: a decoded value is ``mean_i + sum_j P_ij (x_j - mean_j)`` with ``P`` the
+    rank-``r`` projector ``B B^T`` of the layer, so ``|x| < lim`` bounds it by ``m + s (lim +
+    m)`` (``s``: the largest row sum of ``|P|`` over the layer's heads, ``m``: the largest
+    ``|mean|``), and a coefficient by ``sqrt(D) (lim + m)``."""
+    lim = MAGNITUDE_LIMIT[shape.dtype]
+    if spec.method != "learned":
+        return lim
+    p, r = spec.projection, rank(spec, shape)
+    key = (p.digest, int(layer), r, shape.dtype)
+    if key not in _LEARNED_LIMITS:
+        b = p.bases[layer][..., :r].astype(np.float64)                  # [2, H, D, r]
+        s = float(np.abs(np.einsum("khdr,kher->khde", b, b)).sum(-1).max())
+        m = float(np.abs(p.means[layer]).max())
+        d = shape.head_dim
+        while lim > 2.0 ** -14 and (m + s * (lim + m) > TYPE_MAX[shape.dtype] / 2
+                                    or math.sqrt(d) * (lim + m) > 2.0 ** 126):
+            lim /= 2
+        _LEARNED_LIMITS[key] = lim
+    return _LEARNED_LIMITS[key]
 
 
 def _pad8(n: int) -> int:

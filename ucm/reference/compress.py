@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ucm.codecs import (MAGNITUDE_LIMIT, CodecSpec, KVShape, encoded_bytes, n_salient, offsets,
+from ucm.codecs import (CodecSpec, KVShape, encoded_bytes, magnitude_limit, n_salient, offsets,
                          rank)
 
 _TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -216,7 +216,7 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     spec = spec.for_shape(shape)
     x = to_canonical(src, shape)                                      # [n, 2, T, H, D]
     n, _, t, h, d = x.shape
-    ok = (x.abs() < MAGNITUDE_LIMIT[shape.dtype]).reshape(n, -1).all(dim=1)   # NaN: False
+    ok = (x.abs() < magnitude_limit(spec, shape, layer)).reshape(n, -1).all(dim=1)   # NaN: False
     x = torch.where(ok[:, None, None, None, None], x, torch.zeros_like(x))
     out = torch.zeros((n, encoded_bytes(spec, shape)), dtype=torch.uint8, device=x.device)
     if spec.int8 and spec.key_mode == "channel":

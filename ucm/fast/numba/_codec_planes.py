@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ucm.fast.numba._elements import (bf16_down, bf16_up, f2i, hi4, i2f, key, ld, limit_mag, lo4,
+from ucm.fast.numba._elements import (bf16_down, bf16_up, f2i, hi4, i2f, key, ld, lo4,
                                       mag, mag32, st, unkey)
 from ucm.fast.numba._jit import njit
 
@@ -48,10 +48,12 @@ def _get_bf16(buf, at):
 # which stops vectorization: 5x slower)
 
 @njit
-def _load_plane(x, base, tok, nt, s_t, d_n, buf, zero):
+def _load_plane(x, base, tok, nt, s_t, d_n, buf, zero, lim):
     """Tokens ``tok[:nt]`` of one (kv, head) plane (token ``t`` at ``base + t * s_t``) into
-    ``buf[nt, D]`` as float32; zeros when ``zero``. Returns whether a value was NaN or at least
-    :data:`ucm.codecs.MAGNITUDE_LIMIT` in magnitude (infinities included): the shard is refused."""
+    ``buf[nt, D]`` as float32; zeros when ``zero``. Returns whether a value's magnitude bits
+    reach ``lim`` (:func:`~ucm.fast.numba._elements.limit_mag`, or the learned codec's lower
+    limit: :func:`ucm.codecs.magnitude_limit`; NaN and infinities included): the shard is
+    refused."""
     if zero:
         buf[:nt * d_n] = _F0
         return False
@@ -63,7 +65,7 @@ def _load_plane(x, base, tok, nt, s_t, d_n, buf, zero):
         for d in range(d_n):
             worst = max(worst, mag(xv, d))
             bv[d] = ld(xv, d)
-    return worst >= limit_mag(x)
+    return worst >= lim
 
 
 @njit

@@ -34,7 +34,7 @@ import threading
 import numpy as np
 import torch
 
-from ucm.codecs import CodecSpec, KVShape, encoded_bytes, n_salient, offsets, rank
+from ucm.codecs import CodecSpec, KVShape, encoded_bytes, magnitude_limit, n_salient, offsets, rank
 from ucm.fast.numba._codec_planes import (_dec4_planes, _enc4_plane, _enc8_chan_plane,
                                           _enc8_plane, _get_bf16, _keys_to_channel_major,
                                           _keys_to_token_major, _load_plane, _rows_from_plane,
@@ -63,7 +63,8 @@ def _row_q8(x, xb, xo, geo, chan, out, oo, offs, buf, tok, lo, hi, zero):
     q_off, s_off = offs[0], offs[1]
     for kv in range(2):
         for h in range(h_n):
-            if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero):
+            if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero,
+                           limit_mag(x)):
                 return True
             v = (kv * t_n) * h_n + h
             if chan and kv == 0:
@@ -99,7 +100,8 @@ def _planes4(x, xo, geo, g, chan, nt, out, oo, offs, buf, tok, lo, hi, qb, zero)
     ng = d_n // g
     for kv in range(2):
         for h in range(h_n):
-            if _load_plane(x, xo + kv * s_k + h * s_h, tok, nt, s_t, d_n, buf, zero):
+            if _load_plane(x, xo + kv * s_k + h * s_h, tok, nt, s_t, d_n, buf, zero,
+                           limit_mag(x)):
                 return True
             c = chan and kv == 0
             p_at = oo + offs[2 + kv] + (4 * h * d_n if c else 4 * h * ng)
@@ -195,15 +197,16 @@ def _encode_sparse(x, xb, rs, geo, g, chan, n_exact, out, ro, offs, pads, ok, bu
 
 
 @njit
-def _row_learned(x, xo, geo, mean, basis, out16, oo, c_off, buf, tok, zero_r, w, zero):
+def _row_learned(x, xo, geo, mean, basis, out16, oo, c_off, buf, tok, zero_r, w, zero, lim):
     """One row's coefficients: per (kv, head), the tokens loaded as float32 rows less the mean,
     times the basis (:func:`affine_rows`), rounded to bfloat16 into ``out16`` (the encoded rows
-    as 16-bit words; ``oo``, ``c_off`` in words)."""
+    as 16-bit words; ``oo``, ``c_off`` in words). ``lim``: the refusal limit's magnitude bits
+    (:func:`ucm.codecs.magnitude_limit`)."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     r_n = basis.shape[3]
     for kv in range(2):
         for h in range(h_n):
-            if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero):
+            if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero, lim):
                 return True
             mu = mean[kv, h]
             for t in range(t_n):
@@ -217,16 +220,16 @@ def _row_learned(x, xo, geo, mean, basis, out16, oo, c_off, buf, tok, zero_r, w,
 
 @njit(nogil=True)
 def _encode_learned(x, rs, geo, mean, basis, out, out16, ro, c_off, pads, ok, buf, tok, zero_r,
-                    w):
+                    w, lim):
     """``mean`` float32 [2, H, D], ``basis`` float32 [2, H, D, R]; coefficients bfloat16 at
     byte ``c_off`` of each row as [2, T, H, R]. ``out16``: ``out`` as 16-bit words (``ro`` and
     ``c_off`` even). Scratch: ``zero_r`` float32 zeros [R], ``w`` float32 [8 * D]."""
     for i in range(ok.shape[0]):
         bad = _row_learned(x, i * rs, geo, mean, basis, out16, i * ro // 2, c_off // 2, buf, tok,
-                           zero_r, w, False)
+                           zero_r, w, False, lim)
         if bad:
             _row_learned(x, i * rs, geo, mean, basis, out16, i * ro // 2, c_off // 2, buf, tok,
-                         zero_r, w, True)
+                         zero_r, w, True, lim)
         _zero_pads(out, i * ro, pads)
         ok[i] = not bad
 
@@ -496,6 +499,16 @@ def _q8_at(spec, shape) -> np.ndarray:
     return np.append(_at(spec, shape, "q", "scale"), [0, 0])
 
 
+def _magnitude_bits(lim: float, dtype: str) -> np.int32:
+    """A power-of-two limit's magnitude bits in the element type (as :func:`mag` reads them)."""
+    e = int(math.log2(lim))
+    if dtype == "float16":
+        return np.int32((e + 15) << 10) if e >= -14 else np.int32(1 << (e + 24))
+    if dtype == "bfloat16":
+        return np.int32((e + 127) << 7)
+    return np.int32((e + 127) << 23)
+
+
 def _projection(spec: CodecSpec, shape: KVShape, layer: int, transposed: bool):
     """(mean [2, H, D], the basis [2, H, D, R] or transposed [2, H, R, D], rank), float32."""
     p = spec.projection
@@ -556,7 +569,8 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
             dst.copy_(aligned)
             return ok
         _encode_learned(x, rs, geo, mean, basis, out, out.view(np.uint16), ro, c_off, pads, ok,
-                        buf, tok, np.zeros(r, np.float32), np.empty(8 * d_n, np.float32))
+                        buf, tok, np.zeros(r, np.float32), np.empty(8 * d_n, np.float32),
+                        _magnitude_bits(magnitude_limit(spec, shape, layer), shape.dtype))
     return ok
 
 
