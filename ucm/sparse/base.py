@@ -256,21 +256,47 @@ class SparseMethod:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         B = len(req_ids)
+        for name, t in (("q", q), ("k_cache", k_cache), ("block_table", block_table),
+                        ("seq_lens", seq_lens)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if q.dim() != 3 or q.shape[0] != B or block_table.dim() != 2 or block_table.shape[0] != B \
                 or seq_lens.dim() != 1 or seq_lens.shape[0] != B:
             raise ValueError(f"q, block_table, seq_lens: expected one row per request ({B} req_ids), "
                              f"got shapes {list(q.shape)}, {list(block_table.shape)}, "
                              f"{list(seq_lens.shape)}")
+        if tuple(q.shape[1:]) != (self.num_q_heads, self.head_dim):
+            raise ValueError(f"q: expected [batch, num_q_heads={self.num_q_heads}, head_dim="
+                             f"{self.head_dim}] (the method's shape), got {list(q.shape)}")
+        if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != (self.block_size, self.num_kv_heads,
+                                                                self.head_dim):
+            raise ValueError(f"k_cache: expected [num_blocks, block_size={self.block_size}, "
+                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}] (the "
+                             f"method's shape), got {list(k_cache.shape)}")
+        for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+            if t.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name}: expected dtype torch.int32 or torch.int64, got {t.dtype}")
+        if len(set(req_ids)) != B:
+            raise ValueError(f"req_ids: each request at most once per call, got {list(req_ids)}")
         states = []
         for rid in req_ids:
             st = self._requests.get(rid)
             if st is None:
                 raise ValueError(f"req_ids: request {rid!r} was not begun (call request_begin first)")
             states.append(st)
-        if layer < self.dense_layers:
-            return None
         bs = self.block_size
         lens = seq_lens.tolist()
+        cap = block_table.shape[1] * bs
+        for st, n in zip(states, lens):
+            if not 1 <= n <= cap:
+                raise ValueError(f"seq_lens: request {st.req_id!r} has {n} tokens, expected "
+                                 f"[1, {cap}] (at least the token being decoded, at most the "
+                                 f"block table's {block_table.shape[1]} blocks of {bs})")
+            if n < st.prompt_len:
+                raise ValueError(f"seq_lens: request {st.req_id!r} has {n} tokens, fewer than "
+                                 f"its prompt ({st.prompt_len}, request_begin)")
+        if layer < self.dense_layers:
+            return None
         nblocks = [-(-n // bs) for n in lens]
         rows = [i for i, n in enumerate(nblocks) if self.is_sparse(n)]
         if not rows:
@@ -280,12 +306,15 @@ class SparseMethod:
         sub_states = [states[i] for i in rows]
         sub_table = block_table[ri]
         sub_lens = seq_lens[ri]
+        n_t = torch.tensor([nblocks[i] for i in rows], dtype=torch.int32, device=dev)
+        ops._fail_if({f"block_table: an entry holding a request's tokens lies outside "
+                      f"[0, num_blocks={k_cache.shape[0]}) (k_cache's blocks)":
+                      ops._ids_used_out_of_range(sub_table, n_t, k_cache.shape[0])})
         tables = None
         if self.reprs:
             width = max(nblocks[i] for i in rows)
             rows_list = sub_table[:, :width].tolist()
             tables = self._update_reprs(layer, sub_states, k_cache, rows_list, [lens[i] for i in rows])
-        n_t = torch.tensor([nblocks[i] for i in rows], dtype=torch.int32, device=dev)
         budget = torch.tensor([self.budget(nblocks[i]) for i in rows], dtype=torch.int32, device=dev)
         picked = self.select(layer, sub_states, q[ri], k_cache, sub_table, sub_lens, n_t, budget,
                              tables)

@@ -133,7 +133,8 @@ def _table(block_table, B: int, device) -> torch.Tensor:
 def _vector(x, name: str, B: int, device, dtypes=(torch.int32,)) -> torch.Tensor:
     v = _tensor(x, name, dtypes, 1, device)
     _shape(v, name, (B,), "one entry per request")
-    return v
+    # the Triton kernels index these vectors as dense arrays (entry b at offset b)
+    return v.contiguous()
 
 
 def _fail_if(checks: dict) -> None:
@@ -227,8 +228,9 @@ def update_block_reprs(k_cache, block_ids, num_tokens, *, mean=None, kmin=None, 
     k = _cache(k_cache)
     nb, bs, Hkv, D = k.shape
     dev = k.device
-    ids = _tensor(block_ids, "block_ids", (torch.int32, torch.int64), 1, dev)
-    ntok = _tensor(num_tokens, "num_tokens", (torch.int32, torch.int64), 1, dev)
+    # contiguous: the Triton kernel reads entry i at offset i
+    ids = _tensor(block_ids, "block_ids", (torch.int32, torch.int64), 1, dev).contiguous()
+    ntok = _tensor(num_tokens, "num_tokens", (torch.int32, torch.int64), 1, dev).contiguous()
     _shape(ntok, "num_tokens", ids.shape, "one count per entry of block_ids")
     if mean is None and kmin is None and kmax is None and codes is None:
         raise ValueError("update_block_reprs: pass at least one of mean, kmin, kmax, codes")
@@ -376,6 +378,9 @@ def _selection_args(dev, B: int, M: int, num_blocks, budget, init_window, local_
         max_budget = _int(budget, "budget", 1)
         bud = torch.full((B,), min(max_budget, 2**31 - 1), dtype=torch.int32, device=dev)
     _fail_if(checks)
+    # a window of M blocks already covers every row (num_blocks <= M): larger ones select the
+    # same blocks, and clamped they fit the kernels' int32 arithmetic (and the reference's int64)
+    init_window, local_window = min(init_window, M), min(local_window, M)
     return nblk, bud, init_window, local_window, select_width(M, max_budget, init_window, local_window)
 
 
