@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -120,12 +122,21 @@ def model_shape(path: str, dtype: str = "bfloat16") -> ModelShape:
     except (OSError, ValueError) as exc:
         raise TuneError(f"model {path!r}: cannot read {cfg_path} ({exc}); the tuner needs a "
                         f"model directory with a Hugging Face config.json") from None
+    def count(key, value):  # a positive whole number (a KV block of 0 or -1 bytes is no shape)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or value != value or value in (math.inf, -math.inf) or value != int(value) \
+                or value < 1:
+            raise TuneError(f"model {path!r}: config.json {key}={value!r}: expected an int >= 1")
+        return int(value)
+
     try:
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads", heads))
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        layers = count("num_hidden_layers", cfg["num_hidden_layers"])
+        heads = count("num_attention_heads", cfg["num_attention_heads"])
+        kv_heads = count("num_key_value_heads", cfg.get("num_key_value_heads", heads))
+        head_dim = count("head_dim", cfg["head_dim"]) if cfg.get("head_dim") else \
+            count("hidden_size // num_attention_heads",
+                  count("hidden_size", cfg["hidden_size"]) // heads)
+    except (KeyError, TypeError) as exc:
         raise TuneError(f"model {path!r}: config.json lacks the attention shape ({exc!r})") from None
     sizes = {"bfloat16": 2, "float16": 2, "float32": 4}
     if dtype not in sizes:
@@ -143,8 +154,18 @@ def requests_to_trace(prompts: Sequence[Sequence[int]], block_size: int):
     numbering: dict = {}
     reqs = []
     for i, p in enumerate(prompts):
-        toks = np.asarray(p, dtype=np.int64)
-        if toks.ndim != 1 or len(toks) < block_size:
+        try:
+            toks = np.asarray(p)
+        except (TypeError, ValueError) as exc:
+            raise TuneError(f"sample_requests[{i}]: expected a list of token ids ({exc})") from None
+        if toks.ndim != 1 or (len(toks) and toks.dtype.kind not in "iu"):
+            raise TuneError(f"sample_requests[{i}]: expected a list of token ids (ints), got "
+                            f"{'a ' + str(toks.ndim) + '-d array' if toks.ndim != 1 else toks.dtype}")
+        if len(toks) and (int(toks.min()) < 0 or int(toks.max()) >= 2**32):
+            raise TuneError(f"sample_requests[{i}]: token ids must lie in [0, 2**32), got "
+                            f"{int(toks.min())}..{int(toks.max())}")
+        toks = toks.astype(np.int64)
+        if len(toks) < block_size:
             continue
         ids = ucm.hash_blocks(toks, ns, block_size)
         chain = [numbering.setdefault(row.tobytes(), len(numbering)) for row in ids]
@@ -166,15 +187,28 @@ class AutoTuner:
                  block_size: int = 32, dtype: str = "bfloat16", measure_vllm: bool = True,
                  progress: bool = True, tune_block_size: bool = True, sparse_samples: int = 4,
                  sparse_tokens: int = 16):
-        if workload not in WORKLOAD_PRESET:
+        if not isinstance(workload, str) or workload not in WORKLOAD_PRESET:
             raise TuneError(f"workload {workload!r}: expected one of {', '.join(WORKLOAD_PRESET)}")
+        if constraints is not None and not isinstance(constraints, Mapping):
+            raise TuneError(f"constraints: expected a dict of {', '.join(CONSTRAINTS)}, got "
+                            f"{type(constraints).__name__}")
         constraints = dict(constraints or {})
         for key, value in constraints.items():
             if key not in CONSTRAINTS:
                 raise TuneError(f"constraint {key!r}: expected one of {', '.join(CONSTRAINTS)}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value < 0:
-                raise TuneError(f"constraint {key}={value!r}: expected a number >= 0")
+            try:  # (an int past the floats, 10**400, is no finite bound either)
+                finite = math.isfinite(value)
+            except (TypeError, OverflowError):
+                finite = False
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not finite or value < 0:
+                raise TuneError(f"constraint {key}={value!r}: expected a finite number >= 0")
+            constraints[key] = float(value) if not isinstance(value, int) else value
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise TuneError(f"block_size={block_size!r}: expected an int >= 1 (tokens per block)")
+        if "max_latency_ms" in constraints and not measure_vllm:
+            raise TuneError(f"max_latency_ms={constraints['max_latency_ms']} cannot be checked "
+                            f"without the TTFT stage: it needs measure_vllm=True (drop --no-vllm)")
         if constraints.get("max_memory_gb", 1) == 0 and constraints.get("max_disk_gb", 1) == 0:
             raise TuneError("max_memory_gb=0 and max_disk_gb=0 contradict: no tier could hold a "
                             "block, so nothing could be reused")
@@ -230,6 +264,14 @@ class AutoTuner:
             raise TuneError(f"max_memory_gb={gb} is less than one KV block ({block_bytes} bytes) "
                             f"and max_disk_gb=0: no tier could hold a block")
         return slots
+
+    def _check_disk(self, block_bytes: int) -> None:
+        """A disk budget of less than one block holds nothing (0, not a sliver, means none)."""
+        disk_gb = self.constraints.get("max_disk_gb")
+        if disk_gb and int(disk_gb * 2**30) < block_bytes:
+            raise TuneError(f"max_disk_gb={disk_gb} is less than one KV block ({block_bytes} "
+                            f"bytes): no block could be stored on disk (max_disk_gb=0: no disk "
+                            f"tier)")
 
     def _policy_stage(self, trace, slots: int, block_bytes: int, disk: bool) -> Stage:
         from ucm import replay as rp
@@ -471,12 +513,18 @@ class AutoTuner:
 
     def tune(self, model: str, sample_requests: Sequence[Sequence[int]]) -> Config:
         """Measure and return the chosen :class:`Config` (``self.stages``: the figures)."""
+        try:  # (a generator would be spent by the first stage and leave the others nothing)
+            sample_requests = list(sample_requests) if sample_requests is not None else []
+        except TypeError:
+            raise TuneError(f"sample_requests: expected a list of prompts (token ids), got "
+                            f"{type(sample_requests).__name__}") from None
         if not sample_requests:
             raise TuneError("sample_requests: at least one prompt (token ids) is needed")
         shape = model_shape(model, self.dtype)
         block_bytes = shape.kv_bytes_per_token * self.block_size
         self.notes = []
         slots = self._capacity(block_bytes)
+        self._check_disk(block_bytes)
         disk = self.constraints.get("max_disk_gb", 1) != 0
         trace = requests_to_trace(sample_requests, self.block_size)
         self.stages = []

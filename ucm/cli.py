@@ -65,6 +65,8 @@ def _cmd_store(args) -> int:
     from ucm.store.posix_admin import Root
 
     out, rc = [], 0
+    if args.action == "ls" and args.limit < 0:
+        raise ValueError(f"ls --limit {args.limit}: expected a number of blocks >= 1 (0: all)")
     write = args.action in ("verify", "gc", "clear") and not getattr(args, "no_quarantine", False)
     for path in _store_roots(args):
         with Root(path, write=write) as root:
@@ -198,8 +200,25 @@ def _cmd_replay(args) -> int:
 
     if (args.trace is None) == (args.synthetic is None):
         raise ValueError("replay: give a TRACE file or --synthetic KIND (one of them)")
+    if args.limit < 0:
+        raise ValueError(f"--limit {args.limit}: expected a number of requests >= 1 (0: all)")
+    if args.tiers == "memory":   # options of the slower tier, without one: say so, not ignore
+        for flag, given in (("--lower-capacity", args.lower_capacity is not None),
+                            ("--admission", args.admission != "all")):
+            if given:
+                raise ValueError(f"{flag} applies to the slower tier: pass --tiers 'memory|posix'")
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        if path and os.path.isdir(path):   # (found now, not after the replay)
+            raise ValueError(f"{flag} {path!r}: is a directory, expected a file name")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in rp.POLICIES]
+    if not policies or bad:
+        raise ValueError(f"--policies {args.policies!r}: "
+                         f"{'unknown ' + ', '.join(map(repr, bad)) + '; ' if bad else ''}expected "
+                         f"one or more of {', '.join(rp.POLICIES)}, comma-separated")
     if args.synthetic:
-        trace = rp.synthetic_trace(args.synthetic, n_requests=args.limit or 6000)
+        trace = rp.synthetic_trace(args.synthetic, n_requests=args.limit or 6000,
+                                   block_tokens=args.block_tokens)
     else:
         trace = rp.load_trace(args.trace, on_error=args.on_error, block_tokens=args.block_tokens,
                               limit=args.limit or None)
@@ -209,12 +228,13 @@ def _cmd_replay(args) -> int:
         print(f"ucm replay: ... {len(trace.skipped) - 20} more lines skipped", file=sys.stderr)
     try:
         caps = [_parse_capacity(c) for c in args.capacities.split(",") if c.strip()]
+        if not caps:
+            raise ValueError("no capacity")
     except ValueError:
         raise ValueError(f"--capacities {args.capacities!r}: expected fractions (0.05) or block "
                          f"counts (9000), comma-separated") from None
     for c in caps:
         rp.resolve_capacity(c, trace.distinct_blocks)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     block_bytes = args.kv_bytes_per_token * args.block_tokens
     if args.measure_costs:  # measured with 2 MiB blocks here, scaled to the modelled block
         m = rp.measure_costs(2 << 20, prefill_s_per_token=args.prefill_s_per_token)
@@ -262,18 +282,21 @@ def _cmd_tune(args) -> int:
                                      ("max_ppl_increase", args.max_ppl_increase)) if v is not None}
     prompts = []
     try:
-        opener = open(args.requests, encoding="utf-8")
+        opener = open(args.requests, "rb")
     except OSError as exc:
         raise ValueError(f"--requests {args.requests!r}: {exc.strerror}") from None
     with opener as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+        for n, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 obj = json.loads(line)
                 toks = obj["prompt_token_ids"] if isinstance(obj, dict) else obj
-                if not isinstance(toks, list) or not all(isinstance(t, int) and t >= 0 for t in toks):
-                    raise ValueError("expected a list of token ids")
+                if not isinstance(toks, list) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+                        for t in toks):
+                    raise ValueError("expected a list of token ids (ints in [0, 2**32))")
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"--requests line {n}: {exc} (JSON lines: a list of token ids or "
                                  f"{{\"prompt_token_ids\": [...]}})") from None

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import tempfile
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -64,7 +65,7 @@ class Trace:
         return sum(len(r.hash_ids) for r in self.requests)
 
 
-def _check_request(obj, line: int) -> Request:
+def _check_request(obj, line: int, block_tokens: int = 512) -> Request:
     if not isinstance(obj, dict):
         raise TraceError(line, f"expected a JSON object, got {type(obj).__name__}")
     for key in ("timestamp", "input_length", "hash_ids"):
@@ -72,41 +73,75 @@ def _check_request(obj, line: int) -> Request:
             raise TraceError(line, f"missing key {key!r}")
     ts, n_in, ids = obj["timestamp"], obj["input_length"], obj["hash_ids"]
     n_out = obj.get("output_length", 0)
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise TraceError(line, f"timestamp must be a number >= 0, got {ts!r}")
+    try:  # (an int past the floats, 1e400, is no finite time either)
+        ts_f = math.nan if isinstance(ts, bool) or not isinstance(ts, (int, float)) else float(ts)
+    except OverflowError:
+        ts_f = math.inf
+    if not math.isfinite(ts_f) or ts_f < 0:
+        raise TraceError(line, f"timestamp must be a finite number >= 0, got {ts!r}")
     for name, v in (("input_length", n_in), ("output_length", n_out)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise TraceError(line, f"{name} must be an int >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
+            raise TraceError(line, f"{name} must be an int in [0, 2**63), got {v!r}")
     if not isinstance(ids, list) or not ids:
         raise TraceError(line, "hash_ids must be a non-empty list of ints")
-    if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in ids):
-        raise TraceError(line, "hash_ids must be ints >= 0")
+    if any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 2**64 for h in ids):
+        raise TraceError(line, "hash_ids must be ints in [0, 2**64)")
     if len(set(ids)) != len(ids):
         raise TraceError(line, "hash_ids repeats an id (a chain of prefix hashes cannot)")
+    if n_in and n_in <= block_tokens * (len(ids) - 1):
+        # more blocks than the prompt has tokens: the token-weighted figures would count
+        # tokens the request never had (a trace hashed at another block size, most likely)
+        raise TraceError(line, f"input_length {n_in} is too short for {len(ids)} hash_ids of "
+                               f"{block_tokens} tokens (at most {-(-n_in // block_tokens)}): "
+                               f"is block_tokens right?")
     return Request(float(ts), n_in, n_out, list(ids))
 
 
 def load_trace(path: str, on_error: str = "stop", block_tokens: int = 512,
                limit: Optional[int] = None) -> Trace:
-    """Read a JSON-lines trace (``.gz`` or plain). ``on_error``: ``"stop"`` raises
+    """Read a JSON-lines trace (gzip or plain, told by its first bytes). ``on_error``: ``"stop"`` raises
     :class:`TraceError` at the first malformed line; ``"skip"`` leaves it out and records
     ``(line, why)`` in ``trace.skipped``. Requests are replayed in timestamp order."""
     if on_error not in ("stop", "skip"):
         raise ValueError(f"on_error: expected 'stop' or 'skip', got {on_error!r}")
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
-    opener = gzip.open if str(path).endswith(".gz") else open
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be an int >= 1 or None, got {limit!r}")
+    try:  # gzip by its magic bytes (a .gz name alone can lie, and so can a plain one)
+        with open(path, "rb") as f:
+            is_gz = f.read(2) == b"\x1f\x8b"
+        f = gzip.open(path, "rb") if is_gz else open(path, "rb")
+    except OSError as exc:
+        raise ValueError(f"trace {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
     reqs, skipped = [], []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
+    n = 0
+    with f:
+        while True:
             try:
+                raw = f.readline()
+            except (OSError, EOFError, zlib.error) as exc:
+                why = f"{path}: the gzip stream is damaged or cut short ({exc})"
+                if on_error == "stop":
+                    raise TraceError(n + 1, why) from None
+                skipped.append((n + 1, why))   # nothing after it can be read
+                break
+            if not raw:
+                break
+            n += 1
+            try:
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise TraceError(n, f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                                        f"column {exc.start + 1})") from None
+                if not text.strip():
+                    continue
                 try:
                     obj = json.loads(text)
                 except json.JSONDecodeError as exc:
                     raise TraceError(n, f"not JSON ({exc.msg})") from None
-                reqs.append(_check_request(obj, n))
+                reqs.append(_check_request(obj, n, block_tokens))
             except TraceError as exc:
                 if on_error == "stop":
                     raise
@@ -192,6 +227,17 @@ def _token_counts(req: Request, block_tokens: int) -> np.ndarray:
     return np.minimum(toks, block_tokens)
 
 
+def _check_costs(costs: Optional[Costs]) -> None:
+    """Times are finite and >= 0 (a negative or NaN one would make every figure from it wrong)."""
+    if costs is None:
+        return
+    items = [(f"load_s[{k!r}]", v) for k, v in dict(costs.load_s).items()]
+    items.append(("prefill_s_per_token", costs.prefill_s_per_token))
+    for name, v in items:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"costs: {name} must be a finite number of seconds >= 0, got {v!r}")
+
+
 def replay(trace: Trace, capacity, policy: str = "lru", tiers: str = "memory",
            lower_capacity=None, admission: str = "all", costs: Optional[Costs] = None,
            kv_bytes_per_token: int = 131072, prefetch: bool = False, engines: int = 4,
@@ -208,6 +254,12 @@ def replay(trace: Trace, capacity, policy: str = "lru", tiers: str = "memory",
     finishes before an engine takes the request, they load at memory cost."""
     if isinstance(engines, bool) or not isinstance(engines, int) or engines < 1:
         raise ValueError(f"engines must be an int >= 1, got {engines!r}")
+    if not trace.requests:
+        raise ValueError("replay: the trace has no request")
+    if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) \
+            or kv_bytes_per_token < 1:
+        raise ValueError(f"kv_bytes_per_token must be an int >= 1, got {kv_bytes_per_token!r}")
+    _check_costs(costs)
     from ucm.store.base import BlockGeometry
     from ucm.store.memory import MemoryStore
 
@@ -220,6 +272,12 @@ def replay(trace: Trace, capacity, policy: str = "lru", tiers: str = "memory",
     costs = costs or Costs()
     distinct = trace.distinct_blocks
     cap = resolve_capacity(capacity, distinct)
+    if tiers == "memory|posix":  # (checked before a store is made: a failure leaks none)
+        try:
+            low = resolve_capacity(lower_capacity if lower_capacity is not None else 4 * cap,
+                                   distinct)
+        except ValueError as exc:
+            raise ValueError(f"lower_capacity: {exc}") from None
     geo = BlockGeometry(8, 8)
     mem = MemoryStore(geo, buffer_number=cap, io_threads=1, copy_threads=1, pin=False, policy=policy)
     store, tmp, names = mem, None, ["memory"]
@@ -227,7 +285,6 @@ def replay(trace: Trace, capacity, policy: str = "lru", tiers: str = "memory",
         from ucm.store.pipeline import PipelineStore
         from ucm.store.posix import PosixStore
 
-        low = resolve_capacity(lower_capacity if lower_capacity is not None else 4 * cap, distinct)
         tmp = tempfile.TemporaryDirectory(prefix="ucm-replay-")
         from ucm.store import format as fmt
 
@@ -354,6 +411,8 @@ def belady(trace: Trace, capacity) -> tuple:
     """Offline optimum (Belady's MIN) over the trace's block accesses at ``capacity``:
     ``(block hit rate, token hit rate)`` of prefix hits."""
 
+    if not trace.requests:
+        raise ValueError("belady: the trace has no request")
     cap = resolve_capacity(capacity, trace.distinct_blocks)
     seq = [h for r in trace.requests for h in r.hash_ids]
     nxt = np.empty(len(seq), dtype=np.int64)
@@ -447,6 +506,9 @@ def synthetic_trace(kind: str = "agentic", n_requests: int = 6000, seed: int = 0
     preamble), which a cache should not let push the system prompts out."""
     if kind != "agentic":
         raise ValueError(f"synthetic trace {kind!r}: expected 'agentic'")
+    for name, v in (("n_requests", n_requests), ("block_tokens", block_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"synthetic trace: {name} must be an int >= 1, got {v!r}")
     rng = np.random.default_rng(seed)
     next_id = iter(range(1, 1 << 62))
     apps = [[next(next_id) for _ in range(int(rng.integers(4, 25)))] for _ in range(40)]
