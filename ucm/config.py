@@ -24,6 +24,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Mapping, Optional
 
 log = logging.getLogger("ucm.config")
@@ -85,15 +86,17 @@ def _int(v, text):
 def _float(v, text):
     if isinstance(v, bool):
         raise _Bad("a number")
-    if isinstance(v, (int, float)):
-        f = float(v)
-    elif text and isinstance(v, str):
-        try:
+    try:
+        if isinstance(v, (int, float)):
             f = float(v)
-        except ValueError:
-            raise _Bad("a number") from None
-    else:
-        raise _Bad("a number")
+        elif text and isinstance(v, str):
+            f = float(v)
+        else:
+            raise _Bad("a number")
+    except OverflowError:  # an int beyond a float's range
+        raise _Bad("a finite number") from None
+    except ValueError:
+        raise _Bad("a number") from None
     if not math.isfinite(f):
         raise _Bad("a finite number")
     return f
@@ -105,16 +108,30 @@ def _str(v, text):
     raise _Bad("a string")
 
 
+_MAX_SIZE = 2**63 - 1  # the int64 the native engine and the on-disk counters hold
+
+
 def _size(v, text):
     """Bytes: an int, or a string like ``"64GiB"``, ``"1.5GB"``, ``"4096"``."""
+    n = _size_value(v)
+    if n > _MAX_SIZE:
+        raise _Bad(f"a size of at most {_MAX_SIZE} bytes (8 EiB)")
+    return n
+
+
+def _size_value(v):
     if isinstance(v, bool):
         raise _Bad("a size in bytes (int or '64GiB')")
     if isinstance(v, int):
         return v
     if isinstance(v, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", v)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", v, re.ASCII)
         if m and m.group(2).lower() in _SIZE_UNITS:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+            unit = _SIZE_UNITS[m.group(2).lower()]
+            exact = Fraction(m.group(1)) * unit  # exact: '2.01kB' is 2010 bytes, not 2009
+            if unit == 1 and exact.denominator != 1:
+                raise _Bad("a whole number of bytes (a fraction needs a unit: '1.5KiB')")
+            return int(exact)
     raise _Bad("a size in bytes (int or a string such as '64GiB', '500MB')")
 
 
@@ -228,6 +245,51 @@ def _check_key_prefix(value: str) -> Optional[str]:
     return None
 
 
+#: longest timeout an option takes (a year): threading and sockets overflow on values near 1e10 s
+MAX_TIMEOUT_S = 365 * 86400.0
+
+
+def _check_timeout(value: float) -> Optional[str]:
+    return None if value <= MAX_TIMEOUT_S else \
+        f"at most {MAX_TIMEOUT_S:g} seconds (a year; longer waits overflow the system's timers)"
+
+
+def check_count(value, key: str, low: int = 1) -> int:
+    """``value`` as an int >= ``low`` (tier constructors: no bool, no float, no string)."""
+    if isinstance(value, bool) or not isinstance(value, int) and not _is_np_int(value) \
+            or value < low:
+        raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_seconds(value, key: str) -> float:
+    """``value`` as a number of seconds in (0, MAX_TIMEOUT_S] (tier constructors)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not _is_np_num(value):
+        raise ValueError(f"{key} must be a number of seconds, got {value!r}")
+    try:
+        f = float(value)
+    except OverflowError:
+        f = math.inf
+    if not (0 < f <= MAX_TIMEOUT_S):
+        raise ValueError(f"{key} must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {value!r}")
+    return f
+
+
+def check_flag(value, key: str) -> bool:
+    """``value`` as a bool: only True or False (the string 'false' is not False)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise ValueError(f"{key} must be True or False, got {value!r}")
+
+
+def _is_np_int(value) -> bool:
+    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iu"
+
+
+def _is_np_num(value) -> bool:
+    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iuf"
+
+
 def _check_hash_bits(value: int) -> Optional[str]:
     return None if value % 32 == 0 else "a multiple of 32 (>= 32)"
 
@@ -336,7 +398,7 @@ OPTIONS: tuple[Option, ...] = (
            "instead of before commit (write-through)."),
     Option("store.io_threads", "int", 4, "Threads moving data between tiers.", min=1, max=256),
     Option("store.wait_timeout_s", "float", 30.0, "Longest wait() on one task, seconds.", min=0.0,
-           min_exclusive=True),
+           min_exclusive=True, check=_check_timeout),
     Option("store.posix.roots", "list[str]", ["~/.cache/ucm/kv"], "Directories of the posix tier "
            "(local disk, NFS, any shared mount); blocks spread across them.", check=_check_roots),
     Option("store.posix.o_direct", "bool", False, "Bypass the page cache (O_DIRECT)."),
@@ -351,7 +413,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("store.remote.timeout_s", "float", 0.2, "Distributed tiers: longest wait for a "
            "server to connect or to answer a request without values (lookups, commit markers) "
            "before it counts as down and the blocks it holds as misses; a request that moves "
-           "values may also take their size at 32 MiB/s.", min=0.0, min_exclusive=True),
+           "values may also take their size at 32 MiB/s.", min=0.0, min_exclusive=True,
+           check=_check_timeout),
     Option("store.remote.backoff_s", "float", 1.0, "Distributed tiers: how long a server that "
            "failed is left alone before the tier tries it again (doubling on each further "
            "failure, up to 30 s); no engine restart is needed when it comes back.", min=0.0),
@@ -516,9 +579,14 @@ def _flatten(d: Mapping, source: str, prefix: str = "") -> dict:
             raise ConfigError(f"config ({source}): keys must be strings, got {key!r}")
         full = prefix + key
         if isinstance(value, Mapping) and full not in OPTION_BY_NAME:
-            out.update(_flatten(value, source, full + "."))
+            flat = _flatten(value, source, full + ".")
         else:
-            out[full] = value
+            flat = {full: value}
+        for k, v in flat.items():
+            if k in out:  # 'store.pipeline' and store: {pipeline: ...} in one source
+                raise ConfigError(f"config key {k!r} ({source}): given twice (as a dotted key "
+                                  f"and nested), with {out[k]!r} and {v!r}; give it once")
+            out[k] = v
     return out
 
 
@@ -529,7 +597,7 @@ def _unknown(key: str, source: str) -> ConfigError:
 
 
 def _check_preset(name, source: str) -> str:
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(f"config key 'preset' ({source}): expected one of {sorted(PRESETS)}, "
                          f"got {name!r}{_suggest(str(name), PRESETS)}")
     return name
@@ -656,6 +724,8 @@ class Config:
 
     # access ---------------------------------------------------------------------------------
     def __getitem__(self, key: str):
+        if not isinstance(key, str):
+            raise ConfigError(f"config keys are strings such as 'store.pipeline', got {key!r}")
         try:
             return self._values[key]
         except KeyError:

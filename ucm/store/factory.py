@@ -49,12 +49,17 @@ def _resolve(spec: str):
         raise ValueError(f"config key 'store.pipeline': unknown tier {spec!r}; known tiers: "
                          f"{', '.join(tiers())}, or 'package.module:Class'")
     if isinstance(target, type):
-        return target
-    module, _, attr = target.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"config key 'store.pipeline': cannot load tier {spec!r} ({exc})") from None
+        cls = target
+    else:
+        module, _, attr = target.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"config key 'store.pipeline': cannot load tier {spec!r} ({exc})") from None
+    if not (isinstance(cls, type) and (issubclass(cls, KVStore) or hasattr(cls, "from_config"))):
+        raise ValueError(f"config key 'store.pipeline': {spec!r} is not a tier class (a "
+                         f"ucm.store.KVStore subclass, or a class with from_config), got {cls!r}")
+    return cls
 
 
 def create_tier(spec: str, geometry: BlockGeometry, config: Config, namespace: bytes,
@@ -64,9 +69,15 @@ def create_tier(spec: str, geometry: BlockGeometry, config: Config, namespace: b
     cls = _resolve(spec)
     if hasattr(cls, "from_config"):
         if codec and "codec" in inspect.signature(cls.from_config).parameters:
-            return cls.from_config(geometry, config, namespace, codec=codec)
-        return cls.from_config(geometry, config, namespace)
-    return cls(geometry, config, namespace)
+            tier = cls.from_config(geometry, config, namespace, codec=codec)
+        else:
+            tier = cls.from_config(geometry, config, namespace)
+    else:
+        tier = cls(geometry, config, namespace)
+    if not isinstance(tier, KVStore):
+        raise ValueError(f"config key 'store.pipeline': tier {spec!r} built {type(tier).__name__}, "
+                         f"not a ucm.store.KVStore")
+    return tier
 
 
 def codec_spec(config: Config):
@@ -108,7 +119,7 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
         config = Config.load(config, env={}) if config is not None else Config()
     if overrides:
         config = config.replace(**{k.replace("__", "."): v for k, v in overrides.items()})
-    geometry = BlockGeometry(block_bytes, shard_bytes or block_bytes)
+    geometry = BlockGeometry(block_bytes, block_bytes if shard_bytes is None else shard_bytes)
     ns = bytes(16) if namespace is None else namespace
     spec = codec_spec(config)
     tier_geometry, tier_ns, code = geometry, ns, 0
@@ -127,6 +138,12 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
             raise ConfigError(f"config key 'compression.method' ({spec.method}): {exc}") from None
         tier_ns, code = inner_namespace(ns, spec), spec.code()
     specs = [s.strip() for s in config["store.pipeline"].split("|")]
+    classes = [_resolve(name) for name in specs]
+    for i, cls in enumerate(classes):  # one tier under two names would hold every block twice
+        if cls in classes[:i]:
+            raise ConfigError(f"config key 'store.pipeline': {specs[classes.index(cls)]!r} and "
+                              f"{specs[i]!r} are the same tier ({cls.__module__}:{cls.__name__}); "
+                              f"each tier once")
     built = []
     try:
         for name in specs:
@@ -154,6 +171,13 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
 def _memory_from_config(cls, geometry, config, namespace):
     capacity = config["store.memory.capacity"]
     slots = max(1, capacity // geometry.block_bytes) if capacity else config["buffer_number"]
+    key = "store.memory.capacity" if capacity else "buffer_number"
+    from ucm.store.memory import _physical_memory
+
+    if slots * geometry.block_bytes > _physical_memory():
+        raise ConfigError(f"config key {key!r}: a memory tier of {slots} blocks of "
+                          f"{geometry.block_bytes} bytes is more than this machine's memory "
+                          f"({_physical_memory()} bytes)")
     return cls(geometry, buffer_number=slots, io_threads=config["store.io_threads"],
                wait_timeout_s=config["store.wait_timeout_s"], namespace=namespace,
                policy=config["store.memory.policy"])

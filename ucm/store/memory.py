@@ -16,12 +16,14 @@ adjacent both in the caller's buffer and in the pool move as one copy.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from ucm import threads
 from typing import Optional
 
 import numpy as np
 
+from ucm.config import check_count, check_seconds
 from ucm.ops import BlockIndex, alloc_aligned, copy_segments
 from ucm.store.base import Borrowed, BlockBuffers, BlockGeometry, KVStore, Task
 from ucm.store.policy import make_policy
@@ -43,6 +45,14 @@ class _Pending:
         self.publish = False  # committed while a dump of it was in flight: publish when it lands
 
 
+def _physical_memory() -> int:
+    """Bytes of RAM of this machine (a pool larger than it can neither be pinned nor held)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -59,10 +69,17 @@ class MemoryStore(KVStore):
     def __init__(self, geometry: BlockGeometry, buffer_number: int, io_threads: int = 4,
                  wait_timeout_s: float = 30.0, pin: Optional[bool] = None, copy_threads: int = 2,
                  namespace: bytes = bytes(16), policy: str = "lru"):
-        super().__init__(geometry, wait_timeout_s, namespace)
+        super().__init__(geometry, check_seconds(wait_timeout_s, "store.wait_timeout_s"), namespace)
         if isinstance(buffer_number, bool) or not isinstance(buffer_number, (int, np.integer)) \
                 or buffer_number < 1:
             raise ValueError(f"buffer_number must be an int >= 1, got {buffer_number!r}")
+        io_threads = check_count(io_threads, "store.io_threads")
+        copy_threads = check_count(copy_threads, "copy_threads")
+        pool_bytes = int(buffer_number) * geometry.block_bytes
+        if pool_bytes > _physical_memory():
+            raise ValueError(f"buffer_number: {int(buffer_number)} blocks of {geometry.block_bytes} "
+                             f"bytes ({pool_bytes} bytes) is more than this machine's memory "
+                             f"({_physical_memory()} bytes); the memory tier's pool must fit in it")
         self.n_slots = int(buffer_number)
         self.policy = policy
         self._policy = None if policy == "lru" else make_policy(policy, self.n_slots)

@@ -63,6 +63,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ucm import threads
+from ucm.config import check_count, check_flag, check_seconds
 from ucm.ops import alloc_aligned, io_batch, new_io_ops, open_beneath
 from ucm.store import format as fmt
 from ucm.store.base import BlockBuffers, BlockGeometry, KVStore, Task, subset_buffers as _subset
@@ -119,14 +120,24 @@ class PosixStore(KVStore):
                  capacity_bytes: int = 64 << 30, o_direct: bool = False, fsync: bool = False,
                  io_threads: int = 4, wait_timeout_s: float = 30.0, stale_tmp_s: float = 600.0,
                  codec: int = 0, read_only: bool = False, group: Optional[str] = None):
-        super().__init__(geometry, wait_timeout_s, namespace)
+        super().__init__(geometry, check_seconds(wait_timeout_s, "store.wait_timeout_s"), namespace)
         if isinstance(roots, (str, os.PathLike)):
             roots = [roots]
+        if isinstance(roots, (bytes, bytearray)) or not hasattr(roots, "__iter__"):
+            raise ValueError(f"store.posix.roots: expected a list of directory paths, got {roots!r}")
         roots = list(roots)
         for r in roots:
-            if not isinstance(r, (str, os.PathLike)) or not os.fspath(r).strip():
+            if not isinstance(r, (str, os.PathLike)) or not isinstance(os.fspath(r), str) \
+                    or not os.fspath(r).strip():
                 raise ValueError(f"store.posix.roots: {r!r} is not a directory path (an empty path "
                                  f"would silently mean the working directory)")
+            if "\0" in os.fspath(r):
+                raise ValueError(f"store.posix.roots: {r!r} is not a directory path (it holds a NUL "
+                                 f"character)")
+        o_direct = check_flag(o_direct, "store.posix.o_direct")
+        fsync = check_flag(fsync, "store.posix.fsync")
+        read_only = check_flag(read_only, "store.posix.read_only")
+        io_threads = check_count(io_threads, "store.io_threads")
         roots = [os.path.realpath(os.path.expanduser(os.fspath(r))) for r in roots]
         if not roots:
             raise ValueError("store.posix.roots: at least one directory is required")

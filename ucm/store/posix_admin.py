@@ -10,6 +10,7 @@ budget; a store reading a block being cleared sees a miss.
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Callable, Iterable, Optional
 
@@ -40,6 +41,9 @@ class Root:
     root's locking (needed to quarantine, collect or clear); else read only."""
 
     def __init__(self, path: str, write: bool = False, stale_s: float = 600.0):
+        if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
+            raise ValueError(f"root {path!r} is not a directory path (an empty path would mean "
+                             f"the working directory)")
         path = os.path.realpath(os.path.expanduser(os.fspath(path)))
         if not os.path.isdir(path):
             raise ValueError(f"{path!r} is not a directory")
@@ -115,7 +119,7 @@ class Root:
                 "quarantine": {"files": q_n, "bytes": q_bytes}}
 
     def find(self, block_id: str) -> list:
-        block_id = block_id.lower()
+        block_id = _hex32(block_id, "block id")
         return [b for b in self.blocks() if b[1] == block_id]
 
     # -- checking and changing --------------------------------------------------------------
@@ -184,13 +188,19 @@ class Root:
         """Remove dead writers' temporaries and old quarantined files, evict least recently used
         blocks down to ``target_bytes`` (None: no eviction); returns the bytes in use."""
         self._need_write("gc")
+        if target_bytes is not None and (isinstance(target_bytes, bool) or not isinstance(
+                target_bytes, int) or target_bytes < 0):
+            raise ValueError(f"gc target: expected a number of bytes >= 0 (0 evicts every "
+                             f"block), got {target_bytes!r}")
         with self._root.locked():
             return self._root.gc_locked(target_bytes)
 
     def clear(self, namespaces: Iterable[str], progress: Progress = None) -> dict:
         """Delete every block whose header names one of ``namespaces`` (hex digests)."""
         self._need_write("clear")
-        wanted = {n.lower() for n in namespaces}
+        wanted = {_hex32(n, "namespace") for n in namespaces}
+        if not wanted:
+            raise ValueError("clear: name at least one namespace")
         r = self._root
         removed = freed = 0
         by_space: dict = {}
@@ -219,6 +229,14 @@ class Root:
                 r.write_usage(max(0, r.usage_locked() - here))
             freed += here
         return {"removed": removed, "bytes": freed}
+
+
+def _hex32(text, what: str) -> str:
+    """``text`` as 32 lower-case hex digits (a namespace digest or a block id), else ValueError."""
+    if not isinstance(text, str) or not re.fullmatch(r"[0-9a-fA-F]{32}", text.strip()):
+        raise ValueError(f"{what} {text!r}: expected 32 hex digits (as `ucm store du` and "
+                         f"`ucm store ls` show them)")
+    return text.strip().lower()
 
 
 def _no_follow(path, flags):

@@ -255,10 +255,20 @@ class RedisStore(RemoteStore):
     def from_config(cls, geometry: BlockGeometry, config, namespace: bytes,
                     codec: int = 0) -> "RedisStore":
         servers = config["store.redis.servers"]
-        for url in servers:
+        servers_file = config["store.redis.servers_file"]
+        key = "store.redis.servers_file" if servers_file else "store.redis.servers"
+        if servers_file:  # read here too, so that a file the tier cannot use names its key
+            try:
+                with open(servers_file) as f:
+                    listed = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"config key {key!r}: cannot read {servers_file!r}: {exc}") from None
+            if not listed:
+                raise ConfigError(f"config key {key!r}: {servers_file!r} lists no server")
+        for url in (listed if servers_file else servers):
             scheme = urlsplit(url).scheme
             if scheme not in SCHEMES:
-                raise ConfigError(f"config key 'store.redis.servers': {redacted(url)!r} is not a "
+                raise ConfigError(f"config key {key!r}: {redacted(url)!r} is not a "
                                   f"Redis URL (expected {', '.join(s + '://' for s in SCHEMES)})")
         cluster = config["store.redis.cluster"]
         opts = dict(cluster=cluster, username=config["store.redis.username"],

@@ -183,7 +183,11 @@ class S3Backend(Backend):
             kw = dict(endpoint_url=endpoint_url or None)
             self._meta = session.client("s3", config=config(timeout_s), **kw)
             self._data = session.client("s3", config=config(value_timeout), **kw)
-        except ValueError as exc:  # botocore's check of the endpoint URL
+        except ValueError as exc:  # botocore's check of the region or of the endpoint URL
+            from botocore.exceptions import InvalidRegionError
+
+            if isinstance(exc, InvalidRegionError):
+                raise ConfigError(f"config key 'store.s3.region': {region!r}: {exc}") from None
             raise ConfigError(f"config key 'store.s3.endpoint_url': {redacted(endpoint_url)!r}: "
                               f"{exc}") from None
         self._pool = threads.pool(requests_in_flight, "ucm-s3-req")
