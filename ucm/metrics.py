@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
+import re
 import threading
 import time
 from typing import Iterable, Optional
@@ -49,13 +52,49 @@ class Series:
         if set(labels) != set(self.labels):
             raise ValueError(f"metric {self.name}: labels {sorted(labels)}, expected "
                              f"{list(self.labels)}")
-        return ",".join(f"{k}={labels[k]}" for k in self.labels)
+        return ",".join(f"{k}={_escape_label(self.name, k, labels[k])}" for k in self.labels)
 
     def label_values(self, key: str) -> list:
         if not self.labels:
             return []
         values = dict(part.split("=", 1) for part in key.split(","))
-        return [values[k] for k in self.labels]
+        return [_unescape_label(values[k]) for k in self.labels]
+
+
+# a label key is "name=value,...": a value's own "%", "," and "=" are written %25, %2C, %3D
+_ESCAPES = {"%": "%25", ",": "%2C", "=": "%3D"}
+_UNESCAPES = {v: k for k, v in _ESCAPES.items()}
+
+
+def _escape_label(metric: str, label: str, value) -> str:
+    value = str(value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"metric {metric}: label {label}={value!r} is not valid UTF-8 text "
+                         f"(Prometheus' text format could not be written)") from None
+    return re.sub(r"[%,=]", lambda m: _ESCAPES[m.group(0)], value)
+
+
+def _unescape_label(value: str) -> str:
+    return re.sub(r"%(?:25|2C|3D)", lambda m: _UNESCAPES[m.group(0)], value)
+
+
+def _number(name: str, value, counter: bool = False):
+    """``value`` checked for series ``name``: a finite real number (a counter's: not negative);
+    ValueError naming the series otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real):
+        try:
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"metric {name}: value {value!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"metric {name}: value {value!r} is not a finite number")
+    if counter and value < 0:
+        raise ValueError(f"metric {name}: a counter only increases; value {value!r} < 0")
+    return value
 
 
 _TIER = ("tier",)
@@ -187,6 +226,7 @@ class Recorder:
         s = series(name)
         if s.kind != "counter":
             raise ValueError(f"metric {name} is a {s.kind}, not a counter")
+        value = _number(name, value, counter=True)
         if value:
             key = s.key(labels)
             with self._lock:
@@ -198,6 +238,7 @@ class Recorder:
         s = series(name)
         if s.kind != "gauge":
             raise ValueError(f"metric {name} is a {s.kind}, not a gauge")
+        value = _number(name, value)
         key = s.key(labels)
         with self._lock:
             self._data.setdefault(name, {})[key] = value
@@ -207,6 +248,7 @@ class Recorder:
         s = series(name)
         if s.kind != "histogram":
             raise ValueError(f"metric {name} is a {s.kind}, not a histogram")
+        value = float(_number(name, value))
         key = s.key(labels)
         with self._lock:
             count_sum = self._totals.setdefault(name, {}).setdefault(key, [0, 0.0])
@@ -243,7 +285,9 @@ class Recorder:
         histograms as ``name_count`` and ``name_sum`` as Prometheus exposes them); series never
         recorded read 0 for counters. Not affected by :meth:`drain`."""
         with self._lock:
-            snap = {name: dict(values) for name, values in self._totals.items()}
+            # histograms' [count, sum] are copied here: observe() updates them in place
+            snap = {name: {k: list(v) if isinstance(v, list) else v for k, v in values.items()}
+                    for name, values in self._totals.items()}
         out = {}
         for s in SERIES.values():   # what never happened reads 0
             if not s.labels and s.name not in snap:
@@ -280,7 +324,9 @@ def _put_flat(out: dict, name: str, key: str, value, total=None) -> None:
 
 def merge(into: dict, other: dict) -> dict:
     """Add payload ``other`` to ``into`` (counters add, gauges take ``other``'s value,
-    histograms concatenate); returns ``into``."""
+    histograms concatenate, at most MAX_OBSERVATIONS kept: the rest are counted in
+    ``ucm_metrics_dropped_observations_total``); returns ``into``."""
+    dropped = 0
     for name, values in other.items():
         kind = series(name).kind
         mine = into.setdefault(name, {})
@@ -290,7 +336,12 @@ def merge(into: dict, other: dict) -> dict:
             elif kind == "gauge":
                 mine[key] = v
             else:
-                mine[key] = (mine.get(key, []) + list(v))[:MAX_OBSERVATIONS]
+                obs = mine.get(key, []) + list(v)
+                dropped += max(0, len(obs) - MAX_OBSERVATIONS)
+                mine[key] = obs[:MAX_OBSERVATIONS]
+    if dropped:
+        d = into.setdefault("ucm_metrics_dropped_observations_total", {})
+        d[""] = d.get("", 0) + dropped
     return into
 
 

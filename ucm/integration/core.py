@@ -112,7 +112,7 @@ class WorkerCore:
         """Store the engine's blocks ``indices`` (into the layout) under ``block_ids``; returns
         one bool per block (True: stored, or already there). Blocks the store holds are not
         written again; a store fault is a False, never an exception."""
-        ids, idx, ok = self._block_args(block_ids, indices)
+        ids, idx, ok = self._block_args(block_ids, indices, unique=False)
         if self.store is None or not len(ids):
             return ok
         t0 = time.perf_counter()
@@ -137,20 +137,36 @@ class WorkerCore:
         self._count("save", ok, t0)
         return ok
 
-    @staticmethod
-    def _block_args(block_ids, indices) -> tuple:
-        """``(ids, engine block indices, all-False result)``; ValueError on unequal lengths."""
+    def _block_args(self, block_ids, indices, unique: bool) -> tuple:
+        """``(ids, engine block indices, all-False result)``; ValueError naming the argument
+        on unequal lengths, indices that are not integers in ``[0, num_blocks)`` (no ``-1``:
+        a skipped block would be reported done) and, for loads (``unique``), an engine block
+        named twice (it would hold one of two blocks' bytes)."""
         ids = ucm.as_ids(block_ids, "block_ids")
-        idx = np.asarray(indices, dtype=np.int64)
-        if len(idx) != len(ids):
-            raise ValueError(f"indices: {len(idx)} for {len(ids)} block ids")
+        if isinstance(indices, torch.Tensor):
+            indices = indices.detach().cpu().numpy()
+        arr = np.asarray(indices)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise ValueError(f"indices: expected a 1-D sequence of integer block indices, got "
+                             f"shape {list(arr.shape)} dtype {arr.dtype}")
+        if len(arr) != len(ids):
+            raise ValueError(f"indices: {len(arr)} for {len(ids)} block ids")
+        n = self.layout.num_blocks
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= n):
+            bad = next(int(x) for x in arr.tolist() if not 0 <= int(x) < n)
+            raise ValueError(f"indices: block index {bad} out of range [0, {n})")
+        idx = arr.astype(np.int64)
+        if unique and len(np.unique(idx)) != len(idx):
+            vals, counts = np.unique(idx, return_counts=True)
+            raise ValueError(f"indices: block index {int(vals[counts > 1][0])} appears twice "
+                             f"(one engine block cannot receive two blocks)")
         return ids, idx, np.zeros(len(ids), dtype=bool)
 
     def load_blocks(self, block_ids, indices) -> np.ndarray:
         """Load ``block_ids`` into the engine's blocks ``indices``; returns one bool per block.
         A block that fails (missing, corrupt, a store fault) is False and its engine block is
         left as it was: never another block's bytes."""
-        ids, idx, ok = self._block_args(block_ids, indices)
+        ids, idx, ok = self._block_args(block_ids, indices, unique=True)
         if self.store is None or not len(ids):
             return ok
         t0 = time.perf_counter()
@@ -258,7 +274,11 @@ class WorkerCore:
         return out
 
     def close(self) -> None:
-        """Write the last statistics line and close the file (the store stays open)."""
+        """Write the last statistics line and close the file (the store stays open). A second
+        call does nothing."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self.write_stats(final=True)
         if self.stats_sink is not None:
             self.stats_sink.close()

@@ -140,15 +140,21 @@ class UCMStorage(HiCacheStorage):
         """One zero-copy call: host token indices -> pages, keys -> ids, ``transfer`` (the
         core's load or save) on the valid keys; the rest are False."""
         t0 = time.perf_counter()
-        idx = pages.page_indices(host_indices, self.page_size, len(keys))
+        idx = pages.page_indices(host_indices, self.page_size, len(keys),
+                                 self.core.layout.num_blocks)
         if idx is None:
             log.error("ucm HiCache backend: %d host indices for %d pages of %d tokens (or not "
-                      "page aligned)", len(host_indices), len(keys), self.page_size)
+                      "whole pages of the host pool)", len(host_indices), len(keys),
+                      self.page_size)
             return [False] * len(keys)
         ids, valid = self._ids(keys)
         ok = np.zeros(len(keys), dtype=bool)
         if valid.any():
-            ok[valid] = transfer(ids[valid], idx[valid])
+            try:
+                ok[valid] = transfer(ids[valid], idx[valid])
+            except ValueError as exc:      # e.g. one host page named twice in a get
+                log.error("ucm HiCache backend: %s", exc)
+                return [False] * len(keys)
         self._record(op, int(ok.sum()), t0)
         return ok.tolist()
 

@@ -76,16 +76,25 @@ def page_views(host) -> list:
     return views
 
 
-def page_indices(host_indices, page_size: int, n_pages: int) -> Optional[np.ndarray]:
+def page_indices(host_indices, page_size: int, n_pages: int,
+                 num_pages: Optional[int] = None) -> Optional[np.ndarray]:
     """Page numbers of ``n_pages`` pages given as SGLang's token indices (``page_size`` per
-    page, the first of each a page boundary); None when they are not that."""
+    page: a page boundary and the tokens after it, in order); None when they are not that, or
+    name a page outside ``[0, num_pages)`` (when given)."""
     idx = np.asarray(host_indices.cpu() if hasattr(host_indices, "cpu") else host_indices)
-    if idx.ndim != 1 or len(idx) != n_pages * page_size:
+    if page_size < 1 or idx.ndim != 1 or len(idx) != n_pages * page_size:
         return None
-    first = idx[::page_size].astype(np.int64)
-    if len(first) and (first % page_size).any():
+    if idx.size and idx.dtype.kind not in "iu":
         return None
-    return first // page_size
+    tokens = idx.astype(np.int64).reshape(n_pages, page_size)
+    first = tokens[:, 0]
+    if len(first) and ((first < 0).any() or (first % page_size).any()
+                       or (tokens != first[:, None] + np.arange(page_size)).any()):
+        return None
+    pages = first // page_size
+    if num_pages is not None and len(pages) and pages.max() >= num_pages:
+        return None
+    return pages
 
 
 def key_ids(keys, ns: Namespace, generation: int = 0) -> tuple:
