@@ -31,6 +31,8 @@ class BufferPool:
 
     def give(self, buf) -> None:
         with self._lock:
+            if any(b is buf for b in self._free):
+                return  # given back twice: one pooled copy, or two takers would share it
             if self._keep is None or len(self._free) < self._keep:
                 self._free.append(buf)
 

@@ -47,13 +47,16 @@ class Namespace:
             raise ValueError(f"Namespace.model must be a non-empty string, got {self.model!r}")
         if not isinstance(self.dtype, str) or not self.dtype:
             raise ValueError(f"Namespace.dtype must be a non-empty string, got {self.dtype!r}")
-        _check_block_size(self.block_size, "Namespace.block_size")
+        # a plain int: numpy ints are not JSON-serializable (the digest) and must equal ints
+        object.__setattr__(self, "block_size", _check_block_size(self.block_size,
+                                                                 "Namespace.block_size"))
         if not isinstance(self.kv_layout, str) or not self.kv_layout:
             raise ValueError(f"Namespace.kv_layout must be a non-empty string (e.g. one of "
                              f"{list(KV_LAYOUTS)}), got {self.kv_layout!r}")
-        if not (isinstance(self.tp_size, int) and self.tp_size >= 1):
+        if isinstance(self.tp_size, bool) or not (isinstance(self.tp_size, int) and self.tp_size >= 1):
             raise ValueError(f"Namespace.tp_size must be an int >= 1, got {self.tp_size!r}")
-        if not (isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size):
+        if isinstance(self.tp_rank, bool) or \
+                not (isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size):
             raise ValueError(f"Namespace.tp_rank must be an int in [0, tp_size={self.tp_size}), "
                              f"got {self.tp_rank!r}")
 

@@ -155,7 +155,10 @@ class KVLayout:
                 if isinstance(lay, bool) or not isinstance(lay, (int, np.integer)) or lay < 0:
                     raise ValueError(f"layer_of_view[{i}]: expected a layer id >= 0, got {lay!r}")
             layer_of_view = [int(x) for x in layer_of_view]
-            missing = sorted(set(range(max(layer_of_view) + 1)) - set(layer_of_view))
+            # ids 0..L-1 all used means L <= n_views: look no further than n_views (a huge id
+            # would otherwise build and print a range of that size)
+            top = min(max(layer_of_view), n_views)
+            missing = sorted(set(range(top + 1)) - set(layer_of_view))
             if missing:
                 raise ValueError(f"layer_of_view: layer ids must be 0..num_layers-1 with none "
                                  f"missing; missing {missing}")
@@ -199,6 +202,7 @@ class KVLayout:
         lo = np.array([b + int(o[0]) for b, o in zip(self._bases, self._offsets)], dtype=np.int64)
         hi = np.array([b + (B - 1) * s + int(o[-1] + ln[-1]) for b, s, o, ln in
                        zip(self._bases, self._bstrides, self._offsets, self._lengths)], dtype=np.int64)
+        self._extents = (lo, hi)
         by_lo = np.argsort(lo, kind="stable")
         for pos, u in enumerate(by_lo):
             self._check_pair(int(u), int(u))
@@ -247,6 +251,18 @@ class KVLayout:
                 f"layers={self.num_layers}, block_bytes={self.block_bytes}, "
                 f"runs_per_block={sum(len(o) for o in self._offsets)}, device={self.device})")
 
+    def overlapping_view(self, lo: int, hi: int) -> Optional[int]:
+        """The first view whose bytes' extent meets the address range ``[lo, hi)``, or None."""
+        v_lo, v_hi = self._extents
+        hit = np.flatnonzero((v_lo < hi) & (v_hi > lo))
+        return int(hit[0]) if len(hit) else None
+
+    def _check_view(self, view) -> int:
+        if isinstance(view, bool) or not isinstance(view, (int, np.integer)) or \
+                not 0 <= view < self.num_views:
+            raise ValueError(f"view: expected a view number in [0, {self.num_views}), got {view!r}")
+        return int(view)
+
     def _check_layer(self, layer, name: str = "layer") -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
                 not 0 <= layer < self.num_layers:
@@ -264,21 +280,22 @@ class KVLayout:
     def view_runs(self, view: int):
         """``(offsets, lengths)`` int64 arrays: the byte runs of one block of ``views[view]``,
         relative to that block's first byte (``data_ptr + b * block_stride``)."""
+        view = self._check_view(view)
         return self._offsets[view].copy(), self._lengths[view].copy()
 
     def block_stride(self, view: int) -> int:
         """Bytes between block ``b`` and ``b + 1`` of ``views[view]``."""
-        return self._bstrides[view]
+        return self._bstrides[self._check_view(view)]
 
     def select(self, layers=None) -> tuple:
         """Normalize a layer selection: ``None`` = all layers in order; an int or a sequence of
         distinct layer ids (the staged row holds their shards in the order given)."""
         if layers is None:
             return tuple(range(self.num_layers))
+        if _is_tensor(layers) or isinstance(layers, np.ndarray):
+            layers = layers.tolist()   # a 0-d tensor or array becomes one int
         if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
             layers = (layers,)
-        if _is_tensor(layers):
-            layers = layers.tolist()
         if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
             raise ValueError(f"layers: expected None, a layer id or a sequence of layer ids, "
                              f"got {layers!r}")

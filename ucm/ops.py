@@ -88,6 +88,8 @@ def _as_id_words(value, name: str) -> np.ndarray:
     arr = np.asarray(value)
     if arr.shape != (2,) or arr.dtype.kind not in "iu":
         raise ValueError(f"{name}: expected {ID_BYTES} bytes or uint64[2], got {value!r}")
+    if arr.dtype.kind == "i" and (arr < 0).any():
+        raise ValueError(f"{name}: id words are unsigned, got negative values {arr.tolist()}")
     return arr.astype(np.uint64)
 
 
@@ -119,10 +121,23 @@ def hash_blocks(tokens, namespace: Union[Namespace, bytes], block_size: Optional
 # ---------------------------------------------------------------------------------------------
 # block index
 
-def _check_count(value, name: str, minimum: int) -> int:
+def _check_count(value, name: str, minimum: int, maximum: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be an int in [{minimum}, {maximum}], got {value!r}")
     return int(value)
+
+
+_U64_MAX = (1 << 64) - 1
+_INT_MAX = (1 << 31) - 1    # a C int (descriptors, flags, modes, thread counts)
+
+
+def _check_threads(n_threads) -> int:
+    """Thread count hint: >= 1; beyond a C int it is capped (the engine caps it far lower)."""
+    if n_threads is None:
+        return default_threads()
+    return min(_check_count(n_threads, "n_threads", 1), _INT_MAX)
 
 
 class BlockIndex:
@@ -171,7 +186,8 @@ class BlockIndex:
         return self._impl.remove(as_ids(ids))
 
     def evict(self, target: int):
-        return self._impl.evict(_check_count(target, "target", 0))
+        # at most capacity entries exist: a larger target evicts nothing (and fits an int64)
+        return self._impl.evict(min(_check_count(target, "target", 0), self.capacity))
 
     def entries(self):
         return self._impl.entries()
@@ -202,18 +218,30 @@ def copy_segments(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], lengths: Seq
     lengths = _as_u64_vector(lengths, "lengths")
     src = _as_u64_vector(src_ptrs, "src_ptrs", len(lengths))
     dst = _as_u64_vector(dst_ptrs, "dst_ptrs", len(lengths))
-    n_threads = default_threads() if n_threads is None else _check_count(n_threads, "n_threads", 1)
+    n_threads = _check_threads(n_threads)
     if len(lengths) and (((src == 0) | (dst == 0)) & (lengths > 0)).any():
         raise ValueError("src_ptrs/dst_ptrs: null address for a non-empty segment")
     dispatch.call("copy_segments", src, dst, lengths, n_threads, backend=backend)
 
 
 def _buffer_view(buf, name: str, writable: bool) -> np.ndarray:
+    if isinstance(buf, (list, tuple, str)):
+        raise ValueError(f"{name}: expected a contiguous host buffer (numpy array, CPU tensor or "
+                         f"buffer object), got {type(buf).__name__}")
     if type(buf).__module__.startswith("torch"):
         if buf.device.type != "cpu" or not buf.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous CPU tensor")
         buf = buf.view(-1).view(__import__("torch").uint8).numpy()
-    arr = np.asarray(buf) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if isinstance(buf, np.ndarray):
+        arr = buf
+    else:
+        try:
+            arr = np.frombuffer(buf, dtype=np.uint8)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}: expected a contiguous host buffer (numpy array, CPU tensor "
+                             f"or buffer object), got {type(buf).__name__} ({exc})") from None
+    if arr.dtype.hasobject:
+        raise ValueError(f"{name}: an array of Python objects has no bytes to copy")
     if not arr.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous buffer")
     if writable and not arr.flags.writeable:
@@ -231,9 +259,10 @@ def copy_ranges(src, src_offsets, dst, dst_offsets, lengths, n_threads: Optional
     so = _as_u64_vector(src_offsets, "src_offsets", len(lengths))
     do = _as_u64_vector(dst_offsets, "dst_offsets", len(lengths))
     if len(lengths):
-        if int((so + lengths).max()) > s.nbytes:
+        # each term alone first: their uint64 sum could wrap around to a small number
+        if max(int(so.max()), int(lengths.max())) > s.nbytes or int((so + lengths).max()) > s.nbytes:
             raise ValueError(f"src_offsets + lengths exceed the source buffer ({s.nbytes} bytes)")
-        if int((do + lengths).max()) > d.nbytes:
+        if max(int(do.max()), int(lengths.max())) > d.nbytes or int((do + lengths).max()) > d.nbytes:
             raise ValueError(f"dst_offsets + lengths exceed the destination buffer ({d.nbytes} bytes)")
     base_s = np.uint64(s.ctypes.data)
     base_d = np.uint64(d.ctypes.data)
@@ -243,8 +272,8 @@ def copy_ranges(src, src_offsets, dst, dst_offsets, lengths, n_threads: Optional
 def alloc_aligned(nbytes: int, alignment: int = 4096, *, backend: Optional[str] = None) -> np.ndarray:
     """A zero-filled, page-touched ``uint8 [nbytes]`` host buffer aligned to ``alignment`` bytes
     (a power of two, default 4096: suits ``O_DIRECT`` and pinning)."""
-    nbytes = _check_count(nbytes, "nbytes", 1)
-    alignment = _check_count(alignment, "alignment", 8)
+    nbytes = _check_count(nbytes, "nbytes", 1, 1 << 62)
+    alignment = _check_count(alignment, "alignment", 8, 1 << 30)
     if alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
     return dispatch.call("alloc_aligned", nbytes, alignment, backend=backend)
@@ -257,7 +286,7 @@ def checksum(data, word0: int = 0, *, backend: Optional[str] = None) -> int:
     """ucm-sum64 checksum of a contiguous host buffer whose first byte is word ``word0`` of its
     block (docs/block-format.md). Checksums of adjacent ranges add up modulo 2**64."""
     view = _buffer_view(data, "data", writable=False)
-    word0 = _check_count(word0, "word0", 0)
+    word0 = _check_count(word0, "word0", 0, _U64_MAX)
     return dispatch.call("checksum", view, word0, backend=backend)
 
 
@@ -271,7 +300,7 @@ def checksum_units(data, unit_bytes: int, word0: int = 0, *,
     if unit % 8 or view.nbytes % unit:
         raise ValueError(f"unit_bytes must be a multiple of 8 dividing the buffer's {view.nbytes} "
                          f"bytes, got {unit_bytes}")
-    word0 = _check_count(word0, "word0", 0)
+    word0 = _check_count(word0, "word0", 0, _U64_MAX)
     return dispatch.call("checksum_units", view, unit, word0, backend=backend)
 
 
@@ -287,7 +316,7 @@ def copy_checksum_units(dst, src, unit_bytes: int, word0: int = 0, *,
     if unit % 8 or s.nbytes % unit:
         raise ValueError(f"unit_bytes must be a multiple of 8 dividing the buffer's {s.nbytes} "
                          f"bytes, got {unit_bytes}")
-    word0 = _check_count(word0, "word0", 0)
+    word0 = _check_count(word0, "word0", 0, _U64_MAX)
     return dispatch.call("copy_checksum_units", d, s, unit, word0, backend=backend)
 
 
@@ -313,7 +342,7 @@ def io_batch(ops: np.ndarray, n_threads: Optional[int] = None, want_checksum: bo
         raise ValueError("ops: null address for a non-empty transfer")
     if len(ops) and (ops["fd"] < 0).any():
         raise ValueError("ops: negative file descriptor")
-    n_threads = default_threads() if n_threads is None else _check_count(n_threads, "n_threads", 1)
+    n_threads = _check_threads(n_threads)
     return dispatch.call("io_batch", ops, n_threads, bool(want_checksum), backend=backend)
 
 
@@ -327,8 +356,12 @@ def open_beneath(dirfd: int, paths, flags: int, mode: int = 0o600, *,
     (``keep_open``; the caller closes it), 0 (opened and closed again: a probe) or -errno; with
     ``want_sizes`` the size of each regular file (a target that is not one fails with -EINVAL),
     else None."""
-    if isinstance(dirfd, bool) or not isinstance(dirfd, (int, np.integer)) or dirfd < 0:
+    if isinstance(dirfd, bool) or not isinstance(dirfd, (int, np.integer)) or not 0 <= dirfd <= _INT_MAX:
         raise ValueError(f"dirfd: expected a directory descriptor, got {dirfd!r}")
+    for value, what in ((flags, "flags"), (mode, "mode")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+                not -_INT_MAX - 1 <= value <= _INT_MAX:
+            raise ValueError(f"{what}: expected an int that fits a C int, got {value!r}")
     if isinstance(paths, np.ndarray):
         if paths.dtype != np.uint8 or paths.ndim != 2 or not paths.flags.c_contiguous \
                 or (len(paths) and not (paths == 0).any(axis=1).all()):

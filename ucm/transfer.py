@@ -59,6 +59,10 @@ def _check_indices(block_indices, layout: KVLayout, unique: bool):
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise ValueError(f"{name}: expected a 1-D sequence of ints, got shape "
                              f"{list(arr.shape)} dtype {arr.dtype}")
+        if arr.size and arr.dtype.kind == "u" and int(arr.max()) >= layout.num_blocks:
+            # before the cast to int64: 2**64 - 1 would wrap to -1 (a skipped row)
+            raise ValueError(f"{name}: index {int(arr.max())} out of range "
+                             f"[0, {layout.num_blocks}) (-1 skips a row)")
         host = arr.astype(np.int64)
         on_device = False
     if host.size:
@@ -101,6 +105,13 @@ def _check_staging(staging, layout: KVLayout, n: int, row_bytes: int) -> None:
     if staging.device != layout.device:
         raise ValueError(f"{name}: on {staging.device}, the KV views on {layout.device} "
                          f"(staging must be on the KV cache's device)")
+    if n and row_bytes:
+        lo = staging.data_ptr()
+        hi = lo + (n - 1) * staging.stride(0) + row_bytes
+        view = layout.overlapping_view(lo, hi)
+        if view is not None:
+            raise ValueError(f"{name}: shares memory with the KV cache (views[{view}]); staging "
+                             f"must be a separate buffer")
 
 
 def gather_blocks(layout: KVLayout, block_indices, staging, layers=None, *,

@@ -57,7 +57,7 @@ def layer_scatter(layout: KVLayout, staging, block_indices):
     threads = default_threads()
 
     def run(k: int) -> None:
-        stage, cache, lengths = tables[k]
+        stage, cache, lengths = tables[layout._check_layer(k)]
         if len(lengths):
             native.copy_segments(stage, cache, lengths, threads)
     return run

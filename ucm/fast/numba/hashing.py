@@ -105,5 +105,7 @@ def hash_blocks(tokens: np.ndarray, block_size: int, namespace: np.ndarray,
                 parent: np.ndarray) -> np.ndarray:
     """Same contract as :func:`ucm.reference.hashing.hash_blocks`."""
     out = np.empty((len(tokens) // block_size, 2), dtype=np.uint64)
+    if out.shape[0] == 0:  # also a block_size beyond int64, which the jitted code cannot type
+        return out
     _hash_blocks(tokens, block_size, namespace[0], namespace[1], parent[0], parent[1], out)
     return out
