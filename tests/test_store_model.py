@@ -1,7 +1,7 @@
 """Every tier and pipeline against the dictionary model of tests/store_model.py: random operation
 sequences (duplicates, present and pending ids, refusals, eviction pressure, prefetch, reopen).
 
-6,000 operations for each of 12 store kinds (72,000 in all) in CI; ``UCM_MODEL_OPS`` sets
+6,000 operations for each of 16 store kinds (8 stores, roomy and tight: 96,000 in all) in CI; ``UCM_MODEL_OPS`` sets
 the number per kind, ``UCM_MODEL_SEED`` the first seed."""
 import os
 
