@@ -182,7 +182,7 @@ class RedisBackend(Backend):
         return [None if r is True else f"{r}" for r in replies]
 
     def get(self, keys, rows) -> list:
-        replies = self._run(keys, lambda p, i: p.get(keys[i]), True)
+        replies = _tampered_as_empty(self._run(keys, lambda p, i: p.get(keys[i]), True))
         _raise_first_error(replies)
         return replies  # a cluster node that failed alone: its keys carry the Unavailable
 
@@ -190,8 +190,8 @@ class RedisBackend(Backend):
         """One pipeline: EXISTS marker, GET value, per block (both keys on one node)."""
         n = len(keys)
         both = [k for pair in zip(markers, keys) for k in pair]
-        replies = self._run(both, lambda p, j: p.exists(both[j]) if j % 2 == 0 else p.get(both[j]),
-                            True)
+        replies = _tampered_as_empty(self._run(
+            both, lambda p, j: p.exists(both[j]) if j % 2 == 0 else p.get(both[j]), True))
         _raise_first_error(replies)
         out = []
         for i in range(n):
@@ -232,8 +232,16 @@ def _moved(reply) -> bool:
     return isinstance(reply, Exception) and str(reply).startswith(("MOVED", "ASK"))
 
 
+def _tampered_as_empty(replies) -> list:
+    """A key that holds another type than a string (WRONGTYPE: written by something else) is
+    a value of no bytes, which the tier refuses as corrupt and deletes, instead of an error that
+    would fail the other blocks of the batch on every load."""
+    return [b"" if isinstance(r, Exception) and not isinstance(r, Unavailable)
+            and str(r).startswith("WRONGTYPE") else r for r in replies]
+
+
 def _raise_first_error(replies) -> None:
-    """A read that failed for a key (NOPERM, a node down, a wrong type) fails the batch: the
+    """A read that failed for a key (NOPERM, a node down) fails the batch: the
     tier counts it and reads the blocks as misses."""
     for r in replies:
         if isinstance(r, Unavailable):

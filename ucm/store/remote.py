@@ -252,7 +252,8 @@ class RemoteStore(KVStore):
             if state == self._file_state:
                 return
             names = self._read_servers_file()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: bytes that are not UTF-8 (a file
+            # caught mid-write): keep the pool as it is, read it again when it changes
             log.warning("ucm %s: cannot read servers file %s (%s); keeping %s", self.name,
                         self._servers_file, exc, [self.label(n) for n in self._names])
             return

@@ -1,0 +1,197 @@
+"""Hostile conditions for the distributed tiers (``ucm.store.remote`` over a real redis-server on
+127.0.0.1): values tampered with on the server, keys of another type, a servers file caught
+mid-write, servers that accept connections but never answer or close them at once. Every fault
+must read as a miss of the blocks it touches, never as an exception or another block's bytes."""
+import socket
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+import ucm
+from ucm.store import open_store
+
+from services import require_module
+from services.redis import redis_server
+
+redis = require_module("redis")
+
+NS = ucm.Namespace("bad-input-remote", "bfloat16", 16).digest()
+SHARD = 4096
+N_SHARDS = 4
+BLOCK = SHARD * N_SHARDS
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    p = redis_server(tmp_path_factory.mktemp("redis"))
+    yield p
+    p.stop()
+
+
+def _open(servers=None, servers_file="", **remote):
+    red = {"servers_file": servers_file} if servers_file else {"servers": list(servers)}
+    return open_store({"store": {"pipeline": "redis", "redis": red,
+                                 "remote": {"backoff_s": 0.3, "staging": "8MiB", **remote}}},
+                      block_bytes=BLOCK, shard_bytes=SHARD, namespace=NS)
+
+
+def _ids(rng, n):
+    return rng.integers(0, 2**63, size=(n, 2), dtype=np.uint64)
+
+
+def _data(rng, n):
+    return rng.integers(0, 256, size=(n, BLOCK), dtype=np.uint8)
+
+
+def _put(store, ids, data):
+    r = store.wait(store.dump(ids, 0, data))
+    assert r.all_ok, r.errors
+    store.commit(ids, r.ok)
+
+
+def test_a_key_of_another_type_is_a_miss_of_its_block_alone(server, rng):
+    """A value key overwritten with a hash (WRONGTYPE for GET) used to fail the load of every
+    block of its batch, on every load, while lookup kept reporting the block: it must be a miss
+    of that block, quarantined, and the others must load."""
+    s = _open([server.url])
+    raw = redis.Redis(host="127.0.0.1", port=server.port)
+    try:
+        ids, data = _ids(rng, 8), _data(rng, 8)
+        _put(s, ids, data)
+        key = s._keys(ids[:1], "v")[0]
+        raw.delete(key)
+        raw.hset(key, "tampered", "yes")
+        out = np.zeros_like(data)
+        r = s.wait(s.load(ids, 0, out), timeout=10)
+        assert r.ok.tolist() == [False] + [True] * 7, r.errors
+        assert (out[1:] == data[1:]).all()
+        assert s.stats()["redis"]["quarantined"] == 1
+        assert s.lookup(ids) == [False] + [True] * 7  # both keys of the bad block deleted
+        # shard by shard (the path that keeps whole values for the next layers) as well
+        _put(s, ids[:1], data[:1])
+        raw.delete(key)
+        raw.hset(key, "tampered", "again")
+        out = np.zeros((8, SHARD), np.uint8)
+        r = s.wait(s.load(ids, 0, out), timeout=10)
+        assert r.ok.tolist() == [False] + [True] * 7, r.errors
+        assert (out[1:] == data[1:, :SHARD]).all()
+    finally:
+        raw.close()
+        s.close()
+
+
+def test_tampered_values_and_lone_keys_are_clean_misses(server, rng):
+    """Empty value, another block's whole value, a marker without its value, a value without its
+    marker, garbage of the right length: misses, never another block's bytes, never raised."""
+    s = _open([server.url])
+    raw = redis.Redis(host="127.0.0.1", port=server.port)
+    try:
+        ids, data = _ids(rng, 6), _data(rng, 6)
+        _put(s, ids, data)
+        v, m = s._keys(ids, "v"), s._keys(ids, "m")
+        raw.set(v[0], b"")
+        raw.set(v[1], raw.get(v[5]))                      # block 5's valid value under block 1
+        raw.delete(v[2])                                  # marker without value
+        raw.delete(m[3])                                  # value without marker
+        raw.set(v[4], bytes(len(raw.get(v[4]))))          # zeros of the right length
+        assert s.lookup(ids) == [True, True, False, False, True, True]
+        out = np.full_like(data, 0xAB)
+        r = s.wait(s.load(ids, 0, out), timeout=10)
+        assert r.ok.tolist() == [False] * 5 + [True], r.errors
+        assert (out[5] == data[5]).all()
+        assert not (out[1] == data[5]).all()              # never another block's bytes
+        assert s.lookup(ids) == [False] * 5 + [True]
+    finally:
+        raw.close()
+        s.close()
+
+
+def test_servers_file_caught_mid_write_keeps_the_pool(server, rng, tmp_path):
+    """A servers file holding bytes that are not UTF-8 (an editor caught mid-write) used to raise
+    UnicodeDecodeError out of lookup, and leave dumps hanging until the wait timed out: the pool
+    must stay as it was."""
+    path = tmp_path / "servers"
+    path.write_text(server.url + "\n")
+    s = _open(servers_file=str(path))
+    try:
+        ids, data = _ids(rng, 4), _data(rng, 4)
+        _put(s, ids, data)
+        path.write_bytes(server.url.encode() + b"\n\xff\xfe\xc3\n")
+        time.sleep(1.1)  # the file is checked at most once a second
+        assert s.lookup(ids) == [True] * 4
+        time.sleep(1.1)
+        more, more_data = _ids(rng, 4), _data(rng, 4)
+        r = s.wait(s.dump(more, 0, more_data), timeout=5)
+        assert r.all_ok, r.errors
+        s.commit(more, r.ok)
+        out = np.zeros_like(more_data)
+        assert s.wait(s.load(more, 0, out), timeout=5).all_ok and (out == more_data).all()
+        assert s.servers() == [server.url]
+    finally:
+        s.close()
+
+
+class _Silent:
+    """A TCP server on 127.0.0.1 that accepts connections and then either never answers
+    (``close=False``) or closes each one at once."""
+
+    def __init__(self, close: bool):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.conns, self.close_at_once, self.stop = [], close, False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        self.sock.settimeout(0.05)
+        while not self.stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                continue
+            if self.close_at_once:
+                c.close()
+            else:
+                self.conns.append(c)
+
+    def shutdown(self):
+        self.stop = True
+        self.thread.join(5)
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["never-answers", "closes-at-once"])
+def test_a_silent_server_in_the_pool_costs_only_its_blocks(server, rng, close):
+    bad = _Silent(close)
+    try:
+        s = _open([server.url, bad.url], timeout_s=0.05)
+        try:
+            ids, data = _ids(rng, 64), _data(rng, 64)
+            t0 = time.monotonic()
+            r = s.wait(s.dump(ids, 0, data), timeout=10)
+            s.commit(ids, r.ok)
+            hit = np.asarray(s.lookup(ids))
+            out = np.zeros_like(data)
+            lr = s.wait(s.load(ids, 0, out), timeout=10)
+            assert time.monotonic() - t0 < 5
+            assert 0 < r.ok.sum() < 64          # the good server's share only
+            assert (hit == r.ok).all() and (lr.ok == r.ok).all()
+            assert (out[lr.ok] == data[lr.ok]).all()
+            assert bad.url in s.stats()["redis"]["down"]
+        finally:
+            s.close()
+    finally:
+        bad.shutdown()
