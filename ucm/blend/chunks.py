@@ -23,6 +23,7 @@ chunk's full blocks are stored; its last partial block is recomputed in place.
 """
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -35,15 +36,70 @@ class ChunkSpecError(ValueError):
     """A request's chunk marking cannot be used (the message says why)."""
 
 
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 60, 60, 60
+
+
+def _show(x: Any) -> str:
+    """A short repr of a request's (untrusted) value for an error message: bounded in length,
+    and never an exception of its own (a huge int's repr raises ValueError, a deeply nested
+    list's RecursionError: neither is the ChunkSpecError the scheduler logs)."""
+    try:
+        if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 64:
+            return f"<int of {x.bit_length()} bits>"
+        out = _SHOW.repr(x)
+    except Exception:
+        return f"<{type(x).__name__}>"
+    return out if len(out) <= 200 else out[:200] + "..."
+
+
+def _kmp(prompt: list, sep: list) -> list:
+    """Start positions of every occurrence of ``sep`` in ``prompt``, overlapping ones included
+    (Knuth-Morris-Pratt: O(len(prompt) + len(sep)) whatever the input)."""
+    m = len(sep)
+    fail, k = [0] * m, 0
+    for i in range(1, m):
+        while k and sep[i] != sep[k]:
+            k = fail[k - 1]
+        if sep[i] == sep[k]:
+            k += 1
+        fail[i] = k
+    out, k = [], 0
+    for i, t in enumerate(prompt):
+        while k and t != sep[k]:
+            k = fail[k - 1]
+        if t == sep[k]:
+            k += 1
+            if k == m:
+                out.append(i - m + 1)
+                k = fail[k - 1]
+    return out
+
+
+_FILTER = 16   # separator tokens matched vectorised before the candidates are checked
+
+
 def _find(prompt: np.ndarray, sep: np.ndarray) -> list:
-    """Start positions of non-overlapping occurrences of ``sep`` in ``prompt``."""
+    """Start positions of non-overlapping occurrences of ``sep`` in ``prompt`` (leftmost first).
+    Linear in ``len(prompt) + len(sep)``: a request's separator is untrusted input, and a long
+    one that almost matches everywhere must not cost the scheduler O(len(prompt) * len(sep))."""
     n, m = len(prompt), len(sep)
     if m == 0 or n < m:
         return []
     hits = np.flatnonzero(prompt[:n - m + 1] == sep[0])
+    for j in range(1, min(m, _FILTER)):
+        if not len(hits):
+            return []
+        hits = hits[prompt[hits + j] == sep[j]]
+    if m > _FILTER and len(hits):
+        if len(hits) * (m - _FILTER) > 4 * (n + m):   # checking each would be quadratic
+            hits = _kmp(prompt.tolist(), sep.tolist())
+        else:
+            hits = [h for h in hits.tolist()
+                    if np.array_equal(prompt[h + _FILTER:h + m], sep[_FILTER:])]
     out, last = [], -m
     for h in hits:
-        if h >= last + m and np.array_equal(prompt[h:h + m], sep):
+        if h >= last + m:
             out.append(int(h))
             last = int(h)
     return out
@@ -83,12 +139,15 @@ def parse_request(prompt: Sequence[int], params: Optional[dict], separator: Sequ
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
                               or not 0 <= ratio <= 1):
         raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['recompute_ratio']: expected a "
-                             f"number in [0, 1], got {ratio!r}")
+                             f"number in [0, 1], got {_show(ratio)}")
     unknown = set(spec) - {"chunks", "separator"}
     if unknown or len(spec) != 1:
+        # (keys of any type, any number: sorted by their short repr, at most 8 shown)
+        got = sorted(_show(k) for k in spec)
         raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]: expected exactly one of 'chunks' "
                              f"or 'separator' (and optionally 'recompute_ratio'), got keys "
-                             f"{sorted(spec)}")
+                             f"[{', '.join(got[:8])}{', ...' if len(got) > 8 else ''}] "
+                             f"({len(got)})")
     return _spans(prompt, spec), (None if ratio is None else float(ratio))
 
 
@@ -103,7 +162,7 @@ def _spans(prompt: Sequence[int], spec: dict) -> list:
             # must be this error, which the scheduler logs, not an OverflowError)
             raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['separator']: expected a "
                                  f"non-empty list of token ids (ints in [0, 2**63)), got "
-                                 f"{sep!r}")
+                                 f"{_show(sep)}")
         return spans_from_separator(prompt, sep)
     chunks = spec["chunks"]
     if not isinstance(chunks, (list, tuple)):
@@ -115,11 +174,12 @@ def _spans(prompt: Sequence[int], spec: dict) -> list:
             all(isinstance(x, int) and not isinstance(x, bool) for x in c)
         if not ok:
             raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['chunks'][{i}]: expected "
-                                 f"[start, end] (ints), got {c!r}")
+                                 f"[start, end] (ints), got {_show(c)}")
         a, b = c
         if not 0 <= a < b <= n:
-            raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['chunks'][{i}] = {[a, b]}: "
-                                 f"expected 0 <= start < end <= {n} (the prompt's tokens)")
+            raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['chunks'][{i}] = "
+                                 f"[{_show(a)}, {_show(b)}]: expected 0 <= start < end <= {n} "
+                                 f"(the prompt's tokens)")
         if a < prev:
             raise ChunkSpecError(f"kv_transfer_params[{PARAM!r}]['chunks'][{i}] = {[a, b]}: "
                                  f"chunks must be sorted and must not overlap (previous end "

@@ -54,6 +54,9 @@ log = logging.getLogger("ucm.integration.vllm")
 # again. Saves land within a few steps (the barrier after preemption, the async drain at finish).
 SAVING_STEPS = 64
 
+#: the ``kv_transfer_params`` keys ucm reads (its own keys all begin with ``ucm_``)
+KNOWN_PARAMS = (blend_chunks.PARAM,)
+
 
 def refuse_unreachable_store(cfg: Config, vllm_config, shape: keys.ParallelShape) -> None:
     """A store whose every tier lives in one process (``memory``) is empty for a scheduler
@@ -200,6 +203,7 @@ class ConnectorScheduler:
         self._max_len = int(getattr(getattr(vllm_config, "model_config", None), "max_model_len",
                                     0) or 0)
         self._arrived: dict = {}  # request id -> request, added since the last step (prefetch)
+        self._warned_params: set = set()  # request ids warned of unknown ucm_* parameters
         # ids of partial tails live in their own namespace: a tail of t tokens is never
         # mistaken for a full block (and vice versa)
         self._tail_ns = murmur3_x64_128(ns.digest() + b"ucm-partial-tail-v1", 0)
@@ -283,6 +287,7 @@ class ConnectorScheduler:
                                    ) -> tuple[Optional[int], bool]:
         if not self.is_consumer:
             return 0, False
+        self._check_params(request)
         st = self._state(request)
         if st is None:
             return 0, False
@@ -312,6 +317,23 @@ class ConnectorScheduler:
                   request.request_id, request.num_tokens, num_computed_tokens, hit, n_full,
                   tail is not None)
         return ext, False
+
+    def _check_params(self, request: "Request") -> None:
+        """A ``ucm_*`` key of the request's ``kv_transfer_params`` that ucm does not know (a
+        typo of ``ucm_blend``, say) is ignored with a warning, once per request (other
+        connectors' keys are not ucm's business)."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, dict) or request.request_id in self._warned_params:
+            return
+        unknown = [k for k in params
+                   if isinstance(k, str) and k.startswith("ucm_") and k not in KNOWN_PARAMS]
+        if unknown:
+            self._warned_params.add(request.request_id)
+            shown = ", ".join(repr(k if len(k) <= 40 else k[:40] + "...") for k in unknown[:4])
+            log.warning("ucm: request %s: unknown kv_transfer_params key(s) %s%s ignored (ucm "
+                        "knows %s)", request.request_id, shown,
+                        f" and {len(unknown) - 4} more" if len(unknown) > 4 else "",
+                        ", ".join(KNOWN_PARAMS))
 
     def _blend_job(self, st: ReqState, request: "Request", hit: int):
         """The request's Blend (:mod:`ucm.blend.chunks`) after a prefix hit of ``hit`` blocks:
@@ -600,6 +622,7 @@ class ConnectorScheduler:
         st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._arrived.pop(request.request_id, None)
+        self._warned_params.discard(request.request_id)
         # With background saves vLLM keeps the blocks until the worker reports the request's
         # saves done (get_finished); the worker tracks exactly the requests it got saves for.
         delayed = bool(self._async and st is not None and st.saved)
