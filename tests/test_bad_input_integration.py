@@ -374,3 +374,21 @@ def test_page_keys_that_are_not_hashes_have_no_id():
     assert (ids[0] == ids[1]).all() and (ids[0] == ids[8]).all()
     empty_ids, empty_valid = pages.key_ids([], ns)
     assert empty_ids.shape == (0, 2) and empty_valid.shape == (0,)
+
+
+def test_a_payload_with_a_bad_value_is_recorded_whole_or_not_at_all():
+    """Recorder.add recorded the items before a bad value, then raised: half a payload."""
+    from ucm.metrics import Recorder
+
+    r = Recorder()
+    before = r.totals()
+    bad = {"ucm_save_blocks_total": {"": 3}, "ucm_load_blocks_total": {"": -1}}
+    with pytest.raises(ValueError, match="ucm_load_blocks_total"):
+        r.add(bad)
+    assert r.totals() == before
+    bad = {"ucm_save_blocks_total": {"": 3}, "ucm_save_seconds": {"": [0.1, float("nan")]}}
+    with pytest.raises(ValueError, match="ucm_save_seconds"):
+        r.add(bad)
+    assert r.totals() == before
+    r.add({"ucm_save_blocks_total": {"": 3}, "ucm_save_seconds": {"": [0.1, 0.2]}})
+    assert r.totals()["ucm_save_blocks_total"] == 3 and r.totals()["ucm_save_seconds_count"] == 2

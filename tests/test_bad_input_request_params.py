@@ -170,6 +170,31 @@ def test_a_bad_request_does_not_crash_the_step_nor_touch_the_other_request(engin
     H.assert_scheduler_empty(engine)
 
 
+def test_a_parser_fault_costs_its_request_blend_not_the_step(engine, caplog, monkeypatch):
+    """Whatever a request's parameters make the chunk parser raise (here a ZeroDivisionError,
+    injected: a mock of a parser bug, which no input produces today) is that request's loss of
+    Blend, logged with its traceback; the step and the other request go on."""
+    from ucm.blend import chunks as blend_chunks
+
+    real = blend_chunks.parse_request
+
+    def parse(prompt, params, *args, **kwargs):
+        if isinstance(params, dict) and params.get("ucm_blend") == "explode":
+            raise ZeroDivisionError("a parser bug")
+        return real(prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(blend_chunks, "parse_request", parse)
+    good = engine.add(_prompt(1, 70), max_tokens=3)
+    bad = engine.add(_prompt(2, 90), max_tokens=3)
+    bad.request.kv_transfer_params = {"ucm_blend": "explode"}
+    with caplog.at_level(logging.WARNING, logger="ucm"):
+        engine.run()
+    for r in (good, bad):
+        assert r.request.is_finished() and len(r.output) == 3, r.req_id
+    assert "could not be read" in caplog.text and "ZeroDivisionError" in caplog.text
+    H.assert_scheduler_empty(engine)
+
+
 @pytest.mark.parametrize("params", [
     pytest.param({"ucm_blend": {"chunks": [[40, 30]]}}, id="out-of-order"),
     pytest.param({"ucm_blend": {"chunks": [[0, 40], [30, 60]]}}, id="overlapping"),

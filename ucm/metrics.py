@@ -267,18 +267,22 @@ class Recorder:
         return data
 
     def add(self, payload: dict) -> None:
-        """Record another component's drained payload as if recorded here."""
+        """Record another component's drained payload as if recorded here: all of it, or (a
+        value that is not a number, a negative counter step: ValueError) none of it."""
+        steps = []
         for name, values in payload.items():
             kind = series(name).kind
             for key, v in values.items():
                 labels = dict(zip(SERIES[name].labels, SERIES[name].label_values(key)))
-                if kind == "counter":
-                    self.inc(name, v, **labels)
-                elif kind == "gauge":
-                    self.set(name, v, **labels)
-                else:
+                if kind == "histogram":
                     for x in v:
-                        self.observe(name, x, **labels)
+                        _number(name, x)
+                        steps.append((self.observe, name, x, labels))
+                else:
+                    _number(name, v, counter=kind == "counter")
+                    steps.append((self.inc if kind == "counter" else self.set, name, v, labels))
+        for record, name, v, labels in steps:
+            record(name, v, **labels)
 
     def totals(self) -> dict:
         """Everything recorded since this recorder was made, flat (``{"name{labels}": number}``,

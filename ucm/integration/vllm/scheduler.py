@@ -350,6 +350,12 @@ class ConnectorScheduler:
         except blend_chunks.ChunkSpecError as exc:
             log.warning("ucm blend: request %s: %s; served without Blend", request.request_id, exc)
             return None
+        except Exception:   # a request's parameters are untrusted: whatever they make the
+            # parser raise costs that request its Blend, never the scheduler step of all
+            log.exception("ucm blend: request %s: its chunk marking could not be read (a "
+                          "parser error, not the request's); served without Blend",
+                          request.request_id)
+            return None
         if not spans:
             return None
         longest = max(b - a for a, b in spans)
