@@ -147,20 +147,9 @@ def test_totals_are_a_consistent_snapshot_under_concurrent_observations():
 # --------------------------------------------------------------------------------------------
 # WorkerCore
 
-L, NB, PS, H, D = 3, 10, 4, 2, 8
+from test_integration_core import D, H, L, NB, PS, _pool  # noqa: E402,F401  (the same pool)
+
 NS = b"bad-input-integr"
-
-
-def _pool(seed=None):
-    buf = torch.empty(2, NB * PS, L, H, D, dtype=torch.bfloat16)
-    if seed is None:
-        buf.view(torch.int16).fill_(-3)
-    else:
-        g = torch.Generator().manual_seed(seed)
-        buf.view(torch.int16).copy_(torch.randint(-2**15, 2**15 - 1, buf.shape, generator=g,
-                                                  dtype=torch.int16))
-    views = [b.unflatten(0, (NB, PS)) for b in buf.unbind(0)]
-    return buf, ucm.KVLayout.from_views(views, [0, 0])
 
 
 def _store(layout, root=None, **extra):
