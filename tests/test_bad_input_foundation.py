@@ -240,6 +240,14 @@ def test_evict_to_a_target_beyond_int64(backend, target):
     assert ids.shape == (0, 2) and vals.shape == (0,) and len(idx) == 2
 
 
+@pytest.mark.parametrize("capacity", [2**40, 2**62, 2**63 - 1])
+def test_an_index_too_large_to_allocate_names_the_capacity(capacity):
+    """numba preallocates its tables: 2**62 raised numpy's "Maximum allowed dimension exceeded",
+    naming neither the argument nor the size."""
+    with pytest.raises(ValueError, match=r"capacity: .* bytes"):
+        ucm.BlockIndex(capacity, backend="fast")
+
+
 # ---------------------------------------------------------------------------------------------
 # buffers
 

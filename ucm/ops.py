@@ -23,6 +23,7 @@ its own table of implementations.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -140,6 +141,15 @@ def _check_threads(n_threads) -> int:
     return min(_check_count(n_threads, "n_threads", 1), _INT_MAX)
 
 
+def physical_memory() -> int:
+    """Bytes of RAM of this machine (a pool or table larger than it can neither be pinned nor
+    held)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
 class BlockIndex:
     """A capacity-bounded map from block id to a non-negative int64 value, in LRU order.
 
@@ -152,7 +162,14 @@ class BlockIndex:
         capacity = _check_count(capacity, "capacity", 1)
         impl, self.reason = dispatch.select("block_index", backend)
         self.backend = impl.name
-        self._impl = impl.load()(capacity)
+        cls = impl.load()
+        # an implementation that allocates its tables up front says how many bytes they take
+        need = getattr(cls, "table_bytes", lambda n: 0)(capacity)
+        if need > physical_memory():
+            raise ValueError(f"capacity: {capacity} entries need {need} bytes of index tables "
+                             f"({self.backend}), more than this machine's memory "
+                             f"({physical_memory()} bytes)")
+        self._impl = cls(capacity)
         self.capacity = capacity
 
     def __len__(self) -> int:

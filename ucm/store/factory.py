@@ -66,7 +66,12 @@ def create_tier(spec: str, geometry: BlockGeometry, config: Config, namespace: b
                 codec: int = 0) -> KVStore:
     """One tier; ``codec``: the code its block headers record (0: raw blocks). A tier without a
     block header (or a custom tier that takes no ``codec``) relies on the namespace alone."""
-    cls = _resolve(spec)
+    return _build(_resolve(spec), spec, geometry, config, namespace, codec)
+
+
+def _build(cls, spec: str, geometry: BlockGeometry, config: Config, namespace: bytes,
+           codec: int) -> KVStore:
+    """The tier of the resolved class ``cls`` (``spec`` names it in errors)."""
     if hasattr(cls, "from_config"):
         if codec and "codec" in inspect.signature(cls.from_config).parameters:
             tier = cls.from_config(geometry, config, namespace, codec=codec)
@@ -146,8 +151,8 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
                               f"each tier once")
     built = []
     try:
-        for name in specs:
-            built.append(create_tier(name, tier_geometry, config, tier_ns, code))
+        for name, cls in zip(specs, classes):
+            built.append(_build(cls, name, tier_geometry, config, tier_ns, code))
     except BaseException:
         for t in built:
             t.close()
@@ -172,12 +177,12 @@ def _memory_from_config(cls, geometry, config, namespace):
     capacity = config["store.memory.capacity"]
     slots = max(1, capacity // geometry.block_bytes) if capacity else config["buffer_number"]
     key = "store.memory.capacity" if capacity else "buffer_number"
-    from ucm.store.memory import _physical_memory
+    from ucm.ops import physical_memory
 
-    if slots * geometry.block_bytes > _physical_memory():
+    if slots * geometry.block_bytes > physical_memory():
         raise ConfigError(f"config key {key!r}: a memory tier of {slots} blocks of "
                           f"{geometry.block_bytes} bytes is more than this machine's memory "
-                          f"({_physical_memory()} bytes)")
+                          f"({physical_memory()} bytes)")
     return cls(geometry, buffer_number=slots, io_threads=config["store.io_threads"],
                wait_timeout_s=config["store.wait_timeout_s"], namespace=namespace,
                policy=config["store.memory.policy"])

@@ -16,7 +16,6 @@ adjacent both in the caller's buffer and in the pool move as one copy.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from ucm import threads
 from typing import Optional
@@ -24,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from ucm.config import check_count, check_seconds
-from ucm.ops import BlockIndex, alloc_aligned, copy_segments
+from ucm.ops import BlockIndex, alloc_aligned, copy_segments, physical_memory
 from ucm.store.base import Borrowed, BlockBuffers, BlockGeometry, KVStore, Task
 from ucm.store.policy import make_policy
 
@@ -43,14 +42,6 @@ class _Pending:
         self.failed = False
         self.discard = False
         self.publish = False  # committed while a dump of it was in flight: publish when it lands
-
-
-def _physical_memory() -> int:
-    """Bytes of RAM of this machine (a pool larger than it can neither be pinned nor held)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
 
 
 def _cuda_available() -> bool:
@@ -76,10 +67,10 @@ class MemoryStore(KVStore):
         io_threads = check_count(io_threads, "store.io_threads")
         copy_threads = check_count(copy_threads, "copy_threads")
         pool_bytes = int(buffer_number) * geometry.block_bytes
-        if pool_bytes > _physical_memory():
+        if pool_bytes > physical_memory():
             raise ValueError(f"buffer_number: {int(buffer_number)} blocks of {geometry.block_bytes} "
                              f"bytes ({pool_bytes} bytes) is more than this machine's memory "
-                             f"({_physical_memory()} bytes); the memory tier's pool must fit in it")
+                             f"({physical_memory()} bytes); the memory tier's pool must fit in it")
         self.n_slots = int(buffer_number)
         self.policy = policy
         self._policy = None if policy == "lru" else make_policy(policy, self.n_slots)

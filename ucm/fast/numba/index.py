@@ -210,9 +210,7 @@ class BlockIndex:
 
     def __init__(self, capacity: int):
         self.capacity = cap = int(capacity)
-        tsize = 16
-        while tsize < 2 * cap:
-            tsize *= 2
+        tsize = self._table_size(cap)
         self._table = np.full(tsize, -1, dtype=np.int64)
         self._keys = np.zeros((cap, 2), dtype=np.uint64)
         self._vals = np.zeros(cap, dtype=np.int64)
@@ -220,6 +218,17 @@ class BlockIndex:
         self._nxt = np.arange(1, cap + 1, dtype=np.int64)
         self._nxt[-1] = -1
         self._meta = np.array([-1, -1, 0, 0], dtype=np.int64)
+
+    @staticmethod
+    def _table_size(capacity: int) -> int:
+        """Slots of the open-addressing table: a power of two, at least twice the capacity."""
+        return max(16, 1 << (2 * capacity - 1).bit_length())
+
+    @classmethod
+    def table_bytes(cls, capacity: int) -> int:
+        """Bytes the index allocates for ``capacity`` entries: the table's int64 slots, and per
+        entry its 16-byte id, value and two list links."""
+        return 8 * cls._table_size(capacity) + 40 * capacity
 
     def __len__(self) -> int:
         return int(self._meta[_SIZE])
