@@ -5,7 +5,6 @@ must read as a miss of the blocks it touches, never as an exception or another b
 import socket
 import threading
 import time
-import zlib
 
 import numpy as np
 import pytest
@@ -14,26 +13,13 @@ import ucm
 from ucm.store import open_store
 
 from services import require_module
-from services.redis import redis_server
 
 redis = require_module("redis")
 
+# the Redis tier's own tests give the block shape, the data and the server
+from test_store_redis import BLOCK, SHARD, _data, _ids, rng, server  # noqa: E402,F401
+
 NS = ucm.Namespace("bad-input-remote", "bfloat16", 16).digest()
-SHARD = 4096
-N_SHARDS = 4
-BLOCK = SHARD * N_SHARDS
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    p = redis_server(tmp_path_factory.mktemp("redis"))
-    yield p
-    p.stop()
 
 
 def _open(servers=None, servers_file="", **remote):
@@ -41,14 +27,6 @@ def _open(servers=None, servers_file="", **remote):
     return open_store({"store": {"pipeline": "redis", "redis": red,
                                  "remote": {"backoff_s": 0.3, "staging": "8MiB", **remote}}},
                       block_bytes=BLOCK, shard_bytes=SHARD, namespace=NS)
-
-
-def _ids(rng, n):
-    return rng.integers(0, 2**63, size=(n, 2), dtype=np.uint64)
-
-
-def _data(rng, n):
-    return rng.integers(0, 256, size=(n, BLOCK), dtype=np.uint8)
 
 
 def _put(store, ids, data):

@@ -12,8 +12,7 @@ from ucm import replay as rp
 from ucm.autotune import AutoTuner, TuneError, model_shape
 from ucm.cli import main
 
-SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-           "hidden_size": 576}
+from test_autotune import SMOLLM2  # noqa: E402
 
 
 def line(ts=5, n_in=700, ids=(1, 2), **kw):
@@ -207,12 +206,7 @@ def test_cli_output_path_that_is_a_directory_fails_before_the_replay(tmp_path, t
 # AutoTuner
 
 
-@pytest.fixture
-def model(tmp_path):
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(SMOLLM2))
-    return str(d)
+from test_autotune import model  # noqa: E402,F401 (a fixture: a model folder of SmolLM2's config)
 
 
 def requests(n=8, seed=0):
