@@ -80,21 +80,37 @@ def page_indices(host_indices, page_size: int, n_pages: int,
                  num_pages: Optional[int] = None) -> Optional[np.ndarray]:
     """Page numbers of ``n_pages`` pages given as SGLang's token indices (``page_size`` per
     page: a page boundary and the tokens after it, in order); None when they are not that, or
-    name a page outside ``[0, num_pages)`` (when given)."""
-    idx = np.asarray(host_indices.cpu() if hasattr(host_indices, "cpu") else host_indices)
-    if page_size < 1 or idx.ndim != 1 or len(idx) != n_pages * page_size:
-        return None
+    name a page outside ``[0, num_pages)`` (when given). :func:`page_indices_why` says why."""
+    return page_indices_why(host_indices, page_size, n_pages, num_pages)[0]
+
+
+def page_indices_why(host_indices, page_size: int, n_pages: int,
+                     num_pages: Optional[int] = None) -> tuple:
+    """``(pages, "")`` as :func:`page_indices`, or ``(None, reason)``: what is wrong with
+    ``host_indices``, for the error message."""
+    try:
+        idx = np.asarray(host_indices.cpu() if hasattr(host_indices, "cpu") else host_indices)
+    except Exception as exc:        # e.g. a sequence of unequal rows
+        return None, f"not an array of token indices ({exc})"
+    if page_size < 1:
+        return None, f"page size {page_size}"
+    if idx.ndim != 1:
+        shape = f" of shape {list(idx.shape)}" if idx.ndim else ""
+        return None, (f"expected a 1-D tensor of token indices, got "
+                      f"{type(host_indices).__name__}{shape}")
+    if len(idx) != n_pages * page_size:
+        return None, (f"{len(idx)} token indices for {n_pages} pages of {page_size} tokens")
     if idx.size and idx.dtype.kind not in "iu":
-        return None
+        return None, f"token indices of dtype {idx.dtype}, not integers"
     tokens = idx.astype(np.int64).reshape(n_pages, page_size)
     first = tokens[:, 0]
     if len(first) and ((first < 0).any() or (first % page_size).any()
                        or (tokens != first[:, None] + np.arange(page_size)).any()):
-        return None
+        return None, f"not whole pages of {page_size} tokens (a page boundary, then in order)"
     pages = first // page_size
     if num_pages is not None and len(pages) and pages.max() >= num_pages:
-        return None
-    return pages
+        return None, f"page {int(pages.max())} beyond the host pool's {num_pages} pages"
+    return pages, ""
 
 
 def key_ids(keys, ns: Namespace, generation: int = 0) -> tuple:
