@@ -750,7 +750,10 @@ class RemoteStore(KVStore):
     def set_generation(self, value: int) -> int:
         target = max(super().set_generation(value), self.generation())
         server, key = self._generation_key()
-        res = self._call(server, lambda b: b.put([key], [memoryview(str(target).encode())]))
+        try:
+            res = self._call(server, lambda b: b.put([key], [memoryview(str(target).encode())]))
+        except Unavailable as exc:  # the contract's error for a generation not persisted
+            raise OSError(f"{self.name}: cannot store the generation: {exc}") from exc
         if res[0] is not None:
             raise OSError(f"{self.name}: cannot store the generation: {res[0]}")
         self._generation = target
@@ -767,6 +770,9 @@ class RemoteStore(KVStore):
     def close(self) -> None:
         if self._closed:
             return
+        # closed first: a load or dump that arrives while the puts in flight drain is refused
+        # as on a closed store, not handed to an executor that no longer takes work
+        self._closed = True
         self._exec.shutdown(wait=True)
         self._put_exec.shutdown(wait=True)
         with self._lock:

@@ -19,9 +19,13 @@ Requests
 * Each batch runs its requests concurrently on the backend's own threads (``REQUESTS_IN_FLIGHT``,
   also the size of the HTTP connection pool); a request only waits on its own socket.
 * A value larger than ``store.s3.multipart_bytes`` is uploaded as a multipart upload in parts
-  of that size (S3's rule: at least 5 MiB per part but the last, at most 10,000 parts). An
-  upload that fails at any step is aborted, and an object appears only when the upload is
-  completed, so a reader never sees part of a value.
+  of that size (S3's rule: 5 MiB to 5 GiB per part, the last may be smaller, at most 10,000
+  parts). An upload that fails at any step is aborted, and an object appears only when the
+  upload is completed, so a reader never sees part of a value.
+* A get asks for the first bytes of the object up to one more than a value's size (a range
+  request): an object of another length (truncated, or replaced by something of any size) still
+  reads as the wrong length, which the tier refuses, and a huge one is not fetched whole into
+  the engine's memory.
 * Retries: botocore's own retries are off (``total_max_attempts=1``): its ``standard`` and
   ``adaptive`` modes also retry refused connections and timeouts, so a server that hangs would
   cost ``max_attempts`` timeouts per request before the tier hears of it, while the tier's
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from typing import Optional, Sequence
 from urllib.parse import urlsplit
@@ -75,6 +80,8 @@ REQUESTS_IN_FLIGHT = 16
 RETRY_BASE_S = 0.1
 RETRY_MAX_S = 2.0
 MAX_PARTS = 10_000
+#: S3's largest part of a multipart upload, and its largest value sent in one PutObject
+MAX_PART_BYTES = 5 * 1024**3
 MAX_OBJECT_BYTES = 5 * 1024**4
 DELETE_BATCH = 1000
 #: requests without a value body or reply are at most this large
@@ -104,7 +111,12 @@ class _Missing(Exception):
 
 
 class _Failed(Exception):
-    """One request failed for a reason of its own key (the server itself is fine)."""
+    """One request failed for a reason of its own key (the server itself is fine); ``code``:
+    S3's error code."""
+
+    def __init__(self, why: str, code: str = ""):
+        super().__init__(why)
+        self.code = code
 
 
 def redacted(url: str) -> str:
@@ -145,13 +157,26 @@ def check_bucket(name: str) -> Optional[str]:
                 "store.s3.prefix)")
     if not 3 <= len(name) <= 63:
         return "3 to 63 characters"
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        return "letters, digits, '.', '-' and '_' only (what an S3 request can address)"
+    return None
+
+
+def check_region(name: str) -> Optional[str]:
+    """Why ``name`` cannot be a region, or ``None``. botocore's own check of a region matches
+    with ``$``, which also accepts a trailing newline (a value read from a file); the region
+    then goes into a header that the HTTP client refuses, which would read as an unreachable
+    endpoint."""
+    if not re.fullmatch(r"(?![0-9]+$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)", name):
+        return "a region name such as 'us-east-1' (letters, digits and '-')"
     return None
 
 
 class S3Backend(Backend):
     """One bucket at one endpoint. ``part_bytes``: values larger than this are uploaded in parts
     of this size; ``value_bytes``: the size of the tier's values (it sets the read timeout of
-    value requests)."""
+    value requests, and a get reads at most one byte more: an object of another size is refused
+    by the tier as it is, so one that was replaced by a huge object is not fetched whole)."""
 
     reads_into_rows = False
 
@@ -167,6 +192,7 @@ class S3Backend(Backend):
         self.part_bytes = int(part_bytes)
         self.max_attempts = max(1, int(max_attempts))
         self.max_value_bytes = min(MAX_OBJECT_BYTES, MAX_PARTS * self.part_bytes)
+        self.value_bytes = int(value_bytes)
         value_timeout = data_timeout(timeout_s, max(value_bytes, _SMALL))
 
         def config(read_timeout: float) -> BotoConfig:
@@ -178,18 +204,26 @@ class S3Backend(Backend):
                 response_checksum_validation="when_required",
                 s3={"addressing_style": "path"} if endpoint_url else None)
 
-        session = boto3.session.Session(region_name=region or None)
+        from botocore.exceptions import BotoCoreError, InvalidRegionError
+
         try:
+            session = boto3.session.Session(region_name=region or None)
             kw = dict(endpoint_url=endpoint_url or None)
             self._meta = session.client("s3", config=config(timeout_s), **kw)
             self._data = session.client("s3", config=config(value_timeout), **kw)
-        except ValueError as exc:  # botocore's check of the region or of the endpoint URL
-            from botocore.exceptions import InvalidRegionError
-
-            if isinstance(exc, InvalidRegionError):
-                raise ConfigError(f"config key 'store.s3.region': {region!r}: {exc}") from None
+        except InvalidRegionError as exc:
+            raise ConfigError(f"config key 'store.s3.region': {region!r}: {exc}") from None
+        except ValueError as exc:  # botocore's check of the endpoint URL
             raise ConfigError(f"config key 'store.s3.endpoint_url': {redacted(endpoint_url)!r}: "
                               f"{exc}") from None
+        except BotoCoreError as exc:
+            # the AWS chain is read as the clients are made: a profile that does not exist, a
+            # config file that does not parse, a key id without its secret, a credential
+            # process that fails. The server is not the cause, but like refused credentials
+            # the tier cannot reach it until the chain is repaired.
+            raise Unavailable(f"{self.name}: the AWS chain cannot be read ({exc}); credentials "
+                              f"come from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+                              f"~/.aws or an instance role") from None
         self._pool = threads.pool(requests_in_flight, "ucm-s3-req")
         self._closed = False
 
@@ -223,7 +257,8 @@ class S3Backend(Backend):
                         continue
                     raise Unavailable(f"{self.name}: {code or status} after {attempt} "
                                       f"attempt(s)") from exc
-                raise _Failed(f"{code or status}: {err.get('Message', '')}".strip()) from exc
+                raise _Failed(f"{code or status}: {err.get('Message', '')}".strip(),
+                              code) from exc
             except be.ConnectionClosedError as exc:
                 if attempt == 1:
                     continue  # a pooled connection closed by the server: once more, fresh
@@ -308,11 +343,16 @@ class S3Backend(Backend):
         return self._map(self._get_one, list(keys))
 
     def _get_one(self, key: str):
+        # bytes 0..value_bytes: a value whole, or one byte more when the object is longer (the
+        # tier refuses it for its length without it crossing the network whole)
+        rng = {"Range": f"bytes=0-{self.value_bytes}"} if self.value_bytes else {}
         try:
-            body = self._request(self._data.get_object, Key=key)["Body"]
+            body = self._request(self._data.get_object, Key=key, **rng)["Body"]
         except _Missing:
             return None
         except _Failed as exc:
+            if rng and exc.code == "InvalidRange":  # no byte at 0: an empty object
+                return b""
             log.warning("ucm s3: get %s failed (%s); read as a miss", key, exc)
             return None
         from botocore import exceptions as be
@@ -400,24 +440,40 @@ class S3Store(RemoteStore):
             if why:
                 raise ConfigError(f"config key 'store.s3.endpoint_url': {redacted(endpoint)!r}: "
                                   f"{why}")
+        region = config["store.s3.region"]
+        why = check_region(region) if region else None
+        if why:
+            raise ConfigError(f"config key 'store.s3.region': {region!r}: {why}; empty: the "
+                              f"AWS chain's")
+        part_bytes = config["store.s3.multipart_bytes"]
+        if part_bytes > MAX_PART_BYTES:
+            raise ConfigError(f"config key 'store.s3.multipart_bytes': {part_bytes}: at most "
+                              f"{MAX_PART_BYTES} (5 GiB: S3's largest part, and its largest "
+                              f"value sent in one request)")
         prefix = config["store.s3.prefix"]
         opts = remote_options(config)
         header = header_size(geometry.n_shards, VALUE_ALIGN)
-        backend_opts = dict(endpoint_url=endpoint, region=config["store.s3.region"],
+        backend_opts = dict(endpoint_url=endpoint, region=region,
                             timeout_s=opts["timeout_s"],
-                            part_bytes=config["store.s3.multipart_bytes"],
+                            part_bytes=part_bytes,
                             max_attempts=config["store.s3.max_attempts"],
                             value_bytes=header + geometry.block_bytes)
+        def unreachable(exc) -> ConfigError:
+            return ConfigError(f"config key 'store.s3.endpoint_url': s3 bucket {bucket!r} not "
+                               f"reachable at {redacted(endpoint) or 'AWS'}: {exc}")
+
         # The bucket is checked before the tier exists (a missing bucket is a ConfigError naming
         # store.s3.bucket, which the tier's own check would report as an unreachable server);
         # the tier then takes over this backend.
-        first = S3Backend(bucket, **backend_opts)
+        try:
+            first = S3Backend(bucket, **backend_opts)
+        except Unavailable as exc:
+            raise unreachable(exc) from None
         try:
             first.ping()
         except Unavailable as exc:
             first.close()
-            raise ConfigError(f"config key 'store.s3.endpoint_url': s3 bucket {bucket!r} not "
-                              f"reachable at {redacted(endpoint) or 'AWS'}: {exc}") from None
+            raise unreachable(exc) from None
         except BaseException:
             first.close()
             raise
