@@ -239,6 +239,17 @@ def _check_servers(value: list) -> Optional[str]:
     return None
 
 
+def _check_mooncake_segment(value: int) -> Optional[str]:
+    # Mooncake refuses a smaller segment at client setup ("Total size must be at least 16777216")
+    return None if value == 0 or value >= 16 * 1024**2 else \
+        "0 (lend no memory) or at least 16 MiB (Mooncake's smallest segment)"
+
+
+def _check_hostname(value: str) -> Optional[str]:
+    # Mooncake refuses an empty one at client setup (INVALID_PARAMS)
+    return None if value.strip() else "a host name or address (e.g. 127.0.0.1)"
+
+
 def _check_key_prefix(value: str) -> Optional[str]:
     if not re.fullmatch(r"[A-Za-z0-9_.\-/]{1,64}", value) or value.startswith("/"):
         return "1-64 characters of A-Z a-z 0-9 _ . - / (not starting with /)"
@@ -457,9 +468,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("store.mooncake.protocol", "str", "tcp", "Transfer protocol.", choices=("tcp", "rdma")),
     Option("store.mooncake.device_name", "str", "", "RDMA devices (protocol rdma)."),
     Option("store.mooncake.local_hostname", "str", "127.0.0.1", "Address this client is "
-           "reached at by the storage nodes."),
+           "reached at by the storage nodes.", check=_check_hostname),
     Option("store.mooncake.global_segment_size", "size", 0, "Memory this process lends to the "
-           "store (0: none; storage nodes are separate mooncake_client processes).", min=0),
+           "store (0: none; storage nodes are separate mooncake_client processes).", min=0,
+           check=_check_mooncake_segment),
     Option("store.mooncake.replicas", "int", 1, "Replicas of each value.", min=1),
     # s3 tier
     Option("store.s3.bucket", "str", "", "Bucket of the s3 tier (must exist)."),

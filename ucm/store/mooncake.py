@@ -36,6 +36,12 @@ Mooncake's rules and what this tier does with them
 * A value put from memory that was not registered fails; so do plain ``put``/``get`` of a value
   larger than the client's local buffer. Values outside the slab are therefore small by design.
 * An empty value cannot be stored.
+* A ``batch_get_into`` that names a key twice reads it into the last of its buffers only, and
+  reports every one of them as read: the others keep what they held (another block's value).
+* A client fails the transfers past about 2048 keys in flight at once (``TRANSFER_FAIL``, at
+  times only after a 60 s wait), whether they come in one request or in requests of several
+  threads. So requests that move values go in slices of at most ``MAX_KEYS_IN_FLIGHT`` keys,
+  each waiting until it fits in what the client has in flight.
 
 Puts and reads of several threads run at once (the client is thread-safe): with the tier's
 puts serialised per master, a 128-block dump took the time of one thread putting alone, about
@@ -104,6 +110,8 @@ _NAMES = {BUFFER_OVERFLOW: "BUFFER_OVERFLOW", NO_AVAILABLE_HANDLE: "NO_AVAILABLE
           UNAVAILABLE_IN_CURRENT_MODE: "UNAVAILABLE_IN_CURRENT_MODE"}
 #: the smallest local buffer a client gets (values outside the staging slab pass through it)
 MIN_LOCAL_BUFFER = 16 << 20
+#: keys one client has in transfer at once, at most (module doc: half of Mooncake's limit)
+MAX_KEYS_IN_FLIGHT = 1024
 PING_KEY = "ucm/ping"
 
 
@@ -125,7 +133,9 @@ def parse_address(text: str, key: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` for IPv6) of a master; ConfigError naming ``key``."""
     host, sep, port = text.strip().rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    ok = bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    # ASCII digits only: str.isdigit also takes digits that int() refuses ('²') or that
+    # Mooncake does not read ('５')
+    ok = bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
     if not ok or any(c in host for c in "/@ "):
         raise ConfigError(f"config key {key!r}: {text!r} is not a mooncake_master address "
                           "(expected host:port, e.g. 127.0.0.1:50051)")
@@ -167,6 +177,8 @@ class MooncakeBackend(Backend):
         self._suspect = True      # probe the master before the next request (module doc)
         self._slab: Optional[tuple[int, int]] = None
         self._lock = threading.Lock()
+        self._flight = threading.Condition()
+        self._flying = 0  # keys of this client's requests in transfer now
         self._probe()
         set_default_environment(local_hostname)
         mc = _mooncake()
@@ -203,6 +215,25 @@ class MooncakeBackend(Backend):
             raise Unavailable(f"{self.name}: {code_name(down[0])}")
         self._suspect = False
 
+    def _transfer(self, n: int, fn) -> list:
+        """``fn(lo, hi)`` for the slices ``[lo, hi)`` of ``n`` keys, at most
+        ``MAX_KEYS_IN_FLIGHT`` each, each once it fits in what this client has in flight
+        (module doc); their results in order."""
+        out = []
+        for lo in range(0, n, MAX_KEYS_IN_FLIGHT):
+            k = min(n - lo, MAX_KEYS_IN_FLIGHT)
+            with self._flight:
+                while self._flying + k > MAX_KEYS_IN_FLIGHT:
+                    self._flight.wait()
+                self._flying += k
+            try:
+                out.append(fn(lo, lo + k))
+            finally:
+                with self._flight:
+                    self._flying -= k
+                    self._flight.notify_all()
+        return out
+
     # -- Backend --------------------------------------------------------------------------------
     def register(self, base: int, nbytes: int) -> None:
         with self._lock:
@@ -232,17 +263,21 @@ class MooncakeBackend(Backend):
             (direct if addr is not None else small).append((i, addr))
         codes = []
         if direct:
-            rcs = self.client.batch_put_from([keys[i] for i, _ in direct], [a for _, a in direct],
-                                             [len(values[i]) for i, _ in direct], self._config)
+            ks, addrs = [keys[i] for i, _ in direct], [a for _, a in direct]
+            sizes = [len(values[i]) for i, _ in direct]
+            rcs = [rc for part in self._transfer(len(ks), lambda lo, hi: self.client.batch_put_from(
+                ks[lo:hi], addrs[lo:hi], sizes[lo:hi], self._config)) for rc in part]
             codes += rcs
             for (i, _), rc in zip(direct, rcs):
                 out[i] = _put_reason(rc)
         if small:
-            rc = self.client.put_batch([keys[i] for i, _ in small],
-                                       [bytes(values[i]) for i, _ in small], self._config)
-            codes.append(rc)
-            for i, _ in small:
-                out[i] = _put_reason(rc)
+            ks, vs = [keys[i] for i, _ in small], [bytes(values[i]) for i, _ in small]
+            # one code per request
+            rcs = self._transfer(len(ks), lambda lo, hi: self.client.put_batch(
+                ks[lo:hi], vs[lo:hi], self._config))
+            codes += rcs
+            for j, (i, _) in enumerate(small):
+                out[i] = _put_reason(rcs[j // MAX_KEYS_IN_FLIGHT])
         self._after(codes)
         return out
 
@@ -255,10 +290,17 @@ class MooncakeBackend(Backend):
         direct = [(i, self._in_slab(rows[i])) for i in range(len(keys)) if rows[i] is not None]
         direct = [(i, a) for i, a in direct if a is not None]
         rest = sorted(set(range(len(keys))) - {i for i, _ in direct})
+        # each key is read once: a request that names a key twice fills only the last of its
+        # rows and reports every one as read (module doc); the others share that value
+        first: dict[str, int] = {}
+        twice = [i for i, _ in direct if first.setdefault(keys[i], i) != i]
+        direct = [(i, a) for i, a in direct if first[keys[i]] == i]
         codes = []
         if direct:
-            rcs = self.client.batch_get_into([keys[i] for i, _ in direct], [a for _, a in direct],
-                                             [len(rows[i]) for i, _ in direct])
+            ks, addrs = [keys[i] for i, _ in direct], [a for _, a in direct]
+            sizes = [len(rows[i]) for i, _ in direct]
+            rcs = [n for part in self._transfer(len(ks), lambda lo, hi: self.client.batch_get_into(
+                ks[lo:hi], addrs[lo:hi], sizes[lo:hi])) for n in part]
             codes += rcs
             for (i, _), n in zip(direct, rcs):
                 if n > 0:
@@ -268,6 +310,8 @@ class MooncakeBackend(Backend):
                 elif n not in (0, OBJECT_NOT_FOUND) and n not in MASTER_DOWN:
                     log.debug("ucm mooncake: %s: read of %s failed: %s", self.name, keys[i],
                               code_name(n))
+            for i in twice:
+                out[i] = out[first[keys[i]]]
         unreadable = []
         if rest:
             values, rest_codes, unreadable = self._get_copies([keys[i] for i in rest])
@@ -283,9 +327,12 @@ class MooncakeBackend(Backend):
     def _get_copies(self, keys: list[str]) -> tuple[list, list, list]:
         """Values read through the client's local buffer (copies), the codes of the check of
         those that read as nothing, and the keys among them that exist all the same."""
-        handles = self.client.batch_get_buffer(keys)
-        values = [None if h is None else ctypes.string_at(h.ptr(), h.size()) for h in handles]
-        del handles  # gives their space in the local buffer back
+        def copies(lo: int, hi: int) -> list:
+            handles = self.client.batch_get_buffer(keys[lo:hi])
+            # the handles go when this returns, giving their space in the local buffer back
+            return [None if h is None else ctypes.string_at(h.ptr(), h.size()) for h in handles]
+
+        values = [v for part in self._transfer(len(keys), copies) for v in part]
         missing = [k for k, v in zip(keys, values) if v is None]
         if not missing:
             return values, [], []
