@@ -5,7 +5,6 @@ option values Mooncake refuses, lifecycle misuse, concurrent dumps of one block.
 must read as a miss of the blocks it touches (never an exception out of lookup or load, never
 another block's bytes), and bad configuration as a ConfigError naming the key."""
 import threading
-import zlib
 
 import numpy as np
 import pytest
@@ -16,26 +15,14 @@ from ucm.store import open_store
 from ucm.store.base import BlockGeometry
 from ucm.store.mooncake import MooncakeStore
 
-from services import require_module
+from services import require_module, rng_per_test as rng  # noqa: F401 (a fixture)
 from services.mooncake import MooncakeService
+from test_store_mooncake import svc  # noqa: F401 (a fixture: a master and a storage node)
 
 NS = ucm.Namespace("bad-input-mooncake", "bfloat16", 16)
 SHARD = 1024
 BLOCK = 4 * SHARD          # small blocks: thousands fit in one batched request
 MANY = 2600                # blocks in one request: more than Mooncake moves at once (~2048)
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
-
-
-@pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    require_module("mooncake.store")
-    s = MooncakeService(tmp_path_factory.mktemp("mooncake"), segment="128MB")
-    yield s
-    s.stop()
 
 
 def _opts(svc, **kw):

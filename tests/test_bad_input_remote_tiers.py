@@ -2,8 +2,6 @@
 127.0.0.1): values tampered with on the server, keys of another type, a servers file caught
 mid-write, servers that accept connections but never answer or close them at once. Every fault
 must read as a miss of the blocks it touches, never as an exception or another block's bytes."""
-import socket
-import threading
 import time
 
 import numpy as np
@@ -12,7 +10,7 @@ import pytest
 import ucm
 from ucm.store import open_store
 
-from services import require_module
+from services import FakeServer, require_module
 
 redis = require_module("redis")
 
@@ -117,43 +115,10 @@ def test_servers_file_caught_mid_write_keeps_the_pool(server, rng, tmp_path):
         s.close()
 
 
-class _Silent:
-    """A TCP server on 127.0.0.1 that accepts connections and then either never answers
-    (``close=False``) or closes each one at once."""
-
-    def __init__(self, close: bool):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.conns, self.close_at_once, self.stop = [], close, False
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self):
-        self.sock.settimeout(0.05)
-        while not self.stop:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            if self.close_at_once:
-                c.close()
-            else:
-                self.conns.append(c)
-
-    def shutdown(self):
-        self.stop = True
-        self.thread.join(5)
-        for c in self.conns:
-            c.close()
-        self.sock.close()
-
-
 @pytest.mark.parametrize("close", [False, True], ids=["never-answers", "closes-at-once"])
 def test_a_silent_server_in_the_pool_costs_only_its_blocks(server, rng, close):
-    bad = _Silent(close)
+    bad = FakeServer("close" if close else "silent")
+    bad.url = f"redis://127.0.0.1:{bad.port}/0"
     try:
         s = _open([server.url, bad.url], timeout_s=0.05)
         try:

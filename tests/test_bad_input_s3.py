@@ -7,11 +7,9 @@ the blocks it touches (never an exception out of lookup or load, never another b
 bad configuration is a ValueError naming the key."""
 import os
 import signal
-import socket
 import threading
 import time
 import tracemalloc
-import zlib
 
 import numpy as np
 import pytest
@@ -19,7 +17,9 @@ import pytest
 import ucm
 from ucm.store import open_store
 
-from services.s3 import ENV, UNSET, client, moto_server
+from services import FakeServer, rng_per_test as rng  # noqa: F401 (a fixture)
+from services.s3 import client, moto_server
+from test_store_s3 import aws_env  # noqa: F401 (a fixture: dummy AWS credentials)
 
 NS = ucm.Namespace("bad-input-s3", "bfloat16", 16).digest()
 SHARD = 16 << 10
@@ -28,27 +28,11 @@ BUCKET = "ucm-bad"
 
 
 @pytest.fixture(scope="module")
-def aws_env():
-    """Dummy credentials for every boto3 client of this module (the tier's and the tests')."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k in UNSET:
-            mp.delenv(k, raising=False)
-        for k, v in ENV.items():
-            mp.setenv(k, v)
-        yield
-
-
-@pytest.fixture(scope="module")
 def server(aws_env, tmp_path_factory):
     proc = moto_server(tmp_path_factory.mktemp("s3"), name="moto-bad")
     client(proc.url).create_bucket(Bucket=BUCKET)
     yield proc
     proc.stop()
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def _open(url, prefix="bad", bucket=BUCKET, namespace=NS, remote=None, **s3):
@@ -141,49 +125,10 @@ def test_credentials_the_server_refuses_fail_open_with_the_key(aws_env, tmp_path
         proc.stop()
 
 
-class _Socket:
-    """A TCP server on 127.0.0.1 that accepts connections, then never answers ("silent"),
-    closes them at once ("close") or answers a line that is not HTTP ("garbage")."""
-
-    def __init__(self, mode: str):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.mode, self.conns, self.accepted, self.stop = mode, [], 0, False
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self):
-        self.sock.settimeout(0.05)
-        while not self.stop:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.accepted += 1
-            if self.mode == "garbage":
-                try:
-                    c.recv(65536)
-                    c.sendall(b"-ERR this is not an S3 server\r\n")
-                except OSError:
-                    pass
-            if self.mode == "silent":
-                self.conns.append(c)
-            else:
-                c.close()
-
-    def shutdown(self):
-        self.stop = True
-        self.thread.join(5)
-        for c in self.conns:
-            c.close()
-        self.sock.close()
-
-
 @pytest.mark.parametrize("mode", ["silent", "close", "garbage"])
 def test_an_endpoint_that_is_no_s3_server_fails_open_with_the_key(aws_env, mode):
-    bad = _Socket(mode)
+    bad = FakeServer(mode, b"-ERR this is not an S3 server\r\n")
+    bad.url = f"http://127.0.0.1:{bad.port}"
     try:
         text = _config_error(bad.url, "store.s3.endpoint_url", remote={"timeout_s": 0.2})
         assert "not reachable" in text

@@ -4,7 +4,6 @@ maxmemory, a 3-master Redis Cluster): the store contract, the consistency protoc
 (rendezvous hashing, a servers file that changes while the store is open)."""
 import os
 import time
-import zlib
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from ucm.config import ConfigError
 from ucm.store import open_store
 from ucm.store.membership import rendezvous
 
-from services import require_module
+from services import require_module, rng_per_test as rng  # noqa: F401 (a fixture)
 from services.redis import RedisCluster, redis_server
 
 redis = require_module("redis")
@@ -23,12 +22,6 @@ NS = ucm.Namespace("redis-test", "bfloat16", 16).digest()
 SHARD = 4096
 N_SHARDS = 4
 BLOCK = SHARD * N_SHARDS
-
-
-@pytest.fixture
-def rng(request):
-    """Blocks of one test never collide with another's on the shared server."""
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def _ids(rng, n):

@@ -11,9 +11,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
+import zlib
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import pytest
 
 
@@ -121,3 +124,55 @@ class Proc:
         except subprocess.TimeoutExpired:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+@pytest.fixture
+def rng_per_test(request):
+    """A generator seeded by the test's name: the blocks of one test never collide with
+    another's on a server the module shares. Modules take it as ``rng``:
+    ``from services import rng_per_test as rng``."""
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+class FakeServer:
+    """A TCP server on 127.0.0.1 for the faults no real server makes on demand: it accepts
+    connections, then never answers (``"silent"``), closes each at once (``"close"``) or answers
+    ``reply`` to the first bytes it receives and closes (``"garbage"``). ``accepted``: the
+    connections taken so far. Stop it with :meth:`shutdown`."""
+
+    def __init__(self, mode: str, reply: bytes = b"-ERR this is not the server you want\r\n"):
+        if mode not in ("silent", "close", "garbage"):
+            raise ValueError(f"mode: 'silent', 'close' or 'garbage', got {mode!r}")
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.mode, self.reply, self.conns, self.accepted, self.stop = mode, reply, [], 0, False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.05)
+        while not self.stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            if self.mode == "garbage":
+                try:
+                    c.recv(65536)
+                    c.sendall(self.reply)
+                except OSError:
+                    pass
+            if self.mode == "silent":
+                self.conns.append(c)
+            else:
+                c.close()
+
+    def shutdown(self) -> None:
+        self.stop = True
+        self.thread.join(5)
+        for c in self.conns:
+            c.close()
+        self.sock.close()

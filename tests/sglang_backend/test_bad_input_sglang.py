@@ -17,60 +17,23 @@ import torch
 
 import sglang  # noqa: F401  (this stage fails, never skips, without SGLang)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 4, 32
+# SGLang's host pools and the backend as a server loads it: the backend tests' own helpers
+from test_sglang_backend import PAGE, backend as _backend, host_pool as _host_pool  # noqa: E402
+from test_sglang_backend import mla_pool as _mla_pool  # noqa: E402
 
 
 def host_pool(layout="page_first", seed=None):
-    dev = MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS,
-                           head_dim=DIM, layer_num=LAYERS, device="cpu",
-                           enable_memory_saver=False, start_layer=0, end_layer=LAYERS,
-                           enable_alt_stream=False)
-    info = dev.get_device_pool_infos()[0].buffer_info
-    cap = dev.size if dev.host_capacity_tokens is None else dev.host_capacity_tokens
-    host = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=cap, start_layer=dev.start_layer,
-                                end_layer=dev.end_layer,
-                                write_back_staging=dev.hicache_write_back_staging)
-    raw = host.kv_buffer.view(torch.int16)
-    if seed is None:
-        raw.fill_(-5)
-    else:
-        g = torch.Generator().manual_seed(seed)
-        raw.copy_(torch.randint(-2**15, 2**15 - 1, raw.shape, generator=g, dtype=torch.int16))
-    return host
-
-
-def backend(host, root, pipeline="memory|posix", tp=(0, 1), mla=False):
-    extra = {"backend_name": "ucm", "module_path": "ucm.integration.sglang",
-             "class_name": "UCMStorage", "interface_v1": 1,
-             "ucm": {"store": {"pipeline": pipeline, "posix": {"roots": [str(root)]}}}}
-    cfg = HiCacheStorageConfig(tp_rank=tp[0], tp_size=tp[1], pp_rank=0, pp_size=1,
-                               attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
-                               enable_storage_metrics=True,
-                               is_page_first_layout=host.layout == "page_first",
-                               model_name="smol", extra_config=extra)
-    b = StorageBackendFactory.create_backend("dynamic", cfg, host)
-    b.register_mem_pool_host(host)               # (as HiCache's cache controller does)
-    return b
+    return _host_pool(layout, seed=seed)
 
 
 def mla_pool(layout="page_first"):
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    return _mla_pool(layout)
 
-    dev = MLATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=16,
-                           qk_rope_head_dim=8, layer_num=LAYERS, device="cpu",
-                           enable_memory_saver=False, start_layer=0, end_layer=LAYERS)
-    cap = dev.size if dev.host_capacity_tokens is None else dev.host_capacity_tokens
-    return MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE,
-                                layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=cap, start_layer=dev.start_layer,
-                                end_layer=dev.end_layer, target_layer_num=dev.layer_num,
-                                override_kv_cache_dim=dev.kv_cache_dim)
+
+def backend(host, root, pipeline="memory|posix", tp=(0, 1), mla=False):
+    return _backend(host, {"store": {"pipeline": pipeline, "posix": {"roots": [str(root)]}}},
+                    tp=tp, mla=mla)
 
 
 def keys(n):
