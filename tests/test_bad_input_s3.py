@@ -40,7 +40,7 @@ def _open(url, prefix="bad", bucket=BUCKET, namespace=NS, remote=None, **s3):
                                  "s3": {"bucket": bucket, "endpoint_url": url, "prefix": prefix,
                                         **s3},
                                  # moto on a shared 2-core machine: a generous timeout
-                                 "remote": {"timeout_s": 2.0, "backoff_s": 0.2, "staging": "4MiB",
+                                 "remote": {"timeout_s": 10.0, "backoff_s": 0.2, "staging": "4MiB",
                                             **(remote or {})}}},
                       block_bytes=BLOCK, shard_bytes=SHARD, namespace=namespace)
 
@@ -92,6 +92,16 @@ def test_multipart_bytes_above_what_s3_takes_is_refused(server):
     text = _config_error(server.url, "store.s3.multipart_bytes", multipart_bytes="6GiB")
     assert "5 GiB" in text
     _open(server.url, multipart_bytes="5GiB").close()
+
+
+@pytest.mark.parametrize("prefix", ["x/../y", "x/./y", "x//y", "x/", "..", "."])
+def test_a_prefix_with_path_segments_servers_rewrite_is_a_config_error(prefix):
+    """Keys are literal on AWS, but servers that map keys to paths (MinIO among them) refuse or
+    fold '.', '..' and empty segments, so two prefixes could name one place, or every put
+    fail. Such a store.s3.prefix used to be accepted."""
+    with pytest.raises(ValueError, match="store.s3.prefix"):
+        ucm.Config({"store": {"s3": {"prefix": prefix}}})
+    ucm.Config({"store": {"s3": {"prefix": "team-a/ucm.v2"}}})
 
 
 @pytest.mark.parametrize("case", ["key-without-secret", "missing-profile", "unparsable-config"])

@@ -256,6 +256,15 @@ def _check_key_prefix(value: str) -> Optional[str]:
     return None
 
 
+def _check_object_prefix(value: str) -> Optional[str]:
+    # servers that map keys to paths refuse or fold '.', '..' and empty segments: two prefixes
+    # could name one place
+    why = _check_key_prefix(value)
+    if why is None and any(seg in ("", ".", "..") for seg in value.split("/")):
+        why = "segments between '/' that are not empty, '.' or '..'"
+    return why
+
+
 #: longest timeout an option takes (a year): threading and sockets overflow on values near 1e10 s
 MAX_TIMEOUT_S = 365 * 86400.0
 
@@ -476,7 +485,7 @@ OPTIONS: tuple[Option, ...] = (
     # s3 tier
     Option("store.s3.bucket", "str", "", "Bucket of the s3 tier (must exist)."),
     Option("store.s3.prefix", "str", "ucm", "Key prefix inside the bucket.",
-           check=_check_key_prefix),
+           check=_check_object_prefix),
     Option("store.s3.endpoint_url", "str", "", "S3-compatible endpoint (empty: AWS); "
            "credentials and region come from the usual AWS chain (environment, ~/.aws, "
            "instance role)."),
