@@ -138,3 +138,24 @@ def test_a_silent_server_in_the_pool_costs_only_its_blocks(server, rng, close):
             s.close()
     finally:
         bad.shutdown()
+
+
+@pytest.mark.parametrize("op", ["load", "dump"])
+def test_a_close_between_the_closed_check_and_the_work_is_the_closed_error(server, rng, op):
+    """A load or dump that passed the store's closed check just before another thread's close()
+    reached the tier's executor after its shutdown, and raised the executor's RuntimeError
+    ("cannot schedule new futures after shutdown"). That window is a few instructions wide and
+    cannot be hit on demand: the test injects the close() there (a mock of the timing, named as
+    such)."""
+    s = _open([server.url])
+    ids, data = _ids(rng, 2), _data(rng, 2)
+    inner = getattr(s, f"_{op}")
+
+    def closed_meanwhile(*args):
+        s.close()
+        return inner(*args)
+
+    setattr(s, f"_{op}", closed_meanwhile)
+    buf = np.zeros_like(data) if op == "load" else data
+    with pytest.raises(ValueError, match="closed"):
+        getattr(s, op)(ids, 0, buf)
