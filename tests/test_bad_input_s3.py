@@ -147,6 +147,21 @@ def test_an_endpoint_that_is_no_s3_server_fails_open_with_the_key(aws_env, mode)
         bad.shutdown()
 
 
+def test_an_endpoint_that_answers_200_to_everything_fails_open_with_the_key(aws_env):
+    """A web server or proxy that answers every request with 200 (an endpoint URL pointing at
+    the wrong service) passed the bucket check: every lookup then said hit and every load
+    missed, so the engine planned loads that all failed, with no error anywhere. The tier now
+    asks at open for an object that cannot exist and refuses an endpoint that says it does."""
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    bad = FakeServer("garbage", ok)
+    bad.url = f"http://127.0.0.1:{bad.port}"
+    try:
+        text = _config_error(bad.url, "store.s3.endpoint_url", remote={"timeout_s": 2.0})
+        assert "cannot exist" in text
+    finally:
+        bad.shutdown()
+
+
 # -- objects tampered with on the server ---------------------------------------------------------
 
 def test_tampered_objects_are_clean_misses_never_another_blocks_bytes(server, rng):

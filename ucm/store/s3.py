@@ -471,6 +471,14 @@ class S3Store(RemoteStore):
             raise unreachable(exc) from None
         try:
             first.ping()
+            # a server that says an object no one wrote exists (a web server or proxy answering
+            # 200 to everything) is not an S3 server: every lookup would be a hit, every load a
+            # miss
+            probe = f"{prefix}/ucm-absent-{random.getrandbits(64):016x}"
+            if first.exists([probe])[0]:
+                raise ConfigError(f"config key 'store.s3.endpoint_url': {redacted(endpoint)!r} "
+                                  f"says {probe!r}, an object that cannot exist, is there: not "
+                                  f"an S3 server")
         except Unavailable as exc:
             first.close()
             raise unreachable(exc) from None
