@@ -149,6 +149,19 @@ def engine(tmp_path):
         yield e
 
 
+def _serve_beside_a_good_one(engine, caplog, params, seeds, max_tokens, good_len=70):
+    """A good request and one carrying ``params``, run to the end with the ucm warnings captured;
+    both finish with ``max_tokens`` tokens. Returns ``(good, bad)``."""
+    good = engine.add(_prompt(seeds[0], good_len), max_tokens=max_tokens)
+    bad = engine.add(_prompt(seeds[1], 90), max_tokens=max_tokens)
+    bad.request.kv_transfer_params = params
+    with caplog.at_level(logging.WARNING, logger="ucm"):
+        engine.run()
+    for r in (good, bad):
+        assert r.request.is_finished() and len(r.output) == max_tokens, r.req_id
+    return good, bad
+
+
 @pytest.mark.parametrize("params", [
     pytest.param({"ucm_blend": {"chunks": [[0, 16]], "recompute_ratio": HUGE_INT}},
                  id="ratio-huge-int"),
@@ -158,13 +171,8 @@ def engine(tmp_path):
 ])
 def test_a_bad_request_does_not_crash_the_step_nor_touch_the_other_request(engine, params,
                                                                           caplog):
-    good = engine.add(_prompt(1, 70), max_tokens=3)
-    bad = engine.add(_prompt(2, 90), max_tokens=3)
-    bad.request.kv_transfer_params = params
-    with caplog.at_level(logging.WARNING, logger="ucm"):
-        engine.run()          # (the harness checks every KV slot attention reads)
-    for r in (good, bad):
-        assert r.request.is_finished() and len(r.output) == 3, r.req_id
+    # (the harness checks every KV slot attention reads)
+    _serve_beside_a_good_one(engine, caplog, params, (1, 2), 3)
     assert "served without Blend" in caplog.text
     assert len(caplog.text) < 5000
     H.assert_scheduler_empty(engine)
@@ -184,13 +192,7 @@ def test_a_parser_fault_costs_its_request_blend_not_the_step(engine, caplog, mon
         return real(prompt, params, *args, **kwargs)
 
     monkeypatch.setattr(blend_chunks, "parse_request", parse)
-    good = engine.add(_prompt(1, 70), max_tokens=3)
-    bad = engine.add(_prompt(2, 90), max_tokens=3)
-    bad.request.kv_transfer_params = {"ucm_blend": "explode"}
-    with caplog.at_level(logging.WARNING, logger="ucm"):
-        engine.run()
-    for r in (good, bad):
-        assert r.request.is_finished() and len(r.output) == 3, r.req_id
+    _serve_beside_a_good_one(engine, caplog, {"ucm_blend": "explode"}, (1, 2), 3)
     assert "could not be read" in caplog.text and "ZeroDivisionError" in caplog.text
     H.assert_scheduler_empty(engine)
 
@@ -209,13 +211,7 @@ def test_a_parser_fault_costs_its_request_blend_not_the_step(engine, caplog, mon
 ])
 def test_malformed_markings_are_logged_once_per_lookup_and_served_in_full(engine, params,
                                                                          caplog):
-    good = engine.add(_prompt(3, 70), max_tokens=2)
-    bad = engine.add(_prompt(4, 90), max_tokens=2)
-    bad.request.kv_transfer_params = params
-    with caplog.at_level(logging.WARNING, logger="ucm"):
-        engine.run()
-    for r in (good, bad):
-        assert r.request.is_finished() and len(r.output) == 2, r.req_id
+    _, bad = _serve_beside_a_good_one(engine, caplog, params, (3, 4), 2)
     warned = [rec for rec in caplog.records if "served without Blend" in rec.getMessage()]
     assert warned and all(bad.req_id in rec.getMessage() for rec in warned)
     assert all(len(rec.getMessage()) < 1000 for rec in warned)
@@ -233,13 +229,9 @@ def test_an_unknown_ucm_key_is_ignored_with_one_warning(engine, params, key, cap
     """A misspelt ucm parameter was dropped without a word: the user believes the request
     blended (or was stored) as asked. It must be ignored with a warning naming the key, once
     per request, and the request served as usual."""
-    good = engine.add(_prompt(5, 40), max_tokens=2)
-    bad = engine.add(_prompt(6, 90), max_tokens=2)
-    bad.request.kv_transfer_params = dict(params, do_remote_prefill=False)  # (others' keys: ok)
-    with caplog.at_level(logging.WARNING, logger="ucm"):
-        engine.run()
-    for r in (good, bad):
-        assert r.request.is_finished() and len(r.output) == 2, r.req_id
+    # (others' keys beside them: ok)
+    _, bad = _serve_beside_a_good_one(engine, caplog, dict(params, do_remote_prefill=False),
+                                      (5, 6), 2, good_len=40)
     warned = [rec.getMessage() for rec in caplog.records if "unknown" in rec.getMessage()]
     assert len(warned) == 1, warned
     assert bad.req_id in warned[0] and key in warned[0] and len(warned[0]) < 1000
