@@ -120,6 +120,50 @@ def test_an_unrelated_ucm_variable_only_warns(caplog):
     assert any("UCM_HOME" in r.getMessage() for r in caplog.records)
 
 
+def _variables_read(root: str) -> set:
+    """UCM_ variables the project's code reads from the environment: ``environ.get``,
+    ``environ[...]`` and ``getenv`` of a quoted ``UCM_`` name in Python, ``UCM_<NAME>=...`` in
+    the Makefile, CI and scripts."""
+    import re
+
+    py = re.compile(r"""(?:environ(?:\.get)?\(?\[?|getenv\()\s*["'](UCM_[A-Z0-9_]+)["']""")
+    sh = re.compile(r"\b(UCM_[A-Z0-9_]+)=")
+    found = set()
+    for top in ("ucm", "tests", "benchmarks", "evals", "scripts", ".ci", "Makefile"):
+        path = os.path.join(root, top)
+        files = [path] if os.path.isfile(path) else [
+            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+            if f.endswith((".py", ".sh")) or d.endswith(".ci")]
+        for f in files:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+            found |= set(py.findall(text))
+            if not f.endswith(".py"):
+                found |= set(sh.findall(text))
+    return found
+
+
+def test_every_variable_ucm_reads_is_known_to_the_config():
+    """A variable ucm or its test and benchmark tooling reads must not make every Config.load
+    warn that it is unknown (UCM_PROGRESS=0 and UCM_JIT_CACHE=off did, inside vLLM too)."""
+    from ucm.config import RESERVED_ENV
+
+    known = {o.env for o in OPTIONS} | {"UCM_PRESET"} | set(RESERVED_ENV)
+    read = _variables_read(REPO)
+    assert {"UCM_PROGRESS", "UCM_JIT_CACHE", "UCM_BACKEND"} <= read   # the scan sees them
+    assert sorted(read - known) == []
+
+
+def test_tooling_variables_load_without_a_warning(caplog):
+    import logging
+
+    env = {"UCM_PROGRESS": "0", "UCM_JIT_CACHE": "off", "UCM_TEST_TRITON_INTERPRETER": "1",
+           "UCM_MODEL_OPS": "100", "UCM_MODEL_SEED": "3"}
+    with caplog.at_level(logging.WARNING, logger="ucm.config"):
+        Config(env=env)
+    assert [r.getMessage() for r in caplog.records if "UCM_" in r.getMessage()] == []
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ValueError, match="cannot be read"):
         Config.load(str(tmp_path / "missing.yaml"), env={})

@@ -48,6 +48,11 @@ RESERVED_ENV = {
     "UCM_NATIVE_SIMD": "force the native checksum path: scalar or avx2 (tests)",
     "UCM_VLLM_PYTHON": "interpreter with vLLM for benchmarks/bench_foundation.py",
     "UCM_BACKGROUND_CPUS": "CPUs of ucm's background threads (ucm/threads.py): e.g. 3,5-7, or none",
+    "UCM_JIT_CACHE": "where the compiled Numba kernels are cached (default ~/.cache/ucm/jit), or off",
+    "UCM_PROGRESS": "0: no progress bars on stderr",
+    "UCM_TEST_TRITON_INTERPRETER": "1: this test process runs the Triton interpreter cases (make test-gpu)",
+    "UCM_MODEL_OPS": "tests: operations per store kind of the model-based store tests",
+    "UCM_MODEL_SEED": "tests: the first seed of the model-based store tests",
 }
 
 # ---------------------------------------------------------------------------------------------
