@@ -567,6 +567,15 @@ class AutoTuner:
             if bound is not None and best > bound:
                 raise TuneError(f"max_latency_ms={bound} cannot be met: the best configuration "
                                 f"measured a mean TTFT of {best:.0f} ms on the sample requests")
+        if tuned.get("store.pipeline") == "memory":
+            # every block lives in the worker's process: the scheduler sees them only when the
+            # worker runs in the engine core's process (the connector refuses the store else)
+            self.engine_args["distributed_executor_backend"] = "uni"
+            self.notes.append("store.pipeline 'memory' keeps the blocks inside the worker "
+                              "process: run vLLM with --distributed-executor-backend uni, and "
+                              "on vLLM-CPU with VLLM_ENABLE_V1_MULTIPROCESSING=0 as well (as "
+                              "the TTFT stage does; vLLM-CPU turns uni into mp otherwise), or "
+                              "the connector refuses the store")
         self.chosen = tuned
         return Config(tuned)
 

@@ -78,7 +78,9 @@ def refuse_unreachable_store(cfg: Config, vllm_config, shape: keys.ParallelShape
             f"processes (distributed_executor_backend={backend!r}, {shape.world} rank(s)), "
             f"so the scheduler could never see a stored block. Add a shared tier (e.g. "
             f"'memory|posix' with store.posix.roots) or run one worker in the engine's "
-            f"process (--distributed-executor-backend uni)")
+            f"process: --distributed-executor-backend uni, and on vLLM-CPU also "
+            f"VLLM_ENABLE_V1_MULTIPROCESSING=0 (with multiprocessing on, vLLM-CPU turns uni "
+            f"into mp)")
 
 
 def quiet_engine_wait(cfg, vllm_config) -> None:
