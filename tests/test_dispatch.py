@@ -15,12 +15,25 @@ def _auto_selection(monkeypatch):
     monkeypatch.delenv("UCM_BACKEND", raising=False)
 
 
+def _native_built() -> bool:
+    """Whether the C engine loads here. CI exports UCM_REQUIRE_NATIVE=1, under which importing
+    ucm without it fails; the GPU machine has no cffi to build it."""
+    from ucm import fast
+
+    return fast.native_status()[0]
+
+
 def test_auto_picks_fast_on_this_machine():
     info = ucm.backend_info()
     assert info["platform"] in ("cpu", "cuda", "npu")
     assert info["ops"]["hash_blocks"]["selected"] == "numba"
     assert info["ops"]["block_index"]["selected"] == "numba"
-    assert info["ops"]["copy_segments"]["selected"] == "native"
+    copy = info["ops"]["copy_segments"]
+    if _native_built():
+        assert copy["selected"] == "native"
+    else:   # the reference, with the engine listed as unavailable and why
+        native = copy["implementations"]["native"]
+        assert copy["selected"] == "reference" and not native["available"] and native["reason"]
     for op, entry in info["ops"].items():
         assert entry["reason"] and "reference" in entry["implementations"], op
 
@@ -38,6 +51,8 @@ def test_precedence_argument_over_set_backend_over_env(monkeypatch):
 
 
 def test_global_impl_name_applies_only_where_registered():
+    if not _native_built():
+        pytest.skip("the native engine is not built on this machine (CI requires it)")
     ucm.set_backend("native")
     assert dispatch.select("copy_segments")[0].name == "native"
     impl, reason = dispatch.select("hash_blocks")
