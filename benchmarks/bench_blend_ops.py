@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch = pytest.importorskip("torch")
 
 from ucm.blend import ops  # noqa: E402
+from _argtypes import count as _count, counts as _counts  # noqa: E402
 
 H, D, THETA = 8, 128, 500000.0
 DTYPE = torch.bfloat16
@@ -207,6 +208,7 @@ def run_cpu(args) -> int:
               f"{best['numba'] * 1e3:7.3f} ms  ({row['numba']['GBps']:.2f} GB/s)  "
               f"{row['numba_vs_reference']:6.1f}x", flush=True)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
@@ -291,6 +293,7 @@ def run_cuda(args) -> int:
         torch.cuda.empty_cache()
     print("\n".join(table), flush=True)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
@@ -302,14 +305,18 @@ def main(argv=None) -> int:
                                 epilog=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cpu", help="CPU tensors: numba against the reference")
-    c.add_argument("--tokens", type=int, default=4096)
-    c.add_argument("--rounds", type=int, default=5)
+    c.add_argument("--tokens", type=_count(1), default=4096, help="default %(default)s")
+    c.add_argument("--rounds", type=_count(1), default=5,
+                   help="interleaved rounds, the best reported (default %(default)s)")
     c.add_argument("--json", help="write the figures here")
     g = sub.add_parser("cuda", help="CUDA tensors: triton against the reference and a copy")
-    g.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")],
+    g.add_argument("--tokens", type=_counts,
                    default=[4096, 262144], help="token counts, comma separated")
     g.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    if args.cmd == "cuda" and not torch.cuda.is_available():
+        print("bench_blend_ops.py cuda: no CUDA device", file=sys.stderr)
+        return 2
     return run_cpu(args) if args.cmd == "cpu" else run_cuda(args)
 
 

@@ -48,6 +48,7 @@ import torch
 
 from ucm import compress
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, fit_projection, offsets
+from _argtypes import count as _count, counts as _counts  # noqa: E402
 
 ORDER, TOKENS, HEADS, HEAD_DIM = "hktd", 128, 3, 64          # SmolLM2-135M, vLLM-CPU blocks
 DTYPES = ("bfloat16", "float32")
@@ -217,7 +218,7 @@ def run_cpu(args) -> int:
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)          # the reference's threads, asked
-    shards = [int(s) for s in args.shards.split(",")]
+    shards = args.shards
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cores"
     print(f"# KV codec benchmarks on {machine}, {time.strftime('%Y-%m-%d')}: "
           f"numba {numba.__version__}, torch {torch.__version__} ({torch.get_num_threads()} "
@@ -253,6 +254,7 @@ def run_cpu(args) -> int:
     print(f"slowest ratio: {worst['numba_vs_reference']:.1f}x ({worst['op']} {worst['method']} "
           f"{worst['dtype']}, {worst['shards']} shards)", flush=True)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
@@ -264,12 +266,12 @@ def main(argv=None) -> int:
                                 epilog=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cpu", help="CPU tensors: numba against the reference")
-    c.add_argument("--shards", default=",".join(map(str, SHARDS)),
+    c.add_argument("--shards", type=_counts, default=",".join(map(str, SHARDS)),
                    help="batch sizes, comma separated (default %(default)s)")
-    c.add_argument("--rounds", type=int, default=7,
+    c.add_argument("--rounds", type=_count(1), default=7,
                    help="best of this many rounds, each one call per provider "
                         "(default %(default)s)")
-    c.add_argument("--torch-threads", type=int, default=0,
+    c.add_argument("--torch-threads", type=_count(0), default=0,
                    help="threads of the reference (torch.set_num_threads; default: torch's "
                         "own choice). numba runs on one thread")
     c.add_argument("--json", help="write the figures here")

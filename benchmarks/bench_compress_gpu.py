@@ -35,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+from _argtypes import count as _count  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -418,18 +419,27 @@ def scalar_division_probe(torch, out):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", default=None)
-    p.add_argument("--gib", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=20)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--gib", type=float, default=1.0,
+                   help="GiB of raw KV per codec-rate shape (default %(default)s)")
+    p.add_argument("--repeats", type=_count(1), default=20,
+                   help="do_bench repetitions, the median reported (default %(default)s)")
     p.add_argument("--no-sweep", dest="sweep", action="store_false")
     p.add_argument("--skip-round-trip", action="store_true")
-    p.add_argument("--tokens", type=int, default=16, help="tokens per block of the codec-rate "
+    p.add_argument("--tokens", type=_count(1), default=16, help="tokens per block of the codec-rate "
                    "shapes (16: vLLM's CUDA default; INT8's auto key mode is per channel from 128)")
     p.add_argument("--codecs", nargs="*", default=None, help="a subset of the codecs (names as "
                    "in the JSON)")
     p.add_argument("--dry-run-cpu", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not args.gib > 0:
+        p.error(f"--gib: expected a positive number, got {args.gib}")
+    if args.codecs is not None:
+        unknown = sorted(set(args.codecs) - set(_specs()))
+        if unknown or not args.codecs:
+            p.error(f"--codecs: {f'unknown {unknown}' if unknown else 'none named'}; known: "
+                    f"{list(_specs())}")
     global DEV
     if args.dry_run_cpu:
         DEV = "cpu"
@@ -459,6 +469,7 @@ def main(argv=None) -> int:
         return 1
     out["checks"] = "passed"
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, sort_keys=True)
     print(json.dumps({k: v for k, v in out.items() if k != "codec_rates"}, sort_keys=True))

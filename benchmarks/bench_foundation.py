@@ -35,6 +35,7 @@ import sys
 import time
 
 import numpy as np
+from _argtypes import count as _count  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -192,7 +193,8 @@ def copy_case(total: int, segment: int, threads: int) -> Case:
         "reference": Provider(lambda: ucm.copy_ranges(src, so, dst, do, lengths, 1, backend="reference"),
                               scattered("reference"), 3, "reference"),
         "native_1thread": Provider(native(1), scattered("native_1thread"), 7, "fast"),
-        f"native_{threads}threads": Provider(native(threads), scattered(f"native_{threads}threads"), 7, "fast"),
+        **({f"native_{threads}threads": Provider(native(threads), scattered(f"native_{threads}threads"), 7,
+                                                 "fast")} if threads > 1 else {}),  # (1: the row above)
         "ceiling_contiguous": Provider(
             lambda: ucm.copy_ranges(src, [0], dst, [0], [total], threads, backend="native"), contiguous, 7,
             "ceiling"),
@@ -342,10 +344,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Foundation ops: fast implementation vs reference, peer and ceiling, ratios of one run.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--vllm-python", help="interpreter with vLLM installed (default: search)")
-    p.add_argument("--tokens", type=int, default=N_TOKENS)
-    p.add_argument("--ids", type=int, default=N_IDS)
-    p.add_argument("--copy-mib", type=int, default=COPY_BYTES >> 20)
-    p.add_argument("--threads", type=int, default=THREADS)
+    p.add_argument("--tokens", type=_count(BLOCK_SIZE), default=N_TOKENS,
+                   help="hash_blocks: tokens hashed (default %(default)s)")
+    p.add_argument("--ids", type=_count(1), default=N_IDS,
+                   help="lookup_prefix: resident ids (default %(default)s)")
+    p.add_argument("--copy-mib", type=_count(1), default=COPY_BYTES >> 20,
+                   help="copy_segments: MiB copied (default %(default)s)")
+    p.add_argument("--threads", type=_count(1), default=THREADS,
+                   help="native threads of copy_segments and io_read (default %(default)s)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cores"
@@ -380,6 +386,7 @@ def main(argv=None) -> int:
         print(f"hash_blocks vs vLLM skipped: {v['error']}", flush=True)
     out["vllm_block_hash"] = v
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.join(TREE, "tests"))
 
 import ucm  # noqa: E402
 from ucm.store import open_store  # noqa: E402
+from _argtypes import count as _count  # noqa: E402
 
 NS = ucm.Namespace("bench-remote", "bfloat16", 16)
 
@@ -297,13 +298,17 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--tier", action="append", choices=("redis", "mooncake"),
                    help="tier to measure (repeatable; default both)")
-    p.add_argument("--blocks", type=int, default=128)
-    p.add_argument("--block-mib", type=int, default=1)
-    p.add_argument("--shards", type=int, default=16, help="shards per block (layers)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--io-threads", type=int, default=0, help="store.io_threads (default: the tier's default)")
+    p.add_argument("--blocks", type=_count(1), default=128, help="default %(default)s")
+    p.add_argument("--block-mib", type=_count(1), default=1, help="default %(default)s")
+    p.add_argument("--shards", type=_count(1), default=16,
+                   help="shards per block (layers), dividing its bytes (default %(default)s)")
+    p.add_argument("--rounds", type=_count(1), default=5, help="default %(default)s")
+    p.add_argument("--io-threads", type=_count(1), default=0,
+                   help="store.io_threads (default: the tier's default)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    if (args.block_mib << 20) % args.shards:
+        p.error(f"--shards: {args.shards} does not divide a block's {args.block_mib << 20} bytes")
     tiers = args.tier or ["redis", "mooncake"]
     out = {"machine": f"{platform.machine()} {os.cpu_count()} cores",
            "date": datetime.date.today().isoformat(), "tiers": {}}
@@ -316,6 +321,7 @@ def main(argv=None) -> int:
                   f"{r['raw_get_GBps']:.2f} GB/s ({r['load_vs_raw']:.0%}); medians: dump "
                   f"{r['dump_vs_raw_median']:.0%}, load {r['load_vs_raw_median']:.0%} of raw", flush=True)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

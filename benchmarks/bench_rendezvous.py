@@ -1,7 +1,7 @@
 """Load balance and membership changes of the distributed tiers' rendezvous hashing
 (``ucm.store.membership.rendezvous``), on random 128-bit block ids (ucm's ids are hashes).
 
-    .venv/bin/python benchmarks/bench_rendezvous.py [--ids 100000] [--servers 4] [--trials 5]
+    .venv/bin/python benchmarks/bench_rendezvous.py [--ids 100000] [--servers 4] [--trials 5] [--seed 0]
 
 Reports, per trial (different ids and server names): max/mean blocks per server; the fraction
 of blocks that move when one server joins (ideal 1/(n+1)) and whether all of them go to the
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
 
 from ucm.store.membership import rendezvous
+from _argtypes import count as _count  # noqa: E402
 
 
 def trial(seed: int, n_ids: int, n_servers: int) -> dict:
@@ -45,12 +47,15 @@ def trial(seed: int, n_ids: int, n_servers: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ids", type=int, default=100_000)
-    ap.add_argument("--servers", type=int, default=4)
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--ids", type=_count(1), default=100_000, help="block ids (default %(default)s)")
+    ap.add_argument("--servers", type=_count(2), default=4,
+                    help="servers, >= 2 (one leaves; default %(default)s)")
+    ap.add_argument("--trials", type=_count(1), default=5, help="default %(default)s")
+    ap.add_argument("--seed", type=_count(0), default=0,
+                    help="seed of the first trial; trial k uses SEED + k (default %(default)s)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
-    rows = [trial(s, a.ids, a.servers) for s in range(a.trials)]
+    rows = [trial(s, a.ids, a.servers) for s in range(a.seed, a.seed + a.trials)]
     for r in rows:
         print(f"max/mean {r['max_over_mean']:.4f}  join moved {r['join_moved']:.4f} "
               f"(ideal {r['join_ideal']:.4f}, all to newcomer: {r['join_all_to_newcomer']})  "
@@ -61,8 +66,10 @@ def main() -> None:
              "all_correct": all(r["join_all_to_newcomer"] and r["leave_only_its_blocks"] for r in rows)}
     print("worst:", json.dumps(worst))
     if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
-            json.dump({"ids": a.ids, "servers": a.servers, "trials": rows, "worst": worst}, f, indent=1)
+            json.dump({"ids": a.ids, "servers": a.servers, "seed": a.seed, "trials": rows,
+                       "worst": worst}, f, indent=1)
 
 
 if __name__ == "__main__":

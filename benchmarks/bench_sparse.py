@@ -534,6 +534,7 @@ def main() -> int:
         report["refused"] = "a correctness check failed: no timings, no speedups"
         print("correctness check FAILED: no timings, no speedups", flush=True)
         if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
         return 1
@@ -544,6 +545,7 @@ def main() -> int:
     report["seconds"] = time.time() - t0
     report["kernel_resources"] = kernel_resources()
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     print("\nper decode step, graph replays: dense Triton kernel / sparse at 20%; "

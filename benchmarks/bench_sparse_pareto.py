@@ -285,6 +285,7 @@ def main(argv=None) -> int:
         report = {"command": " ".join(sys.argv)}
         sweep_scoring(report)
         if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
         return 0
@@ -304,6 +305,7 @@ def main(argv=None) -> int:
               if not x["check"]["passed"]]
     report["failed_checks"] = failed
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 1 if failed else 0

@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ucm  # noqa: E402
 from ucm.layout import KVLayout  # noqa: E402
+from _argtypes import count as _count  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -695,6 +696,7 @@ def main_cpu(args) -> int:
                   f"{row['of_ceiling']:6.1%} of the ceiling", flush=True)
         out["ops"][op] = rows
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
@@ -705,14 +707,14 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     c = sub.add_parser("cpu", help="reference vs native vs a contiguous copy, CPU tensors")
-    c.add_argument("--repeats", type=int, default=5, help="timed runs per provider (best reported)")
+    c.add_argument("--repeats", type=_count(1), default=5, help="timed runs per provider (best reported)")
     g = sub.add_parser("cuda", help="the H200 figure: Triton + pinned copies + memory tier vs the "
                        "pinned-copy ceiling (formerly bench_transfer_gpu.py)")
-    g.add_argument("--repeats", type=int, default=5, help="timed runs per path (median reported)")
-    g.add_argument("--naive-repeats", type=int, default=2, help="timed runs of the naive per-block copies")
-    g.add_argument("--chunks", type=int, nargs="+", default=[32, 64, 128, 256],
+    g.add_argument("--repeats", type=_count(1), default=5, help="timed runs per path (median reported)")
+    g.add_argument("--naive-repeats", type=_count(1), default=2, help="timed runs of the naive per-block copies")
+    g.add_argument("--chunks", type=_count(1), nargs="+", default=[32, 64, 128, 256],
                    help="blocks per staging chunk of the pipelined copies (the best is reported)")
-    g.add_argument("--store-chunk", type=int, default=128, help="blocks per store.dump/load of the memory tier")
+    g.add_argument("--store-chunk", type=_count(1), default=128, help="blocks per store.dump/load of the memory tier")
     for sp in (c, g):
         sp.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)

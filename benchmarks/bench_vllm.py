@@ -52,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ucm.demo.vllm_demo import _engine, doc_tokens, scratch_dir  # noqa: E402
+from _argtypes import count as _count  # noqa: E402
 
 PAUSE_S = 1.5
 
@@ -66,6 +67,7 @@ def _refuse(out: dict, path: str | None, why: str) -> None:
     out["rounds"] = [{k: v for k, v in r.items() if "_vs_" not in k} for r in out.get("rounds", [])]
     out["refused"] = why
     if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
     raise Disagreement(f"REFUSED, no ratio reported: {why}")
@@ -319,21 +321,24 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     w = sub.add_parser("warm", help="warm TTFT: ucm vs ExampleConnector vs vLLM's prefix cache, restarted engines")
-    w.add_argument("--rounds", type=int, default=3)
-    w.add_argument("--repeats", type=int, default=5, help="measured requests per engine and round")
+    w.add_argument("--rounds", type=_count(1), default=3, help="default %(default)s")
+    w.add_argument("--repeats", type=_count(1), default=5, help="measured requests per engine and round")
     m = sub.add_parser("miss", help="miss path: ucm vs plain vLLM (and an A/A control), engines taking turns")
-    m.add_argument("--pairs", type=int, default=3, help="child processes, each with its own engines")
-    m.add_argument("--ttft-prompts", type=int, default=8, help="prompts timed with one output token")
-    m.add_argument("--decode-prompts", type=int, default=6, help="prompts generating 64 tokens")
+    m.add_argument("--pairs", type=_count(1), default=3, help="child processes, each with its own engines")
+    m.add_argument("--ttft-prompts", type=_count(0), default=8, help="prompts timed with one output token")
+    m.add_argument("--decode-prompts", type=_count(0), default=6, help="prompts generating 64 tokens")
     m.add_argument("--no-control", action="store_true", help="no second plain engine (A/A control)")
     m.add_argument("--null", action="store_true", help="add an engine whose connector does nothing")
     m.add_argument("--spin-arm", action="store_true", help="add ucm with connector.engine_poll_us=0")
     m.add_argument("--save-end-arm", action="store_true", help="add ucm with connector.save_during_forward=false")
     for sp in (w, m):
-        sp.add_argument("--tokens", type=int, default=4000, help="prompt length")
-        sp.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU of every engine")
+        sp.add_argument("--tokens", type=_count(1), default=4000, help="prompt length")
+        sp.add_argument("--reserved-cpus", type=_count(0), default=1,
+                        help="VLLM_CPU_NUM_OF_RESERVED_CPU of every engine")
         sp.add_argument("--json", help="write the record here")
     args = p.parse_args(argv)
+    if args.mode == "miss" and args.ttft_prompts + args.decode_prompts == 0:
+        m.error("--ttft-prompts and --decode-prompts are both 0: nothing to measure")
 
     from ucm.models import ensure_smollm2
 
@@ -347,6 +352,7 @@ def main(argv=None) -> int:
                    "per_pair": out["per_pair"], "wall_s": out["wall_s"]}
     print(json.dumps(summary, indent=1))
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

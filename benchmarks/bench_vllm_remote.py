@@ -48,6 +48,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.bench_vllm import _refuse  # noqa: E402
 from ucm.demo.vllm_demo import _engine, doc_tokens, scratch_dir  # noqa: E402
+from _argtypes import count as _count  # noqa: E402
 
 BS = 128
 
@@ -140,17 +141,19 @@ def round_(args, model, prompts, warmup, url, work, r, out) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="vLLM-CPU: warm TTFT on a second node, KV from Redis, vs cold TTFT.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--prompts", type=int, default=4, help="distinct prompts per round (each measured once cold, once warm)")
-    p.add_argument("--rounds", type=int, default=1, help="pairs of nodes A, B")
-    p.add_argument("--tokens", type=int, default=4000, help="prompt length")
+    p.add_argument("--prompts", type=_count(1), default=4, help="distinct prompts per round (each measured once cold, once warm)")
+    p.add_argument("--rounds", type=_count(1), default=1, help="pairs of nodes A, B")
+    p.add_argument("--tokens", type=_count(1), default=4000, help="prompt length")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU of every engine")
+    p.add_argument("--reserved-cpus", type=_count(0), default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU of every engine")
     p.add_argument("--redis", help="a running server's URL (default: start redis-server on loopback)")
     p.add_argument("--timeout-s", type=float, default=2.0,
                    help="store.remote.timeout_s (ucm's default 0.2 s bounds a whole 16 MiB pipelined put: on "
                         "a busy 2-core VM puts timed out, blocks were not stored and node B recomputed them)")
     p.add_argument("--json", help="write the record here")
     args = p.parse_args(argv)
+    if not args.timeout_s > 0:
+        p.error(f"--timeout-s: expected a positive number of seconds, got {args.timeout_s}")
 
     from ucm.models import ensure_smollm2
 
@@ -193,6 +196,7 @@ def main(argv=None) -> int:
                 "target_warm_vs_cold": 0.5, "first_tokens_agree": True, "wall_s": time.time() - t0})
     print(json.dumps({k: v for k, v in out.items() if k != "rounds"}, indent=1))
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

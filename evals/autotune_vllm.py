@@ -21,7 +21,6 @@ push the system prompts out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,6 +28,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from evals import argtypes  # noqa: E402
 
 
 def chat_workload(n: int, system: int, doc: int, turn: int, seed: int = 0) -> list:
@@ -54,20 +55,35 @@ def chat_workload(n: int, system: int, doc: int, turn: int, seed: int = 0) -> li
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=32, help="sample and held-out requests each")
-    ap.add_argument("--system", type=int, default=320)
-    ap.add_argument("--doc", type=int, default=512)
-    ap.add_argument("--turn", type=int, default=64)
-    ap.add_argument("--memory-gb", type=float, default=None)
-    ap.add_argument("--json")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=argtypes.count(1), default=32,
+                    help="sample and held-out requests each (default %(default)s)")
+    ap.add_argument("--system", type=argtypes.count(1), default=320,
+                    help="tokens of each application's system prompt (default %(default)s)")
+    ap.add_argument("--doc", type=argtypes.count(1), default=512,
+                    help="tokens of each one-off document (default %(default)s)")
+    ap.add_argument("--turn", type=argtypes.count(1), default=64,
+                    help="tokens each chat turn adds (default %(default)s)")
+    ap.add_argument("--memory-gb", type=argtypes.number(0.0), default=None,
+                    help="the max_memory_gb constraint (default: room for a quarter of the "
+                         "sample's distinct blocks)")
+    ap.add_argument("--seed", type=int, default=0, help="the workload's seed (default %(default)s)")
+    ap.add_argument("--json", help="write the results here (and the tuner's report beside it)")
     args = ap.parse_args(argv)
-    from ucm.autotune import AutoTuner, compare_ttft, model_shape, requests_to_trace
+    from ucm.autotune import TuneError
     from ucm.models import ensure_smollm2
 
-    model = ensure_smollm2()
+    try:
+        return _run(args, ensure_smollm2(), argv)
+    except TuneError as exc:
+        raise SystemExit(f"autotune: {exc}") from None
+
+
+def _run(args, model: str, argv) -> int:
+    from ucm.autotune import AutoTuner, compare_ttft, model_shape, requests_to_trace
+
     t0 = time.time()
-    reqs = chat_workload(2 * args.requests, args.system, args.doc, args.turn)
+    reqs = chat_workload(2 * args.requests, args.system, args.doc, args.turn, args.seed)
     sample, held = reqs[:args.requests], reqs[args.requests:]
     block_bytes = model_shape(model).kv_bytes_per_token * 32
     distinct = requests_to_trace(sample, 32).distinct_blocks
@@ -95,10 +111,9 @@ def main(argv=None) -> int:
                   stages=[dict(name=s.name, rows=s.rows, choice=s.choice) for s in tuner.stages],
                   engine_args=tuner.engine_args,
                   held_out=res, tuned_over_preset_mean_ttft=ratio, seconds=time.time() - t0,
-                  config_memory_policy=cfg["store.memory.policy"])
+                  config_memory_policy=cfg["store.memory.policy"], seed=args.seed)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        argtypes.write_json(args.json, report, indent=1)
         tuner.write_report(os.path.splitext(args.json)[0] + "_report")
     return 0
 

@@ -1,5 +1,5 @@
-"""Blend accuracy against full prefill on SmolLM2-135M (float32): top-1 agreement over teacher-
-forced answer tokens, and synthetic retrieval accuracy, for a sweep of recompute ratios.
+"""Blend accuracy against full prefill on SmolLM2-135M (float32): top-1 agreement over
+teacher-forced answer tokens, and synthetic retrieval accuracy, for a sweep of recompute ratios.
 
 Workload (real text: CPython's documentation topics, the text of the sparse harness, at offsets
 the demo does not use): each sample is a short instruction, 4-6 chunks of 300-800 tokens from
@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from evals import argtypes  # noqa: E402
 from evals.sparse_quality import corpus_ids  # noqa: E402
 from ucm.blend.reference import blended_logits  # noqa: E402
 from ucm.models import ensure_smollm2  # noqa: E402
@@ -85,7 +86,10 @@ def context_tokens(ids: list, spec) -> list:
     prompt."""
     if not spec:
         return []
-    a, n = (int(x) for x in spec.split(":"))
+    try:
+        a, n = (int(x) for x in spec.split(":"))
+    except ValueError:
+        a, n = -1, 0
     if a < 0 or n < 1 or a + n > 5000:
         raise SystemExit(f"--context {spec}: expected START:LEN within the first 5000 tokens")
     return list(ids[a:a + n])
@@ -105,11 +109,17 @@ def score(res, suffix: list, n_answer: int) -> tuple:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=8, help="text samples")
-    ap.add_argument("--retrieval", type=int, default=8, help="retrieval samples")
-    ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
-    ap.add_argument("--check-layer", type=int, default=1)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=argtypes.count(0), default=8,
+                    help="text samples (default %(default)s)")
+    ap.add_argument("--retrieval", type=argtypes.count(0), default=8,
+                    help="retrieval samples (default %(default)s)")
+    ap.add_argument("--ratios", type=argtypes.listed(argtypes.ratio(zero=True)),
+                    default=",".join(map(str, RATIOS)),
+                    help="recompute ratios in [0, 1], comma-separated (default %(default)s)")
+    ap.add_argument("--check-layer", type=argtypes.count(0), default=1,
+                    help="ucm's blend.check_layer: the layer whose KV deviation picks the tokens "
+                         "to recompute (default %(default)s)")
     ap.add_argument("--lookahead", choices=("question", "all", "none"), default="question",
                     help="what Blend's lookahead reads after the chunks: the prompt (question), "
                          "the prompt and the teacher-forced answer (as the vLLM agreement run), "
@@ -120,20 +130,25 @@ def main(argv=None) -> int:
                     help="ucm's blend.context: each chunk is also computed after LEN corpus "
                          "tokens from START (a passage of the documents' kind that no prompt "
                          "holds; prompts take the text from token 5000 on)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--seed", type=int, default=0, help="the samples' random seed (default %(default)s)")
+    ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    if args.samples + args.retrieval == 0:
+        ap.error("--samples and --retrieval are both 0: nothing to measure")
     from tokenizers import Tokenizer
 
     path = ensure_smollm2()
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     model = Llama.load(path)
+    if args.check_layer >= model.num_layers:
+        ap.error(f"--check-layer: {args.check_layer} is outside the model's {model.num_layers} "
+                 f"layers (0 to {model.num_layers - 1})")
     ids = corpus_ids(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         bos = json.load(f).get("bos_token_id")
     head = [bos] if args.sink == "bos" and isinstance(bos, int) else []
     sink = head + context_tokens(ids, args.context)
-    ratios = [float(r) for r in args.ratios.split(",")]
+    ratios = list(dict.fromkeys(args.ratios))
     rng = random.Random(args.seed)
     rows = {r: {"agree": [], "text_agree": [], "text_kl": [], "blend_correct": 0, "full_correct": 0,
                 "retrieval": 0, "recomputed": 0, "tokens": 0} for r in ratios}
@@ -160,29 +175,31 @@ def main(argv=None) -> int:
         print(f"sample {i + 1}/{len(kinds)} ({kind}, {sum(map(len, chunks))} chunk tokens) "
               f"{time.time() - t0:.0f} s", flush=True)
     out = []
-    for r in ratios:
+    for r in ratios:         # (None: no sample of that kind)
         row = rows[r]
-        n_ret = max(1, row["retrieval"])
-        n_text = max(1, len(row["text_agree"]))
-        out.append({"ratio": r, "top1_agreement": sum(row["text_agree"]) / n_text,
-                    "mean_kl": sum(row["text_kl"]) / n_text,
-                    "retrieval_blend": row["blend_correct"] / n_ret,
-                    "retrieval_full": row["full_correct"] / n_ret,
+        n_ret, n_text = row["retrieval"], len(row["text_agree"])
+        out.append({"ratio": r,
+                    "top1_agreement": sum(row["text_agree"]) / n_text if n_text else None,
+                    "mean_kl": sum(row["text_kl"]) / n_text if n_text else None,
+                    "retrieval_blend": row["blend_correct"] / n_ret if n_ret else None,
+                    "retrieval_full": row["full_correct"] / n_ret if n_ret else None,
                     "recomputed_fraction": row["recomputed"] / max(1, row["tokens"])})
+
+    def cell(x, fmt):
+        return "-" if x is None else format(x, fmt)
     print("| ratio | top-1 agreement (32 answer tokens) | KL(full \u2016 Blend) | retrieval: Blend "
           "| retrieval: full | tokens recomputed |")
     print("|---|---|---|---|---|---|")
     for o in out:
-        print(f"| {o['ratio']} | {o['top1_agreement']:.3f} | {o['mean_kl']:.4f} | "
-              f"{o['retrieval_blend']:.3f} | "
-              f"{o['retrieval_full']:.3f} | {o['recomputed_fraction']:.3f} |")
+        print(f"| {o['ratio']} | {cell(o['top1_agreement'], '.3f')} | {cell(o['mean_kl'], '.4f')} | "
+              f"{cell(o['retrieval_blend'], '.3f')} | "
+              f"{cell(o['retrieval_full'], '.3f')} | {o['recomputed_fraction']:.3f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": "SmolLM2-135M", "dtype": "float32", "samples": args.samples,
-                       "retrieval_samples": args.retrieval, "check_layer": args.check_layer,
-                       "lookahead": args.lookahead, "sink": head,
-                       "context": args.context,
-                       "rows": out}, f, indent=1)
+        argtypes.write_json(args.json, {
+            "model": "SmolLM2-135M", "dtype": "float32", "samples": args.samples,
+            "retrieval_samples": args.retrieval, "seed": args.seed, "ratios": ratios,
+            "check_layer": args.check_layer, "lookahead": args.lookahead, "sink": head,
+            "context": args.context, "rows": out}, indent=1)
     return 0
 
 

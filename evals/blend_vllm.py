@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import random
 import shutil
@@ -38,22 +37,30 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from evals import argtypes  # noqa: E402
+
 RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--retrieval", type=int, default=8)
-    ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=argtypes.count(0), default=8,
+                    help="text samples (top-1 agreement; default %(default)s)")
+    ap.add_argument("--retrieval", type=argtypes.count(0), default=8,
+                    help="retrieval samples (default %(default)s)")
+    ap.add_argument("--ratios", type=argtypes.listed(argtypes.ratio(zero=True)),
+                    default=",".join(map(str, RATIOS)),
+                    help="recompute ratios in [0, 1], comma-separated (default %(default)s)")
     ap.add_argument("--sink", choices=("bos", "none"), default="bos",
                     help="ucm's blend.sink: what each chunk is computed after")
     ap.add_argument("--context", default=None, metavar="START:LEN",
                     help="ucm's blend.context: LEN corpus tokens from START (a passage of the "
                          "documents' kind that no prompt holds)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--seed", type=int, default=0, help="the samples' random seed (default %(default)s)")
+    ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    if args.samples + args.retrieval == 0:
+        ap.error("--samples and --retrieval are both 0: nothing to measure")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from tokenizers import Tokenizer
@@ -68,7 +75,7 @@ def main(argv=None) -> int:
     path = ensure_smollm2()
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     ids = corpus_ids(path)
-    ratios = [float(r) for r in args.ratios.split(",")]
+    ratios = list(dict.fromkeys(args.ratios))
     root = tempfile.mkdtemp(prefix="ucm-blend-eval-")
     atexit.register(shutil.rmtree, root, True)   # (a 100-prompt run stores tens of GB)
     spec = dict(model=path, dtype="float32", connector="ucm", block_size=32, max_model_len=8192,
@@ -153,7 +160,7 @@ def main(argv=None) -> int:
             full.setdefault("ret", []).append(f[:n_answer] == target)
         print(f"sample {i + 1}/{len(kinds)} ({kind}, {len(prompt)} tokens) {time.time() - t0:.0f} s",
               flush=True)
-    n_ret = max(1, full["n_ret"])
+    n_ret = full["n_ret"]       # (retrieval rates None without retrieval samples)
     out = []
     full_ttft = statistics.median(full["ttft"])
     for r in ratios:
@@ -167,7 +174,8 @@ def main(argv=None) -> int:
                     "retrieval_correct": row["ret_ok"], "retrieval_full_correct": full["ret_ok"],
                     "retrieval_per_prompt": row.get("ret", []),
                     "retrieval_full_per_prompt": full.get("ret", []),
-                    "retrieval": row["ret_ok"] / n_ret, "retrieval_full": full["ret_ok"] / n_ret,
+                    "retrieval": row["ret_ok"] / n_ret if n_ret else None,
+                    "retrieval_full": full["ret_ok"] / n_ret if n_ret else None,
                     "ttft_ratio": statistics.median(row["ttft"]) / full_ttft,
                     "ttft_ratio_per_sample": statistics.median(
                         [a / b for a, b in zip(row["ttft"], full["ttft"])])})
@@ -179,14 +187,15 @@ def main(argv=None) -> int:
         ag = "-" if o["top1_agreement"] is None else f"{o['top1_agreement']:.3f}"
         if o["top1_agreement_se"] is not None:
             ag += f" ± {o['top1_agreement_se']:.3f}"
-        print(f"| {o['ratio']} | {ag} | {o['retrieval']:.3f} | {o['retrieval_full']:.3f} | "
-              f"{o['ttft_ratio_per_sample']:.3f} |")
+        ret = ("-", "-") if o["retrieval"] is None else \
+            (f"{o['retrieval']:.3f}", f"{o['retrieval_full']:.3f}")
+        print(f"| {o['ratio']} | {ag} | {ret[0]} | {ret[1]} | {o['ttft_ratio_per_sample']:.3f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": "SmolLM2-135M", "dtype": "float32", "engine": "vLLM-CPU",
-                       "samples": args.samples, "retrieval_samples": args.retrieval,
-                       "seed": args.seed, "sink": args.sink, "context": args.context,
-                       "full_ttft_ms": 1e3 * full_ttft, "rows": out}, f, indent=1)
+        argtypes.write_json(args.json, {
+            "model": "SmolLM2-135M", "dtype": "float32", "engine": "vLLM-CPU",
+            "samples": args.samples, "retrieval_samples": args.retrieval, "seed": args.seed,
+            "ratios": ratios, "sink": args.sink, "context": args.context,
+            "full_ttft_ms": 1e3 * full_ttft, "rows": out}, indent=1)
     return 0
 
 

@@ -48,6 +48,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 TREE = os.path.dirname(HERE)
 sys.path.insert(0, TREE)
+from evals import argtypes  # noqa: E402
 from ucm import progress  # noqa: E402
 
 BS = 128  # vLLM-CPU block size
@@ -172,7 +173,7 @@ def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: st
     timed = [idx[k] for k in order if k.startswith("t")]
     ttft_phases = [{"name": "ttft-cold", "prompts": timed, "ttft": True},
                    {"name": "ttft-warm", "prompts": timed, "ttft": True},
-                   {"name": "ttft-warm2", "prompts": timed, "ttft": True}]
+                   {"name": "ttft-warm2", "prompts": timed, "ttft": True}] if timed else []
     spec = {"model": model, "dtype": "float32", "connector": "ucm", "extra_config": extra,
             "prompts": [prompts[k] for k in order], "max_model_len": 8192, "block_size": BS,
             "stats_file": os.path.join(tmp, f"stats-{name}.jsonl"),
@@ -191,7 +192,10 @@ def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: st
         p = subprocess.run([sys.executable, "-m", "ucm.demo.engine", path], stdout=subprocess.PIPE,
                            stderr=err, env=env, text=True, timeout=3600)
     if p.returncode:
-        raise SystemExit(f"engine {name} failed; see {tmp}/{name}.stderr")
+        with open(os.path.join(tmp, f"{name}.stderr")) as err:
+            tail = err.read()[-4000:]
+        raise SystemExit(f"engine {name} failed (exit {p.returncode}); the end of its "
+                         f"{tmp}/{name}.stderr:\n{tail}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -235,29 +239,41 @@ def ttft_only(args, model, prompts, names, tmp) -> int:
            "date": datetime.date.today().isoformat(), "model": "SmolLM2-135M", "dtype": "float32",
            "ttft_prompts": args.ttft_prompts, "rounds": args.rounds, "results": res}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        argtypes.write_json(args.json, out, indent=1)
     return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--docs", type=int, default=16)
-    ap.add_argument("--prefix", type=int, default=1024, help="tokens loaded from the store")
-    ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--ppl", type=int, default=256, help="scored tokens after the prefix")
-    ap.add_argument("--codecs", default=",".join(CODECS))
-    ap.add_argument("--ttft-prompts", type=int, default=6,
-                    help="2,000-token prompts timed cold, warm and warm again")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=argtypes.count(1), default=16,
+                    help="evaluated documents (and as many for calibration; default %(default)s)")
+    ap.add_argument("--prefix", type=argtypes.count(BS), default=1024,
+                    help=f"tokens loaded from the store, >= {BS} (one vLLM-CPU block; default "
+                         f"%(default)s)")
+    ap.add_argument("--gen", type=argtypes.count(1), default=64,
+                    help="greedy tokens compared with the uncompressed run (default %(default)s)")
+    ap.add_argument("--ppl", type=argtypes.count(2), default=256,
+                    help="tokens after the prefix, scored by their log-probabilities (all but "
+                         "the first where the prefix is a whole number of 128-token blocks: "
+                         "vLLM gives that one none; default %(default)s)")
+    ap.add_argument("--codecs", type=argtypes.names, default=",".join(CODECS),
+                    help="comma-separated, of %(default)s (none, the baseline, always runs)")
+    ap.add_argument("--ttft-prompts", type=argtypes.count(0), default=6,
+                    help="2,000-token prompts timed cold, warm and warm again (cut from the "
+                         "calibration text; 0: no TTFT phases; default %(default)s)")
     ap.add_argument("--ttft-only", action="store_true",
                     help="only the TTFT phases, engines in --rounds rounds of alternating order")
-    ap.add_argument("--rounds", type=int, default=2, help="(--ttft-only) rounds of engines")
+    ap.add_argument("--rounds", type=argtypes.count(1), default=2,
+                    help="(--ttft-only) rounds of engines (default %(default)s)")
     ap.add_argument("--keep", help="keep the engines' files here")
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    names = args.codecs.split(",")
-    if names[0] != "none":
-        names = ["none"] + [n for n in names if n != "none"]
+    unknown = [n for n in args.codecs if n not in CODECS]
+    if unknown:
+        ap.error(f"--codecs: unknown {unknown}; known: {list(CODECS)}")
+    if args.ttft_only and not args.ttft_prompts:
+        ap.error("--ttft-only needs --ttft-prompts >= 1")
+    names = ["none"] + [n for n in dict.fromkeys(args.codecs) if n != "none"]
     from transformers import AutoTokenizer
 
     from ucm.models import ensure_smollm2
@@ -272,8 +288,9 @@ def main(argv=None) -> int:
         prompts[f"q{i}"] = d[:need]
     joined = [t for d in calib for t in d]  # (TTFT prompts: calibration text, 2,000 tokens)
     if len(joined) < 2000 * args.ttft_prompts:
-        raise SystemExit(f"--ttft-prompts {args.ttft_prompts}: the calibration text has "
-                         f"{len(joined)} tokens; ask fewer or more --docs")
+        raise SystemExit(f"--ttft-prompts {args.ttft_prompts}: needs {2000 * args.ttft_prompts} "
+                         f"tokens of calibration text, which has {len(joined)} (--docs x "
+                         f"(--prefix + --ppl)); ask fewer --ttft-prompts or more --docs")
     for j in range(args.ttft_prompts):
         prompts[f"t{j}"] = joined[2000 * j:2000 * (j + 1)]
     tmp = args.keep or tempfile.mkdtemp(prefix="ucm-compress-eval-")
@@ -309,7 +326,7 @@ def main(argv=None) -> int:
             count += len(vals)
         ppl_stats = phase(r, "ppl").get("connector_stats") or {}
         ttft = {ph: float(np.median([o["ttft"] for o in phase(r, ph)["outputs"]]))
-                for ph in ("ttft-cold", "ttft-warm2")}
+                if args.ttft_prompts else None for ph in ("ttft-cold", "ttft-warm2")}
         results[n] = {"identical_continuations": sum(same), "continuations": len(same),
                       "identical_fraction": sum(same) / len(same),
                       "first_difference": first_diff, "scored_positions": count,
@@ -319,20 +336,20 @@ def main(argv=None) -> int:
                       "ttft_cold_s": ttft["ttft-cold"], "ttft_warm_s": ttft["ttft-warm2"]}
     for n in names:
         results[n]["ppl_change"] = results[n]["ppl"] / results["none"]["ppl"] - 1
-        results[n]["ttft_warm_vs_none"] = results[n]["ttft_warm_s"] / results["none"]["ttft_warm_s"]
+        results[n]["ttft_warm_vs_none"] = (results[n]["ttft_warm_s"] / results["none"]["ttft_warm_s"]
+                                           if args.ttft_prompts else None)
         rc = recon.get(n, {})
         print(f"{n:11s} identical {results[n]['identical_continuations']}/{results[n]['continuations']}"
               f"  ppl {results[n]['ppl']:.4f} ({results[n]['ppl_change']:+.2%})"
-              f"  warm TTFT x{results[n]['ttft_warm_vs_none']:.2f}"
+              + (f"  warm TTFT x{results[n]['ttft_warm_vs_none']:.2f}" if args.ttft_prompts else "")
               + (f"  bytes/bf16 {rc['bytes_vs_bf16']:.3f}  rel.err K {rc['key_mean']:.4f}"
                  f" V {rc['value_mean']:.4f}" if rc else ""), flush=True)
     out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": datetime.date.today().isoformat(),
            "model": "SmolLM2-135M", "dtype": "float32", "docs": len(ev), "prefix": args.prefix,
-           "gen": args.gen, "ppl_tokens": args.ppl, "projection": projection.digest,
-           "results": results, "reconstruction": recon}
+           "gen": args.gen, "ppl_tokens": args.ppl, "ttft_prompts": args.ttft_prompts,
+           "projection": projection.digest, "results": results, "reconstruction": recon}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        argtypes.write_json(args.json, out, indent=1)
     return 0
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import math
 import os
 import platform
@@ -46,6 +45,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from evals import argtypes  # noqa: E402
 
 BS = 128
 ROPE_THETA = 100000.0         # SmolLM2's
@@ -150,15 +151,20 @@ def _apply(fn, x):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--docs", type=int, default=16)
-    ap.add_argument("--prefix", type=int, default=1024)
-    ap.add_argument("--tokens", type=int, default=256)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=argtypes.count(1), default=16,
+                    help="documents (default %(default)s)")
+    ap.add_argument("--prefix", type=argtypes.count(2), default=1024,
+                    help="prefix tokens: the KV of the first PREFIX - 1 goes through the scheme "
+                         "(default %(default)s)")
+    ap.add_argument("--tokens", type=argtypes.count(1), default=256,
+                    help="tokens scored after the prefix (default %(default)s)")
     ap.add_argument("--schemes", default="int8-token,int8-channel,int8-channel-asym,int8-hadamard,"
-                                         "k-int8-token,v-int8-token,int4,int4-g32,bf16")
-    ap.add_argument("--greedy", type=int, default=0,
+                                         "k-int8-token,v-int8-token,int4,int4-g32,bf16",
+                    help="comma-separated (see the module docstring; default %(default)s)")
+    ap.add_argument("--greedy", type=argtypes.count(0), default=0,
                     help="also count identical greedy continuations of this many tokens")
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -171,7 +177,7 @@ def main(argv=None) -> int:
     names = args.schemes.split(",")
     unknown = [n for n in names if n not in schemes]
     if unknown:
-        raise SystemExit(f"--schemes: unknown {unknown}; known: {sorted(schemes)}")
+        ap.error(f"--schemes: unknown {unknown}; known: {sorted(schemes)}")
     path = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -233,12 +239,11 @@ def main(argv=None) -> int:
         print(f"| {s} | {r['mean_kl']:.2e} | {r['top1_changes']} | {r['ppl_change']:+.3%} | "
               f"{same} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": f"{platform.machine()} {os.cpu_count()} cores",
-                       "date": datetime.date.today().isoformat(), "model": "SmolLM2-135M",
-                       "dtype": "float32", "docs": len(docs), "prefix": args.prefix,
-                       "positions": positions, "greedy_tokens": args.greedy,
-                       "results": results}, f, indent=1)
+        argtypes.write_json(args.json, {
+            "machine": f"{platform.machine()} {os.cpu_count()} cores",
+            "date": datetime.date.today().isoformat(), "model": "SmolLM2-135M", "dtype": "float32",
+            "docs": len(docs), "prefix": args.prefix, "tokens": n, "positions": positions,
+            "greedy_tokens": args.greedy, "results": results}, indent=1)
     return 0
 
 

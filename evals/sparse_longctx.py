@@ -27,7 +27,6 @@ error. The ``oracle`` baseline keeps the blocks of largest exact mass (shared ov
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -38,7 +37,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-RECORD = os.path.join("benchmarks", "results", "sparse_longctx_record.pt")
+from evals import argtypes  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD = os.path.join(REPO, "benchmarks", "results", "sparse_longctx_record.pt")
 LAYERS = (1, 6, 11, 16, 21, 26)
 BS = 16
 #: method names as the quality harness spells them (evals.sparse_model.method_variant)
@@ -175,9 +177,7 @@ def measure(args) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rec = torch.load(args.record)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    ratios = [float(x) for x in args.ratios.split(",")]
-    methods = args.methods.split(",")
+    lengths, ratios, methods = args.lengths, args.ratios, args.methods
     rows = []
     t0 = time.time()
     for length in lengths:
@@ -205,27 +205,42 @@ def measure(args) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record", help="record SmolLM2's q/k/v on one 8K context (CPU)")
-    r.add_argument("--context", type=int, default=8192)
-    r.add_argument("--steps", type=int, default=16)
-    r.add_argument("--offset", type=int, default=20000, help="first corpus token")
-    r.add_argument("--out", default=RECORD)
+    r.add_argument("--context", type=argtypes.count(BS), default=8192,
+                   help="context tokens (default %(default)s)")
+    r.add_argument("--steps", type=argtypes.count(1), default=16,
+                   help="teacher-forced decode steps recorded after it (default %(default)s)")
+    r.add_argument("--offset", type=argtypes.count(0), default=20000,
+                   help="first corpus token (default %(default)s)")
+    r.add_argument("--out", default=RECORD, help="default: %(default)s")
     m = sub.add_parser("measure", help="selection quality at longer contexts")
-    m.add_argument("--record", default=RECORD)
-    m.add_argument("--lengths", default="8192,32768,131072")
-    m.add_argument("--ratios", default="0.2")
-    m.add_argument("--methods", default=",".join(METHODS))
-    m.add_argument("--json")
+    m.add_argument("--record", default=RECORD, help="what `record` wrote (default: %(default)s)")
+    m.add_argument("--lengths", type=argtypes.listed(argtypes.count(BS)),
+                   default="8192,32768,131072",
+                   help="context lengths in tokens, comma-separated (default %(default)s)")
+    m.add_argument("--ratios", type=argtypes.listed(argtypes.ratio()), default="0.2",
+                   help="sparse_ratio values in (0, 1], comma-separated (default %(default)s)")
+    m.add_argument("--methods", type=argtypes.names, default=",".join(METHODS),
+                   help="comma-separated, spelled as in sparse_quality.py (default %(default)s)")
+    m.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if args.cmd == "record":
         record(args.context, args.steps, args.offset, args.out)
         return 0
+    if not os.path.isfile(args.record):
+        m.error(f"--record: no such file {args.record!r} (`sparse_longctx.py record` writes it)")
+    try:
+        from evals.sparse_model import check_methods
+
+        check_methods(args.methods, args.ratios, {"min_blocks": 16}, num_layers=1, num_q_heads=9,
+                      num_kv_heads=3, head_dim=64, block_size=BS)
+    except ValueError as exc:
+        m.error(str(exc))
     report = measure(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        argtypes.write_json(args.json, report, indent=1)
     return 0
 
 

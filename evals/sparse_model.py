@@ -22,3 +22,12 @@ def method_variant(name: str, cfg: dict, **shape):
             raise ValueError(f"--methods: unknown option {opt!r} in {name!r} (expected kvhead, "
                              f"gN or sN)")
     return ucm.sparse.create(cfg, method=base, **extra, **shape)
+
+
+def check_methods(methods, ratios, cfg: dict, **shape) -> None:
+    """Build every (method, ratio) row once, so that an unknown method or option, a ratio or a
+    ucm option that ucm refuses fails before any work, with ucm's own message (a
+    ``ValueError`` naming what is wrong); the rows are dropped at once."""
+    for ratio in ratios:
+        for name in methods:
+            method_variant(name, dict(cfg, sparse_method="esa", sparse_ratio=ratio), **shape)

@@ -26,7 +26,10 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from evals import argtypes  # noqa: E402
 
 RATIOS = (0.7, 0.5, 0.3, 0.2)
 
@@ -154,18 +157,30 @@ def table(quality: dict, retrieval: dict, speed: dict, ratios=RATIOS) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="store_true", help="run the quality and retrieval harnesses "
                     "here first (CPU; about an hour on 2 cores)")
-    ap.add_argument("--quality", default="", help="quality JSON files, comma-separated")
-    ap.add_argument("--retrieval", default="", help="retrieval JSON")
-    ap.add_argument("--speed", default="benchmarks/results/sparse_pareto_speed_h200.json")
-    ap.add_argument("--docs", type=int, default=3, help="documents per context (with --run)")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens per document (with --run)")
-    ap.add_argument("--out", default="benchmarks/results", help="where --run writes its JSON")
+    ap.add_argument("--quality", default="", help="quality JSON files (sparse_quality.py --json), "
+                    "comma-separated")
+    ap.add_argument("--retrieval", default="", help="retrieval JSON (sparse_retrieval.py --json)")
+    speed = os.path.join(REPO, "benchmarks", "results", "sparse_pareto_speed_h200.json")
+    ap.add_argument("--speed", default=None, help="speed JSON (bench_sparse_pareto.py --json; "
+                    f"default {os.path.relpath(speed, REPO)}, left out if missing)")
+    ap.add_argument("--docs", type=argtypes.count(1), default=3,
+                    help="documents per context (with --run)")
+    ap.add_argument("--tokens", type=argtypes.count(1), default=32,
+                    help="tokens per document (with --run)")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"),
+                    help="where --run writes its JSON (default: %(default)s)")
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args(argv)
     quality_paths = [p for p in args.quality.split(",") if p]
+    inputs = [] if args.run else quality_paths + [args.retrieval]    # (--run writes these)
+    for p in [x for x in inputs + [args.speed] if x]:
+        if not os.path.isfile(p):
+            ap.error(f"no such file: {p!r}")
+    if args.speed is None and os.path.exists(speed):
+        args.speed = speed
     if args.run:
         from evals import sparse_quality, sparse_retrieval
 
@@ -180,9 +195,22 @@ def main(argv=None) -> int:
         quality_paths, args.retrieval = [qpath], rpath
     if not quality_paths:
         ap.error("--quality (or --run) is required")
-    quality = load_quality(quality_paths)
-    retrieval = load_retrieval(args.retrieval or None)
-    speed = load_speed(args.speed if args.speed and os.path.exists(args.speed) else None)
+    try:
+        quality = load_quality(quality_paths)
+    except (ValueError, KeyError, TypeError):
+        ap.error(f"--quality: {args.quality!r}: not the JSON of sparse_quality.py runs")
+    try:
+        retrieval = load_retrieval(args.retrieval or None)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ap.error(f"--retrieval: {args.retrieval!r}: not the JSON of a sparse_retrieval.py run")
+    try:
+        speed = load_speed(args.speed)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ap.error(f"--speed: {args.speed!r}: not the JSON of a bench_sparse_pareto.py run")
+    wanted = {(row.quality, r) for row in ROWS for r in RATIOS}
+    if not wanted & set(quality["rows"]):
+        print(f"note: no quality row is one of the table's (the methods {[r.quality for r in ROWS]} "
+              f"at ratios {list(RATIOS)}): its quality columns stay empty", file=sys.stderr)
     text = table(quality, retrieval, speed)
     sm = speed.get("meta", {})
     head = (f"Speed: {sm.get('machine', {}).get('gpu', 'no speed file')} "
@@ -194,6 +222,7 @@ def main(argv=None) -> int:
             + ".\n\n")
     print(head + text)
     if args.markdown:
+        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as f:
             f.write(head + text)
     return 0

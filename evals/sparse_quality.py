@@ -20,16 +20,15 @@ context length:
 checks the paged decode path against the dense prefill (``decode vs prefill`` line), and the
 model is checked against ``transformers`` at start when it is installed.
 
-Run with the vLLM environment (it has ``tokenizers``)::
+Run with the project's virtualenv (it has ``tokenizers``)::
 
-    /work/vllm-venv/bin/python evals/sparse_quality.py --json benchmarks/results/sparse_quality.json \\
+    .venv/bin/python evals/sparse_quality.py --json benchmarks/results/sparse_quality.json \\
         --markdown benchmarks/results/sparse_quality.md
-    /work/vllm-venv/bin/python evals/sparse_quality.py --quick      # about a minute
+    .venv/bin/python evals/sparse_quality.py --quick      # about a minute
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -40,7 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from evals.sparse_model import method_variant  # noqa: E402
+from evals import argtypes  # noqa: E402
+from evals.sparse_model import check_methods, method_variant  # noqa: E402
 from ucm.reference.llama import Llama, run_continuation  # noqa: E402
 
 METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
@@ -61,7 +61,8 @@ def documents(ids: list, length: int, tokens: int, count: int) -> list:
     span = length + tokens + 1
     room = len(ids) - span
     if room < 0:
-        raise ValueError(f"--contexts: {length} tokens do not fit the {len(ids)}-token corpus")
+        raise ValueError(f"a context of {length} tokens (+ {tokens + 1} continuation tokens) does "
+                         f"not fit the {len(ids)}-token corpus")
     starts = [round(i * room / max(count, 1)) for i in range(count)]
     return [ids[s:s + span] for s in starts]
 
@@ -139,7 +140,7 @@ def summarize(records: list) -> list:
                      "mass_kept": mean(g["mass"]), "blocks_kept": mean(g["kept"])})
     order = {m: i for i, m in enumerate(METHODS)}
     rows.sort(key=lambda r: (r["context"] == "all", r["context"] if r["context"] != "all" else 0,
-                             -r["ratio"], order.get(r["method"], 99)))
+                             -r["ratio"], order.get(r["method"].partition(":")[0], 99)))
     return rows
 
 
@@ -154,32 +155,34 @@ def markdown(rows: list) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", default="2048,4096,8192", help="context lengths, comma-separated")
-    p.add_argument("--docs", default="1", help="documents per context length (one number "
-                   "for all, or one per context)")
-    p.add_argument("--tokens", type=int, default=32, help="continuation tokens per document")
-    p.add_argument("--ratios", default=",".join(map(str, RATIOS)))
-    p.add_argument("--methods", default=",".join(METHODS),
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", type=argtypes.listed(argtypes.count(16)), default="2048,4096,8192",
+                   help="context lengths in tokens, comma-separated (default %(default)s)")
+    p.add_argument("--docs", type=argtypes.listed(argtypes.count(1)), default="1",
+                   help="documents per context length (one number for all, or one per context)")
+    p.add_argument("--tokens", type=argtypes.count(1), default=32,
+                   help="continuation tokens per document (default %(default)s)")
+    p.add_argument("--ratios", type=argtypes.listed(argtypes.ratio()), default=",".join(map(str, RATIOS)),
+                   help="sparse_ratio values in (0, 1], comma-separated (default %(default)s)")
+    p.add_argument("--methods", type=argtypes.names, default=",".join(METHODS),
                    help="comma-separated; options after ':' joined by '+': kvhead = per-KV-head "
                    "selection (quest, oracle), gN = sparse_repr_group N, sN = retrieval_stride N "
                    "(e.g. quest:kvhead+g2, esa:g2+s1)")
-    p.add_argument("--config", default="{}", help="JSON dict of extra ucm options for every method "
-                   "(e.g. windows, sparse_dense_layers)")
+    p.add_argument("--config", type=argtypes.json_object, default="{}",
+                   help="JSON object of extra ucm options for every method (e.g. init_window, "
+                   "local_window, sparse_dense_layers)")
     p.add_argument("--quick", action="store_true", help="one 2K document, 16 tokens (~1 minute)")
     p.add_argument("--json", help="write the records and summary here")
     p.add_argument("--markdown", help="write the summary table here")
     args = p.parse_args(argv)
     if args.quick:
-        args.contexts, args.docs, args.tokens = "2048", "1", 16
-    contexts = [int(x) for x in args.contexts.split(",")]
-    docs = [int(x) for x in args.docs.split(",")]
+        args.contexts, args.docs, args.tokens = [2048], [1], 16
+    contexts, docs = args.contexts, args.docs
     docs = docs * len(contexts) if len(docs) == 1 else docs
     if len(docs) != len(contexts):
-        raise SystemExit("--docs: one number, or one per context length")
-    ratios = [float(x) for x in args.ratios.split(",")]
-    methods = args.methods.split(",")
-    base_cfg = {"min_blocks": 16, **json.loads(args.config)}
+        p.error("--docs: one number, or one per context length")
+    ratios, methods = args.ratios, args.methods
+    base_cfg = {"min_blocks": 16, **args.config}
 
     from ucm.models import ensure_smollm2
 
@@ -187,6 +190,14 @@ def main(argv=None) -> int:
     path = ensure_smollm2()
     model = Llama.load(path)
     ids = corpus_ids(path)
+    try:
+        check_methods(methods, ratios, base_cfg, num_layers=model.num_layers,
+                      num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads,
+                      head_dim=model.head_dim, block_size=16)
+        for length in contexts:
+            documents(ids, length, args.tokens, 1)
+    except ValueError as exc:
+        p.error(str(exc))
     check = self_check(model, path, ids)
     print(f"corpus {len(ids)} tokens; contexts {contexts}, documents {docs}, {args.tokens} "
           f"continuation tokens; ratios {ratios}; methods {methods}; options {base_cfg}", flush=True)
@@ -216,10 +227,10 @@ def main(argv=None) -> int:
             "methods": methods, "options": base_cfg, "self_check": check,
             "decode_vs_prefill_max_logit_diff": max(decode_checks), "seconds": time.time() - t0}
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "summary": rows, "records": records}, f, indent=1)
+        argtypes.write_json(args.json, {"meta": meta, "summary": rows, "records": records},
+                            indent=1)
     if args.markdown:
+        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
     return 0

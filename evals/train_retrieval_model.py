@@ -45,6 +45,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import argtypes  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 
 SPECIAL = "<|endoftext|>"
@@ -105,15 +106,19 @@ class Batches(torch.utils.data.IterableDataset):
             b = max(1, self.tokens_per_batch // length)
             ids = torch.full((b, length), pad, dtype=torch.long)
             kind = torch.full((b, length), 2, dtype=torch.int8)
-            i = 0
+            i = misses = 0
             while i < b:
                 task = rng.choice(rt.TASKS)
-                inst = rt.make_instance(task, length - 8, rng.random(),
-                                        rng.randrange(1 << 30), self.tok,
-                                        num_keys=rng.randint(2, 6))
-                try:
+                try:    # (too short for this task's text with these keys: another draw)
+                    inst = rt.make_instance(task, length - 8, rng.random(),
+                                            rng.randrange(1 << 30), self.tok,
+                                            num_keys=rng.randint(2, 6))
                     prompt, ans = rt.encode(self.tok, inst)
                 except ValueError:
+                    misses += 1
+                    if misses > 1000:
+                        raise ValueError(f"no task instance fits {length} tokens: raise "
+                                         f"--min-len") from None
                     continue
                 full = prompt + ans
                 if len(full) > length:
@@ -184,33 +189,58 @@ def evaluate(model, tok, lengths, depths, seeds, device) -> list[dict]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder (Hugging Face layout)")
-    ap.add_argument("--minutes", type=float, default=5.5, help="training wall-clock budget")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=256, help="model width (multiple of 64)")
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--min-len", type=int, default=320)
-    ap.add_argument("--max-len", type=int, default=8192)
-    ap.add_argument("--tokens-per-batch", type=int, default=32768)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--aux-weight", type=float, default=0.1)
-    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
-    ap.add_argument("--eval-lengths", default="2048,4096,8192")
-    ap.add_argument("--eval-seeds", type=int, default=4)
+    ap.add_argument("--minutes", type=argtypes.number(0.0, exclusive_min=True), default=5.5,
+                    help="training wall-clock budget (default %(default)s)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=1234, help="default %(default)s")
+    ap.add_argument("--vocab", type=argtypes.count(512), default=4096,
+                    help="tokenizer vocabulary, >= 512 (default %(default)s)")
+    ap.add_argument("--layers", type=argtypes.count(1), default=6, help="default %(default)s")
+    ap.add_argument("--hidden", type=argtypes.count(64), default=256,
+                    help="model width (multiple of 64; default %(default)s)")
+    ap.add_argument("--kv-heads", type=argtypes.count(1), default=2,
+                    help="KV heads, dividing hidden / 64 query heads (default %(default)s)")
+    ap.add_argument("--min-len", type=argtypes.count(264), default=320,
+                    help="shortest training sequence, >= 264 (instances of length - 8 >= 256 "
+                         "tokens; default %(default)s)")
+    ap.add_argument("--max-len", type=argtypes.count(264), default=8192,
+                    help="longest training sequence (default %(default)s)")
+    ap.add_argument("--tokens-per-batch", type=argtypes.count(1), default=32768,
+                    help="default %(default)s")
+    ap.add_argument("--lr", type=argtypes.number(0.0, exclusive_min=True), default=1e-3,
+                    help="default %(default)s")
+    ap.add_argument("--aux-weight", type=argtypes.number(0.0), default=0.1,
+                    help="weight of the language-model loss on the other tokens "
+                         "(default %(default)s)")
+    ap.add_argument("--workers", type=argtypes.count(0), default=min(12, os.cpu_count() or 1),
+                    help="data loader processes (default %(default)s)")
+    ap.add_argument("--eval-lengths", type=argtypes.listed(argtypes.count(256)),
+                    default="2048,4096,8192",
+                    help="evaluation lengths in tokens, comma-separated (default %(default)s)")
+    ap.add_argument("--eval-seeds", type=argtypes.count(1), default=4,
+                    help="evaluation instances per task x length x depth (default %(default)s)")
     args = ap.parse_args(argv)
-    if args.hidden % 64 or args.hidden < 64:
-        raise ValueError(f"--hidden must be a positive multiple of 64, got {args.hidden}")
+    if args.hidden % 64:
+        ap.error(f"--hidden must be a positive multiple of 64, got {args.hidden}")
     if (args.hidden // 64) % args.kv_heads:
-        raise ValueError(f"--kv-heads must divide the {args.hidden // 64} query heads")
-    if not 256 <= args.min_len <= args.max_len:
-        raise ValueError("--min-len must be >= 256 and <= --max-len")
+        ap.error(f"--kv-heads must divide the {args.hidden // 64} query heads")
+    if not args.min_len <= args.max_len:
+        ap.error("--min-len must be <= --max-len")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        ap.error(f"--device: {exc}")
 
-    device = torch.device(args.device)
     t0 = time.time()
     tok = build_tokenizer(args.vocab, args.seed)
     print(f"tokenizer: {len(tok)} tokens in {time.time() - t0:.1f} s", flush=True)
+    try:     # every evaluation instance must fit its length with this tokenizer
+        for length in args.eval_lengths:
+            for task in rt.TASKS:
+                rt.encode(tok, rt.make_instance(task, length, 0.5, 10**6, tok))
+    except ValueError as exc:
+        ap.error(f"--eval-lengths: {task} at {length} tokens: {exc}")
     model = make_model(tok, args).to(device)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters",
           flush=True)
@@ -247,7 +277,7 @@ def main(argv=None) -> None:
                   f"exact={window[-1][2]:.3f}", flush=True)
     print(f"trained {step} steps in {time.time() - start:.0f} s", flush=True)
 
-    lengths = [int(x) for x in args.eval_lengths.split(",")]
+    lengths = args.eval_lengths
     rows = evaluate(model, tok, lengths, [0.1, 0.3, 0.5, 0.7, 0.9], range(args.eval_seeds), device)
     for task in rt.TASKS:
         for length in lengths:
