@@ -360,6 +360,15 @@ def test_rendezvous_balances_and_moves_only_what_it_must():
     assert (np.asarray(four)[owner] == np.asarray(four[::-1])[rendezvous(ids, four[::-1])]).all()
 
 
+def test_rendezvous_without_servers_says_so():
+    """No server to own a block is the caller's error, named, not numpy's "argmax of an empty
+    sequence"."""
+    ids = np.zeros((3, 2), np.uint64)
+    for got in (ids, ids[:0]):
+        with pytest.raises(ValueError, match="no servers"):
+            rendezvous(got, [])
+
+
 def test_servers_file_grows_and_shrinks_the_pool_without_reopening(tmp_path, rng):
     a, b = redis_server(tmp_path, name="a"), redis_server(tmp_path, name="b")
     listing = tmp_path / "servers.txt"

@@ -47,6 +47,8 @@ def rendezvous(ids: np.ndarray, names: Sequence[str]) -> np.ndarray:
     """Index into ``names`` of the server owning each block id (``uint64 [n, 2]``): the server
     with the highest score ``mix(id, seed(server))``. Depends only on the id and the set of
     names, so every engine computes the same owner."""
+    if not len(names):
+        raise ValueError("rendezvous: no servers to own the blocks (an empty list of names)")
     ids = np.asarray(ids, dtype=np.uint64).reshape(-1, 2)
     if len(names) == 1 or not len(ids):
         return np.zeros(len(ids), dtype=np.int64)
