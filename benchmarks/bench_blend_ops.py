@@ -33,7 +33,6 @@ tolerance stops the script before timing, and nothing is reported.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -47,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch = pytest.importorskip("torch")
 
 from ucm.blend import ops  # noqa: E402
-from _argtypes import count as _count, counts as _counts  # noqa: E402
+from _argtypes import count as _count, counts as _counts, write_json  # noqa: E402
 
 H, D, THETA = 8, 128, 500000.0
 DTYPE = torch.bfloat16
@@ -208,9 +207,7 @@ def run_cpu(args) -> int:
               f"{best['numba'] * 1e3:7.3f} ms  ({row['numba']['GBps']:.2f} GB/s)  "
               f"{row['numba_vs_reference']:6.1f}x", flush=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result, indent=1)
     return 0
 
 
@@ -293,9 +290,7 @@ def run_cuda(args) -> int:
         torch.cuda.empty_cache()
     print("\n".join(table), flush=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result, indent=1)
     return 0
 
 

@@ -34,7 +34,6 @@ Compare runs at similar load; ``--torch-threads 1`` compares one core with one c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -48,7 +47,7 @@ import torch
 
 from ucm import compress
 from ucm.codecs import CodecSpec, KVShape, encoded_bytes, fit_projection, offsets
-from _argtypes import count as _count, counts as _counts  # noqa: E402
+from _argtypes import count as _count, counts as _counts, write_json  # noqa: E402
 
 ORDER, TOKENS, HEADS, HEAD_DIM = "hktd", 128, 3, 64          # SmolLM2-135M, vLLM-CPU blocks
 DTYPES = ("bfloat16", "float32")
@@ -254,9 +253,7 @@ def run_cpu(args) -> int:
     print(f"slowest ratio: {worst['numba_vs_reference']:.1f}x ({worst['op']} {worst['method']} "
           f"{worst['dtype']}, {worst['shards']} shards)", flush=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     return 0
 
 

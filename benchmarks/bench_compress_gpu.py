@@ -35,7 +35,7 @@ import platform
 import statistics
 import sys
 import time
-from _argtypes import count as _count  # noqa: E402
+from _argtypes import count as _count, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -469,9 +469,7 @@ def main(argv=None) -> int:
         return 1
     out["checks"] = "passed"
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, sort_keys=True)
+        write_json(args.json, out, indent=1, sort_keys=True)
     print(json.dumps({k: v for k, v in out.items() if k != "codec_rates"}, sort_keys=True))
     print("\nratios (kernel / op vs device copy of the same bytes):")
     for sname, e in out["codec_rates"].items():

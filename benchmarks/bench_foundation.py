@@ -35,7 +35,7 @@ import sys
 import time
 
 import numpy as np
-from _argtypes import count as _count  # noqa: E402
+from _argtypes import count as _count, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -386,9 +386,7 @@ def main(argv=None) -> int:
         print(f"hash_blocks vs vLLM skipped: {v['error']}", flush=True)
     out["vllm_block_hash"] = v
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     return 0
 
 

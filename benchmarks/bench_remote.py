@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -46,7 +45,7 @@ sys.path.insert(0, os.path.join(TREE, "tests"))
 
 import ucm  # noqa: E402
 from ucm.store import open_store  # noqa: E402
-from _argtypes import count as _count  # noqa: E402
+from _argtypes import count as _count, write_json  # noqa: E402
 
 NS = ucm.Namespace("bench-remote", "bfloat16", 16)
 
@@ -321,9 +320,7 @@ def main(argv=None) -> int:
                   f"{r['raw_get_GBps']:.2f} GB/s ({r['load_vs_raw']:.0%}); medians: dump "
                   f"{r['dump_vs_raw_median']:.0%}, load {r['load_vs_raw_median']:.0%} of raw", flush=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     return 0
 
 

@@ -48,7 +48,6 @@ import argparse
 import datetime
 import importlib.util
 import itertools
-import json
 import math
 import os
 import platform
@@ -67,6 +66,7 @@ if not torch.cuda.is_available():  # CPU: the kernels run through the Triton int
     prepare_interpreter()
 
 from ucm.sparse import ops  # noqa: E402
+from _argtypes import write_json  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # pytest-benchmark: CPU tensors, tiny shapes, reference and fast providers
@@ -534,9 +534,7 @@ def main() -> int:
         report["refused"] = "a correctness check failed: no timings, no speedups"
         print("correctness check FAILED: no timings, no speedups", flush=True)
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+            write_json(args.json, report, indent=1)
         return 1
     report["timings"] = []
     for batch, tokens in SHAPES:
@@ -545,9 +543,7 @@ def main() -> int:
     report["seconds"] = time.time() - t0
     report["kernel_resources"] = kernel_resources()
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report, indent=1)
     print("\nper decode step, graph replays: dense Triton kernel / sparse at 20%; "
           "byte floor = dense bytes / (selected K/V + tables / stride)")
     for r in report["timings"]:

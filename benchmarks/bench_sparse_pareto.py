@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 from benchmarks.bench_sparse import (BS, D, DTYPE, HKV, HQ, INIT_WINDOW, LOCAL_WINDOW,  # noqa: E402
                                      SHAPES, bench, make_case)
 from ucm.sparse import ops  # noqa: E402
+from _argtypes import write_json  # noqa: E402
 
 RATIOS = (0.7, 0.5, 0.3, 0.2)
 
@@ -285,9 +285,7 @@ def main(argv=None) -> int:
         report = {"command": " ".join(sys.argv)}
         sweep_scoring(report)
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+            write_json(args.json, report, indent=1)
         return 0
     ratios = [float(x) for x in args.ratios.split(",")]
     specs = [s for s in CONFIGS if not args.only or s.name in args.only.split(",")]
@@ -305,9 +303,7 @@ def main(argv=None) -> int:
               if not x["check"]["passed"]]
     report["failed_checks"] = failed
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report, indent=1)
     return 1 if failed else 0
 
 

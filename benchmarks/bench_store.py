@@ -76,7 +76,9 @@ SHARD = BLOCK // 32  # 32 "layers"
 
 
 from bench_foundation import best_of as best  # noqa: E402
-from _argtypes import count as _count  # noqa: E402
+from _argtypes import count as _count, number, write_json  # noqa: E402
+
+_positive_number = number(0.0, exclusive_min=True)
 
 
 def dd(args) -> float:
@@ -557,17 +559,6 @@ def run_threads(args) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 
-def _positive(text: str) -> float:
-    """argparse type: a positive number."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] == "_ab-worker":
@@ -584,7 +575,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("tiers", help="posix and memory tiers vs dd and memcpy (default)")
     t.add_argument("--dir", default=None, help="directory on the filesystem to test (default: a temp dir)")
-    t.add_argument("--gib", type=_positive, default=1.0,
+    t.add_argument("--gib", type=_positive_number, default=1.0,
                    help="GiB written and read (at least one 2 MiB block; default %(default)s)")
     t.add_argument("--repeats", type=_count(1), default=3, help="best of (default %(default)s)")
     a = sub.add_parser("ab", help="this tree against a base revision")
@@ -597,7 +588,7 @@ def main(argv=None) -> int:
                    help="store pipeline, repeatable (default: memory, then memory|posix)")
     h.add_argument("--write-back", action="store_true")
     h.add_argument("--threads", type=_count(1), default=8, help="default %(default)s")
-    h.add_argument("--seconds", type=_positive, default=10.0,
+    h.add_argument("--seconds", type=_positive_number, default=10.0,
                    help="timed seconds per run, after a warm-up (default %(default)s)")
     h.add_argument("--keys", type=_count(1), default=256, help="shared pool of keys (default %(default)s)")
     h.add_argument("--slots", type=_count(1), default=64,
@@ -621,9 +612,7 @@ def main(argv=None) -> int:
             p.error(f"--cases: unknown {unknown}; known: {AB_CASES}")
     out = {"tiers": run_tiers, "ab": run_ab, "threads": run_threads}[args.mode](args)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     wrong = [r for r in out.get("runs", []) if r["side"] == "this" and r["wrong"]] if args.mode == "threads" else []
     if wrong:
         print(f"CORRECTNESS FAILURE: this tree loaded wrong blocks in {len(wrong)} run(s)", file=sys.stderr)

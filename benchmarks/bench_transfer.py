@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ucm  # noqa: E402
 from ucm.layout import KVLayout  # noqa: E402
-from _argtypes import count as _count  # noqa: E402
+from _argtypes import count as _count, write_json  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -696,9 +696,7 @@ def main_cpu(args) -> int:
                   f"{row['of_ceiling']:6.1%} of the ceiling", flush=True)
         out["ops"][op] = rows
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     return 0
 
 

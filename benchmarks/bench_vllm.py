@@ -52,7 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ucm.demo.vllm_demo import _engine, doc_tokens, scratch_dir  # noqa: E402
-from _argtypes import count as _count  # noqa: E402
+from _argtypes import count as _count, write_json  # noqa: E402
 
 PAUSE_S = 1.5
 
@@ -352,9 +352,7 @@ def main(argv=None) -> int:
                    "per_pair": out["per_pair"], "wall_s": out["wall_s"]}
     print(json.dumps(summary, indent=1))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     return 0
 
 

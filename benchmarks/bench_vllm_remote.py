@@ -48,7 +48,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.bench_vllm import _refuse  # noqa: E402
 from ucm.demo.vllm_demo import _engine, doc_tokens, scratch_dir  # noqa: E402
-from _argtypes import count as _count  # noqa: E402
+from _argtypes import count as _count, write_json  # noqa: E402
 
 BS = 128
 
@@ -196,9 +196,7 @@ def main(argv=None) -> int:
                 "target_warm_vs_cold": 0.5, "first_tokens_agree": True, "wall_s": time.time() - t0})
     print(json.dumps({k: v for k, v in out.items() if k != "rounds"}, indent=1))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     return 0
 
 
