@@ -53,6 +53,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ucm.config import PRESETS, Config
+from ucm.store.factory import pipeline_is_process_local
 
 WORKLOAD_PRESET = {"chat": "realtime_chat", "batch": "batch", "long_context": "high_quality"}
 CONSTRAINTS = ("max_latency_ms", "max_memory_gb", "max_disk_gb", "max_ppl_increase")
@@ -567,7 +568,7 @@ class AutoTuner:
             if bound is not None and best > bound:
                 raise TuneError(f"max_latency_ms={bound} cannot be met: the best configuration "
                                 f"measured a mean TTFT of {best:.0f} ms on the sample requests")
-        if tuned.get("store.pipeline") == "memory":
+        if pipeline_is_process_local(Config(tuned)["store.pipeline"]):
             # every block lives in the worker's process: the scheduler sees them only when the
             # worker runs in the engine core's process (the connector refuses the store else)
             self.engine_args["distributed_executor_backend"] = "uni"

@@ -43,6 +43,14 @@ def tier_class(spec: str):
     return _resolve(spec.strip())
 
 
+def pipeline_is_process_local(pipeline: str) -> bool:
+    """Whether every tier of a ``store.pipeline`` value keeps its blocks inside the process that
+    opened it (``memory`` alone): another process never sees them. Raises ``ValueError`` for
+    an unknown tier."""
+    specs = [s for s in pipeline.split("|") if s.strip()]
+    return all(getattr(tier_class(s), "process_local", False) for s in specs)
+
+
 def _resolve(spec: str):
     target = _TIERS.get(spec, spec if ":" in spec else None)
     if target is None:

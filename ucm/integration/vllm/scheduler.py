@@ -62,11 +62,10 @@ def refuse_unreachable_store(cfg: Config, vllm_config, shape: keys.ParallelShape
     """A store whose every tier lives in one process (``memory``) is empty for a scheduler
     whose workers run elsewhere (vLLM's multiprocess executor, the CPU default): refuse it
     rather than silently never hit."""
-    from ucm.store.factory import tier_class
+    from ucm.store.factory import pipeline_is_process_local
 
-    specs = [s for s in cfg["store.pipeline"].split("|") if s.strip()]
     try:
-        local = all(getattr(tier_class(s), "process_local", False) for s in specs)
+        local = pipeline_is_process_local(cfg["store.pipeline"])
     except ValueError:
         return  # (an unknown tier is reported when the store opens)
     backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
