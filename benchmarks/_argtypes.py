@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from evals.argtypes import count, listed, number, write_json  # noqa: E402
+from evals.argtypes import count, listed, names, number, write_json  # noqa: E402
 
 
 def counts(text: str) -> list:
@@ -13,4 +13,4 @@ def counts(text: str) -> list:
     return listed(count(1))(text)
 
 
-__all__ = ["count", "counts", "number", "write_json"]
+__all__ = ["count", "counts", "names", "number", "write_json"]

@@ -46,12 +46,13 @@ import pytest
 import torch
 
 from ucm import compress
-from ucm.codecs import CodecSpec, KVShape, encoded_bytes, fit_projection, offsets
-from _argtypes import count as _count, counts as _counts, write_json  # noqa: E402
+from ucm.codecs import (CodecSpec, KVShape, encoded_bytes, fit_key_rounding, fit_projection,
+                        offsets, query_moments)
+from _argtypes import count as _count, counts as _counts, names as _names, write_json  # noqa: E402
 
 ORDER, TOKENS, HEADS, HEAD_DIM = "hktd", 128, 3, 64          # SmolLM2-135M, vLLM-CPU blocks
 DTYPES = ("bfloat16", "float32")
-METHODS = ("int8", "int4-channel", "int4-token", "sparse", "learned")
+METHODS = ("int8", "int8-rounded", "int4-channel", "int4-token", "sparse", "learned")
 OPS = ("encode", "decode")
 SHARDS = (64, 256)
 TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -64,8 +65,9 @@ class WrongOutput(AssertionError):
     """numba's output differs from the reference's: no time of it may be reported."""
 
 
-def make_spec(method: str, projection=None) -> CodecSpec:
+def make_spec(method: str, projection=None, rounding=None) -> CodecSpec:
     return {"int8": lambda: CodecSpec("quantize", bits=8),
+            "int8-rounded": lambda: CodecSpec("quantize", bits=8, rounding=rounding),
             "int4-channel": lambda: CodecSpec("quantize", bits=4, group=64, key_mode="channel"),
             "int4-token": lambda: CodecSpec("quantize", bits=4, group=64, key_mode="token"),
             "sparse": lambda: CodecSpec("sparse", group=64, salient=0.0625),
@@ -112,7 +114,12 @@ def build_case(op: str, method: str, dtype: str, shards: int, seed: int = 0) -> 
     shape = KVShape(ORDER, TOKENS, HEADS, HEAD_DIM, dtype)
     calibration = synthetic_kv(rng, 16).transpose(0, 2, 1, 3, 4).reshape(-1, 2, HEADS, HEAD_DIM)
     proj = fit_projection([calibration]) if method == "learned" else None
-    spec = make_spec(method, proj)
+    rounding = None
+    if method == "int8-rounded":    # queries of correlated channels, 3 per KV head
+        mix = rng.standard_normal((HEAD_DIM, HEAD_DIM)) / 8 + np.eye(HEAD_DIM)
+        rounding = fit_key_rounding([query_moments(
+            rng.standard_normal((256, 3 * HEADS, HEAD_DIM)) @ mix, HEADS)])
+    spec = make_spec(method, proj, rounding)
     raw = raw_shards(synthetic_kv(rng, shards), shape)
     width = encoded_bytes(spec, shape)
     if op == "encode":
@@ -231,7 +238,7 @@ def run_cpu(args) -> int:
              f"{'numba':>10s} {'ratio':>7s} {'ref GB/s':>9s} {'numba GB/s':>10s}"]
     for n in shards:
         for dtype in DTYPES:
-            for method in METHODS:
+            for method in args.methods:
                 for op in OPS:
                     try:
                         row = time_case(build_case(op, method, dtype, n), args.rounds)
@@ -271,8 +278,13 @@ def main(argv=None) -> int:
     c.add_argument("--torch-threads", type=_count(0), default=0,
                    help="threads of the reference (torch.set_num_threads; default: torch's "
                         "own choice). numba runs on one thread")
+    c.add_argument("--methods", type=_names, default=",".join(METHODS),
+                   help="codecs, comma separated, of %(default)s")
     c.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; known: {list(METHODS)}")
     return run_cpu(args)
 
 

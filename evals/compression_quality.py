@@ -7,8 +7,8 @@ served from compressed blocks, float32 compute, every codec in one run.
                                         [--json benchmarks/results/compression_quality_cpu.json]
 
 Documents: ``--docs`` stretches of the Python documentation's topics (``pydoc_data.topics``) for
-the evaluation and as many others for calibration (the learned codec's projection is fitted on
-those, never on the evaluated text).
+the evaluation and as many others for calibration (the learned codec's projection and the key
+rounding of ``int8-r`` are fitted on those, never on the evaluated text).
 
 Per codec, one engine process (a fresh store each):
 
@@ -57,6 +57,8 @@ CODECS = {
     "none": None,
     "int8": {"method": "quantize", "bits": 8, "key_mode": "channel"},
     "int8-token": {"method": "quantize", "bits": 8, "key_mode": "token"},
+    # the keys' codes picked by a key rounding fitted on the calibration documents' queries
+    "int8-r": {"method": "quantize", "bits": 8, "key_mode": "channel", "key_rounding": True},
     "int4": {"method": "quantize", "bits": 4, "group": 64, "key_mode": "channel"},
     "int4-token": {"method": "quantize", "bits": 4, "group": 64, "key_mode": "token"},
     "int4-g32": {"method": "quantize", "bits": 4, "group": 32, "key_mode": "channel"},
@@ -106,6 +108,40 @@ def model_kv(model_path: str, docs, n_tokens: int):
     return [np.stack(x) for x in per_layer]
 
 
+def model_query_moments(model_path: str, docs, n_tokens: int):
+    """Per layer, ``[H, D, D]`` second moments of the model's queries after the rotary
+    embedding (:func:`ucm.compress.query_moments`, averaged over ``docs``), from the model in
+    PyTorch: ``apply_rotary_pos_emb`` of transformers' Llama is wrapped while it runs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    from ucm.compress import query_moments
+
+    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    n_layers, hkv = m.config.num_hidden_layers, m.config.num_key_value_heads
+    sums, calls = [0.0] * n_layers, [0]
+    rope = modeling_llama.apply_rotary_pos_emb
+
+    def wrapped(q, k, *args, **kw):
+        qo, ko = rope(q, k, *args, **kw)
+        layer = calls[0] % n_layers                       # layers run in order, once each
+        calls[0] += 1
+        sums[layer] = sums[layer] + query_moments(qo[0].transpose(0, 1).numpy(), hkv)
+        return qo, ko
+    modeling_llama.apply_rotary_pos_emb = wrapped
+    try:
+        with torch.no_grad():
+            for d in docs:
+                m(torch.tensor([d[:n_tokens]]))
+    finally:
+        modeling_llama.apply_rotary_pos_emb = rope
+    if calls[0] != n_layers * len(docs):
+        raise SystemExit(f"model_query_moments: {calls[0]} rotary calls for {len(docs)} "
+                         f"documents of {n_layers} layers (not a Llama-style model?)")
+    return [x / len(docs) for x in sums]
+
+
 def fit(calib_kv, path: str):
     from ucm.compress import fit_projection
 
@@ -115,7 +151,7 @@ def fit(calib_kv, path: str):
     return p
 
 
-def reconstruction(eval_kv, projection) -> dict:
+def reconstruction(eval_kv, projection, rounding) -> dict:
     """Relative error per codec and layer (keys, values) and bytes per block vs bfloat16."""
     import torch
 
@@ -125,7 +161,9 @@ def reconstruction(eval_kv, projection) -> dict:
     for name, params in CODECS.items():
         if params is None:
             continue
-        kw = {k: v for k, v in params.items() if k != "compression_ratio"}
+        kw = {k: v for k, v in params.items() if k not in ("compression_ratio", "key_rounding")}
+        if params.get("key_rounding"):
+            kw["rounding"] = rounding
         if name == "learned":
             kw = {"method": "learned", "ratio": params["compression_ratio"], "projection": projection}
         spec = C.CodecSpec(**kw)
@@ -156,7 +194,7 @@ def reconstruction(eval_kv, projection) -> dict:
 
 
 def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: str, gen: int,
-           ttft_only: bool = False) -> dict:
+           ttft_only: bool = False, rounding: str = "") -> dict:
     order = list(prompts)
     idx = {k: i for i, k in enumerate(order)}
     store = os.path.join(tmp, f"store-{name}")
@@ -169,6 +207,11 @@ def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: st
         extra["compression"] = {"enabled": True, **codec}
         if codec["method"] == "learned":
             extra["compression"]["projection"] = projection
+        if codec.get("key_rounding"):
+            if not rounding:
+                raise SystemExit(f"{name}: a key rounding is fitted only in a full run "
+                                 f"(not with --ttft-only)")
+            extra["compression"]["key_rounding"] = rounding
     ev = [k for k in order if k.startswith("p")]
     timed = [idx[k] for k in order if k.startswith("t")]
     ttft_phases = [{"name": "ttft-cold", "prompts": timed, "ttft": True},
@@ -304,8 +347,13 @@ def main(argv=None) -> int:
     calib_kv = model_kv(model, calib, args.prefix)
     proj_path = os.path.join(tmp, "projection.npz")
     projection = fit(calib_kv, proj_path)
-    recon = reconstruction(eval_kv, projection)
-    runs = {n: engine(model, prompts, CODECS[n], tmp, n, proj_path, args.gen)
+    from ucm.compress import fit_key_rounding
+    rounding = fit_key_rounding(model_query_moments(model, calib, args.prefix))
+    rounding_path = os.path.join(tmp, "key_rounding.npz")
+    rounding.save(rounding_path)
+    recon = reconstruction(eval_kv, projection, rounding)
+    runs = {n: engine(model, prompts, CODECS[n], tmp, n, proj_path, args.gen,
+                      rounding=rounding_path)
             for n in progress.track(names, "codecs through vLLM", unit="engine")}
 
     def phase(run, name):
@@ -347,7 +395,8 @@ def main(argv=None) -> int:
     out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": datetime.date.today().isoformat(),
            "model": "SmolLM2-135M", "dtype": "float32", "docs": len(ev), "prefix": args.prefix,
            "gen": args.gen, "ppl_tokens": args.ppl, "ttft_prompts": args.ttft_prompts,
-           "projection": projection.digest, "results": results, "reconstruction": recon}
+           "projection": projection.digest, "key_rounding": rounding.digest,
+           "results": results, "reconstruction": recon}
     if args.json:
         argtypes.write_json(args.json, out, indent=1)
     return 0

@@ -16,8 +16,9 @@ scale per channel),
 ``int8-hadamard`` (each token's head vector rotated by a normalized Hadamard matrix, then
 symmetric per token), ``int8-channel-asym-t0`` (as ``int8-channel-asym`` over the block's tokens
 after its first, whose key is kept exact: the attention sink's key is unlike the others and
-would set every channel's range; the INT8 codec's ``key_mode="channel"``, its default at
-128-token blocks), ``int8-asym-t0-vhad`` (that format with values rotated by the normalized
+would set every channel's range; the values per token), ``int8-t0`` (that format with token 0's
+value exact too: the INT8 codec's ``key_mode="channel"``, its default at 128-token blocks,
+without a key rounding), ``int8-asym-t0-vhad`` (that format with values rotated by the normalized
 Hadamard matrix before their per-token scale), ``int8-prerope-asym-t0`` (keys with their rotary
 rotation undone at their positions within the block before the channel ranges, then rotated
 back: the codec would stay position-free), ``int8-prerope-asym-t0-vhad`` (both),
@@ -124,6 +125,7 @@ def _schemes():
         "int8-channel-asym": (lambda k: asym8(k, 0), lambda v: sym8(v, -1)),
         "int8-hadamard": (had8, had8),
         "int8-channel-asym-t0": (first_exact(lambda k: asym8(k, 0)), lambda v: sym8(v, -1)),
+        "int8-t0": (first_exact(lambda k: asym8(k, 0)), first_exact(lambda v: sym8(v, -1))),
         "int8-asym-t0-vhad": (first_exact(lambda k: asym8(k, 0)), had8),
         "int8-prerope-asym-t0": (pre_rope(first_exact(lambda k: asym8(k, 0))), lambda v: sym8(v, -1)),
         "int8-prerope-asym-t0-vhad": (pre_rope(first_exact(lambda k: asym8(k, 0))), had8),

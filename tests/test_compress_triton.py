@@ -23,7 +23,8 @@ from conftest import INTERPRETER_PROCESS  # noqa: E402
 from ucm import dispatch  # noqa: E402
 from ucm.codecs import MAGNITUDE_LIMIT  # noqa: E402
 from ucm.compress import (CodecSpec, KVShape, decode, decode_scatter, encode,  # noqa: E402
-                          encoded_bytes, fit_projection, gather_encode)
+                          encoded_bytes, fit_key_rounding, fit_projection, gather_encode,
+                          query_moments)
 from ucm.reference import compress as ref  # noqa: E402
 from test_transfer import Cache  # noqa: E402
 
@@ -296,6 +297,38 @@ def test_learned_within_one_bf16_step(triton_on, device):
     a = ref.to_canonical(raw_got.cpu(), shape)
     b = ref.to_canonical(raw_want, shape)
     assert torch.allclose(a, b, rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
+                         + (["cuda"] if HAS_CUDA else []))
+def test_key_rounding_matches_the_cpu_reference(triton_on, device):
+    """INT8 keys whose codes a key rounding picks: the device's encode (the reference on the
+    device's tensors) writes the bytes the reference writes on the CPU, refusals included, and
+    the Triton decode reads them back as the reference does."""
+    gen = torch.Generator().manual_seed(4)
+    triton_on(device)
+    shapes = [KVShape("kthd", 8, 2, 64, "bfloat16"), KVShape("hktd", 16, 3, 64, "float32")]
+    if device == "cuda":
+        shapes.append(KVShape("kthd", 128, 8, 128, "bfloat16"))
+    for shape in shapes:
+        h, d = shape.heads, shape.head_dim
+        mix = torch.randn(d, d, generator=gen) / d ** 0.5 + torch.eye(d)
+        rounding = fit_key_rounding([query_moments((torch.randn(32, 2 * h, d, generator=gen)
+                                                    @ mix).numpy(), h) for _ in range(2)])
+        spec = CodecSpec("quantize", 8, key_mode="channel", rounding=rounding)
+        src = kv_rows(shape, gen)
+        E = encoded_bytes(spec, shape)
+        want = torch.empty((len(src), E), dtype=torch.uint8)
+        ok_want = encode(spec, shape, src, want, 1, backend="reference")
+        got = torch.empty((len(src), E), dtype=torch.uint8, device=device)
+        ok_got = encode(spec, shape, src.to(device), got, 1, backend="triton")
+        assert np.array_equal(ok_got, ok_want) and not ok_want.all()
+        assert torch.equal(got.cpu()[ok_want], want[ok_want])
+        raw_want = torch.empty((int(ok_want.sum()), shape.raw_bytes), dtype=torch.uint8)
+        decode(spec, shape, want[ok_want], raw_want, 1, backend="reference")
+        raw_got = torch.empty(raw_want.shape, dtype=torch.uint8, device=device)
+        decode(spec, shape, want[ok_want].to(device), raw_got, 1, backend="triton")
+        assert torch.equal(raw_got.cpu(), raw_want)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 import ucm.reference.compress as ref  # noqa: E402
 from ucm import compress, dispatch  # noqa: E402
 from ucm.codecs import (MAGNITUDE_LIMIT, CodecSpec, KVShape, encoded_bytes,  # noqa: E402
-                        fit_projection, n_salient, offsets)
+                        fit_key_rounding, fit_projection, n_salient, offsets, query_moments)
 from equivalence import assert_equivalent, compare, implementation_params, runnable  # noqa: E402
 
 TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -37,12 +37,15 @@ SEG_SIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 # (tokens, heads, head_dim): every token count with a few head counts, both head dims
 SHAPES = [(1, 1, 64), (7, 3, 64), (16, 8, 128), (128, 3, 64), (7, 1, 128), (16, 3, 64),
           (128, 1, 128)]
-SPECS = ["int8-channel", "int8-token", "int8-auto", "int4-channel-g32", "int4-channel-g64", "int4-token-g32", "int4-token-g64",
-         "sparse-channel-g32", "sparse-token-g64", "learned"]
+SPECS = ["int8-channel", "int8-token", "int8-auto", "int8-rounded", "int4-channel-g32",
+         "int4-channel-g64", "int4-token-g32", "int4-token-g64", "sparse-channel-g32",
+         "sparse-token-g64", "learned"]
 
 
-def make_spec(name, projection=None):
+def make_spec(name, projection=None, rounding=None):
     method, _, rest = name.partition("-")
+    if name == "int8-rounded":
+        return CodecSpec("quantize", bits=8, key_mode="channel", rounding=rounding)
     if method == "int8":
         return CodecSpec("quantize", bits=8, key_mode=rest or "channel")
     if method == "learned":
@@ -194,6 +197,31 @@ def projection(rng, h, d, layers=2):
     return fit_projection([rng.standard_normal((256, 2, h, d)) * scale for _ in range(layers)])
 
 
+def rounding(rng, h, d, layers=2):
+    """A key rounding fitted on synthetic queries with correlated channels of different
+    scales (3 query heads per KV head)."""
+    mix = rng.standard_normal((d, d)) / np.sqrt(d) + np.diag((1 + np.arange(d)) / d)
+    return fit_key_rounding([query_moments(rng.standard_normal((64, 3 * h, d)) @ mix, h)
+                             for _ in range(layers)])
+
+
+def specs_for(name, rng, h, d):
+    """``make_spec(name)`` with a projection or rounding fitted for ``h`` x ``d`` when it needs
+    one."""
+    return make_spec(name, projection(rng, h, d) if name == "learned" else None,
+                     rounding(rng, h, d) if name == "int8-rounded" else None)
+
+
+def not_ok(name, dtype):
+    """The rows of :func:`kv_rows` that ``encode`` refuses: with a key rounding also those past
+    ``ROUNDING_LIMIT`` (rows 7 and 15, outside float16)."""
+    if name == "learned":
+        return LEARNED_NOT_OK
+    if name == "int8-rounded" and dtype != "float16":
+        return sorted(NOT_OK + [7, 15])
+    return NOT_OK
+
+
 # ---------------------------------------------------------------------------------------------
 # comparisons
 
@@ -293,16 +321,15 @@ def test_codec(impl, name, dtype, order, monkeypatch):
     rng = np.random.default_rng(18)
     ran = 0
     for t, h, d in SHAPES:
-        proj = projection(rng, h, d) if name == "learned" else None
-        spec = make_spec(name, proj)
+        spec = specs_for(name, rng, h, d)
         shape = KVShape(order, t, h, d, dtype)
-        if not fits(spec, shape):                         # sparse of one token
+        if not fits(spec, shape):                         # sparse or channel keys of one token
             continue
         x = kv_rows(rng, dtype, t, h, d)
         if name == "learned":
             x = x[LEARNED_ROWS]
         ok = round_trip(backend, spec, shape, raw_rows(x, shape))
-        assert np.flatnonzero(~ok).tolist() == (LEARNED_NOT_OK if name == "learned" else NOT_OK)
+        assert np.flatnonzero(~ok).tolist() == not_ok(name, dtype)
         ran += 1
     assert ran >= len(SHAPES) - 1
 
@@ -312,15 +339,15 @@ def test_codec(impl, name, dtype, order, monkeypatch):
                                         ("int8-auto", "bfloat16"), ("int8-channel", "float16"),
                                         ("int4-channel-g64", "float16"),
                                         ("int4-token-g32", "float32"),
-                                        ("sparse-channel-g32", "bfloat16"), ("learned", "float32")])
+                                        ("sparse-channel-g32", "bfloat16"), ("learned", "float32"),
+                                        ("int8-rounded", "bfloat16")])
 def test_channel_major_keys(impl, name, dtype, monkeypatch):
     """vLLM-CPU's layout (key planes [D, T]): every implementation encodes it to the bytes of
     the same KV stored token-major, and decodes back to channel-major planes."""
     backend, _ = backend_of("encode", impl, monkeypatch)
     rng = np.random.default_rng(7)
     for t, h, d in [(16, 3, 64), (128, 1, 128), (7, 2, 64)]:
-        proj = projection(rng, h, d) if name == "learned" else None
-        spec = make_spec(name, proj)
+        spec = specs_for(name, rng, h, d)
         shape = KVShape("hktd", t, h, d, dtype, key_order="dt")
         if not fits(spec, shape):
             continue
@@ -567,10 +594,10 @@ def test_wrong_scale_rounding_is_caught(monkeypatch):
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_int8_channel_keys(backend, dtype):
-    """Token 0's key comes back bit for bit, however far it sits from the others, and stays out
-    of the channel ranges (a huge sink key leaves the other keys' error as without it); every
-    other key is within half a step of its channel's (min, scale), values within half their
-    token's step."""
+    """Token 0's key and value come back bit for bit, however far its key sits from the
+    others, and its key stays out of the channel ranges (a huge sink key leaves the other keys'
+    error as without it); every other key is within half a step of its channel's (min,
+    scale), values within half their token's step."""
     rng = np.random.default_rng(11)
     t, h, d = 32, 2, 64
     spec, shape = make_spec("int8-channel"), KVShape("kthd", t, h, d, dtype)
@@ -585,7 +612,7 @@ def test_int8_channel_keys(backend, dtype):
     out = torch.empty_like(raw)
     compress.decode(spec, shape, enc, out, backend=backend)
     y = out.view(TORCH[dtype]).float().reshape(2, 2, t, h, d).numpy()
-    assert np.array_equal(y[:, 0, 0], exact[:, 0, 0])
+    assert np.array_equal(y[:, :, 0], exact[:, :, 0])
     kp = segment(enc.numpy(), spec, shape, "kp")               # [n, H, D, 2]
     assert np.array_equal(kp[0], kp[1]), "token 0's key moved the channel ranges"
     assert (kp[..., 0] <= exact[:, 0, 1:].min(axis=1)).all()

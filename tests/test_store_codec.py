@@ -176,6 +176,47 @@ def test_learned_projection_versions_are_namespaces(tmp_path):
         _open(cfg1)
 
 
+def _rounding(heads=2, layers=LAYERS, seed=0):
+    rng = np.random.default_rng(seed)
+    mix = rng.standard_normal((64, 64)) / 8 + np.eye(64)
+    return C.fit_key_rounding([C.query_moments(rng.standard_normal((64, 3 * heads, 64)) @ mix,
+                                               heads) for _ in range(layers)])
+
+
+def test_key_rounding_changes_the_codes_not_the_format(tmp_path):
+    """A store whose encoder picks INT8 keys' codes by a key rounding writes blocks that a store
+    without it reads (the same format: the same namespace), decoding to what the reference makes
+    with the rounding, which differs from rounding to nearest; a damaged file, a rounding fitted
+    for other heads or fewer layers, and one given to a codec it does not act on name the key."""
+    x, ids = _kv(4, 8), _ids(4, 8)
+    f = str(tmp_path / "r.npz")
+    rounding = _rounding()
+    rounding.save(f)
+    cfg = _cfg(tmp_path, bits=8, key_mode="channel", key_rounding=f)
+    with _open(cfg) as st:
+        st.commit(ids, st.wait(st.dump(ids, 0, x)).ok)
+    spec = C.CodecSpec(bits=8, key_mode="channel")
+    with _open(_cfg(tmp_path, bits=8, key_mode="channel")) as st:
+        out = np.zeros_like(x)
+        assert st.wait(st.load(ids, 0, out)).all_ok
+    assert np.array_equal(out, _expected(C.CodecSpec(bits=8, key_mode="channel",
+                                                     rounding=rounding), x))
+    assert not np.array_equal(out, _expected(spec, x))
+    for bad, match in [(_rounding(heads=3), "fitted for 3 heads"),
+                       (_rounding(layers=LAYERS - 1), f"fitted for {LAYERS - 1} layers")]:
+        g = str(tmp_path / "bad.npz")
+        bad.save(g)
+        with pytest.raises(ConfigError, match=r"'compression.key_rounding'.*" + match):
+            _open(_cfg(tmp_path, bits=8, key_mode="channel", key_rounding=g))
+    with pytest.raises(ConfigError, match=r"'compression.key_rounding'.*INT8 keys per channel"):
+        _open(_cfg(tmp_path, bits=4, key_rounding=f))
+    with open(f, "r+b") as fh:          # damaged: a clear error, not other codes
+        fh.seek(os.path.getsize(f) // 2)
+        fh.write(b"\x00" * 64)
+    with pytest.raises(ConfigError, match=r"'compression.key_rounding'.*(damaged|cannot read)"):
+        _open(cfg)
+
+
 @pytest.mark.parametrize("cfg,kw,match", [
     ({"bits": 8}, {"kv_shape": None}, r"'compression.enabled'.*shape"),
     ({"bits": 4, "group": 64}, {"kv_shape": C.KVShape("hktd", 16, 2, 32, "bfloat16")},

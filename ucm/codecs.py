@@ -94,6 +94,9 @@ class CodecSpec:
     salient: float = 0.0078125      # 1/128: token 0 alone in blocks of <= 128 tokens
     ratio: float = 0.25
     projection: Optional["Projection"] = dataclasses.field(default=None, compare=False, repr=False)
+    #: INT8 keys per channel: how the encoder picks their codes (:class:`KeyRounding`); not part
+    #: of the format (the codes decode the same way whichever rule chose them)
+    rounding: Optional["KeyRounding"] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -138,9 +141,10 @@ class CodecSpec:
         per channel (asymmetric, token 0 exact) where a block has at least
         :data:`INT8_CHANNEL_TOKENS` tokens, else per token. Per-channel keys cut the KL of
         SmolLM2's next-token distributions 3.7x against keys per token (RESULTS.md, "How
-        far 8-bit keys can go"), but their minimum, scale and exact first key cost 6 bytes per
-        (head, channel) and block: 1.2-1.6% of bfloat16's bytes from 128 tokens, 10% at 16
-        (vLLM's CUDA blocks), where per-token keys stay within 0.52 of bfloat16's bytes."""
+        far 8-bit keys can go"), but their minimum and scale, and the exact first token (whose
+        codes are not stored), cost 6 bytes per (head, channel) and block (bfloat16): 1.2-1.6%
+        of bfloat16's bytes from 128 tokens, 10% at 16 (vLLM's CUDA blocks), where per-token
+        keys stay within 0.52 of bfloat16's bytes."""
         if self.key_mode != "auto":
             return self
         mode = "channel" if shape.tokens >= INT8_CHANNEL_TOKENS else "token"
@@ -151,7 +155,8 @@ class CodecSpec:
         if self.int8:       # ("auto": unresolved; stores name blocks by the resolved spec)
             p = {"method": "quantize", "bits": 8, "key_mode": self.key_mode}
             if self.key_mode == "channel":
-                p["keys"] = "asymmetric, token 0 exact"
+                p["keys"] = "asymmetric"
+                p["token0"] = "exact"
             return p
         if self.method == "learned":
             return {"method": "learned", "ratio": float(self.ratio),
@@ -175,8 +180,8 @@ class CodecSpec:
         if self.key_mode == "auto":
             return self.for_shape(shape).check(shape)
         if self.int8 and self.key_mode == "channel" and shape.tokens < 2:
-            raise ValueError("compression.key_mode 'channel' of INT8 keeps token 0's key exact "
-                             "and scales the others per channel: blocks of 1 token have none "
+            raise ValueError("compression.key_mode 'channel' of INT8 keeps token 0 exact "
+                             "and quantizes the others: blocks of 1 token have none "
                              "(use 'token')")
         if self.int4:
             d = shape.head_dim
@@ -190,6 +195,8 @@ class CodecSpec:
                              f"leaves none to quantize")
         if self.method == "learned":
             self.projection.check(shape, rank(self, shape))
+        if self.rounding is not None and self.int8 and self.key_mode == "channel":
+            self.rounding.check(shape)
 
 
 def n_salient(spec: CodecSpec, shape: KVShape) -> int:
@@ -214,6 +221,8 @@ def magnitude_limit(spec: CodecSpec, shape: KVShape, layer: int = 0) -> float:
     m)`` (``s``: the largest row sum of ``|P|`` over the layer's heads, ``m``: the largest
     ``|mean|``), and a coefficient by ``sqrt(D) (lim + m)``."""
     lim = MAGNITUDE_LIMIT[shape.dtype]
+    if spec.rounding is not None and spec.int8 and spec.for_shape(shape).key_mode == "channel":
+        return min(lim, ROUNDING_LIMIT)
     if spec.method != "learned":
         return lim
     p, r = spec.projection, rank(spec, shape)
@@ -249,9 +258,10 @@ def segments(spec: CodecSpec, shape: KVShape) -> list:
     spec = spec.for_shape(shape)
     t, h, d = shape.tokens, shape.heads, shape.head_dim
     if spec.int8 and spec.key_mode == "channel":
-        # q: values int8; keys uint8 codes (token 0's unused: 0), its exact key in k0
-        return [("q", "int8", (2, t, h, d)), ("kp", "bfloat16", (h, d, 2)),
-                ("vscale", "bfloat16", (t, h)), ("k0", shape.dtype, (h, d))]
+        # token 0's key and value exact in x0; tokens 1..: q holds the keys' uint8 codes, then
+        # the values' int8 codes, vscale the values' scales
+        return [("q", "int8", (2, t - 1, h, d)), ("kp", "bfloat16", (h, d, 2)),
+                ("vscale", "bfloat16", (t - 1, h)), ("x0", shape.dtype, (2, h, d))]
     if spec.method == "quantize" and spec.bits == 8:
         return [("q", "int8", (2, t, h, d)), ("scale", "bfloat16", (2, t, h))]
     if spec.method == "quantize":
@@ -280,6 +290,31 @@ def offsets(spec: CodecSpec, shape: KVShape) -> dict:
 def encoded_bytes(spec: CodecSpec, shape: KVShape) -> int:
     """Bytes of one encoded shard (a multiple of 8)."""
     return sum(_pad8(math.prod(shp) * _SIZE[dt]) for _, dt, shp in segments(spec, shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# fitted files (learned projections, key roundings): arrays and their digest in one .npz
+
+def _save_npz(path: str, digest: str, **arrays) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.savez(f, digest=np.array(digest), **arrays)
+    os.replace(tmp, path)
+
+
+def _load_npz(path: str, key: str, build, *names):
+    """``build(*arrays)`` of the arrays ``names`` in ``path``; ValueError naming the config
+    ``key`` when the file cannot be read or its arrays do not match its recorded digest."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            obj = build(*(z[n] for n in names))
+            stored = str(z["digest"])
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"config key {key!r}: cannot read {path!r}: {exc}")
+    if stored != obj.digest:
+        raise ValueError(f"config key {key!r}: {path!r} is damaged (digest {obj.digest}, "
+                         f"recorded {stored})")
+    return obj
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,22 +362,11 @@ class Projection:
                              f"compression.ratio asks")
 
     def save(self, path: str) -> None:
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            np.savez(f, means=self.means, bases=self.bases, digest=np.array(self.digest))
-        os.replace(tmp, path)
+        _save_npz(path, self.digest, means=self.means, bases=self.bases)
 
     @classmethod
     def load(cls, path: str, expect: Optional[str] = None) -> "Projection":
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                p = cls.build(z["means"], z["bases"])
-                stored = str(z["digest"])
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-            raise ValueError(f"config key 'compression.projection': cannot read {path!r}: {exc}")
-        if stored != p.digest:
-            raise ValueError(f"config key 'compression.projection': {path!r} is damaged (digest "
-                              f"{p.digest}, recorded {stored})")
+        p = _load_npz(path, "compression.projection", cls.build, "means", "bases")
         if expect is not None and expect != p.digest:
             raise ValueError(f"config key 'compression.projection': {path!r} is version "
                               f"{p.digest}, expected {expect}")
@@ -369,3 +393,113 @@ def fit_projection(samples, max_rank: Optional[int] = None) -> Projection:
         means.append(mu)
         bases.append(v[..., :r])
     return Projection.build(np.stack(means), np.stack(bases))
+
+
+# ---------------------------------------------------------------------------------------------
+# key rounding (INT8 keys per channel)
+
+#: the magnitude from which an encoder with a :class:`KeyRounding` refuses a shard: with the
+#: rounding errors bounded (``|e| <= 128 s``) and ``|F| <=`` :data:`FEEDBACK_LIMIT`, every
+#: value the feedback makes stays finite
+ROUNDING_LIMIT = 2.0 ** 64
+FEEDBACK_LIMIT = 2.0 ** 20
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRounding:
+    """How an encoder picks INT8 keys' codes so that the error of the attention logits ``q . k``
+    is small, not each key's own error: per layer and KV head, the channels in the order
+    ``order [L, H, D]`` (decreasing query energy) and the feedback ``feedback [L, H, D, D]``
+    float32, ``F[j, i]``: how much of channel ``j``'s rounding error channel ``i`` takes before
+    it is coded (zero for the channels coded before ``j``); :func:`fit_key_rounding` derives
+    both from the second moments of calibration queries. The rule is in
+    :func:`ucm.reference.compress.round_keys`. ``digest``: the file's version (not part of the
+    codec's identity: the codes decode the same way whichever rule chose them)."""
+    order: np.ndarray
+    feedback: np.ndarray
+    digest: str
+
+    @classmethod
+    def build(cls, order, feedback) -> "KeyRounding":
+        order = np.ascontiguousarray(order, dtype=np.int64)
+        feedback = np.ascontiguousarray(feedback, dtype=np.float32)
+        if order.ndim != 3 or feedback.shape != order.shape + order.shape[-1:]:
+            raise ValueError(f"key rounding: order [L, H, D] and feedback [L, H, D, D], got "
+                             f"{list(order.shape)} and {list(feedback.shape)}")
+        d = order.shape[-1]
+        if not (np.sort(order, axis=-1) == np.arange(d)).all():
+            raise ValueError("key rounding: each order must be a permutation of the channels")
+        if not np.isfinite(feedback).all() or np.abs(feedback).max(initial=0) > FEEDBACK_LIMIT:
+            raise ValueError(f"key rounding: feedback must be finite and within "
+                             f"{FEEDBACK_LIMIT:g} in magnitude")
+        h = hashlib.blake2b(digest_size=16, person=b"ucm-rounding")
+        for a in (order, feedback):
+            h.update(str(a.shape).encode())
+            h.update(a.tobytes())
+        return cls(order, feedback, h.hexdigest())
+
+    @property
+    def layers(self) -> int:
+        return self.order.shape[0]
+
+    def check(self, shape: KVShape, layer: Optional[int] = None) -> None:
+        if self.order.shape[1:] != (shape.heads, shape.head_dim):
+            raise ValueError(f"key rounding {self.digest}: fitted for {self.order.shape[1]} heads "
+                             f"x {self.order.shape[2]} channels, the KV has {shape.heads} x "
+                             f"{shape.head_dim}")
+        if layer is not None and not 0 <= layer < self.layers:
+            raise ValueError(f"key rounding {self.digest}: fitted for {self.layers} layers, "
+                             f"asked for layer {layer}")
+
+    def save(self, path: str) -> None:
+        _save_npz(path, self.digest, order=self.order, feedback=self.feedback)
+
+    @classmethod
+    def load(cls, path: str) -> "KeyRounding":
+        return _load_npz(path, "compression.key_rounding", cls.build, "order", "feedback")
+
+
+def query_moments(queries, kv_heads: int) -> np.ndarray:
+    """``[H, D, D]`` second moments of one layer's queries ``[n, Hq, D]`` (after the rotary
+    embedding, as they meet the cached keys), the ``Hq / H`` query heads of each KV head pooled
+    (a mean over positions and heads; average several batches' results with equal weights)."""
+    q = np.asarray(queries, dtype=np.float64)
+    if q.ndim != 3 or q.shape[0] < 1 or kv_heads < 1 or q.shape[1] % kv_heads:
+        raise ValueError(f"query_moments: expected [n >= 1, Hq, D] with Hq a multiple of "
+                         f"kv_heads={kv_heads}, got {list(q.shape)}")
+    n, hq, d = q.shape
+    g = q.reshape(n, kv_heads, hq // kv_heads, d).transpose(1, 0, 2, 3).reshape(kv_heads, -1, d)
+    return np.einsum("hnd,hne->hde", g, g) / g.shape[1]
+
+
+def fit_key_rounding(moments, damp: float = 0.1) -> KeyRounding:
+    """A :class:`KeyRounding` from per-layer query moments ``[H, D, D]`` (:func:`query_moments`).
+    Per head: ``M + damp * mean(diag M) * I``, the channels ordered by decreasing diagonal, and
+    in that order the upper Cholesky factor ``U`` of its inverse, ``F[j, i] = U[j, i] / U[j, j]``
+    (GPTQ's error feedback for the logit error ``e^T M e``)."""
+    if not 0.0 < float(damp) <= 10.0:
+        raise ValueError(f"fit_key_rounding: damp in (0, 10], got {damp!r}")
+    orders, feedbacks = [], []
+    for layer, m in enumerate(moments):
+        m = np.asarray(m, dtype=np.float64)
+        if m.ndim != 3 or m.shape[1] != m.shape[2] or not np.isfinite(m).all():
+            raise ValueError(f"fit_key_rounding: layer {layer}: expected finite [H, D, D], got "
+                             f"{list(m.shape)}")
+        h_n, d = m.shape[0], m.shape[1]
+        order = np.empty((h_n, d), dtype=np.int64)
+        fb = np.zeros((h_n, d, d), dtype=np.float64)
+        for h in range(h_n):
+            a = (m[h] + m[h].T) / 2
+            scale = float(np.trace(a)) / d
+            if not scale > 0:
+                raise ValueError(f"fit_key_rounding: layer {layer}, head {h}: zero moments")
+            a = a + damp * scale * np.eye(d)
+            p = np.argsort(-np.diag(a), kind="stable")
+            inv = np.linalg.inv(a[np.ix_(p, p)])
+            u = np.linalg.cholesky((inv + inv.T) / 2).T                 # upper: inv = U^T U
+            f = np.triu(u / np.diag(u)[:, None], k=1)
+            order[h] = p
+            fb[h][np.ix_(p, p)] = f
+        orders.append(order)
+        feedbacks.append(fb)
+    return KeyRounding.build(np.stack(orders), np.stack(feedbacks))

@@ -13,11 +13,14 @@ Codecs (:class:`CodecSpec`):
 
 * ``quantize``, ``bits=8``: values symmetric INT8, one scale per (token, head) vector:
   ``s = bf16_up(max|x| / 127)``, ``q = clamp(rint(x / s), -127, 127)``, ``x' = q * s``. Keys
-  like the values (``key_mode="token"``) or per channel (``key_mode="channel"``): token 0's key
-  stored exact in the cache's type and out of the ranges, the others asymmetric per (head,
-  channel) over tokens 1..: ``m = bf16_down(min)``, ``s = bf16_up((max - m) / 255)``,
-  ``q = clamp(rint((x - m) / s), 0, 255)``, ``x' = q * s + m``. ``auto`` picks keys per channel
-  in blocks of at least 128 tokens (:meth:`CodecSpec.for_shape`).
+  like the values (``key_mode="token"``) or per channel (``key_mode="channel"``): then token 0's
+  key and value are stored exact in the cache's type (the attention sink of the block that
+  starts a sequence), and the other keys asymmetric per (head, channel) over tokens 1..:
+  ``m = bf16_down(min)``, ``s = bf16_up((max - m) / 255)``, ``q = clamp(rint((x - m) / s), 0,
+  255)``, ``x' = q * s + m``; with a :class:`KeyRounding` (``compression.key_rounding``) the
+  encoder picks those codes on the same grid so that the error of ``q . k`` is small for the
+  calibration queries (:func:`fit_key_rounding`), which decodes the same way. ``auto`` picks
+  keys per channel in blocks of at least 128 tokens (:meth:`CodecSpec.for_shape`).
 * ``quantize``, ``bits=4``: asymmetric INT4, two values per byte (low nibble first):
   ``m = bf16_down(min)``, ``s = bf16_up((max - m) / 15)``, ``q = clamp(rint((x - m) / s), 0, 15)``,
   ``x' = q * s + m`` (a zero min or max counts as +0, whatever the sign of the zeros). Values:
@@ -59,8 +62,9 @@ from typing import Optional
 import numpy as np
 
 from ucm import dispatch, fast
-from ucm.codecs import (BITS, GROUPS, KEY_MODES, METHODS, CodecSpec, KVShape,  # noqa: F401
-                        Projection, encoded_bytes, fit_projection, offsets, segments)
+from ucm.codecs import (BITS, GROUPS, KEY_MODES, METHODS, CodecSpec, KeyRounding,  # noqa: F401
+                        KVShape, Projection, encoded_bytes, fit_key_rounding, fit_projection,
+                        offsets, query_moments, segments)
 from ucm.dispatch import ImplSpec
 
 

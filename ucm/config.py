@@ -293,8 +293,8 @@ OPTIONS: tuple[Option, ...] = (
            "divide it).", choices=(32, 64)),
     Option("compression.key_mode", "str", "auto", "Keys of 'quantize' and 'sparse': 'channel' "
            "(one scale per channel over the block's tokens, as KIVI; INT8 also keeps token 0's "
-           "key exact), 'token' (like the values) or 'auto' (INT4 and sparse: channel; INT8: "
-           "channel in blocks of 128 tokens or more, else token).",
+           "key and value exact), 'token' (like the values) or 'auto' (INT4 and sparse: channel; "
+           "INT8: channel in blocks of 128 tokens or more, else token).",
            choices=("auto", "channel", "token")),
     Option("compression.salient", "float", 0.0078125, "'sparse': fraction of each block's tokens "
            "kept exact, at least one (token 0, where a sequence's attention sink sits, then "
@@ -306,6 +306,10 @@ OPTIONS: tuple[Option, ...] = (
            min_exclusive=True),
     Option("compression.projection", "str", "", "'learned': file of the fitted projection "
            "(ucm.compress.fit_projection(...).save(path)); its digest is part of the namespace."),
+    Option("compression.key_rounding", "str", "", "INT8 keys per channel: file of a key rounding "
+           "fitted on calibration queries (ucm.compress.fit_key_rounding(...).save(path)); the "
+           "encoder then picks the keys' codes for a small attention-logit error instead of "
+           "rounding each to nearest. Blocks decode the same way with or without it."),
     # store
     Option("store.pipeline", "str", "memory|posix", "Tiers from fastest to slowest, joined by '|'; "
            "a name from the factory or 'package.module:Class'.", check=_check_pipeline),

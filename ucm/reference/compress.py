@@ -121,18 +121,49 @@ def dequant8(q: torch.Tensor, s: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return q.float() * s.unsqueeze(dim)
 
 
-def _int8_channel_encode(k: torch.Tensor, v: torch.Tensor):
-    """INT8 with keys per channel: k, v float32 ``[n, T, H, D]`` -> (q int8 ``[n, 2, T, H, D]``
-    whose keys are uint8 codes, kp bf16 bits ``[n, H, D, 2]``, vscale ``[n, T, H]``). Token 0's
-    key is kept exact (segment ``k0``; its codes are 0) and out of the channel ranges: in the
-    block that starts a sequence it is the attention sink, which most heads attend to and whose
-    key sits apart from the others (measured on SmolLM2: with it in the ranges asymmetric
-    keys' KL is 2x)."""
+def _int8_channel_encode(k: torch.Tensor, v: torch.Tensor, rounding=None, layer: int = 0):
+    """INT8 with keys per channel: k, v float32 ``[n, T, H, D]`` -> (q int8 ``[n, 2, T - 1, H,
+    D]`` of tokens 1.., the keys' uint8 codes then the values' int8 codes, kp bf16 bits
+    ``[n, H, D, 2]``, vscale ``[n, T - 1, H]``). Token 0 is kept exact (segment ``x0``) and out
+    of the keys' ranges: in the block that starts a sequence it is the attention sink, which
+    most heads attend to, whose key sits apart from the others (with it in the ranges
+    asymmetric keys' KL is 2x on SmolLM2) and whose value's rounding error reaches every
+    output (an exact one cuts the values' KL 3.7x). ``rounding``: a :class:`KeyRounding`
+    choosing the keys' codes (:func:`round_keys`) instead of rounding each to nearest."""
     kq, km, ks = quant_asym(k[:, 1:], 1, 255)                     # [n, T-1, H, D], [n, 1, H, D]
-    kq = torch.cat([torch.zeros_like(kq[:, :1]), kq], dim=1)
-    vq, vs = quant8(v)                                              # [n, T, H, D], [n, T, H]
+    if rounding is not None:
+        kq = round_keys(k[:, 1:], km, ks, rounding, layer)
+    vq, vs = quant8(v[:, 1:])                                       # [n, T-1, H, D], [n, T-1, H]
     kp = torch.stack([km[:, 0], ks[:, 0]], dim=-1)                  # [n, H, D, 2]
     return torch.stack([kq.view(torch.int8), vq], dim=1), bf16_bits(kp), bf16_bits(vs)
+
+
+def round_keys(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor, rounding, layer: int):
+    """Codes of keys ``x`` float32 ``[n, T, H, D]`` on the grids ``m + q s`` (``[n, 1, H, D]``,
+    codes 0..255) chosen channel by channel, each rounding error fed into the channels not yet
+    coded so that the error of ``q . k`` stays small for queries of the calibrated second
+    moments (GPTQ's rule with the queries' moments in place of a layer's inputs). For each
+    head, in the order ``rounding.order[layer, h]``: ``c = clamp(rint((w_j - m_j) / s_j), 0,
+    255)``, ``e = w_j - (c s_j + m_j)`` clamped to ``[-128 s_j, 128 s_j]`` (so the values stay
+    finite: :data:`ucm.codecs.ROUNDING_LIMIT`), then ``w_i = w_i - e * F[j, i]`` for every channel
+    ``i`` (``F = rounding.feedback[layer, h]``: zero for channels already coded), each product
+    and difference rounded to float32 on its own, so every implementation picks the same
+    codes."""
+    order = torch.from_numpy(rounding.order[layer]).to(x.device)          # [H, D]
+    fb = torch.from_numpy(rounding.feedback[layer]).to(x.device)         # [H, D, D]
+    w = x.clone()
+    q = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    heads = torch.arange(x.shape[2], device=x.device)
+    for step in range(x.shape[3]):
+        j = order[:, step]                                                # [H]
+        wj = w[:, :, heads, j]                                            # [n, T, H]
+        mj, sj = m[:, :, heads, j], s[:, :, heads, j]                     # [n, 1, H]
+        c = torch.where(sj > 0, torch.round((wj - mj) / sj).clamp(0, 255), torch.zeros_like(wj))
+        q[:, :, heads, j] = c.to(torch.uint8)
+        e = wj - (c * sj + mj)
+        e = torch.minimum(torch.maximum(e, -128 * sj), 128 * sj)
+        w = w - e[..., None] * fb[heads, j][None, None]                   # [n, T, H, D]
+    return q
 
 
 def quant_asym(x: torch.Tensor, dim: int, levels: int):
@@ -220,11 +251,11 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     x = torch.where(ok[:, None, None, None, None], x, torch.zeros_like(x))
     out = torch.zeros((n, encoded_bytes(spec, shape)), dtype=torch.uint8, device=x.device)
     if spec.int8 and spec.key_mode == "channel":
-        q, kp, vs = _int8_channel_encode(x[:, 0], x[:, 1])
+        q, kp, vs = _int8_channel_encode(x[:, 0], x[:, 1], spec.rounding, layer)
         _put(out, spec, shape, "q", q)
         _put(out, spec, shape, "kp", kp)
         _put(out, spec, shape, "vscale", vs)
-        _put(out, spec, shape, "k0", x[:, 0, 0].to(_TORCH[shape.dtype]))
+        _put(out, spec, shape, "x0", x[:, :, 0].to(_TORCH[shape.dtype]))
     elif spec.int8:
         q, s = quant8(x)
         _put(out, spec, shape, "q", q)
@@ -265,9 +296,9 @@ def decode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         q = _segment(src, spec, shape, "q")
         kp = from_bf16_bits(_segment(src, spec, shape, "kp"))             # [n, H, D, 2]
         k = dequant4(q[:, 0].view(torch.uint8), kp[:, None, ..., 0], kp[:, None, ..., 1])
-        k[:, 0] = _segment(src, spec, shape, "k0").float()
         v = dequant8(q[:, 1], from_bf16_bits(_segment(src, spec, shape, "vscale")))
-        x = torch.stack([k, v], dim=1)
+        x0 = _segment(src, spec, shape, "x0").float()                     # [n, 2, H, D]
+        x = torch.cat([x0[:, :, None], torch.stack([k, v], dim=1)], dim=2)
     elif spec.int8:
         x = dequant8(_segment(src, spec, shape, "q"), from_bf16_bits(_segment(src, spec, shape, "scale")))
     elif spec.method == "quantize":

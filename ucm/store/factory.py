@@ -98,20 +98,22 @@ def codec_spec(config: Config):
     compression is off); ConfigError naming the key when they do not make one."""
     if not config["compression.enabled"]:
         return None
-    from ucm.compress import CodecSpec, Projection
+    from ucm.compress import CodecSpec, KeyRounding, Projection
 
-    projection = None
-    if config["compression.method"] == "learned":
-        path = os.path.expanduser(config["compression.projection"])
-        try:
-            projection = Projection.load(path)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    projection = rounding = None
+    try:
+        if config["compression.method"] == "learned":
+            projection = Projection.load(os.path.expanduser(config["compression.projection"]))
+        if config["compression.key_rounding"]:
+            rounding = KeyRounding.load(os.path.expanduser(config["compression.key_rounding"]))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         return CodecSpec(method=config["compression.method"], bits=config["compression.bits"],
                          group=config["compression.group"], key_mode=config["compression.key_mode"],
                          salient=config["compression.salient"],
-                         ratio=config["compression.compression_ratio"], projection=projection)
+                         ratio=config["compression.compression_ratio"], projection=projection,
+                         rounding=rounding)
     except ValueError as exc:
         raise ConfigError(f"config key {str(exc).split(':')[0]!r}: {exc}") from None
 
@@ -143,8 +145,17 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
             raise ConfigError("config key 'compression.enabled': compression needs the shape of "
                               "the KV (the vLLM connector passes it; open_store(..., kv_shape="
                               "ucm.compress.KVShape(...)))")
+        spec = spec.for_shape(kv_shape)
+        if spec.rounding is not None:
+            layers = geometry.block_bytes // geometry.shard_bytes
+            try:
+                if not (spec.int8 and spec.key_mode == "channel"):
+                    raise ValueError(f"acts on INT8 keys per channel only, the codec is "
+                                     f"{spec.params()}")
+                spec.rounding.check(kv_shape, layers - 1)
+            except ValueError as exc:
+                raise ConfigError(f"config key 'compression.key_rounding': {exc}") from None
         try:
-            spec = spec.for_shape(kv_shape)
             spec.check(kv_shape)
             tier_geometry = inner_geometry(geometry, spec, kv_shape)
         except ValueError as exc:

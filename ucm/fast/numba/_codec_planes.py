@@ -13,6 +13,7 @@ _F0 = np.float32(0.0)
 _F15 = np.float32(15.0)
 _F255 = np.float32(255.0)
 _F127 = np.float32(127.0)
+_F128 = np.float32(128.0)
 _FM127 = np.float32(-127.0)
 _INF = np.float32(np.inf)
 _NINF = np.float32(-np.inf)
@@ -208,20 +209,35 @@ def _zero_pads(out, oo, pads):
 
 
 @njit
-def _enc8_chan_plane(buf, nt, d_n, out, q_at, q_ts, p_at, lo, hi):
-    """INT8 keys with a (min, scale) per channel over tokens ``1 .. nt - 1`` (token 0's key is
-    stored exact by the caller; its codes are 0): uint8 codes at ``q_at + t * q_ts``, channel
-    ``d``'s bfloat16 pair at ``p_at + 4 d``. ``lo``, ``hi``: float32 [D] scratch."""
+def _enc8_chan_plane(buf, nt, d_n, out, q_at, q_ts, p_at, lo, hi, order, fb):
+    """INT8 keys with a (min, scale) per channel over tokens ``1 .. nt - 1`` (token 0 is stored
+    exact by the caller): token ``t``'s uint8 codes at ``q_at + t * q_ts``, channel ``d``'s
+    bfloat16 pair at ``p_at + 4 d``. ``lo``, ``hi``: float32 [D] scratch. ``order`` (int64 [D])
+    and ``fb`` (float32 [D, D]) of one head: codes chosen with error feedback
+    (:func:`ucm.reference.compress.round_keys`; ``buf``'s keys are consumed); an empty
+    ``order``: each rounded to nearest."""
     _channel_params(buf, 1, nt, d_n, _F255, out, p_at, lo, hi)
-    out[q_at:q_at + d_n] = 0
     for t in range(1, nt):
         bv = buf[t * d_n:(t + 1) * d_n]
         ov = out[q_at + t * q_ts:q_at + t * q_ts + d_n]
-        for d in range(d_n):
-            if hi[d] > _F0:
-                ov[d] = np.uint8(np.int32(min(max(np.rint((bv[d] - lo[d]) / hi[d]), _F0), _F255)))
-            else:
-                ov[d] = 0
+        if order.shape[0] == 0:
+            for d in range(d_n):
+                if hi[d] > _F0:
+                    ov[d] = np.uint8(np.int32(min(max(np.rint((bv[d] - lo[d]) / hi[d]), _F0),
+                                                  _F255)))
+                else:
+                    ov[d] = 0
+            continue
+        for step in range(d_n):
+            j = order[step]
+            s = hi[j]
+            c = min(max(np.rint((bv[j] - lo[j]) / s), _F0), _F255) if s > _F0 else _F0
+            ov[j] = np.uint8(np.int32(c))
+            e = bv[j] - (c * s + lo[j])
+            e = min(max(e, -_F128 * s), _F128 * s)
+            fv = fb[j]
+            for i in range(d_n):
+                bv[i] = bv[i] - e * fv[i]
 
 
 @njit

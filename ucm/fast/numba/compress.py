@@ -54,40 +54,53 @@ _ESIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 # infinity (it may then stop early); the row is then encoded again as zeros.
 
 @njit
-def _row_q8(x, xb, xo, geo, chan, out, oo, offs, buf, tok, lo, hi, zero):
-    """``offs`` = [q, per-token scales, (keys per channel:) key pairs, exact keys].
-    ``chan``: keys with a (min, scale) per channel over tokens 1.. and token 0's key copied
-    exact from the raw bytes ``xb``; values (and keys without ``chan``) one scale per token."""
+def _row_q8(x, xb, xo, geo, chan, out, oo, offs, buf, tok, lo, hi, order, fb, lim, zero):
+    """``offs`` = [q, per-token scales, (keys per channel:) key pairs, exact token 0].
+    ``chan``: token 0's key and value copied exact from the raw bytes ``xb``, tokens 1..: keys
+    with a (min, scale) per channel, values one scale per token. The keys' codes are chosen
+    with ``order`` / ``fb`` ([H, D] / [H, D, D]) when ``order`` has channels, else ([1, 0])
+    rounded to nearest (:func:`_enc8_chan_plane`). Without ``chan``: keys and values one scale
+    per token."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     es = x.itemsize
     q_off, s_off = offs[0], offs[1]
+    tq = t_n - 1 if chan else t_n                          # tokens in each q plane
     for kv in range(2):
         for h in range(h_n):
-            if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero,
-                           limit_mag(x)):
+            if _load_plane(x, xo + kv * s_k + h * s_h, tok, t_n, s_t, d_n, buf, zero, lim):
                 return True
-            v = (kv * t_n) * h_n + h
-            if chan and kv == 0:
-                _enc8_chan_plane(buf, t_n, d_n, out, oo + q_off + v * d_n, h_n * d_n,
-                                 oo + offs[2] + 4 * h * d_n, lo, hi)
-                k0 = oo + offs[3] + h * d_n * es
-                if zero:
-                    out[k0:k0 + d_n * es] = 0
-                else:
-                    at = (xo + h * s_h) * es
-                    out[k0:k0 + d_n * es] = xb[at:at + d_n * es]
+            if not chan:
+                v = (kv * t_n) * h_n + h
+                _enc8_plane(buf, t_n, d_n, out, oo + q_off + v * d_n, h_n * d_n,
+                            oo + s_off + 2 * v, 2 * h_n)
+                continue
+            x0 = oo + offs[3] + (kv * h_n + h) * d_n * es
+            if zero:
+                out[x0:x0 + d_n * es] = 0
             else:
-                s_at = oo + s_off + 2 * (h if chan else v)
-                _enc8_plane(buf, t_n, d_n, out, oo + q_off + v * d_n, h_n * d_n, s_at, 2 * h_n)
+                at = (xo + kv * s_k + h * s_h) * es
+                out[x0:x0 + d_n * es] = xb[at:at + d_n * es]
+            # token t >= 1 of plane kv at q + ((kv * tq + t - 1) * H + h) * D
+            q_at = oo + q_off + ((kv * tq - 1) * h_n + h) * d_n
+            if kv == 0:
+                _enc8_chan_plane(buf, t_n, d_n, out, q_at, h_n * d_n,
+                                 oo + offs[2] + 4 * h * d_n, lo, hi, order[h % order.shape[0]],
+                                 fb[h % fb.shape[0]])
+            else:
+                _enc8_plane(buf[d_n:], tq, d_n, out, q_at + h_n * d_n, h_n * d_n,
+                            oo + s_off + 2 * h, 2 * h_n)
     return False
 
 
 @njit(nogil=True)
-def _encode_q8(x, xb, rs, geo, chan, out, ro, offs, pads, ok, buf, tok, lo, hi):
+def _encode_q8(x, xb, rs, geo, chan, out, ro, offs, pads, ok, buf, tok, lo, hi, order, fb, lim):
+    """``lim``: the magnitude bits from which a shard is refused (:func:`_magnitude_bits`)."""
     for i in range(ok.shape[0]):
-        bad = _row_q8(x, xb, i * rs, geo, chan, out, i * ro, offs, buf, tok, lo, hi, False)
+        bad = _row_q8(x, xb, i * rs, geo, chan, out, i * ro, offs, buf, tok, lo, hi, order, fb,
+                      lim, False)
         if bad:
-            _row_q8(x, xb, i * rs, geo, chan, out, i * ro, offs, buf, tok, lo, hi, True)
+            _row_q8(x, xb, i * rs, geo, chan, out, i * ro, offs, buf, tok, lo, hi, order, fb,
+                    lim, True)
         _zero_pads(out, i * ro, pads)
         ok[i] = not bad
 
@@ -242,7 +255,8 @@ def _q8_keys(src, qi, so, t_n, h_n, d_n, h0, h1, offs, chan, sc, ys, y, base, s_
     then head) is then read in order, where a head at a time reads it at a stride of ``H * D``
     bytes, which from memory ran at less than half the rate (the hardware prefetchers do not
     follow it). With ``chan``, token 0's key is the exact one, read as ``ys``'s element type
-    (``ys``: a D-element array of it, scratch); ``sc``: float32 scratch of 2 * H * D."""
+    (``ys``: a D-element array of it, scratch), and the codes start at token 1; ``sc``:
+    float32 scratch of 2 * H * D."""
     if chan:
         es = ys.itemsize
         for h in range(h0, h1):
@@ -250,15 +264,11 @@ def _q8_keys(src, qi, so, t_n, h_n, d_n, h0, h1, offs, chan, sc, ys, y, base, s_
             for d in range(d_n):
                 sc[2 * h * d_n + d] = _get_bf16(src, p_at + 4 * d + 2)          # scale
                 sc[(2 * h + 1) * d_n + d] = _get_bf16(src, p_at + 4 * d)        # minimum
-            k0 = so + offs[3] + h * d_n * es
-            ys.view(np.uint8)[:] = src[k0:k0 + d_n * es]
-            o = base + (h - h0) * s_h
-            tv = y[o:o + d_n]
-            for d in range(d_n):
-                st(tv, d, ld(ys, d))                                # exact in either type
-    for t in range(1 if chan else 0, t_n):
+            _x0_row(src, so + offs[3] + h * d_n * es, ys, y, base + (h - h0) * s_h, d_n)
+    first = 1 if chan else 0
+    for t in range(first, t_n):
         for h in range(h0, h1):
-            v = t * h_n + h
+            v = (t - first) * h_n + h
             q = so + offs[0] + v * d_n
             o = base + (h - h0) * s_h + t * s_t
             tv = y[o:o + d_n]
@@ -273,6 +283,17 @@ def _q8_keys(src, qi, so, t_n, h_n, d_n, h0, h1, offs, chan, sc, ys, y, base, s_
                 s = _get_bf16(src, so + offs[1] + 2 * v)
                 for d in range(d_n):
                     st(tv, d, np.float32(qv[d]) * s)
+
+
+@njit
+def _x0_row(src, at, ys, y, o, d_n):
+    """An exact token-0 vector (the element type of ``ys``, a D-element scratch) at byte ``at``
+    of ``src`` stored at ``y[o:]``."""
+    es = ys.itemsize
+    ys.view(np.uint8)[:] = src[at:at + d_n * es]
+    tv = y[o:o + d_n]
+    for d in range(d_n):
+        st(tv, d, ld(ys, d))                                    # exact in either type
 
 
 @njit(nogil=True)
@@ -297,14 +318,20 @@ def _decode_q8(src, so_, y, yo, geo, chan, offs, sc, kf, keys_dt):
                 _rows_from_plane(kb, y, yo[i] + h * s_h, t_n, d_n)
         else:
             _q8_keys(src, qi, so, t_n, h_n, d_n, 0, h_n, offs, chan, sc, ys, y, yo[i], s_h, s_t)
-        for t in range(t_n):
+        first = 1 if chan else 0
+        if chan:
+            es = ys.itemsize
             for h in range(h_n):
-                v = (t_n + t) * h_n + h
-                q = so + offs[0] + v * d_n
+                _x0_row(src, so + offs[3] + (h_n + h) * d_n * es, ys, y,
+                        yo[i] + s_k + h * s_h, d_n)
+        for t in range(first, t_n):
+            for h in range(h_n):
+                w = (t - first) * h_n + h                      # vector of the values' plane
+                q = so + offs[0] + ((t_n - first) * h_n + w) * d_n
                 qv = qi[q:q + d_n]
                 o = yo[i] + s_k + h * s_h + t * s_t
                 yv = y[o:o + d_n]
-                s = _get_bf16(src, so + offs[1] + 2 * ((t * h_n + h) if chan else v))
+                s = _get_bf16(src, so + offs[1] + 2 * (w if chan else (t_n * h_n + w)))
                 for d in range(d_n):
                     st(yv, d, np.float32(qv[d]) * s)
 
@@ -495,7 +522,7 @@ def _at(spec, shape, *names) -> np.ndarray:
 def _q8_at(spec, shape) -> np.ndarray:
     """INT8 offsets [q, per-token scales, per-channel key pairs, exact keys] (0 without)."""
     if spec.key_mode == "channel":
-        return _at(spec, shape, "q", "vscale", "kp", "k0")
+        return _at(spec, shape, "q", "vscale", "kp", "x0")
     return np.append(_at(spec, shape, "q", "scale"), [0, 0])
 
 
@@ -507,6 +534,16 @@ def _magnitude_bits(lim: float, dtype: str) -> np.int32:
     if dtype == "bfloat16":
         return np.int32((e + 127) << 7)
     return np.int32((e + 127) << 23)
+
+
+def _rounding(spec: CodecSpec, shape: KVShape, layer: int):
+    """(order int64 [H, D], feedback float32 [H, D, D]) of the INT8 keys' rounding of this
+    layer, or empty arrays (round to nearest)."""
+    r = spec.rounding
+    if r is None or spec.key_mode != "channel":
+        return np.zeros((1, 0), np.int64), np.zeros((1, 1, 1), np.float32)
+    r.check(shape, layer)
+    return r.order[layer], r.feedback[layer]
 
 
 def _projection(spec: CodecSpec, shape: KVShape, layer: int, transposed: bool):
@@ -545,9 +582,11 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     buf = np.empty(t_n * d_n, dtype=np.float32)
     tok = np.arange(t_n, dtype=np.int64)
     if spec.int8:
+        order, fb = _rounding(spec, shape, layer)
         _encode_q8(x, x.view(np.uint8), rs, geo, spec.key_mode == "channel", out, ro,
                    _q8_at(spec, shape), pads, ok, buf, tok, np.empty(d_n, np.float32),
-                   np.empty(d_n, np.float32))
+                   np.empty(d_n, np.float32), order, fb,
+                   _magnitude_bits(magnitude_limit(spec, shape, layer), shape.dtype))
     elif spec.method == "quantize":
         lo, hi = np.empty(d_n, np.float32), np.empty(d_n, np.float32)
         _encode_q4(x, rs, geo, spec.group, spec.key_mode == "channel", out, ro,

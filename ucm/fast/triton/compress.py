@@ -28,9 +28,10 @@ beyond small blocks):
 
 * ``_int8_encode`` / ``_int8_decode``: INT8, a program per ``BV`` consecutive vectors (over all
   shards of the call).
-* ``_int8c_encode`` / ``_int8c_decode``: INT8 with keys per channel (asymmetric, token 0's
-  exact), a program per (shard, head); beyond small blocks the encode takes the keys only and
-  ``_int8_encode`` quantizes the values, a second launch.
+* ``_int8c_encode`` / ``_int8c_decode``: INT8 with keys per channel (asymmetric; token 0's
+  key and value exact), a program per (shard, head); beyond small blocks the encode takes the
+  keys only and ``_int8_encode`` quantizes the values of tokens 1.., a second launch. With a
+  key rounding (``CodecSpec.rounding``) the encode is the reference's (below).
 * ``_int4_encode_token``: INT4 and sparse values (groups of channels per token), and the keys
   too when they are per token: a program per (shard, group of heads).
 * ``_int4_encode_channel``: INT4 keys per channel (``quantize`` bits 4 defaults to them), a
@@ -44,7 +45,9 @@ beyond small blocks):
   ``_int4_encode_channel``'s; then
   ``_int4_encode_token`` quantizes the other tokens' values (and keys per token), their rows
   counted from the bitmap.
-* ``learned``: the reference (PyTorch einsum, cuBLAS on CUDA tensors).
+* ``learned``: the reference (PyTorch einsum, cuBLAS on CUDA tensors); so is an INT8 encode
+  whose keys' codes a key rounding picks (a loop over the channels, each step elementwise
+  kernels over the whole batch, the same bits as on a CPU: no fused multiply-adds).
 
 Every kernel takes the encoded rows' pitch in 8-byte units, so that Triton knows their
 alignment when the pitch is not a multiple of 16 (a sparse encoding's often is not). Launch
@@ -395,22 +398,23 @@ def _encode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, flags, 
                 jit(_int8c_encode)[(n * L, H)](
                     raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, n * L,
                     T=T, H=H, D=D, DP=DP, TB=tb, TQ=tq, L=L, E=E, KP=offs["kp"],
-                    VS=offs["vscale"], K0=offs["k0"], VALUES=fused, NPAD=npad,
+                    VS=offs["vscale"], X0=offs["x0"], VALUES=fused, NPAD=npad,
                     NPADP=_pow2(npad), INDEXED=indexed, ALIGN=tabs.align, BF16=bf16,
                     LIMB=limb, num_warps=warps)
                 if fused:
                     return
-                # the values: vectors T H .. 2 T H of each shard, scales at ``vscale``
-                v0, vn, scale, npad = T * H, T * H, offs["vscale"], 0
+                # the values of tokens 1..: vectors (T + 1) H .. 2 T H of each shard, codes
+                # from vector (T - 1) H of q, scales at ``vscale``
+                v0, vn, qv, scale, npad = (T + 1) * H, (T - 1) * H, (T - 1) * H, offs["vscale"], 0
                 bv = _pow2_floor(max(1, launch.int8_value_elems // DP))
                 warps = launch.int8_value_warps
             else:
-                v0, vn, scale = 0, V, offs["scale"]
+                v0, vn, qv, scale = 0, V, 0, offs["scale"]
                 bv, warps = _pow2(launch.int8_vectors), launch.int8_warps
             total = n * L * vn
             jit(_int8_encode)[(triton.cdiv(total, bv),)](
                 raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8, flags, padt, total, n * L,
-                V=V, V0=v0, VN=vn, L=L, D=D, DP=DP, E=E, SCALE=scale, NPAD=npad,
+                V=V, V0=v0, VN=vn, QV=qv, L=L, D=D, DP=DP, E=E, SCALE=scale, NPAD=npad,
                 NPADP=_pow2(npad), BV=bv, INDEXED=indexed, ALIGN=tabs.align, BF16=bf16,
                 LIMB=limb, num_warps=warps)
             return
@@ -458,7 +462,7 @@ def _decode_launch(spec, shape, raw, tabs: _Tables, idx, enc, enc_pitch, n, L,
             jit(_int8c_decode)[(n * L, H)](
                 raw, tabs.voff, tabs.vstride, idx, enc, enc_pitch // 8,
                 T=T, H=H, D=D, DP=_pow2(D), TB=min(_pow2(T), launch.int8_tokens), L=L, E=E,
-                KP=offs["kp"], VS=offs["vscale"], K0=offs["k0"], INDEXED=indexed, ALIGN=tabs.align,
+                KP=offs["kp"], VS=offs["vscale"], X0=offs["x0"], INDEXED=indexed, ALIGN=tabs.align,
                 BF16=bf16, num_warps=launch.int8_warps)
             return
         if spec.method == "quantize" and spec.bits == 8:
@@ -526,12 +530,20 @@ def _fix_refused(flags: torch.Tensor, spec, shape, dst: torch.Tensor, L: int) ->
 # ---------------------------------------------------------------------------------------------
 # ops
 
+def _encoded_by_reference(spec: CodecSpec) -> bool:
+    """The encodes the reference makes on the device: ``learned`` (an einsum: cuBLAS) and INT8
+    keys chosen by a key rounding (a loop over the channels, each step a few elementwise
+    kernels over the whole batch)."""
+    return spec.method == "learned" or (spec.rounding is not None and spec.int8
+                                        and spec.key_mode == "channel")
+
+
 def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor, layer: int,
            *, launch: LaunchConfig = LAUNCH) -> np.ndarray:
     """Same contract as :func:`ucm.reference.compress.encode` (CUDA tensors, or CPU tensors
     under the interpreter); synchronizes once (the ``ok`` flags)."""
     spec = spec.for_shape(shape)
-    if spec.method == "learned":
+    if _encoded_by_reference(spec):
         return _ref.encode(spec, shape, src, dst, layer)
     if shape.key_order == "dt":       # (vLLM-CPU's layout; a torch transposition on the device)
         src, shape = _ref.swap_key_planes(src, shape, True), shape.with_token_major_keys()
@@ -626,7 +638,7 @@ def gather_encode(layout: KVLayout, block_indices: torch.Tensor, spec: CodecSpec
     n, L = block_indices.shape[0], len(layers)
     if n == 0:
         return np.ones(0, dtype=bool)
-    found = None if spec.method == "learned" or shape.key_order == "dt" else \
+    found = None if _encoded_by_reference(spec) or shape.key_order == "dt" else \
         _layout_tables(layout, layers, shape)
     raw = None if found is None else _encodable(spec, shape, found[0], found[1])
     if raw is None:

@@ -27,15 +27,17 @@ _SCALE = tl.constexpr(2.0 ** 64)
 
 
 def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_vectors, n_shards,
-                 V: tl.constexpr, V0: tl.constexpr, VN: tl.constexpr, L: tl.constexpr,
-                 D: tl.constexpr, DP: tl.constexpr, E: tl.constexpr, SCALE: tl.constexpr,
+                 V: tl.constexpr, V0: tl.constexpr, VN: tl.constexpr, QV: tl.constexpr,
+                 L: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, E: tl.constexpr,
+                 SCALE: tl.constexpr,
                  NPAD: tl.constexpr, NPADP: tl.constexpr, BV: tl.constexpr,
                  INDEXED: tl.constexpr, ALIGN: tl.constexpr, BF16: tl.constexpr,
                  LIMB: tl.constexpr):
     """Each vector ``v`` in ``[V0, V0 + VN)`` of every shard quantized by its own symmetric
-    scale (the per-token INT8 rule), its scale at ``SCALE + 2 (v - V0)``: every vector for INT8
-    with keys per token (``V0 = 0``, ``VN = V``), the values for keys per channel (``V0 = VN =
-    T H``). Program ``pid`` takes the call's vectors ``[pid * BV, pid * BV + BV)`` (vector ``g``
+    scale (the per-token INT8 rule), its codes at vector ``QV + v - V0`` of ``q``, its scale at
+    ``SCALE + 2 (v - V0)``: every vector for INT8 with keys per token (``V0 = QV = 0``, ``VN =
+    V``), the values of tokens 1.. for keys per channel (``V0 = (T + 1) H``, ``VN = QV = (T -
+    1) H``). Program ``pid`` takes the call's vectors ``[pid * BV, pid * BV + BV)`` (vector ``g``
     = shard ``g // VN``, its vector ``V0 + g % VN``; shard ``s`` = row ``s // L``, selected layer
     ``s % L``)."""
     g = tl.program_id(0).to(tl.int64) * BV + tl.arange(0, BV)
@@ -79,7 +81,7 @@ def _int8_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_vectors
     r = (y + _RINT) - _RINT
     q = tl.where(sc[:, None] > 0, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0).to(tl.int32)
     base = enc + i * (enc_pitch8 * 8) + k * E
-    tl.store(base[:, None] + (v * D)[:, None] + d[None, :],
+    tl.store(base[:, None] + ((QV + v - V0) * D)[:, None] + d[None, :],
              q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
     b16 = bits >> 16
     tl.store(base + SCALE + 2 * (v - V0), (b16 & 255).to(tl.uint8), mask=live)
@@ -499,13 +501,14 @@ def _int4_decode(raw, voff, vstride, idx, enc, enc_pitch8,
 def _int8c_encode(raw, voff, vstride, idx, enc, enc_pitch8, flags, pad, n_shards,
                   T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   TB: tl.constexpr, TQ: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
-                  KP: tl.constexpr, VS: tl.constexpr, K0: tl.constexpr, VALUES: tl.constexpr,
+                  KP: tl.constexpr, VS: tl.constexpr, X0: tl.constexpr, VALUES: tl.constexpr,
                   NPAD: tl.constexpr, NPADP: tl.constexpr, INDEXED: tl.constexpr,
                   ALIGN: tl.constexpr, BF16: tl.constexpr, LIMB: tl.constexpr):
     """INT8 with keys per channel (``key_mode="channel"``): a program per (shard, head). Each
     channel's minimum and maximum over the block's tokens after the first, keys quantized by
-    their channel's (min, scale) to uint8 codes, token 0's key copied exact; with ``VALUES``
-    the values too, by their token's symmetric scale.
+    their channel's (min, scale) to uint8 codes, token 0's key and value copied exact; with
+    ``VALUES`` the values of tokens 1.. too, by their token's symmetric scale. Tokens 1..'s
+    codes: keys at vector ``(t - 1) H + h`` of ``q``, values at ``(T - 1 + t - 1) H + h``.
 
     Two shapes. ``VALUES`` (small blocks: ``T <= TB``): the block's keys and values are
     loaded once, together, before any store (a store may alias a later load, so nothing is
@@ -632,8 +635,9 @@ which rounds to 255 at most."""
         hh = tl.fma(fl, ksp[None, :], khs[None, :])
         b = (fl + _RINT).to(tl.int32, bitcast=True)      # 0x4B400000 + floor: low byte floor
         q = b + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
-        q = tl.where((t >= 1)[:, None], q, 0)        # (0 <= code <= 255 from token 1 on)
-        tl.store(base + ((t * H + h) * D)[:, None] + d[None, :], q.to(tl.uint8), mask=m2)
+        t1 = (t >= 1)[:, None]                       # (0 <= code <= 255 from token 1 on)
+        tl.store(base + (((t - 1) * H + h) * D)[:, None] + d[None, :], q.to(tl.uint8),
+                 mask=m2 & t1)
         if VALUES:
             # ---- values, per token
             vmax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
@@ -651,27 +655,30 @@ which rounds to 255 at most."""
             hh = tl.fma(fl, vsp[:, None], vhs[:, None])
             b = (fl + _RINT).to(tl.int32, bitcast=True)
             q = b + ((nu > hh) | ((nu == hh) & ((b & 1) != 0))).to(tl.int32)
-            tl.store(base + (((T + t) * H + h) * D)[:, None] + d[None, :],
-                     q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2)
-            tl.store((base + VS).to(tl.pointer_type(tl.int16), bitcast=True) + t * H + h,
-                     (vbits >> 16).to(tl.int16), mask=tm)
+            tl.store(base + (((T - 2 + t) * H + h) * D)[:, None] + d[None, :],
+                     q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m2 & t1)
+            tl.store((base + VS).to(tl.pointer_type(tl.int16), bitcast=True) + (t - 1) * H + h,
+                     (vbits >> 16).to(tl.int16), mask=tm & (t >= 1))
     # kp [H, D, 2] bf16: one int32 (min | scale << 16) per channel
     tl.store((base + KP).to(tl.pointer_type(tl.int32), bitcast=True) + h * D + d,
              ((mb >> 16) & 0xFFFF) | (sb & -65536), mask=dm)
-    # token 0's key, exact (its element bits)
-    o0 = tl.multiple_of(tl.load(voff + k * V + h + d * 0, mask=dm, other=0), ALIGN)
-    s0 = tl.multiple_of(tl.load(vstride + k * V + h + d * 0, mask=dm, other=0), ALIGN)
-    if BF16:
-        x0 = tl.load(i16 + o0 + blk * s0 + d, mask=dm, other=0)
-        tl.store((base + K0).to(tl.pointer_type(tl.int16), bitcast=True) + h * D + d, x0,
-                 mask=dm)
-        b0 = x0.to(tl.int32) << 16
-    else:
-        x0 = tl.load(raw + o0 + blk * s0 + d, mask=dm, other=0)
-        tl.store((base + K0).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True) + h * D + d,
-                 x0, mask=dm)
-        b0 = x0.to(tl.float32).to(tl.int32, bitcast=True)
-    kbad = kbad | ((b0 & 0x7FFFFFFF) >= LIMB)
+    # token 0's key and value, exact (their element bits), at x0 [2, H, D]
+    for kv in tl.static_range(2):
+        o0 = tl.multiple_of(tl.load(voff + k * V + kv * T * H + h + d * 0, mask=dm, other=0),
+                            ALIGN)
+        s0 = tl.multiple_of(tl.load(vstride + k * V + kv * T * H + h + d * 0, mask=dm, other=0),
+                            ALIGN)
+        if BF16:
+            x0 = tl.load(i16 + o0 + blk * s0 + d, mask=dm, other=0)
+            tl.store((base + X0).to(tl.pointer_type(tl.int16), bitcast=True)
+                     + (kv * H + h) * D + d, x0, mask=dm)
+            b0 = x0.to(tl.int32) << 16
+        else:
+            x0 = tl.load(raw + o0 + blk * s0 + d, mask=dm, other=0)
+            tl.store((base + X0).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+                     + (kv * H + h) * D + d, x0, mask=dm)
+            b0 = x0.to(tl.float32).to(tl.int32, bitcast=True)
+        kbad = kbad | ((b0 & 0x7FFFFFFF) >= LIMB)
     nb = tl.maximum(tl.max(kbad.to(tl.int32), axis=0) * LIMB, tl.max(bad, axis=0))
     tl.store(flags + s, 0, mask=live & (nb >= LIMB))
     tl.store(flags + n_shards, 0, mask=live & (nb >= LIMB))
@@ -684,7 +691,7 @@ which rounds to 255 at most."""
 def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
                   T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   TB: tl.constexpr, L: tl.constexpr, E: tl.constexpr, KP: tl.constexpr,
-                  VS: tl.constexpr, K0: tl.constexpr, INDEXED: tl.constexpr,
+                  VS: tl.constexpr, X0: tl.constexpr, INDEXED: tl.constexpr,
                   ALIGN: tl.constexpr, BF16: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -709,9 +716,9 @@ def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
     for t0 in tl.static_range(0, T, TB):
         t = t0 + tb
         tm = t < t_lim
-        m2 = tm[:, None] & dm[None, :]
+        m2 = tm[:, None] & dm[None, :] & (t >= 1)[:, None]      # (token 0: from x0)
         vk = (t * H + h)
-        q = tl.load(base + (vk * D)[:, None] + d[None, :], mask=m2, other=0)
+        q = tl.load(base + (((t - 1) * H + h) * D)[:, None] + d[None, :], mask=m2, other=0)
         xk = q.to(tl.float32) * ksc[None, :] + km[None, :]      # (q s is exact)
         off = tl.multiple_of(tl.load(voff + k * V + vk, mask=tm, other=0), ALIGN)
         bst = tl.multiple_of(tl.load(vstride + k * V + vk, mask=tm, other=0), ALIGN)
@@ -720,33 +727,36 @@ def _int8c_decode(raw, voff, vstride, idx, enc, enc_pitch8,
             _o = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)   # RNE
         else:
             _o = xk.to(raw.dtype.element_ty)
-        tl.store(raw + (off + blk * bst)[:, None] + d[None, :], _o,
-                 mask=m2 & (t >= 1)[:, None])
+        tl.store(raw + (off + blk * bst)[:, None] + d[None, :], _o, mask=m2)
         vv = (T + t) * H + h
-        q = tl.load(base + (vv * D)[:, None] + d[None, :], mask=m2, other=0)
-        vlo = tl.load(base + VS + 2 * (t * H + h), mask=tm, other=0).to(tl.int32)
-        vhi = tl.load(base + VS + 2 * (t * H + h) + 1, mask=tm, other=0).to(tl.int32)
+        q = tl.load(base + (((T - 2 + t) * H + h) * D)[:, None] + d[None, :], mask=m2, other=0)
+        t1 = tm & (t >= 1)
+        vlo = tl.load(base + VS + 2 * ((t - 1) * H + h), mask=t1, other=0).to(tl.int32)
+        vhi = tl.load(base + VS + 2 * ((t - 1) * H + h) + 1, mask=t1, other=0).to(tl.int32)
         vsc = ((vlo | (vhi << 8)) << 16).to(tl.float32, bitcast=True)
         xv = q.to(tl.int8, bitcast=True).to(tl.float32) * vsc[:, None]
-        off = tl.multiple_of(tl.load(voff + k * V + vv, mask=tm, other=0), ALIGN)
-        bst = tl.multiple_of(tl.load(vstride + k * V + vv, mask=tm, other=0), ALIGN)
+        off = tl.multiple_of(tl.load(voff + k * V + vv, mask=t1, other=0), ALIGN)
+        bst = tl.multiple_of(tl.load(vstride + k * V + vv, mask=t1, other=0), ALIGN)
         if BF16:
             _b = xv.to(tl.int32, bitcast=True)
             _o = ((_b + 0x7FFF + ((_b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)   # RNE
         else:
             _o = xv.to(raw.dtype.element_ty)
         tl.store(raw + (off + blk * bst)[:, None] + d[None, :], _o, mask=m2)
-    # token 0's key, exact
-    o0 = tl.multiple_of(tl.load(voff + k * V + h + d * 0, mask=dm, other=0), ALIGN)
-    s0 = tl.multiple_of(tl.load(vstride + k * V + h + d * 0, mask=dm, other=0), ALIGN)
-    if BF16:
-        tl.store(raw.to(tl.pointer_type(tl.int16), bitcast=True) + o0 + blk * s0 + d,
-                 tl.load((base + K0).to(tl.pointer_type(tl.int16), bitcast=True) + h * D + d,
-                         mask=dm, other=0), mask=dm)
-    else:
-        tl.store(raw + o0 + blk * s0 + d,
-                 tl.load((base + K0).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
-                         + h * D + d, mask=dm, other=0), mask=dm)
+    # token 0's key and value, exact
+    for kv in tl.static_range(2):
+        o0 = tl.multiple_of(tl.load(voff + k * V + kv * T * H + h + d * 0, mask=dm, other=0),
+                            ALIGN)
+        s0 = tl.multiple_of(tl.load(vstride + k * V + kv * T * H + h + d * 0, mask=dm, other=0),
+                            ALIGN)
+        if BF16:
+            tl.store(raw.to(tl.pointer_type(tl.int16), bitcast=True) + o0 + blk * s0 + d,
+                     tl.load((base + X0).to(tl.pointer_type(tl.int16), bitcast=True)
+                             + (kv * H + h) * D + d, mask=dm, other=0), mask=dm)
+        else:
+            tl.store(raw + o0 + blk * s0 + d,
+                     tl.load((base + X0).to(tl.pointer_type(raw.dtype.element_ty), bitcast=True)
+                             + (kv * H + h) * D + d, mask=dm, other=0), mask=dm)
 
 
 _jitted: dict = {}
