@@ -8,7 +8,7 @@ served from compressed blocks, float32 compute, every codec in one run.
 
 Documents: ``--docs`` stretches of the Python documentation's topics (``pydoc_data.topics``) for
 the evaluation and as many others for calibration (the learned codec's projection and the key
-rounding of ``int8-r`` are fitted on those, never on the evaluated text).
+rounding of the ``-r`` codecs are fitted on those, never on the evaluated text).
 
 Per codec, one engine process (a fresh store each):
 
@@ -69,6 +69,11 @@ CODECS = {
     "sparse-s128": {"method": "sparse", "bits": 4, "group": 64, "key_mode": "channel",
                      "salient": 1 / 128},
     "learned": {"method": "learned", "compression_ratio": 0.25},
+    # INT4 and sparse with their keys' codes picked by the key rounding
+    "int4-r": {"method": "quantize", "bits": 4, "group": 64, "key_mode": "channel",
+               "key_rounding": True},
+    "sparse-s128-r": {"method": "sparse", "bits": 4, "group": 64, "key_mode": "channel",
+                      "salient": 1 / 128, "key_rounding": True},
 }
 
 

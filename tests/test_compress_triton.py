@@ -302,7 +302,7 @@ def test_learned_within_one_bf16_step(triton_on, device):
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpreter)]
                          + (["cuda"] if HAS_CUDA else []))
 def test_key_rounding_matches_the_cpu_reference(triton_on, device):
-    """INT8 keys whose codes a key rounding picks: the device's encode (the reference on the
+    """Keys per channel (INT8, INT4, sparse) whose codes a key rounding picks: the device's encode (the reference on the
     device's tensors) writes the bytes the reference writes on the CPU, refusals included, and
     the Triton decode reads them back as the reference does."""
     gen = torch.Generator().manual_seed(4)
@@ -315,20 +315,22 @@ def test_key_rounding_matches_the_cpu_reference(triton_on, device):
         mix = torch.randn(d, d, generator=gen) / d ** 0.5 + torch.eye(d)
         rounding = fit_key_rounding([query_moments((torch.randn(32, 2 * h, d, generator=gen)
                                                     @ mix).numpy(), h) for _ in range(2)])
-        spec = CodecSpec("quantize", 8, key_mode="channel", rounding=rounding)
         src = kv_rows(shape, gen)
-        E = encoded_bytes(spec, shape)
-        want = torch.empty((len(src), E), dtype=torch.uint8)
-        ok_want = encode(spec, shape, src, want, 1, backend="reference")
-        got = torch.empty((len(src), E), dtype=torch.uint8, device=device)
-        ok_got = encode(spec, shape, src.to(device), got, 1, backend="triton")
-        assert np.array_equal(ok_got, ok_want) and not ok_want.all()
-        assert torch.equal(got.cpu()[ok_want], want[ok_want])
-        raw_want = torch.empty((int(ok_want.sum()), shape.raw_bytes), dtype=torch.uint8)
-        decode(spec, shape, want[ok_want], raw_want, 1, backend="reference")
-        raw_got = torch.empty(raw_want.shape, dtype=torch.uint8, device=device)
-        decode(spec, shape, want[ok_want].to(device), raw_got, 1, backend="triton")
-        assert torch.equal(raw_got.cpu(), raw_want)
+        for spec in (CodecSpec("quantize", 8, key_mode="channel", rounding=rounding),
+                     CodecSpec("quantize", 4, 32, "channel", rounding=rounding),
+                     CodecSpec("sparse", 4, 64, "channel", salient=0.125, rounding=rounding)):
+            E = encoded_bytes(spec, shape)
+            want = torch.empty((len(src), E), dtype=torch.uint8)
+            ok_want = encode(spec, shape, src, want, 1, backend="reference")
+            got = torch.empty((len(src), E), dtype=torch.uint8, device=device)
+            ok_got = encode(spec, shape, src.to(device), got, 1, backend="triton")
+            assert np.array_equal(ok_got, ok_want) and not ok_want.all()
+            assert torch.equal(got.cpu()[ok_want], want[ok_want])
+            raw_want = torch.empty((int(ok_want.sum()), shape.raw_bytes), dtype=torch.uint8)
+            decode(spec, shape, want[ok_want], raw_want, 1, backend="reference")
+            raw_got = torch.empty(raw_want.shape, dtype=torch.uint8, device=device)
+            decode(spec, shape, want[ok_want].to(device), raw_got, 1, backend="triton")
+            assert torch.equal(raw_got.cpu(), raw_want)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ within the tolerance of float32 sums in another order. The buffers the ops write
 sentinel, so a byte not written, or written outside the rows, shows. Also: the ops' validation
 errors, the reference's rule for zero extremes, and that a deliberately wrong implementation is
 caught by these comparisons."""
+import dataclasses
 import importlib.util
 import math
 
@@ -37,15 +38,15 @@ SEG_SIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 # (tokens, heads, head_dim): every token count with a few head counts, both head dims
 SHAPES = [(1, 1, 64), (7, 3, 64), (16, 8, 128), (128, 3, 64), (7, 1, 128), (16, 3, 64),
           (128, 1, 128)]
-SPECS = ["int8-channel", "int8-token", "int8-auto", "int8-rounded", "int4-channel-g32",
-         "int4-channel-g64", "int4-token-g32", "int4-token-g64", "sparse-channel-g32",
-         "sparse-token-g64", "learned"]
+SPECS = ["int8-channel", "int8-token", "int8-auto", "int8-channel-rounded", "int4-channel-g32",
+         "int4-channel-g64", "int4-channel-g32-rounded", "int4-token-g32", "int4-token-g64",
+         "sparse-channel-g32", "sparse-channel-g64-rounded", "sparse-token-g64", "learned"]
 
 
 def make_spec(name, projection=None, rounding=None):
+    if name.endswith("-rounded"):       # keys per channel coded by a key rounding
+        return dataclasses.replace(make_spec(name[:-len("-rounded")]), rounding=rounding)
     method, _, rest = name.partition("-")
-    if name == "int8-rounded":
-        return CodecSpec("quantize", bits=8, key_mode="channel", rounding=rounding)
     if method == "int8":
         return CodecSpec("quantize", bits=8, key_mode=rest or "channel")
     if method == "learned":
@@ -209,7 +210,7 @@ def specs_for(name, rng, h, d):
     """``make_spec(name)`` with a projection or rounding fitted for ``h`` x ``d`` when it needs
     one."""
     return make_spec(name, projection(rng, h, d) if name == "learned" else None,
-                     rounding(rng, h, d) if name == "int8-rounded" else None)
+                     rounding(rng, h, d) if name.endswith("-rounded") else None)
 
 
 def not_ok(name, dtype):
@@ -217,7 +218,7 @@ def not_ok(name, dtype):
     ``ROUNDING_LIMIT`` (rows 7 and 15, outside float16)."""
     if name == "learned":
         return LEARNED_NOT_OK
-    if name == "int8-rounded" and dtype != "float16":
+    if name.endswith("-rounded") and dtype != "float16":
         return sorted(NOT_OK + [7, 15])
     return NOT_OK
 
@@ -340,7 +341,8 @@ def test_codec(impl, name, dtype, order, monkeypatch):
                                         ("int4-channel-g64", "float16"),
                                         ("int4-token-g32", "float32"),
                                         ("sparse-channel-g32", "bfloat16"), ("learned", "float32"),
-                                        ("int8-rounded", "bfloat16")])
+                                        ("int8-channel-rounded", "bfloat16"),
+                                        ("sparse-channel-g64-rounded", "float32")])
 def test_channel_major_keys(impl, name, dtype, monkeypatch):
     """vLLM-CPU's layout (key planes [D, T]): every implementation encodes it to the bytes of
     the same KV stored token-major, and decodes back to channel-major planes."""

@@ -208,8 +208,10 @@ def test_key_rounding_changes_the_codes_not_the_format(tmp_path):
         bad.save(g)
         with pytest.raises(ConfigError, match=r"'compression.key_rounding'.*" + match):
             _open(_cfg(tmp_path, bits=8, key_mode="channel", key_rounding=g))
-    with pytest.raises(ConfigError, match=r"'compression.key_rounding'.*INT8 keys per channel"):
-        _open(_cfg(tmp_path, bits=4, key_rounding=f))
+    with pytest.raises(ConfigError, match=r"'compression.key_rounding'.*keys quantized per channel"):
+        _open(_cfg(tmp_path, bits=4, key_mode="token", key_rounding=f))
+    with _open(_cfg(tmp_path, bits=4, key_rounding=f)):    # INT4 keys per channel: taken
+        pass
     with open(f, "r+b") as fh:          # damaged: a clear error, not other codes
         fh.seek(os.path.getsize(f) // 2)
         fh.write(b"\x00" * 64)

@@ -94,8 +94,8 @@ class CodecSpec:
     salient: float = 0.0078125      # 1/128: token 0 alone in blocks of <= 128 tokens
     ratio: float = 0.25
     projection: Optional["Projection"] = dataclasses.field(default=None, compare=False, repr=False)
-    #: INT8 keys per channel: how the encoder picks their codes (:class:`KeyRounding`); not part
-    #: of the format (the codes decode the same way whichever rule chose them)
+    #: keys per channel: how the encoder picks their codes (:class:`KeyRounding`); not part of
+    #: the format (the codes decode the same way whichever rule chose them)
     rounding: Optional["KeyRounding"] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -135,6 +135,12 @@ class CodecSpec:
     @property
     def int8(self) -> bool:
         return self.method == "quantize" and self.bits == 8
+
+    @property
+    def rounds_keys(self) -> bool:
+        """Whether a key rounding picks this codec's key codes: keys per channel (INT8, INT4,
+        sparse) with a :class:`KeyRounding` (``key_mode`` resolved: :meth:`for_shape`)."""
+        return self.rounding is not None and self.key_mode == "channel" and self.method != "learned"
 
     def for_shape(self, shape: "KVShape") -> "CodecSpec":
         """This codec with ``key_mode`` ``auto`` resolved for blocks of ``shape``. INT8: keys
@@ -195,7 +201,7 @@ class CodecSpec:
                              f"leaves none to quantize")
         if self.method == "learned":
             self.projection.check(shape, rank(self, shape))
-        if self.rounding is not None and self.int8 and self.key_mode == "channel":
+        if self.rounds_keys:
             self.rounding.check(shape)
 
 
@@ -221,7 +227,7 @@ def magnitude_limit(spec: CodecSpec, shape: KVShape, layer: int = 0) -> float:
     m)`` (``s``: the largest row sum of ``|P|`` over the layer's heads, ``m``: the largest
     ``|mean|``), and a coefficient by ``sqrt(D) (lim + m)``."""
     lim = MAGNITUDE_LIMIT[shape.dtype]
-    if spec.rounding is not None and spec.int8 and spec.for_shape(shape).key_mode == "channel":
+    if spec.for_shape(shape).rounds_keys:
         return min(lim, ROUNDING_LIMIT)
     if spec.method != "learned":
         return lim
@@ -396,7 +402,7 @@ def fit_projection(samples, max_rank: Optional[int] = None) -> Projection:
 
 
 # ---------------------------------------------------------------------------------------------
-# key rounding (INT8 keys per channel)
+# key rounding (keys per channel: INT8, INT4, sparse)
 
 #: the magnitude from which an encoder with a :class:`KeyRounding` refuses a shard: with the
 #: rounding errors bounded (``|e| <= 128 s``) and ``|F| <=`` :data:`FEEDBACK_LIMIT`, every
@@ -407,7 +413,8 @@ FEEDBACK_LIMIT = 2.0 ** 20
 
 @dataclasses.dataclass(frozen=True)
 class KeyRounding:
-    """How an encoder picks INT8 keys' codes so that the error of the attention logits ``q . k``
+    """How an encoder picks the codes of keys quantized per channel (INT8, INT4, sparse) so that
+    the error of the attention logits ``q . k``
     is small, not each key's own error: per layer and KV head, the channels in the order
     ``order [L, H, D]`` (decreasing query energy) and the feedback ``feedback [L, H, D, D]``
     float32, ``F[j, i]``: how much of channel ``j``'s rounding error channel ``i`` takes before

@@ -26,7 +26,8 @@ Codecs (:class:`CodecSpec`):
   ``x' = q * s + m`` (a zero min or max counts as +0, whatever the sign of the zeros). Values:
   groups of ``group`` channels per (token, head). Keys: per channel
   over the block's tokens as KIVI does (``key_mode="channel"``, INT4's default: a few channels of
-  the keys carry outliers across all tokens) or like the values (``key_mode="token"``).
+  the keys carry outliers across all tokens; codes picked by a :class:`KeyRounding` when one
+  is configured, as for INT8) or like the values (``key_mode="token"``).
 * ``sparse``: ``ceil(salient * T)`` tokens kept exact in the cache's type: token 0 (the block
   that starts a sequence holds its attention sink there), then those whose keys have the
   largest magnitude (``max |K[t, :, :]|``; ties to the lower token); the others

@@ -306,10 +306,11 @@ OPTIONS: tuple[Option, ...] = (
            min_exclusive=True),
     Option("compression.projection", "str", "", "'learned': file of the fitted projection "
            "(ucm.compress.fit_projection(...).save(path)); its digest is part of the namespace."),
-    Option("compression.key_rounding", "str", "", "INT8 keys per channel: file of a key rounding "
-           "fitted on calibration queries (ucm.compress.fit_key_rounding(...).save(path)); the "
-           "encoder then picks the keys' codes for a small attention-logit error instead of "
-           "rounding each to nearest. Blocks decode the same way with or without it."),
+    Option("compression.key_rounding", "str", "", "Keys quantized per channel (INT8, INT4, "
+           "sparse): file of a key rounding fitted on calibration queries "
+           "(ucm.compress.fit_key_rounding(...).save(path)); the encoder then picks the keys' "
+           "codes for a small attention-logit error instead of rounding each to nearest. Blocks "
+           "decode the same way with or without it."),
     # store
     Option("store.pipeline", "str", "memory|posix", "Tiers from fastest to slowest, joined by '|'; "
            "a name from the factory or 'package.module:Class'.", check=_check_pipeline),

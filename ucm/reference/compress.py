@@ -131,20 +131,21 @@ def _int8_channel_encode(k: torch.Tensor, v: torch.Tensor, rounding=None, layer:
     output (an exact one cuts the values' KL 3.7x). ``rounding``: a :class:`KeyRounding`
     choosing the keys' codes (:func:`round_keys`) instead of rounding each to nearest."""
     kq, km, ks = quant_asym(k[:, 1:], 1, 255)                     # [n, T-1, H, D], [n, 1, H, D]
-    if rounding is not None:
+    if rounding is not None:                                        # (keys per channel here)
         kq = round_keys(k[:, 1:], km, ks, rounding, layer)
     vq, vs = quant8(v[:, 1:])                                       # [n, T-1, H, D], [n, T-1, H]
     kp = torch.stack([km[:, 0], ks[:, 0]], dim=-1)                  # [n, H, D, 2]
     return torch.stack([kq.view(torch.int8), vq], dim=1), bf16_bits(kp), bf16_bits(vs)
 
 
-def round_keys(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor, rounding, layer: int):
+def round_keys(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor, rounding, layer: int,
+               levels: int = 255):
     """Codes of keys ``x`` float32 ``[n, T, H, D]`` on the grids ``m + q s`` (``[n, 1, H, D]``,
-    codes 0..255) chosen channel by channel, each rounding error fed into the channels not yet
-    coded so that the error of ``q . k`` stays small for queries of the calibrated second
-    moments (GPTQ's rule with the queries' moments in place of a layer's inputs). For each
-    head, in the order ``rounding.order[layer, h]``: ``c = clamp(rint((w_j - m_j) / s_j), 0,
-    255)``, ``e = w_j - (c s_j + m_j)`` clamped to ``[-128 s_j, 128 s_j]`` (so the values stay
+    codes 0..``levels``) chosen channel by channel, each rounding error fed into the channels
+    not yet coded so that the error of ``q . k`` stays small for queries of the calibrated
+    second moments (GPTQ's rule with the queries' moments in place of a layer's inputs). For
+    each head, in the order ``rounding.order[layer, h]``: ``c = clamp(rint((w_j - m_j) / s_j),
+    0, levels)``, ``e = w_j - (c s_j + m_j)`` clamped to ``[-128 s_j, 128 s_j]`` (so the values stay
     finite: :data:`ucm.codecs.ROUNDING_LIMIT`), then ``w_i = w_i - e * F[j, i]`` for every channel
     ``i`` (``F = rounding.feedback[layer, h]``: zero for channels already coded), each product
     and difference rounded to float32 on its own, so every implementation picks the same
@@ -158,7 +159,7 @@ def round_keys(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor, rounding, laye
         j = order[:, step]                                                # [H]
         wj = w[:, :, heads, j]                                            # [n, T, H]
         mj, sj = m[:, :, heads, j], s[:, :, heads, j]                     # [n, 1, H]
-        c = torch.where(sj > 0, torch.round((wj - mj) / sj).clamp(0, 255), torch.zeros_like(wj))
+        c = torch.where(sj > 0, torch.round((wj - mj) / sj).clamp(0, levels), torch.zeros_like(wj))
         q[:, :, heads, j] = c.to(torch.uint8)
         e = wj - (c * sj + mj)
         e = torch.minimum(torch.maximum(e, -128 * sj), 128 * sj)
@@ -195,12 +196,14 @@ def unpack4(b: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))
 
 
-def _int4_encode(k: torch.Tensor, v: torch.Tensor, spec: CodecSpec):
+def _int4_encode(k: torch.Tensor, v: torch.Tensor, spec: CodecSpec, layer: int = 0):
     """k, v: float32 ``[n, T', H, D]`` -> packed kq, vq and (min, scale) pairs as bf16 bits."""
     n, t, h, d = k.shape
     g = spec.group
     if spec.key_mode == "channel":
         kq, km, ks = quant4(k, dim=1)                       # over tokens: [n, 1, H, D]
+        if spec.rounds_keys:
+            kq = round_keys(k, km, ks, spec.rounding, layer, levels=15)
         kp = torch.stack([km[:, 0], ks[:, 0]], dim=-1)      # [n, H, D, 2]
     else:
         kq, km, ks = quant4(k.reshape(n, t, h, d // g, g), dim=-1)
@@ -261,7 +264,7 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         _put(out, spec, shape, "q", q)
         _put(out, spec, shape, "scale", bf16_bits(s))
     elif spec.method == "quantize":
-        for name, val in zip(("kq", "vq", "kp", "vp"), _int4_encode(x[:, 0], x[:, 1], spec)):
+        for name, val in zip(("kq", "vq", "kp", "vp"), _int4_encode(x[:, 0], x[:, 1], spec, layer)):
             _put(out, spec, shape, name, val)
     elif spec.method == "sparse":
         c = n_salient(spec, shape)
@@ -275,7 +278,7 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
         _put(out, spec, shape, "bitmap", bitmap)
         _put(out, spec, shape, "exact", exact.to(_TORCH[shape.dtype]))
         for name, val in zip(("kq", "vq", "kp", "vp"),
-                             _int4_encode(rest[:, :, 0], rest[:, :, 1], spec)):
+                             _int4_encode(rest[:, :, 0], rest[:, :, 1], spec, layer)):
             _put(out, spec, shape, name, val)
     else:
         p = spec.projection

@@ -149,9 +149,9 @@ def open_store(config: Optional[Union[Config, dict, str]] = None, *, block_bytes
         if spec.rounding is not None:
             layers = geometry.block_bytes // geometry.shard_bytes
             try:
-                if not (spec.int8 and spec.key_mode == "channel"):
-                    raise ValueError(f"acts on INT8 keys per channel only, the codec is "
-                                     f"{spec.params()}")
+                if not spec.rounds_keys:
+                    raise ValueError(f"acts on keys quantized per channel (INT8, INT4, sparse "
+                                     f"with key_mode channel), the codec is {spec.params()}")
                 spec.rounding.check(kv_shape, layers - 1)
             except ValueError as exc:
                 raise ConfigError(f"config key 'compression.key_rounding': {exc}") from None

@@ -52,9 +52,8 @@ def _get_bf16(buf, at):
 def _load_plane(x, base, tok, nt, s_t, d_n, buf, zero, lim):
     """Tokens ``tok[:nt]`` of one (kv, head) plane (token ``t`` at ``base + t * s_t``) into
     ``buf[nt, D]`` as float32; zeros when ``zero``. Returns whether a value's magnitude bits
-    reach ``lim`` (:func:`~ucm.fast.numba._elements.limit_mag`, or the learned codec's lower
-    limit: :func:`ucm.codecs.magnitude_limit`; NaN and infinities included): the shard is
-    refused."""
+    reach ``lim`` (the magnitude bits of :func:`ucm.codecs.magnitude_limit`; NaN and
+    infinities included): the shard is refused."""
     if zero:
         buf[:nt * d_n] = _F0
         return False
@@ -125,16 +124,20 @@ def _channel_params(buf, t0, nt, d_n, levels, out, p_at, lo, hi):
 
 
 @njit
-def _enc4_plane(buf, nt, d_n, g, chan, out, q_at, q_ts, p_at, p_ts, lo, hi, qb):
+def _enc4_plane(buf, nt, d_n, g, chan, out, q_at, q_ts, p_at, p_ts, lo, hi, qb, order, fb):
     """INT4 of a plane's ``nt`` tokens: packed q at ``q_at + t * q_ts``; (min, scale) per channel
     at ``p_at + 4 d`` (``chan``: over the tokens) or per token and group at
-    ``p_at + t * p_ts + 4 group``. ``lo``, ``hi``: float32 [D] scratch; ``qb``: uint8 [D]."""
+    ``p_at + t * p_ts + 4 group``. ``lo``, ``hi``: float32 [D] scratch; ``qb``: uint8 [D].
+    ``chan`` with ``order`` of D channels: codes chosen by :func:`_feedback_codes`."""
     if chan:
         _channel_params(buf, 0, nt, d_n, _F15, out, p_at, lo, hi)
         for t in range(nt):
             bv = buf[t * d_n:(t + 1) * d_n]
-            for d in range(d_n):
-                qb[d] = _quant4(bv[d], lo[d], hi[d])
+            if order.shape[0]:
+                _feedback_codes(bv, d_n, lo, hi, _F15, order, fb, qb)
+            else:
+                for d in range(d_n):
+                    qb[d] = _quant4(bv[d], lo[d], hi[d])
             _pack(qb, out, q_at + t * q_ts, d_n)
         return
     for t in range(nt):
@@ -214,30 +217,39 @@ def _enc8_chan_plane(buf, nt, d_n, out, q_at, q_ts, p_at, lo, hi, order, fb):
     exact by the caller): token ``t``'s uint8 codes at ``q_at + t * q_ts``, channel ``d``'s
     bfloat16 pair at ``p_at + 4 d``. ``lo``, ``hi``: float32 [D] scratch. ``order`` (int64 [D])
     and ``fb`` (float32 [D, D]) of one head: codes chosen with error feedback
-    (:func:`ucm.reference.compress.round_keys`; ``buf``'s keys are consumed); an empty
-    ``order``: each rounded to nearest."""
+    (:func:`_feedback_codes`; ``buf``'s keys are consumed); an empty ``order``: each rounded to
+    nearest."""
     _channel_params(buf, 1, nt, d_n, _F255, out, p_at, lo, hi)
     for t in range(1, nt):
         bv = buf[t * d_n:(t + 1) * d_n]
         ov = out[q_at + t * q_ts:q_at + t * q_ts + d_n]
-        if order.shape[0] == 0:
-            for d in range(d_n):
-                if hi[d] > _F0:
-                    ov[d] = np.uint8(np.int32(min(max(np.rint((bv[d] - lo[d]) / hi[d]), _F0),
-                                                  _F255)))
-                else:
-                    ov[d] = 0
+        if order.shape[0]:
+            _feedback_codes(bv, d_n, lo, hi, _F255, order, fb, ov)
             continue
-        for step in range(d_n):
-            j = order[step]
-            s = hi[j]
-            c = min(max(np.rint((bv[j] - lo[j]) / s), _F0), _F255) if s > _F0 else _F0
-            ov[j] = np.uint8(np.int32(c))
-            e = bv[j] - (c * s + lo[j])
-            e = min(max(e, -_F128 * s), _F128 * s)
-            fv = fb[j]
-            for i in range(d_n):
-                bv[i] = bv[i] - e * fv[i]
+        for d in range(d_n):
+            if hi[d] > _F0:
+                ov[d] = np.uint8(np.int32(min(max(np.rint((bv[d] - lo[d]) / hi[d]), _F0),
+                                              _F255)))
+            else:
+                ov[d] = 0
+
+
+@njit
+def _feedback_codes(bv, d_n, lo, hi, levels, order, fb, qv):
+    """One key vector ``bv`` (float32 [D], consumed) coded on the per-channel grids ``lo + c hi``
+    (codes ``0 .. levels``) in the channel order ``order``, each rounding error fed into the
+    channels through ``fb`` (:func:`ucm.reference.compress.round_keys`: the same operations in
+    the same order, no fused multiply-adds), codes into ``qv`` (uint8 [D])."""
+    for step in range(d_n):
+        j = order[step]
+        s = hi[j]
+        c = min(max(np.rint((bv[j] - lo[j]) / s), _F0), levels) if s > _F0 else _F0
+        qv[j] = np.uint8(np.int32(c))
+        e = bv[j] - (c * s + lo[j])
+        e = min(max(e, -_F128 * s), _F128 * s)
+        fv = fb[j]
+        for i in range(d_n):
+            bv[i] = bv[i] - e * fv[i]
 
 
 @njit

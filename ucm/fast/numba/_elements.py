@@ -8,9 +8,9 @@ float32 for the cache's element types, as integer arithmetic that rounds as ``Te
 * Per element type (an array of the element bits: ``uint16`` bfloat16, ``int16`` float16,
   ``uint32`` float32; the type picks the conversion at compile time): :func:`ld` (as
   float32), :func:`st` (a float32, rounded), :func:`mag` (magnitude bits: ordered as ``|x|`` is
-  for finite values; NaN and the infinities above every finite value), :func:`limit_mag` (the
-  magnitude bits of :data:`ucm.codecs.MAGNITUDE_LIMIT`: a shard holding a value at or above
-  them is refused).
+  for finite values; NaN and the infinities above every finite value; a shard holding a value
+  at or above the magnitude bits of its refusal limit is refused:
+  :func:`ucm.fast.numba.compress._magnitude_bits`).
 
 The hot conversions are LLVM IR on 32-bit integers: numba types arithmetic on narrower integers
 as int64, which halves the vector lanes (measured: the INT8 decode 2x slower).
@@ -272,10 +272,6 @@ def mag(a, i):
     raise NotImplementedError
 
 
-def limit_mag(a):
-    raise NotImplementedError
-
-
 def st(a, i, f):
     raise NotImplementedError
 
@@ -296,17 +292,6 @@ def _mag_impl(a, i):
         return lambda a, i: mag16(a[i])
     if a.dtype == types.uint32:
         return lambda a, i: mag32(a[i])
-
-
-@overload(limit_mag)
-def _limit_mag_impl(a):
-    # ucm.codecs.MAGNITUDE_LIMIT in each type's bits: 2**126 (bfloat16, float32), 2**15 (float16)
-    if a.dtype == types.uint16:
-        return lambda a: np.int32(0x7E80)
-    if a.dtype == types.int16:
-        return lambda a: np.int32(0x7800)
-    if a.dtype == types.uint32:
-        return lambda a: np.int32(0x7E800000)
 
 
 @overload(st)

@@ -39,7 +39,7 @@ from ucm.fast.numba._codec_planes import (_dec4_planes, _enc4_plane, _enc8_chan_
                                           _enc8_plane, _get_bf16, _keys_to_channel_major,
                                           _keys_to_token_major, _load_plane, _rows_from_plane,
                                           _zero_pads)
-from ucm.fast.numba._elements import affine_pairs, affine_rows, ld, limit_mag, mag, st
+from ucm.fast.numba._elements import affine_pairs, affine_rows, ld, mag, st
 from ucm.fast.numba._jit import njit
 
 # element bits of each cache dtype as the kernels see them (the type picks the conversions)
@@ -106,42 +106,46 @@ def _encode_q8(x, xb, rs, geo, chan, out, ro, offs, pads, ok, buf, tok, lo, hi, 
 
 
 @njit
-def _planes4(x, xo, geo, g, chan, nt, out, oo, offs, buf, tok, lo, hi, qb, zero):
-    """INT4 of tokens ``tok[:nt]`` of every plane (keys then values)."""
+def _planes4(x, xo, geo, g, chan, nt, out, oo, offs, buf, tok, lo, hi, qb, korder, kfb, lim,
+             zero):
+    """INT4 of tokens ``tok[:nt]`` of every plane (keys then values); keys per channel coded
+    with ``korder`` / ``kfb`` as in :func:`_row_q8`; ``lim``: the refusal's magnitude bits."""
     h_n, d_n, s_k, s_t, s_h = geo[1], geo[2], geo[3], geo[4], geo[5]
     half = d_n // 2
     ng = d_n // g
     for kv in range(2):
         for h in range(h_n):
-            if _load_plane(x, xo + kv * s_k + h * s_h, tok, nt, s_t, d_n, buf, zero,
-                           limit_mag(x)):
+            if _load_plane(x, xo + kv * s_k + h * s_h, tok, nt, s_t, d_n, buf, zero, lim):
                 return True
             c = chan and kv == 0
             p_at = oo + offs[2 + kv] + (4 * h * d_n if c else 4 * h * ng)
             _enc4_plane(buf, nt, d_n, g, c, out, oo + offs[kv] + h * half, h_n * half,
-                        p_at, 4 * h_n * ng, lo, hi, qb)
+                        p_at, 4 * h_n * ng, lo, hi, qb, korder[h % korder.shape[0]],
+                        kfb[h % kfb.shape[0]])
     return False
 
 
 @njit(nogil=True)
-def _encode_q4(x, rs, geo, g, chan, out, ro, offs, pads, ok, buf, tok, lo, hi, qb):
+def _encode_q4(x, rs, geo, g, chan, out, ro, offs, pads, ok, buf, tok, lo, hi, qb, korder, kfb,
+               lim):
     """``offs`` = [kq, vq, kp, vp] byte offsets."""
     t_n = geo[0]
     for i in range(ok.shape[0]):
         bad = _planes4(x, i * rs, geo, g, chan, t_n, out, i * ro, offs, buf, tok, lo, hi, qb,
-                       False)
+                       korder, kfb, lim, False)
         if bad:
-            _planes4(x, i * rs, geo, g, chan, t_n, out, i * ro, offs, buf, tok, lo, hi, qb, True)
+            _planes4(x, i * rs, geo, g, chan, t_n, out, i * ro, offs, buf, tok, lo, hi, qb,
+                     korder, kfb, lim, True)
         _zero_pads(out, i * ro, pads)
         ok[i] = not bad
 
 
 @njit
 def _row_sparse(x, xb, xo, geo, g, chan, n_exact, out, oo, offs, buf, tok, lo, hi, qb, keys,
-                order, zero):
+                order, korder, kfb, lim, zero):
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     es = x.itemsize
-    limit_bits = limit_mag(x)
+    limit_bits = lim
     # scores: max |K[t]| as magnitude bits (ordered as the values are); ties -> the lower
     # token: key = score << 32 | (2^32 - 1 - t), all distinct
     keys[:] = 0
@@ -191,20 +195,21 @@ def _row_sparse(x, xb, xo, geo, g, chan, n_exact, out, oo, offs, buf, tok, lo, h
                     return True
                 ov[:] = xb[o * es:(o + d_n) * es]
         j += 1
-    return _planes4(x, xo, geo, g, chan, t_n - n_exact, out, oo, offs, buf, tok, lo, hi, qb, zero)
+    return _planes4(x, xo, geo, g, chan, t_n - n_exact, out, oo, offs, buf, tok, lo, hi, qb,
+                    korder, kfb, lim, zero)
 
 
 @njit(nogil=True)
 def _encode_sparse(x, xb, rs, geo, g, chan, n_exact, out, ro, offs, pads, ok, buf, tok, lo, hi,
-                   qb, keys, order):
+                   qb, keys, order, korder, kfb, lim):
     """``xb``: ``x``'s bytes; ``offs`` = [kq, vq, kp, vp, bitmap, exact] byte offsets; ``keys``,
-    ``order``: int64 [T]."""
+    ``order``: int64 [T] scratch; ``korder``, ``kfb``, ``lim`` as :func:`_planes4`'s."""
     for i in range(ok.shape[0]):
         bad = _row_sparse(x, xb, i * rs, geo, g, chan, n_exact, out, i * ro, offs, buf, tok, lo,
-                          hi, qb, keys, order, False)
+                          hi, qb, keys, order, korder, kfb, lim, False)
         if bad:
             _row_sparse(x, xb, i * rs, geo, g, chan, n_exact, out, i * ro, offs, buf, tok, lo,
-                        hi, qb, keys, order, True)
+                        hi, qb, keys, order, korder, kfb, lim, True)
         _zero_pads(out, i * ro, pads)
         ok[i] = not bad
 
@@ -537,13 +542,12 @@ def _magnitude_bits(lim: float, dtype: str) -> np.int32:
 
 
 def _rounding(spec: CodecSpec, shape: KVShape, layer: int):
-    """(order int64 [H, D], feedback float32 [H, D, D]) of the INT8 keys' rounding of this
-    layer, or empty arrays (round to nearest)."""
-    r = spec.rounding
-    if r is None or spec.key_mode != "channel":
+    """(order int64 [H, D], feedback float32 [H, D, D]) of the key rounding of this layer, or
+    ([1, 0], [1, 1, 1]): keys rounded to nearest."""
+    if not spec.rounds_keys:
         return np.zeros((1, 0), np.int64), np.zeros((1, 1, 1), np.float32)
-    r.check(shape, layer)
-    return r.order[layer], r.feedback[layer]
+    spec.rounding.check(shape, layer)
+    return spec.rounding.order[layer], spec.rounding.feedback[layer]
 
 
 def _projection(spec: CodecSpec, shape: KVShape, layer: int, transposed: bool):
@@ -581,24 +585,24 @@ def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor
     ok = np.empty(n, dtype=bool)
     buf = np.empty(t_n * d_n, dtype=np.float32)
     tok = np.arange(t_n, dtype=np.int64)
+    order, fb = _rounding(spec, shape, layer)
+    lim = _magnitude_bits(magnitude_limit(spec, shape, layer), shape.dtype)
     if spec.int8:
-        order, fb = _rounding(spec, shape, layer)
         _encode_q8(x, x.view(np.uint8), rs, geo, spec.key_mode == "channel", out, ro,
                    _q8_at(spec, shape), pads, ok, buf, tok, np.empty(d_n, np.float32),
-                   np.empty(d_n, np.float32), order, fb,
-                   _magnitude_bits(magnitude_limit(spec, shape, layer), shape.dtype))
+                   np.empty(d_n, np.float32), order, fb, lim)
     elif spec.method == "quantize":
         lo, hi = np.empty(d_n, np.float32), np.empty(d_n, np.float32)
         _encode_q4(x, rs, geo, spec.group, spec.key_mode == "channel", out, ro,
                    _at(spec, shape, "kq", "vq", "kp", "vp"), pads, ok, buf, tok, lo, hi,
-                   np.empty(d_n, np.uint8))
+                   np.empty(d_n, np.uint8), order, fb, lim)
     elif spec.method == "sparse":
         lo, hi = np.empty(d_n, np.float32), np.empty(d_n, np.float32)
         _encode_sparse(x, x.view(np.uint8), rs, geo, spec.group, spec.key_mode == "channel",
                        n_salient(spec, shape), out, ro,
                        _at(spec, shape, "kq", "vq", "kp", "vp", "bitmap", "exact"), pads, ok,
                        buf, np.empty(t_n, np.int64), lo, hi, np.empty(d_n, np.uint8),
-                       np.empty(t_n, np.int64), np.empty(t_n, np.int64))
+                       np.empty(t_n, np.int64), np.empty(t_n, np.int64), order, fb, lim)
     else:
         mean, basis, r = _projection(spec, shape, layer, transposed=False)
         c_off = int(_at(spec, shape, "coef")[0])

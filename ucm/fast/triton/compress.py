@@ -31,7 +31,8 @@ beyond small blocks):
 * ``_int8c_encode`` / ``_int8c_decode``: INT8 with keys per channel (asymmetric; token 0's
   key and value exact), a program per (shard, head); beyond small blocks the encode takes the
   keys only and ``_int8_encode`` quantizes the values of tokens 1.., a second launch. With a
-  key rounding (``CodecSpec.rounding``) the encode is the reference's (below).
+  key rounding (``CodecSpec.rounding``) the encode is the reference's (below), as for INT4 and
+  sparse keys per channel.
 * ``_int4_encode_token``: INT4 and sparse values (groups of channels per token), and the keys
   too when they are per token: a program per (shard, group of heads).
 * ``_int4_encode_channel``: INT4 keys per channel (``quantize`` bits 4 defaults to them), a
@@ -45,8 +46,8 @@ beyond small blocks):
   ``_int4_encode_channel``'s; then
   ``_int4_encode_token`` quantizes the other tokens' values (and keys per token), their rows
   counted from the bitmap.
-* ``learned``: the reference (PyTorch einsum, cuBLAS on CUDA tensors); so is an INT8 encode
-  whose keys' codes a key rounding picks (a loop over the channels, each step elementwise
+* ``learned``: the reference (PyTorch einsum, cuBLAS on CUDA tensors); so is an encode whose
+  keys' codes a key rounding picks (a loop over the channels, each step elementwise
   kernels over the whole batch, the same bits as on a CPU: no fused multiply-adds).
 
 Every kernel takes the encoded rows' pitch in 8-byte units, so that Triton knows their
@@ -531,11 +532,10 @@ def _fix_refused(flags: torch.Tensor, spec, shape, dst: torch.Tensor, L: int) ->
 # ops
 
 def _encoded_by_reference(spec: CodecSpec) -> bool:
-    """The encodes the reference makes on the device: ``learned`` (an einsum: cuBLAS) and INT8
-    keys chosen by a key rounding (a loop over the channels, each step a few elementwise
+    """The encodes the reference makes on the device: ``learned`` (an einsum: cuBLAS) and keys
+    whose codes a key rounding picks (a loop over the channels, each step a few elementwise
     kernels over the whole batch)."""
-    return spec.method == "learned" or (spec.rounding is not None and spec.int8
-                                        and spec.key_mode == "channel")
+    return spec.method == "learned" or spec.rounds_keys
 
 
 def encode(spec: CodecSpec, shape: KVShape, src: torch.Tensor, dst: torch.Tensor, layer: int,
