@@ -345,6 +345,22 @@ def test_key_rounding_refuses_malformed_inputs():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layer", [-1, 2, True])
+def test_key_rounding_layer_out_of_range_is_refused(backend, layer):
+    """A layer beyond the rounding's (or negative: numpy would have taken the last) is an error
+    before any code is chosen, as for the learned codec's projection."""
+    rng = np.random.default_rng(1)
+    r = C.fit_key_rounding([C.query_moments(rng.standard_normal((16, 4, 64)), 2)] * 2)
+    spec = C.CodecSpec(bits=4, rounding=r)
+    shape = C.KVShape("kthd", 8, 2, 64, "bfloat16")
+    src = torch.zeros(1, shape.raw_bytes, dtype=torch.uint8)
+    enc = torch.zeros(1, C.encoded_bytes(spec, shape), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"layer"):
+        C.encode(spec, shape, src, enc, layer, backend=backend)
+    assert C.encode(spec, shape, src, enc, 1, backend=backend).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_key_rounding_lowers_the_logit_error_it_was_fitted_for(backend):
     """Keys coded with a rounding fitted on queries of strongly correlated channels: the error
     of q . k for new queries of that distribution falls well below rounding to nearest's (the

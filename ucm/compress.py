@@ -103,6 +103,8 @@ def _check(spec, shape, layer):
     spec.check(shape)
     if spec.method == "learned" and not 0 <= int(layer) < spec.projection.layers:
         raise ValueError(f"layer {layer}: the projection has {spec.projection.layers} layers")
+    if spec.rounds_keys and not int(layer) < spec.rounding.layers:
+        raise ValueError(f"layer {layer}: the key rounding has {spec.rounding.layers} layers")
     return spec
 
 
