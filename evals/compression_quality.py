@@ -113,40 +113,6 @@ def model_kv(model_path: str, docs, n_tokens: int):
     return [np.stack(x) for x in per_layer]
 
 
-def model_query_moments(model_path: str, docs, n_tokens: int):
-    """Per layer, ``[H, D, D]`` second moments of the model's queries after the rotary
-    embedding (:func:`ucm.compress.query_moments`, averaged over ``docs``), from the model in
-    PyTorch: ``apply_rotary_pos_emb`` of transformers' Llama is wrapped while it runs."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.models.llama import modeling_llama
-
-    from ucm.compress import query_moments
-
-    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    n_layers, hkv = m.config.num_hidden_layers, m.config.num_key_value_heads
-    sums, calls = [0.0] * n_layers, [0]
-    rope = modeling_llama.apply_rotary_pos_emb
-
-    def wrapped(q, k, *args, **kw):
-        qo, ko = rope(q, k, *args, **kw)
-        layer = calls[0] % n_layers                       # layers run in order, once each
-        calls[0] += 1
-        sums[layer] = sums[layer] + query_moments(qo[0].transpose(0, 1).numpy(), hkv)
-        return qo, ko
-    modeling_llama.apply_rotary_pos_emb = wrapped
-    try:
-        with torch.no_grad():
-            for d in docs:
-                m(torch.tensor([d[:n_tokens]]))
-    finally:
-        modeling_llama.apply_rotary_pos_emb = rope
-    if calls[0] != n_layers * len(docs):
-        raise SystemExit(f"model_query_moments: {calls[0]} rotary calls for {len(docs)} "
-                         f"documents of {n_layers} layers (not a Llama-style model?)")
-    return [x / len(docs) for x in sums]
-
-
 def fit(calib_kv, path: str):
     from ucm.compress import fit_projection
 
@@ -352,8 +318,8 @@ def main(argv=None) -> int:
     calib_kv = model_kv(model, calib, args.prefix)
     proj_path = os.path.join(tmp, "projection.npz")
     projection = fit(calib_kv, proj_path)
-    from ucm.compress import fit_key_rounding
-    rounding = fit_key_rounding(model_query_moments(model, calib, args.prefix))
+    from ucm.calibrate import fit_key_rounding_on
+    rounding = fit_key_rounding_on(model, calib, max_tokens=args.prefix)
     rounding_path = os.path.join(tmp, "key_rounding.npz")
     rounding.save(rounding_path)
     recon = reconstruction(eval_kv, projection, rounding)

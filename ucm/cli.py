@@ -273,18 +273,14 @@ def _cmd_replay(args) -> int:
     return 0
 
 
-def _cmd_tune(args) -> int:
-    from ucm.autotune import AutoTuner, TuneError
-
-    constraints = {k: v for k, v in (("max_memory_gb", args.max_memory_gb),
-                                     ("max_disk_gb", args.max_disk_gb),
-                                     ("max_latency_ms", args.max_latency_ms),
-                                     ("max_ppl_increase", args.max_ppl_increase)) if v is not None}
+def _read_requests(path: str) -> list:
+    """Token-id lists from JSON lines (a list of ids or ``{"prompt_token_ids": [...]}`` per
+    line; blank lines skipped); ValueError naming ``--requests`` and the line."""
     prompts = []
     try:
-        opener = open(args.requests, "rb")
+        opener = open(path, "rb")
     except OSError as exc:
-        raise ValueError(f"--requests {args.requests!r}: {exc.strerror}") from None
+        raise ValueError(f"--requests {path!r}: {exc.strerror}") from None
     with opener as f:
         for n, raw in enumerate(f, 1):
             try:
@@ -301,6 +297,40 @@ def _cmd_tune(args) -> int:
                 raise ValueError(f"--requests line {n}: {exc} (JSON lines: a list of token ids or "
                                  f"{{\"prompt_token_ids\": [...]}})") from None
             prompts.append(toks)
+    return prompts
+
+
+def _cmd_calibrate(args) -> int:
+    from ucm.calibrate import fit_key_rounding_on
+
+    prompts = _read_requests(args.requests)
+    if args.model:
+        model = args.model
+    else:
+        from ucm.models import ensure_smollm2
+
+        model = ensure_smollm2()
+    r = fit_key_rounding_on(model, prompts, damp=args.damp, max_tokens=args.max_tokens,
+                            progress=not args.quiet)
+    try:
+        r.save(args.out)
+    except OSError as exc:
+        raise ValueError(f"--out {args.out!r}: {exc.strerror or exc}") from None
+    print(f"key rounding {r.digest}: {r.layers} layers x {r.order.shape[1]} KV heads x "
+          f"{r.order.shape[2]} channels, {args.out}")
+    print(f"use it with: compression: {{enabled: true, key_rounding: {args.out}}} "
+          f"(keys per channel: INT8 from 128-token blocks, INT4, sparse)")
+    return 0
+
+
+def _cmd_tune(args) -> int:
+    from ucm.autotune import AutoTuner, TuneError
+
+    constraints = {k: v for k, v in (("max_memory_gb", args.max_memory_gb),
+                                     ("max_disk_gb", args.max_disk_gb),
+                                     ("max_latency_ms", args.max_latency_ms),
+                                     ("max_ppl_increase", args.max_ppl_increase)) if v is not None}
+    prompts = _read_requests(args.requests)
     if args.model:
         model = args.model
     else:
@@ -393,6 +423,21 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=_cmd_replay)
+    p = sub.add_parser("calibrate", help="fit a key rounding (compression.key_rounding) on the "
+                                         "queries a model makes on sample requests "
+                                         "(ucm.calibrate)")
+    p.add_argument("--requests", required=True,
+                   help="sample requests: JSON lines, each a list of token ids or "
+                        "{\"prompt_token_ids\": [...]}")
+    p.add_argument("--model", default=None, help="a Llama-architecture model directory "
+                                                 "(default: the demo's SmolLM2)")
+    p.add_argument("--out", required=True, help="the .npz file to write")
+    p.add_argument("--damp", type=float, default=0.1,
+                   help="damping, a fraction of the mean query energy (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=2048,
+                   help="tokens of each request used (default %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_cmd_calibrate)
     p = sub.add_parser("tune", help="measure and choose a configuration for a workload under "
                                     "memory, disk, latency and quality constraints "
                                     "(ucm.autotune)")

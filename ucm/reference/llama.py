@@ -252,10 +252,15 @@ class Llama:
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int], cache: Optional[PagedKVCache],
-                block_ids: Optional[Sequence[int]], logits_from: int = 0) -> torch.Tensor:
+                block_ids: Optional[Sequence[int]], logits_from: int = 0,
+                observe: Optional[Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]]
+                = None) -> torch.Tensor:
         """Dense causal forward of ``ids`` at positions ``0..N-1``; with a cache, the K/V of
         token ``i`` go to block ``block_ids[i // block_size]``, slot ``i % block_size``. Returns
-        the logits of positions ``logits_from..N-1`` (the LM head is skipped for the others)."""
+        the logits of positions ``logits_from..N-1`` (the LM head is skipped for the others).
+        ``observe(layer, q, k, v)``: called per layer with its queries ``[N, Hq, D]`` and keys
+        ``[N, Hkv, D]`` after the rotary embedding and values ``[N, Hkv, D]`` (calibration:
+        :mod:`ucm.calibrate`)."""
         dev = self.device
         ids = torch.as_tensor(ids, dtype=torch.long, device=dev)
         n = ids.shape[0]
@@ -268,6 +273,8 @@ class Llama:
         h = self.embed[ids]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, pos)
+            if observe is not None:
+                observe(li, q, k, v)
             if cache is not None:
                 cache.k[li][phys, pos % bs] = k
                 cache.v[li][phys, pos % bs] = v
