@@ -11,7 +11,7 @@ tables). The layers:
 4. services: ``ucm.store.*``, the sparse methods ``ucm.sparse.*``, Blend ``ucm.blend.*``, the
    package's root;
 5. applications: ``ucm.integration.*``, ``ucm.cli``, ``ucm.demo.*``, ``ucm.models``,
-   ``ucm.replay``, ``ucm.autotune``.
+   ``ucm.replay``, ``ucm.autotune``, ``ucm.calibrate``.
 """
 import ast
 import fnmatch
@@ -31,7 +31,8 @@ LAYERS = [
     ("services", ["ucm.store", "ucm.store.*", "ucm.sparse", "ucm.sparse.*", "ucm.blend",
                   "ucm.blend.*", "ucm"]),
     ("applications", ["ucm.integration", "ucm.integration.*", "ucm.cli", "ucm.__main__",
-                      "ucm.demo", "ucm.demo.*", "ucm.models", "ucm.replay", "ucm.autotune"]),
+                      "ucm.demo", "ucm.demo.*", "ucm.models", "ucm.replay", "ucm.autotune",
+                      "ucm.calibrate"]),
 ]
 
 
