@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ucm.codecs import KeyRounding, fit_key_rounding
+from ucm.codecs import KeyRounding, fit_key_rounding, query_moments
 
 
 def query_moments_on(model_path: str, sequences: Iterable[Sequence[int]], *,
@@ -29,8 +29,6 @@ def query_moments_on(model_path: str, sequences: Iterable[Sequence[int]], *,
                      progress: bool = False) -> list:
     """Per layer, ``[H, D, D]`` float64 second moments of the queries ``model_path`` makes on
     ``sequences`` (token ids; each cut to its first ``max_tokens``), weighted by token."""
-    import torch
-
     from ucm import progress as bars
     from ucm.reference.llama import Llama
 
@@ -53,20 +51,16 @@ def query_moments_on(model_path: str, sequences: Iterable[Sequence[int]], *,
         if bad:
             raise ValueError(f"calibration: sequence {i}: token {bad[0]!r} is not an id of this "
                              f"model's vocabulary (0..{model.vocab_size - 1})")
-    hkv, group = model.num_kv_heads, model.num_q_heads // model.num_kv_heads
-    sums = [torch.zeros(hkv, model.head_dim, model.head_dim, dtype=torch.float64, device=device)
-            for _ in range(model.num_layers)]
+    sums = [0.0] * model.num_layers
     count = 0
 
-    def observe(layer, q, k, v):
-        g = q.to(torch.float64).reshape(q.shape[0], hkv, group, -1).transpose(0, 1)
-        g = g.reshape(hkv, -1, q.shape[-1])                        # [H, N * group, D]
-        sums[layer] += torch.einsum("hnd,hne->hde", g, g) / group
+    def observe(layer, q, k, v):                                  # a mean over the N tokens
+        sums[layer] = sums[layer] + query_moments(q.cpu().numpy(), model.num_kv_heads) * len(q)
 
     for s in bars.track([s for s in seqs if s], "calibration", unit="seq", quiet=not progress):
         model.prefill(s, None, None, logits_from=len(s) - 1, observe=observe)
         count += len(s)
-    return [(x / count).cpu().numpy() for x in sums]
+    return [x / count for x in sums]
 
 
 def fit_key_rounding_on(model_path: str, sequences: Iterable[Sequence[int]], *,
