@@ -16,7 +16,8 @@ Per codec, one engine process (a fresh store each):
    encoded blocks);
 2. ``gen``: the same prefixes, ``--gen`` greedy tokens; the prefixes' blocks come from the store
    (decoded); continuations compared with the uncompressed run's (``none``): identical ones
-   counted, and the position of the first difference;
+   counted, and the position of the first difference with the uncompressed run's margin there
+   (its token's log-probability minus the best other's: how near a tie the difference fell);
 3. ``ppl``: the prefix followed by the document's next ``--ppl`` tokens with prompt
    log-probabilities; the prefix's blocks come from the store, so every scored position
    attends to decoded KV; perplexity = exp(mean negative log-likelihood) over all scored
@@ -194,7 +195,8 @@ def engine(model: str, prompts: dict, codec, tmp: str, name: str, projection: st
             "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
             "phases": ttft_phases if ttft_only else [
                 {"name": "save", "prompts": [idx[k] for k in ev], "max_tokens": 1},
-                {"name": "gen", "prompts": [idx[k] for k in ev], "max_tokens": gen},
+                {"name": "gen", "prompts": [idx[k] for k in ev], "max_tokens": gen,
+                 "logprobs": True},
                 {"name": "ppl", "prompts": [idx["q" + k[1:]] for k in ev], "max_tokens": 1,
                  "prompt_logprobs": True, "read_cache": True},
             ] + ttft_phases}
@@ -331,6 +333,8 @@ def main(argv=None) -> int:
         return next(p for p in run["phases"] if p["name"] == name)
 
     base_gen = {o["prompt"]: o["tokens"] for o in phase(runs["none"], "gen")["outputs"]}
+    # how near a tie each uncompressed continuation comes: its least margin over the tokens
+    margins = {o["prompt"]: o["margins"] for o in phase(runs["none"], "gen")["outputs"]}
     results = {}
     for n in names:
         r = runs[n]
@@ -348,7 +352,11 @@ def main(argv=None) -> int:
                 if args.ttft_prompts else None for ph in ("ttft-cold", "ttft-warm2")}
         results[n] = {"identical_continuations": sum(same), "continuations": len(same),
                       "identical_fraction": sum(same) / len(same),
-                      "first_difference": first_diff, "scored_positions": count,
+                      "first_difference": first_diff,
+                      # the uncompressed run's margin where each continuation first differs
+                      "margin_at_difference": [None if k is None else margins[i][k]
+                                               for i, k in zip(base_gen, first_diff)],
+                      "scored_positions": count,
                       "ppl": math.exp(nll / count) if count else None,
                       "load_blocks": ppl_stats.get("ucm_load_blocks_total"),
                       "load_failed": ppl_stats.get("ucm_load_failed_blocks_total"),
@@ -367,7 +375,20 @@ def main(argv=None) -> int:
            "model": "SmolLM2-135M", "dtype": "float32", "docs": len(ev), "prefix": args.prefix,
            "gen": args.gen, "ppl_tokens": args.ppl, "ttft_prompts": args.ttft_prompts,
            "projection": projection.digest, "key_rounding": rounding.digest,
-           "results": results, "reconstruction": recon}
+           "results": results, "reconstruction": recon,
+           "least_margin": [min(v for v in m if v is not None) for m in margins.values()]}
+    least = sorted(out["least_margin"])
+    print("uncompressed continuations' least margin (log-probability of the generated token "
+          "minus the best other's): " + ", ".join(
+              f"< {c}: {sum(v < c for v in least)}" for c in (0.01, 0.03, 0.1, 0.3)) +
+          f" of {len(least)}", flush=True)
+    for n in names:
+        at = [(i, k, m) for i, (k, m) in enumerate(zip(results[n]["first_difference"],
+                                                       results[n]["margin_at_difference"]))
+              if k is not None]
+        if at:
+            print(f"{n:11s} differs at (document, token, uncompressed margin): " +
+                  ", ".join(f"({i}, {k}, {m:.3f})" for i, k, m in at), flush=True)
     if args.json:
         argtypes.write_json(args.json, out, indent=1)
     return 0

@@ -18,7 +18,8 @@ prompt of the phase]}), ``env`` (extra environment for the engine). Each phase i
 ``generate`` call with all its prompts in flight together; with ``ttft`` each prompt is instead
 timed alone with one output token (time to first token), the engine stepped between prompts
 until the previous one's saves are done, as a server's loop would between requests. With
-``logprobs`` the log-probability of each generated token is reported. With ``prompt_logprobs`` the log-probability of each prompt
+``logprobs`` the log-probability of each generated token is reported, and its ``margins``: how
+far (in log-probability) it led the most likely other token, a near-tie's measure. With ``prompt_logprobs`` the log-probability of each prompt
 token given its prefix is reported (``None`` for the first token). vLLM then skips prefix-cache
 and connector hits, unless ``read_cache`` is set: it then computes log-probabilities only for the
 prompt tokens it computed itself (the positions after the loaded prefix); ``prompt_logprobs_from``
@@ -123,7 +124,7 @@ def run(spec: dict) -> dict:
         else:
             plp = phase.get("prompt_logprobs")
             sp = [SamplingParams(max_tokens=phase.get("max_tokens", 24), temperature=0.0,
-                                 logprobs=1 if phase.get("logprobs") else None,
+                                 logprobs=2 if phase.get("logprobs") else None,
                                  prompt_logprobs=1 if plp else None,
                                  skip_reading_prefix_cache=False if phase.get("read_cache") else None,
                                  detokenize=not plp,  # (vLLM 0.32 fails detokenizing prompt logprobs)
@@ -141,6 +142,8 @@ def run(spec: dict) -> dict:
                 if phase.get("logprobs") and o.outputs[0].logprobs:
                     item["logprobs"] = [lp[tok].logprob for tok, lp in
                                         zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                    item["margins"] = [_margin(tok, lp) for tok, lp in
+                                       zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 if plp:
                     item.update(_prompt_logprobs(prompts[i], o.prompt_logprobs, o.num_cached_tokens or 0))
                 res["outputs"].append(item)
@@ -153,6 +156,13 @@ def run(spec: dict) -> dict:
                           if hasattr(m, "value")}
     del llm
     return out
+
+
+def _margin(token: int, logprobs: dict):
+    """The generated token's log-probability minus the best other token's (of the two most
+    likely, which vLLM returns beside the generated one); None when vLLM gave no other."""
+    others = [v.logprob for k, v in logprobs.items() if k != token]
+    return logprobs[token].logprob - max(others) if others else None
 
 
 def _drain_in_process(llm, limit_s: float = 60.0) -> None:
