@@ -2,6 +2,7 @@
 engine): each test pins a bug found by feeding the features what a careless or hostile caller
 would."""
 import math
+import os
 import re
 
 import numpy as np
@@ -388,3 +389,193 @@ def test_key_rounding_lowers_the_logit_error_it_was_fitted_for(backend):
     assert err["rounded"] < 0.5 * err["nearest"], err
     assert kerr["rounded"] > kerr["nearest"], kerr
     assert torch.equal(out["rounded"][:, 1], out["nearest"][:, 1])      # values untouched
+
+
+def _moments(seed=3, h=2, d=8):
+    return C.query_moments(np.random.default_rng(seed).standard_normal((32, 2 * h, d)), h)
+
+
+@pytest.mark.parametrize("damp", ["0.1", None, [0.1], True, 1j])
+def test_fit_key_rounding_refuses_damp_that_is_not_a_real_number(damp):
+    """damp "0.1", None, [0.1] or 1j raised TypeError from inside the fit ("can't multiply
+    sequence by non-int"); True was taken as 1.0."""
+    with pytest.raises(ValueError, match=r"fit_key_rounding: damp in \(0, 10\] \(a real number\)"):
+        C.fit_key_rounding([_moments()], damp=damp)
+
+
+@pytest.mark.parametrize("moments,match", [
+    (None, "moments: a sequence over layers"), (np.array(1.0), "moments: a sequence over layers"),
+    ([], "moments: a sequence over layers"),
+    ([np.zeros((2, 0, 0))], r"layer 0: expected finite \[H, D, D\] with H, D >= 1"),
+    ([np.zeros((0, 8, 8))], r"layer 0: expected finite \[H, D, D\] with H, D >= 1"),
+    ([_moments(), _moments()[:1]], r"layer 1: \[1, 8, 8\], layer 0 has \[2, 8, 8\]"),
+])
+def test_fit_key_rounding_refuses_malformed_moment_lists(moments, match):
+    """None or a 0-d array: TypeError; []: numpy's 'need at least one array to stack'; D = 0:
+    ZeroDivisionError; H = 0: a rounding for no heads, silently; layers of unlike shapes:
+    numpy's 'all input arrays must have the same shape'."""
+    with pytest.raises(ValueError, match=f"fit_key_rounding: {match}"):
+        C.fit_key_rounding(moments)
+
+
+def test_fit_key_rounding_does_not_depend_on_the_moments_scale():
+    """The feedback is scale-free (the damping is relative), but moments of subnormal or
+    near-overflow size were refused as 'feedback must be finite and within ...'."""
+    m = _moments()
+    want = C.fit_key_rounding([m])
+    assert C.fit_key_rounding([m * 2.0 ** 1000]).digest == want.digest
+    assert C.fit_key_rounding([m * 2.0 ** -1000]).digest == want.digest
+    for scaled in (m * 1e-310, m / np.abs(m).max() * 1.7e308):
+        r = C.fit_key_rounding([scaled])
+        assert (r.order == want.order).all()
+        assert np.allclose(r.feedback, want.feedback, rtol=1e-4, atol=1e-5)
+
+
+def test_fit_key_rounding_names_moments_that_are_not_positive_semidefinite():
+    """Second moments are positive semi-definite; an indefinite matrix raised numpy's 'Matrix
+    is not positive definite' (no layer, no head) or was called 'zero moments', a singular one
+    with a damp too small to matter numpy's 'Singular matrix'."""
+    bad = _moments()
+    bad[1, 0, 0] = -0.5 * np.trace(bad[1])
+    with pytest.raises(ValueError, match="layer 0, head 1: not positive semi-definite"):
+        C.fit_key_rounding([bad])
+    with pytest.raises(ValueError, match="layer 0, head 0: not positive semi-definite"):
+        C.fit_key_rounding([-_moments()])
+    with pytest.raises(ValueError, match="layer 0, head 0: singular with damp 1e-300"):
+        C.fit_key_rounding([np.ones((1, 8, 8))], damp=1e-300)      # (was numpy's LinAlgError)
+    # float32 moments of fewer queries than channels: rounding leaves eigenvalues of about
+    # -1e-7 of the largest, which are no reason to refuse them
+    q = torch.randn(8, 3, 128, generator=torch.Generator().manual_seed(0)).reshape(-1, 128)
+    C.fit_key_rounding([(q.T @ q / len(q)).numpy()[None]])
+
+
+@pytest.mark.parametrize("kv_heads", ["2", 2.0, None, True])
+def test_query_moments_refuses_kv_heads_that_is_not_an_int(kv_heads):
+    """A str, float or None raised TypeError from a comparison or numpy's reshape."""
+    with pytest.raises(ValueError, match=r"query_moments: kv_heads: an int >= 1"):
+        C.query_moments(np.ones((4, 4, 8)), kv_heads)
+
+
+@pytest.mark.parametrize("shape", [(4, 0, 8), (4, 4, 0)])
+def test_query_moments_refuses_queries_without_heads_or_channels(shape):
+    """No query heads gave NaN moments (0 / 0) without a word; no channels, numpy's 'cannot
+    reshape array of size 0'."""
+    with pytest.raises(ValueError, match=r"query_moments: expected \[n >= 1, Hq, D\]"):
+        C.query_moments(np.ones(shape), 2)
+
+
+def test_query_moments_takes_bfloat16_tensors():
+    """Queries as a model computes them (a bfloat16 tensor): 'Got unsupported ScalarType
+    BFloat16' from numpy's conversion."""
+    q = torch.randn(8, 4, 16).bfloat16()
+    assert np.array_equal(C.query_moments(q, 2), C.query_moments(q.float().numpy(), 2))
+
+
+@pytest.mark.parametrize("order,feedback,match", [
+    (np.zeros((0, 2, 8), int), np.zeros((0, 2, 8, 8)), r"L, H, D >= 1"),
+    (np.zeros((1, 0, 8), int), np.zeros((1, 0, 8, 8)), r"L, H, D >= 1"),
+    (np.zeros((1, 2, 0), int), np.zeros((1, 2, 0, 0)), r"L, H, D >= 1"),
+    (None, None, r"order: integer"),
+    (np.tile(np.arange(8), (1, 2, 1)), np.zeros((1, 2, 8, 8), complex), r"feedback: real"),
+])
+def test_key_rounding_build_refuses_empty_or_non_numeric_arrays(order, feedback, match):
+    """Empty roundings (no layers, heads or channels) were built and saved, then failed only
+    where a store checked its shape; None: TypeError; complex feedback lost its imaginary part
+    with a warning."""
+    with pytest.raises(ValueError, match=f"key rounding: .*{match}"):
+        C.KeyRounding.build(order, feedback)
+
+
+def test_fitted_objects_copy_the_callers_arrays():
+    """KeyRounding.build and Projection.build kept the caller's arrays: writing to them
+    afterwards changed the rounding or projection under a digest that no longer described it."""
+    r = C.fit_key_rounding([_moments()])
+    order, feedback = r.order.copy(), r.feedback.copy()
+    built = C.KeyRounding.build(order, feedback)
+    feedback[:] = 0
+    order[:] = order[..., ::-1].copy()
+    assert np.array_equal(built.feedback, r.feedback) and np.array_equal(built.order, r.order)
+    assert C.KeyRounding.build(built.order, built.feedback).digest == built.digest == r.digest
+    means = np.zeros((1, 2, 2, 8), np.float32)
+    bases = np.tile(np.eye(8, 4, dtype=np.float32), (1, 2, 2, 1, 1))
+    p = C.Projection.build(means, bases)
+    means += 1
+    bases[:] = 0
+    assert not p.means.any() and p.bases.any()
+    assert C.Projection.build(p.means, p.bases).digest == p.digest
+
+
+def _npz_member(shape, dtype, payload):
+    import io
+    from numpy.lib import format as npformat
+
+    b = io.BytesIO()
+    npformat.write_array_header_1_0(b, {"descr": np.dtype(dtype).str, "fortran_order": False,
+                                        "shape": shape})
+    return b.getvalue() + payload
+
+
+@pytest.mark.parametrize("cls,key", [(C.KeyRounding, "compression.key_rounding"),
+                                     (C.Projection, "compression.projection")])
+def test_fitted_file_that_is_npy_or_claims_huge_arrays(tmp_path, cls, key):
+    """A .npy file (np.load returns an array): TypeError 'does not support the context manager
+    protocol'; an archive whose array header claims 8 TiB: MemoryError."""
+    import zipfile
+
+    npy = tmp_path / "a.npz"
+    with open(npy, "wb") as f:
+        np.save(f, np.zeros(3))
+    with pytest.raises(ValueError, match=f"config key '{key}': cannot read .*not an .npz"):
+        cls.load(str(npy))
+    bomb = tmp_path / "b.npz"
+    with zipfile.ZipFile(bomb, "w") as z:
+        for name in ("order", "feedback", "means", "bases"):
+            z.writestr(f"{name}.npy", _npz_member((2 ** 40,), "<f4", bytes(64)))
+        z.writestr("digest.npy", _npz_member((), "<U1", b"a\0\0\0"))
+    with pytest.raises(ValueError, match=f"config key '{key}': cannot read"):
+        cls.load(str(bomb))
+
+
+def test_fitted_file_save_leaves_nothing_behind_on_failure(tmp_path):
+    """Saving over a directory raised IsADirectoryError and left '<path>.tmp<pid>' beside it."""
+    r = C.fit_key_rounding([_moments()])
+    (tmp_path / "d").mkdir()
+    with pytest.raises(OSError):
+        r.save(str(tmp_path / "d"))
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+def test_fitted_file_saved_by_two_threads_at_once(tmp_path):
+    """Threads of one process shared the temporary name '<path>.tmp<pid>': one thread's
+    rename took the other's file mid-write, whose own rename then failed (FileNotFoundError)."""
+    import threading
+
+    rs = [C.fit_key_rounding([_moments()], damp=x) for x in (0.1, 0.2)]
+    path, errors = str(tmp_path / "kr.npz"), []
+
+    def save(r):
+        for _ in range(150):
+            try:
+                r.save(path)
+            except OSError as exc:
+                errors.append(exc)
+    threads = [threading.Thread(target=save, args=(r,)) for r in rs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert C.KeyRounding.load(path).digest in {r.digest for r in rs}
+    assert os.listdir(tmp_path) == ["kr.npz"]
+
+
+@pytest.mark.parametrize("which", ["src", "dst"])
+def test_encode_names_reversed_numpy_rows(which):
+    """numpy rows with a negative stride (a reversed view) raised torch's 'At least one
+    stride in the given numpy array is negative', naming neither src nor dst."""
+    spec, shape = C.CodecSpec(bits=4), C.KVShape("kthd", 8, 2, 64, "float32")
+    src = np.zeros((3, shape.raw_bytes), np.uint8)
+    dst = np.zeros((3, C.encoded_bytes(spec, shape)), np.uint8)
+    args = (src[::-1], dst) if which == "src" else (src, dst[::-1])
+    with pytest.raises(ValueError, match=f"{which}: .*negative stride"):
+        C.encode(spec, shape, *args)

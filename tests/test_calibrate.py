@@ -2,6 +2,7 @@
 (SmolLM2 through ucm's reference Llama), the same moments as transformers' own forward gives,
 usable by a store of that model's shape; bad inputs are clear errors."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -66,6 +67,7 @@ def test_cli_writes_a_rounding_for_the_model(smollm2, tmp_path, capsys):
     (["[]"], "no tokens"),
     (["[1, 2, 99999999]"], "sequence 0: token 99999999 is not an id"),
     (["[1, 2", "[3]"], "--requests line 1"),
+    (["[" * 100000], "--requests line 1"),        # (was a RecursionError traceback)
 ])
 def test_cli_bad_requests_are_clear_errors(smollm2, tmp_path, capsys, lines, match):
     req = tmp_path / "req.jsonl"
@@ -97,3 +99,90 @@ def test_cli_model_that_is_not_a_llama_folder(tmp_path, capsys):
     assert main(["calibrate", "--requests", str(req), "--out", str(tmp_path / "o.npz"),
                  "--model", str(tmp_path)]) == 2
     assert "not a Llama-architecture checkpoint" in capsys.readouterr().err
+
+
+def test_cli_checks_out_and_damp_before_running_the_model(tmp_path, capsys):
+    """--out a directory (or below a file) and --damp nan were found only after the model had
+    run over every request, and a directory --out left '<out>.tmp<pid>' beside it: they are
+    checked first (the model folder here does not even exist)."""
+    req = tmp_path / "req.jsonl"
+    req.write_text("[1, 2, 3]\n")
+    (tmp_path / "d").mkdir()
+    for extra, match in [(["--out", str(tmp_path / "d")], "--out"),
+                         (["--out", str(req / "o.npz")], "--out"),
+                         (["--out", str(tmp_path / "o.npz"), "--damp", "nan"], "damp in (0, 10]"),
+                         (["--out", str(tmp_path / "o.npz"), "--max-tokens", "0"], "max_tokens")]:
+        assert main(["calibrate", "--requests", str(req), "--model", str(tmp_path / "none"),
+                     "--quiet"] + extra) == 2
+        err = capsys.readouterr().err
+        assert match in err and "model" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["d", "req.jsonl"]
+
+
+def _tiny(folder, weights=None, **changes):
+    """A tiny Llama folder (tests/tiny_llama.py: 2 layers, vocabulary 97) with its config.json
+    changed by ``changes`` and, given ``weights``, those bytes as its model.safetensors."""
+    from tiny_llama import write_llama
+
+    path = write_llama(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    if weights is not None:
+        (folder / "model.safetensors").write_bytes(weights(folder / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "model_type 'qwen2'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
+    ({"rope_parameters": {"type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn'"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_model_the_reference_would_run_differently_is_refused(tmp_path, changes, match):
+    """ucm's reference Llama applies the default rotary embedding, no biases, SiLU: a Qwen2
+    folder, Llama 3.1's 'llama3' rope scaling, attention biases or another activation were
+    run without a word, and the rounding fitted on queries the model never makes."""
+    model = _tiny(tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=f"model '{model}': .*{match}"):
+        query_moments_on(model, [[1, 2, 3]])
+
+
+@pytest.mark.parametrize("case", ["config not json", "config a list", "layers a string",
+                                  "weights garbage", "weights truncated", "kv heads unlike weights",
+                                  "vocab larger than the embedding"])
+def test_broken_model_folders_are_clear_errors(tmp_path, case):
+    """Each raised from inside json, torch or the reference (JSONDecodeError without the
+    folder's name, TypeError, MemoryError, torch's buffer-length ValueError, RuntimeError
+    'split_with_sizes', IndexError on a token the config's vocab_size allowed)."""
+    m = tmp_path / "m"
+    model = {"config not json": lambda: _tiny(m),
+             "config a list": lambda: _tiny(m),
+             "layers a string": lambda: _tiny(m, num_hidden_layers="2"),
+             "weights garbage": lambda: _tiny(m, weights=lambda p: bytes(range(256)) * 4),
+             "weights truncated": lambda: _tiny(m, weights=lambda p: p.read_bytes()[:20000]),
+             "kv heads unlike weights": lambda: _tiny(m, num_key_value_heads=1),
+             "vocab larger than the embedding": lambda: _tiny(m, vocab_size=1000)}[case]()
+    if case == "config not json":
+        (m / "config.json").write_text("{not json")
+    if case == "config a list":
+        (m / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match=f"model '{model}': "):
+        query_moments_on(model, [[1, 2, 500]])
+
+
+def test_api_bad_arguments_are_clear_errors(tmp_path):
+    """sequences None or a flat list of ids: TypeError ('int' object is not iterable); device
+    'bogus': torch's RuntimeError; damp '0.1': TypeError after the whole model run; max_tokens
+    a numpy int was refused as 'must be an int'."""
+    model = _tiny(tmp_path / "m")
+    with pytest.raises(ValueError, match="sequences: token-id sequences"):
+        query_moments_on(model, None)
+    with pytest.raises(ValueError, match="sequence 0: token-id sequences"):
+        query_moments_on(model, [1, 2, 3])
+    with pytest.raises(ValueError, match="device 'bogus'"):
+        query_moments_on(model, [[1, 2, 3]], device="bogus")
+    with pytest.raises(ValueError, match=r"damp in \(0, 10\]"):
+        fit_key_rounding_on(str(tmp_path / "none"), [[1, 2, 3]], damp="0.1")
+    assert len(query_moments_on(model, [[1, 2, 3, 4, 5]], max_tokens=np.int64(2))) == 2

@@ -293,7 +293,7 @@ def _read_requests(path: str) -> list:
                         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
                         for t in toks):
                     raise ValueError("expected a list of token ids (ints in [0, 2**32))")
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:   # (deep nesting)
                 raise ValueError(f"--requests line {n}: {exc} (JSON lines: a list of token ids or "
                                  f"{{\"prompt_token_ids\": [...]}})") from None
             prompts.append(toks)
@@ -301,9 +301,16 @@ def _read_requests(path: str) -> list:
 
 
 def _cmd_calibrate(args) -> int:
-    from ucm.calibrate import fit_key_rounding_on
+    from ucm.calibrate import check_max_tokens, fit_key_rounding_on
+    from ucm.codecs import check_damp
 
     prompts = _read_requests(args.requests)
+    check_damp(args.damp)                   # the options and --out now, not after the model runs
+    check_max_tokens(args.max_tokens)
+    parent = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.path.isdir(parent):
+        raise ValueError(f"--out {args.out!r}: expected a file name in an existing directory "
+                         f"({'a directory' if os.path.isdir(args.out) else parent + ' is none'})")
     if args.model:
         model = args.model
     else:

@@ -4,11 +4,14 @@ learned projections (:class:`Projection`, :func:`fit_projection`). Every impleme
 codec ops reads its layout from here; the rules themselves are in :mod:`ucm.compress`."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
+import numbers
 import os
+import threading
 import zipfile
 from typing import Optional
 
@@ -302,25 +305,57 @@ def encoded_bytes(spec: CodecSpec, shape: KVShape) -> int:
 # fitted files (learned projections, key roundings): arrays and their digest in one .npz
 
 def _save_npz(path: str, digest: str, **arrays) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        np.savez(f, digest=np.array(digest), **arrays)
-    os.replace(tmp, path)
+    """Write the arrays and their digest to ``path`` whole or not at all: into a temporary file
+    beside it (named by process and thread: concurrent saves never share one), flushed to disk,
+    then renamed over ``path``. A failed step removes the temporary file."""
+    tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, digest=np.array(digest), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _load_npz(path: str, key: str, build, *names):
     """``build(*arrays)`` of the arrays ``names`` in ``path``; ValueError naming the config
-    ``key`` when the file cannot be read or its arrays do not match its recorded digest."""
+    ``key`` when the file cannot be read (never unpickled) or its arrays do not match its
+    recorded digest."""
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):     # a .npy file: one array, read whole
+            raise ValueError("not an .npz archive (one .npy array)")
+        with z:
             obj = build(*(z[n] for n in names))
             stored = str(z["digest"])
-    except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError, MemoryError) as exc:
+        # (MemoryError: an array header claiming more than memory, numpy allocates it first)
         raise ValueError(f"config key {key!r}: cannot read {path!r}: {exc}")
     if stored != obj.digest:
         raise ValueError(f"config key {key!r}: {path!r} is damaged (digest {obj.digest}, "
                          f"recorded {stored})")
     return obj
+
+
+def _array(x, what: str, kinds: str, dtype) -> np.ndarray:
+    """A C-ordered copy of ``x`` as ``dtype`` (a fitted object owns its arrays: its digest must
+    keep describing them); ValueError unless ``x``'s elements are of the numpy ``kinds``."""
+    a = np.asarray(x)
+    if a.dtype.kind not in kinds:
+        raise ValueError(f"{what}: {'integer' if kinds == 'iu' else 'real'} values expected, "
+                         f"got dtype {a.dtype}")
+    return np.array(a, dtype=dtype, order="C")
+
+
+def _float64(x) -> np.ndarray:
+    """``x`` as a float64 array; a torch tensor (bfloat16 has no numpy type) via the CPU."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().double()
+    return np.asarray(x, dtype=np.float64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,8 +372,8 @@ class Projection:
 
     @classmethod
     def build(cls, means, bases) -> "Projection":
-        means = np.ascontiguousarray(means, dtype=np.float32)
-        bases = np.ascontiguousarray(bases, dtype=np.float32)
+        means = _array(means, "projection: means", "iuf", np.float32)
+        bases = _array(bases, "projection: bases", "iuf", np.float32)
         if means.ndim != 4 or bases.ndim != 5 or means.shape != bases.shape[:4]:
             raise ValueError(f"projection: means [L, 2, H, D] and bases [L, 2, H, D, R], got "
                              f"{list(means.shape)} and {list(bases.shape)}")
@@ -428,11 +463,11 @@ class KeyRounding:
 
     @classmethod
     def build(cls, order, feedback) -> "KeyRounding":
-        order = np.ascontiguousarray(order, dtype=np.int64)
-        feedback = np.ascontiguousarray(feedback, dtype=np.float32)
-        if order.ndim != 3 or feedback.shape != order.shape + order.shape[-1:]:
-            raise ValueError(f"key rounding: order [L, H, D] and feedback [L, H, D, D], got "
-                             f"{list(order.shape)} and {list(feedback.shape)}")
+        order = _array(order, "key rounding: order", "iu", np.int64)
+        feedback = _array(feedback, "key rounding: feedback", "iuf", np.float32)
+        if order.ndim != 3 or feedback.shape != order.shape + order.shape[-1:] or not order.size:
+            raise ValueError(f"key rounding: order [L, H, D] and feedback [L, H, D, D] with "
+                             f"L, H, D >= 1, got {list(order.shape)} and {list(feedback.shape)}")
         d = order.shape[-1]
         if not (np.sort(order, axis=-1) == np.arange(d)).all():
             raise ValueError("key rounding: each order must be a permutation of the channels")
@@ -468,12 +503,20 @@ class KeyRounding:
 
 def query_moments(queries, kv_heads: int) -> np.ndarray:
     """``[H, D, D]`` second moments of one layer's queries ``[n, Hq, D]`` (after the rotary
-    embedding, as they meet the cached keys), the ``Hq / H`` query heads of each KV head pooled
-    (a mean over positions and heads; average several batches' results with equal weights)."""
-    q = np.asarray(queries, dtype=np.float64)
-    if q.ndim != 3 or q.shape[0] < 1 or kv_heads < 1 or q.shape[1] % kv_heads:
+    embedding, as they meet the cached keys; an array or a tensor of any float type), the
+    ``Hq / H`` query heads of each KV head pooled (a mean over positions and heads; average
+    several batches' results with equal weights)."""
+    if isinstance(kv_heads, (bool, np.bool_)) or not isinstance(kv_heads, (int, np.integer)) \
+            or kv_heads < 1:
+        raise ValueError(f"query_moments: kv_heads: an int >= 1, got {kv_heads!r}")
+    try:
+        q = _float64(queries)
+    except (TypeError, ValueError):
+        raise ValueError(f"query_moments: expected real queries [n, Hq, D], got "
+                         f"{type(queries).__name__}") from None
+    if q.ndim != 3 or 0 in q.shape or q.shape[1] % kv_heads:
         raise ValueError(f"query_moments: expected [n >= 1, Hq, D] with Hq a multiple of "
-                         f"kv_heads={kv_heads}, got {list(q.shape)}")
+                         f"kv_heads={kv_heads} and D >= 1, got {list(q.shape)}")
     n, hq, d = q.shape
     g = q.reshape(n, kv_heads, hq // kv_heads, d).transpose(1, 0, 2, 3).reshape(kv_heads, -1, d)
     return np.einsum("hnd,hne->hde", g, g) / g.shape[1]
@@ -484,29 +527,69 @@ def fit_key_rounding(moments, damp: float = 0.1) -> KeyRounding:
     Per head: ``M + damp * mean(diag M) * I``, the channels ordered by decreasing diagonal, and
     in that order the upper Cholesky factor ``U`` of its inverse, ``F[j, i] = U[j, i] / U[j, j]``
     (GPTQ's error feedback for the logit error ``e^T M e``)."""
-    if not 0.0 < float(damp) <= 10.0:
-        raise ValueError(f"fit_key_rounding: damp in (0, 10], got {damp!r}")
+    damp = check_damp(damp)
+    try:
+        layers = [] if isinstance(moments, (str, bytes)) else list(moments)
+    except TypeError:
+        layers = []
+    if not layers:
+        raise ValueError(f"fit_key_rounding: moments: a sequence over layers of [H, D, D] "
+                         f"arrays (query_moments), got {type(moments).__name__} {moments!r:.40}")
     orders, feedbacks = [], []
-    for layer, m in enumerate(moments):
-        m = np.asarray(m, dtype=np.float64)
-        if m.ndim != 3 or m.shape[1] != m.shape[2] or not np.isfinite(m).all():
-            raise ValueError(f"fit_key_rounding: layer {layer}: expected finite [H, D, D], got "
-                             f"{list(m.shape)}")
+    for layer, m in enumerate(layers):
+        try:
+            m = _float64(m)
+        except (TypeError, ValueError):
+            m = np.zeros(0)
+        if m.ndim != 3 or m.shape[1] != m.shape[2] or 0 in m.shape or not np.isfinite(m).all():
+            raise ValueError(f"fit_key_rounding: layer {layer}: expected finite [H, D, D] with "
+                             f"H, D >= 1, got {list(m.shape)}"
+                             f"{'' if np.isfinite(m).all() else ' with NaN or infinite values'}")
+        if layer and m.shape != first:
+            raise ValueError(f"fit_key_rounding: layer {layer}: {list(m.shape)}, layer 0 has "
+                             f"{list(first)}")
+        first = m.shape
         h_n, d = m.shape[0], m.shape[1]
         order = np.empty((h_n, d), dtype=np.int64)
         fb = np.zeros((h_n, d, d), dtype=np.float64)
         for h in range(h_n):
-            a = (m[h] + m[h].T) / 2
-            scale = float(np.trace(a)) / d
-            if not scale > 0:
+            # the feedback does not depend on the moments' scale: a power of four brings them
+            # near 1, exactly (also through the Cholesky factor's square roots), so that
+            # subnormal or near-overflow moments give the same rounding as any other scale
+            e = int(np.frexp(np.abs(m[h]).max())[1])
+            a = np.ldexp(m[h], -(e - e % 2))
+            a = (a + a.T) / 2
+            if not a.any():
                 raise ValueError(f"fit_key_rounding: layer {layer}, head {h}: zero moments")
-            a = a + damp * scale * np.eye(d)
+            # second moments are positive semi-definite; moments rounded to float32 (rank-
+            # deficient ones: fewer queries than channels) show eigenvalues down to -1e-7 of
+            # the largest, which the damping covers
+            w = np.linalg.eigvalsh(a)                                   # ascending
+            if w[-1] <= 0 or w[0] < -1e-4 * w[-1]:
+                raise ValueError(f"fit_key_rounding: layer {layer}, head {h}: not positive "
+                                 f"semi-definite (smallest eigenvalue {w[0]:.3g}, largest "
+                                 f"{w[-1]:.3g}), as second moments of queries are")
+            a = a + damp * (float(np.trace(a)) / d) * np.eye(d)
             p = np.argsort(-np.diag(a), kind="stable")
-            inv = np.linalg.inv(a[np.ix_(p, p)])
-            u = np.linalg.cholesky((inv + inv.T) / 2).T                 # upper: inv = U^T U
+            try:
+                inv = np.linalg.inv(a[np.ix_(p, p)])
+                u = np.linalg.cholesky((inv + inv.T) / 2).T             # upper: inv = U^T U
+            except np.linalg.LinAlgError:
+                raise ValueError(f"fit_key_rounding: layer {layer}, head {h}: singular with "
+                                 f"damp {damp:g} (a larger damp makes it positive definite)") \
+                    from None
             f = np.triu(u / np.diag(u)[:, None], k=1)
             order[h] = p
             fb[h][np.ix_(p, p)] = f
         orders.append(order)
         feedbacks.append(fb)
     return KeyRounding.build(np.stack(orders), np.stack(feedbacks))
+
+
+def check_damp(damp) -> float:
+    """``damp`` of :func:`fit_key_rounding` as a float; ValueError unless a real number (not a
+    bool) in (0, 10]."""
+    if isinstance(damp, (bool, np.bool_)) or not isinstance(damp, numbers.Real) \
+            or not 0.0 < float(damp) <= 10.0:
+        raise ValueError(f"fit_key_rounding: damp in (0, 10] (a real number), got {damp!r}")
+    return float(damp)

@@ -79,6 +79,9 @@ def _rows(buf, nbytes: int, name: str, n: Optional[int] = None):
         arr = np.asarray(buf)
         if arr.dtype != np.uint8:
             raise ValueError(f"{name}: expected uint8 rows, got {arr.dtype}")
+        if min(arr.strides, default=0) < 0:       # torch cannot wrap it (and dst must be written)
+            raise ValueError(f"{name}: an array with a negative stride (a reversed view): pass "
+                             f"np.ascontiguousarray of it")
         buf = torch.from_numpy(arr) if arr.flags.writeable else torch.from_numpy(arr.copy())
     if buf.dtype != torch.uint8 or buf.dim() != 2:
         raise ValueError(f"{name}: expected a uint8 [n, {nbytes}] tensor, got {buf.dtype} "
