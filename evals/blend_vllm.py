@@ -56,6 +56,10 @@ def main(argv=None) -> int:
     ap.add_argument("--context", default=None, metavar="START:LEN",
                     help="ucm's blend.context: LEN corpus tokens from START (a passage of the "
                          "documents' kind that no prompt holds)")
+    ap.add_argument("--corpus", type=argtypes.names, default=None, metavar="FILE[,FILE...]",
+                    help="text files the chunks, questions and context are drawn from, in this "
+                         "order (default: the Python documentation's topics): another domain's "
+                         "text for a held-out check")
     ap.add_argument("--seed", type=int, default=0, help="the samples' random seed (default %(default)s)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -74,7 +78,7 @@ def main(argv=None) -> int:
 
     path = ensure_smollm2()
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    ids = corpus_ids(path)
+    ids = corpus_ids(path) if args.corpus is None else _file_ids(tok, args.corpus)
     ratios = list(dict.fromkeys(args.ratios))
     root = tempfile.mkdtemp(prefix="ucm-blend-eval-")
     atexit.register(shutil.rmtree, root, True)   # (a 100-prompt run stores tens of GB)
@@ -195,8 +199,25 @@ def main(argv=None) -> int:
             "model": "SmolLM2-135M", "dtype": "float32", "engine": "vLLM-CPU",
             "samples": args.samples, "retrieval_samples": args.retrieval, "seed": args.seed,
             "ratios": ratios, "sink": args.sink, "context": args.context,
+            "corpus": args.corpus or "pydoc_data.topics",
             "full_ttft_ms": 1e3 * full_ttft, "rows": out}, indent=1)
     return 0
+
+
+def _file_ids(tok, files: list) -> list:
+    """SmolLM2 token ids of the text files, joined by blank lines."""
+    texts = []
+    for f in files:
+        try:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                texts.append(fh.read())
+        except OSError as exc:
+            raise SystemExit(f"--corpus: cannot read {f}: {exc}")
+    ids = tok.encode("\n\n".join(texts), add_special_tokens=False).ids
+    if len(ids) < 20000:
+        raise SystemExit(f"--corpus: {len(ids)} tokens; the samples draw from token 5000 on and "
+                         f"need at least 20000")
+    return ids
 
 
 def _spans(prefix, chunks, order) -> list:

@@ -8,7 +8,8 @@ served from compressed blocks, float32 compute, every codec in one run.
 
 Documents: ``--docs`` stretches of the Python documentation's topics (``pydoc_data.topics``) for
 the evaluation and as many others for calibration (the learned codec's projection and the key
-rounding of the ``-r`` codecs are fitted on those, never on the evaluated text).
+rounding of the ``-r`` codecs are fitted on those, never on the evaluated text). ``--corpus``
+cuts them from other text files instead (a domain the codecs were not studied on).
 
 Per codec, one engine process (a fresh store each):
 
@@ -78,13 +79,24 @@ CODECS = {
 }
 
 
-def documents(tok, n_eval: int, n_tokens: int):
+def documents(tok, n_eval: int, n_tokens: int, corpus=None):
     """(evaluation docs, calibration docs): ``n_eval`` each, ``n_tokens`` consecutive tokens of
-    the Python documentation's topics, taken at spread-out places (alternately for evaluation
-    and calibration, so both cover the whole text)."""
-    from pydoc_data.topics import topics
+    the text (the Python documentation's topics, or the ``corpus`` files joined by blank lines),
+    taken at spread-out places (alternately for evaluation and calibration, so both cover the
+    whole text)."""
+    if corpus is None:
+        from pydoc_data.topics import topics
 
-    ids = tok("\n\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"]
+        texts = [topics[k] for k in sorted(topics)]
+    else:
+        texts = []
+        for f in corpus:
+            try:
+                with open(f, encoding="utf-8", errors="replace") as fh:
+                    texts.append(fh.read())
+            except OSError as exc:
+                raise SystemExit(f"--corpus: cannot read {f}: {exc}")
+    ids = tok("\n\n".join(texts), add_special_tokens=False)["input_ids"]
     n_seg = len(ids) // n_tokens
     if n_seg < 2 * n_eval:
         raise SystemExit(f"only {n_seg} segments of {n_tokens} tokens; ask fewer --docs")
@@ -281,6 +293,9 @@ def main(argv=None) -> int:
                     help="only the TTFT phases, engines in --rounds rounds of alternating order")
     ap.add_argument("--rounds", type=argtypes.count(1), default=2,
                     help="(--ttft-only) rounds of engines (default %(default)s)")
+    ap.add_argument("--corpus", type=argtypes.names, default=None, metavar="FILE[,FILE...]",
+                    help="text files to cut the documents from (default: the Python "
+                         "documentation's topics): another domain's text for a held-out check")
     ap.add_argument("--keep", help="keep the engines' files here")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
@@ -297,7 +312,7 @@ def main(argv=None) -> int:
     model = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(model)
     need = args.prefix + args.ppl
-    ev, calib = documents(tok, args.docs, need)
+    ev, calib = documents(tok, args.docs, need, args.corpus)
     prompts = {}
     for i, d in enumerate(ev):
         prompts[f"p{i}"] = d[:args.prefix]
@@ -373,6 +388,7 @@ def main(argv=None) -> int:
                  f" V {rc['value_mean']:.4f}" if rc else ""), flush=True)
     out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": datetime.date.today().isoformat(),
            "model": "SmolLM2-135M", "dtype": "float32", "docs": len(ev), "prefix": args.prefix,
+           "corpus": args.corpus or "pydoc_data.topics",
            "gen": args.gen, "ppl_tokens": args.ppl, "ttft_prompts": args.ttft_prompts,
            "projection": projection.digest, "key_rounding": rounding.digest,
            "results": results, "reconstruction": recon,
