@@ -130,6 +130,9 @@ def main(argv=None) -> int:
                     help="ucm's blend.context: each chunk is also computed after LEN corpus "
                          "tokens from START (a passage of the documents' kind that no prompt "
                          "holds; prompts take the text from token 5000 on)")
+    ap.add_argument("--corpus", type=argtypes.names, default=None, metavar="FILE[,FILE...]",
+                    help="text files the chunks and questions are drawn from (default: the "
+                         "Python documentation's topics)")
     ap.add_argument("--seed", type=int, default=0, help="the samples' random seed (default %(default)s)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
     if args.check_layer >= model.num_layers:
         ap.error(f"--check-layer: {args.check_layer} is outside the model's {model.num_layers} "
                  f"layers (0 to {model.num_layers - 1})")
-    ids = corpus_ids(path)
+    ids = corpus_ids(path, args.corpus)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         bos = json.load(f).get("bos_token_id")
     head = [bos] if args.sink == "bos" and isinstance(bos, int) else []
@@ -199,7 +202,8 @@ def main(argv=None) -> int:
             "model": "SmolLM2-135M", "dtype": "float32", "samples": args.samples,
             "retrieval_samples": args.retrieval, "seed": args.seed, "ratios": ratios,
             "check_layer": args.check_layer, "lookahead": args.lookahead, "sink": head,
-            "context": args.context, "rows": out}, indent=1)
+            "context": args.context, "corpus": args.corpus or "pydoc_data.topics",
+            "rows": out}, indent=1)
     return 0
 
 

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 
     path = ensure_smollm2()
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    ids = corpus_ids(path) if args.corpus is None else _file_ids(tok, args.corpus)
+    ids = corpus_ids(path, args.corpus)
     ratios = list(dict.fromkeys(args.ratios))
     root = tempfile.mkdtemp(prefix="ucm-blend-eval-")
     atexit.register(shutil.rmtree, root, True)   # (a 100-prompt run stores tens of GB)
@@ -202,22 +202,6 @@ def main(argv=None) -> int:
             "corpus": args.corpus or "pydoc_data.topics",
             "full_ttft_ms": 1e3 * full_ttft, "rows": out}, indent=1)
     return 0
-
-
-def _file_ids(tok, files: list) -> list:
-    """SmolLM2 token ids of the text files, joined by blank lines."""
-    texts = []
-    for f in files:
-        try:
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                texts.append(fh.read())
-        except OSError as exc:
-            raise SystemExit(f"--corpus: cannot read {f}: {exc}")
-    ids = tok.encode("\n\n".join(texts), add_special_tokens=False).ids
-    if len(ids) < 20000:
-        raise SystemExit(f"--corpus: {len(ids)} tokens; the samples draw from token 5000 on and "
-                         f"need at least 20000")
-    return ids
 
 
 def _spans(prefix, chunks, order) -> list:

@@ -89,13 +89,9 @@ def documents(tok, n_eval: int, n_tokens: int, corpus=None):
 
         texts = [topics[k] for k in sorted(topics)]
     else:
-        texts = []
-        for f in corpus:
-            try:
-                with open(f, encoding="utf-8", errors="replace") as fh:
-                    texts.append(fh.read())
-            except OSError as exc:
-                raise SystemExit(f"--corpus: cannot read {f}: {exc}")
+        from evals.sparse_quality import corpus_texts
+
+        texts = corpus_texts(corpus)
     ids = tok("\n\n".join(texts), add_special_tokens=False)["input_ids"]
     n_seg = len(ids) // n_tokens
     if n_seg < 2 * n_eval:

@@ -47,13 +47,35 @@ METHODS = ("esa", "gsa", "kvstar", "quest", "adaptive", "oracle", "random")
 RATIOS = (0.7, 0.5, 0.3, 0.2)
 
 
-def corpus_ids(path: str) -> list:
-    """SmolLM2 token ids of the Python documentation topics, in a fixed order."""
-    from pydoc_data.topics import topics
+def corpus_texts(files: list) -> list:
+    """The text of each file (an eval's ``--corpus``: another domain's text than the default
+    Python documentation); SystemExit naming a file that cannot be read."""
+    texts = []
+    for f in files:
+        try:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                texts.append(fh.read())
+        except OSError as exc:
+            raise SystemExit(f"--corpus: cannot read {f}: {exc}")
+    return texts
+
+
+def corpus_ids(path: str, files=None) -> list:
+    """SmolLM2 token ids of the Python documentation topics, in a fixed order; or of the text
+    ``files`` joined by blank lines (at least 20,000 tokens: the Blend evals draw from token
+    5,000 on)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    return tok.encode("\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False).ids
+    if files is None:
+        from pydoc_data.topics import topics
+
+        return tok.encode("\n".join(topics[k] for k in sorted(topics)),
+                          add_special_tokens=False).ids
+    ids = tok.encode("\n\n".join(corpus_texts(files)), add_special_tokens=False).ids
+    if len(ids) < 20000:
+        raise SystemExit(f"--corpus: {len(ids)} tokens; at least 20000 are needed")
+    return ids
 
 
 def documents(ids: list, length: int, tokens: int, count: int) -> list:
