@@ -166,6 +166,9 @@ def main(argv=None) -> int:
                     help="comma-separated (see the module docstring; default %(default)s)")
     ap.add_argument("--greedy", type=argtypes.count(0), default=0,
                     help="also count identical greedy continuations of this many tokens")
+    ap.add_argument("--corpus", type=argtypes.names, default=None, metavar="FILE[,FILE...]",
+                    help="cut the documents from these text files (default: the Python "
+                         "documentation's topics, as evals/compression_quality.py)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     import torch
@@ -183,7 +186,7 @@ def main(argv=None) -> int:
     path = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    docs, _ = documents(tok, args.docs, args.prefix + args.tokens)
+    docs, _ = documents(tok, args.docs, args.prefix + args.tokens, args.corpus)
     n = args.tokens
     acc = {s: {"nll": 0.0, "kl": 0.0, "top1_changes": 0, "greedy_identical": 0,
                "greedy_first_difference": []} for s in names}
@@ -245,7 +248,8 @@ def main(argv=None) -> int:
             "machine": f"{platform.machine()} {os.cpu_count()} cores",
             "date": datetime.date.today().isoformat(), "model": "SmolLM2-135M", "dtype": "float32",
             "docs": len(docs), "prefix": args.prefix, "tokens": n, "positions": positions,
-            "greedy_tokens": args.greedy, "results": results}, indent=1)
+            "greedy_tokens": args.greedy, "corpus": args.corpus or "pydoc_data.topics",
+            "results": results}, indent=1)
     return 0
 
 
