@@ -11,6 +11,7 @@ import torch
 
 import ucm.compress as C
 from equivalence import runnable, tensor_impls
+from fifo import returns_within
 from ucm.blend import chunks, ops
 from ucm.codecs import offsets
 
@@ -579,3 +580,21 @@ def test_encode_names_reversed_numpy_rows(which):
     args = (src[::-1], dst) if which == "src" else (src, dst[::-1])
     with pytest.raises(ValueError, match=f"{which}: .*negative stride"):
         C.encode(spec, shape, *args)
+
+
+@pytest.mark.parametrize("cls,key", [(C.KeyRounding, "compression.key_rounding"),
+                                     (C.Projection, "compression.projection")])
+def test_fitted_file_that_is_a_fifo_or_a_device(tmp_path, cls, key):
+    """A FIFO as the fitted file blocked the load forever (np.load opens it for reading and
+    waits for a writer); a character device such as /dev/zero is not a file either. Both are
+    refused at once, as is a symlink to one."""
+    fifo = str(tmp_path / "f.npz")
+    os.mkfifo(fifo)
+    ok, box = returns_within(lambda: cls.load(fifo), fifo)
+    assert ok, "loading a FIFO blocked"
+    assert isinstance(box.get("error"), ValueError)
+    assert re.search(f"config key '{key}'.*not a regular file", str(box["error"]))
+    link = tmp_path / "zero.npz"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match=f"config key '{key}'.*not a regular file"):
+        cls.load(str(link))

@@ -304,3 +304,17 @@ def test_store_refuses_an_empty_root_instead_of_the_working_directory(root, caps
         rc, out, err = _store(capsys, "--root", "  ", *args)
         assert rc == 2 and "not a directory path" in err
     assert _n_blocks(capsys, root) == 4
+
+
+def test_config_file_that_is_a_fifo_or_a_device_is_refused_at_once(tmp_path):
+    """A FIFO as the YAML config file blocked Config.load until a writer came."""
+    from fifo import returns_within
+
+    fifo = str(tmp_path / "ucm.yaml")
+    os.mkfifo(fifo)
+    ok, box = returns_within(lambda: Config.load(fifo), fifo)
+    assert ok, "loading a FIFO as the config file blocked"
+    assert isinstance(box.get("error"), ConfigError)
+    assert "not a regular file" in str(box["error"])
+    with pytest.raises(ConfigError, match="not a regular file"):
+        Config.load("/dev/zero")

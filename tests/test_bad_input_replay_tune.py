@@ -310,3 +310,18 @@ def test_cli_tune_requests_not_utf8_or_bools_name_the_line(model, tmp_path, caps
         rc, err = cli(capsys, "tune", "--requests", str(p), "--model", model, "--no-vllm",
                       "--quiet", "--max-disk-gb", "0")
         assert rc == 2 and "--requests line 2" in err, err
+
+
+def test_a_trace_that_is_a_fifo_or_a_device_is_refused_at_once(tmp_path, capsys):
+    """A FIFO as the trace blocked load_trace until a writer came; /dev/zero never ends."""
+    import os
+
+    from fifo import returns_within
+
+    fifo = str(tmp_path / "trace.jsonl")
+    os.mkfifo(fifo)
+    ok, box = returns_within(lambda: rp.load_trace(fifo), fifo)
+    assert ok, "loading a FIFO as the trace blocked"
+    assert isinstance(box.get("error"), ValueError) and "not a regular file" in str(box["error"])
+    with pytest.raises(ValueError, match="not a regular file"):
+        rp.load_trace("/dev/zero")

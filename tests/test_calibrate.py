@@ -186,3 +186,20 @@ def test_api_bad_arguments_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"damp in \(0, 10\]"):
         fit_key_rounding_on(str(tmp_path / "none"), [[1, 2, 3]], damp="0.1")
     assert len(query_moments_on(model, [[1, 2, 3, 4, 5]], max_tokens=np.int64(2))) == 2
+
+
+def test_cli_requests_that_are_not_a_regular_file(tmp_path, capsys):
+    """--requests naming a FIFO blocked until a writer came; /dev/zero (one endless line)
+    grew memory without limit. Both are refused before anything is read."""
+    from fifo import returns_within
+
+    fifo = str(tmp_path / "req.fifo")
+    os.mkfifo(fifo)
+    args = ["calibrate", "--requests", fifo, "--out", str(tmp_path / "o.npz"), "--quiet"]
+    ok, box = returns_within(lambda: main(args), fifo)
+    assert ok, "reading --requests from a FIFO blocked"
+    assert box.get("value") == 2
+    assert "not a regular file" in capsys.readouterr().err
+    args[2] = "/dev/zero"
+    assert main(args) == 2
+    assert "not a regular file" in capsys.readouterr().err

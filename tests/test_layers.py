@@ -22,7 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "ucm"
 
 LAYERS = [
-    ("base", ["ucm._version", "ucm.errors", "ucm.threads", "ucm.config_values", "ucm.config",
+    ("base", ["ucm._version", "ucm.errors", "ucm.files", "ucm.threads", "ucm.config_values", "ucm.config",
               "ucm.dispatch", "ucm.ids", "ucm.murmur", "ucm.layout", "ucm.codecs", "ucm.metrics",
               "ucm.progress", "ucm.buffers"]),
     ("implementations", ["ucm.reference", "ucm.reference.*", "ucm.fast", "ucm.fast.*",

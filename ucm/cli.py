@@ -276,11 +276,13 @@ def _cmd_replay(args) -> int:
 def _read_requests(path: str) -> list:
     """Token-id lists from JSON lines (a list of ids or ``{"prompt_token_ids": [...]}`` per
     line; blank lines skipped); ValueError naming ``--requests`` and the line."""
+    from ucm.files import open_regular
+
     prompts = []
     try:
-        opener = open(path, "rb")
+        opener = open_regular(path)
     except OSError as exc:
-        raise ValueError(f"--requests {path!r}: {exc.strerror}") from None
+        raise ValueError(f"--requests {path!r}: {exc.strerror or exc}") from None
     with opener as f:
         for n, raw in enumerate(f, 1):
             try:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from ucm.files import open_regular
 
 METHODS = ("quantize", "sparse", "learned")
 BITS = (4, 8)
@@ -326,12 +327,13 @@ def _load_npz(path: str, key: str, build, *names):
     ``key`` when the file cannot be read (never unpickled) or its arrays do not match its
     recorded digest."""
     try:
-        z = np.load(path, allow_pickle=False)
-        if not isinstance(z, np.lib.npyio.NpzFile):     # a .npy file: one array, read whole
-            raise ValueError("not an .npz archive (one .npy array)")
-        with z:
-            obj = build(*(z[n] for n in names))
-            stored = str(z["digest"])
+        with open_regular(path) as f:                   # (not a FIFO or a device: no hang)
+            z = np.load(f, allow_pickle=False)
+            if not isinstance(z, np.lib.npyio.NpzFile):     # a .npy file: one array, read whole
+                raise ValueError("not an .npz archive (one .npy array)")
+            with z:
+                obj = build(*(z[n] for n in names))
+                stored = str(z["digest"])
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError, MemoryError) as exc:
         # (MemoryError: an array header claiming more than memory, numpy allocates it first)
         raise ValueError(f"config key {key!r}: cannot read {path!r}: {exc}")

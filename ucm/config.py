@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from ucm.config_values import PARSERS as _PARSERS, BadValue as _Bad
+from ucm.files import open_regular
 
 log = logging.getLogger("ucm.config")
 
@@ -560,7 +561,7 @@ def _read_yaml(path: str) -> dict:
     import yaml
 
     try:
-        with open(os.path.expanduser(path), encoding="utf-8") as f:
+        with open_regular(os.path.expanduser(path), "r", encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except OSError as exc:
         raise ConfigError(f"config file {path!r} cannot be read: {exc}") from None

@@ -31,6 +31,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from ucm.files import open_regular
 from ucm.store.policy import ADMISSIONS, POLICIES
 
 
@@ -109,14 +110,19 @@ def load_trace(path: str, on_error: str = "stop", block_tokens: int = 512,
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be an int >= 1 or None, got {limit!r}")
     try:  # gzip by its magic bytes (a .gz name alone can lie, and so can a plain one)
-        with open(path, "rb") as f:
-            is_gz = f.read(2) == b"\x1f\x8b"
-        f = gzip.open(path, "rb") if is_gz else open(path, "rb")
+        raw = open_regular(path)                # (not a FIFO or a device: no hang)
+        try:
+            is_gz = raw.read(2) == b"\x1f\x8b"
+            raw.seek(0)
+        except OSError:
+            raw.close()
+            raise
+        f = gzip.GzipFile(fileobj=raw, mode="rb") if is_gz else raw
     except OSError as exc:
         raise ValueError(f"trace {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
     reqs, skipped = [], []
     n = 0
-    with f:
+    with raw, f:
         while True:
             try:
                 raw = f.readline()
