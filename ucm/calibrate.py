@@ -23,6 +23,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ucm.codecs import KeyRounding, check_damp, fit_key_rounding, query_moments
+from ucm.files import open_regular
 
 
 def check_max_tokens(max_tokens) -> int:
@@ -96,7 +97,7 @@ def load_model(model_path: str, device: str = "cpu"):
         raise ValueError(f"{where}: no config.json (a Llama-architecture Hugging Face folder is "
                          f"expected)")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, "r", encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError, RecursionError) as exc:
         raise ValueError(f"{where}: config.json is not readable JSON ({exc})") from None
