@@ -194,6 +194,9 @@ def main(argv=None) -> int:
                    help="JSON object of extra ucm options for every method (e.g. init_window, "
                    "local_window, sparse_dense_layers)")
     p.add_argument("--quick", action="store_true", help="one 2K document, 16 tokens (~1 minute)")
+    p.add_argument("--corpus", type=argtypes.names, default=None,
+                   help="comma-separated text files to draw the documents from instead of the "
+                   "Python documentation (another domain's text)")
     p.add_argument("--json", help="write the records and summary here")
     p.add_argument("--markdown", help="write the summary table here")
     args = p.parse_args(argv)
@@ -211,7 +214,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     path = ensure_smollm2()
     model = Llama.load(path)
-    ids = corpus_ids(path)
+    ids = corpus_ids(path, args.corpus)
     try:
         check_methods(methods, ratios, base_cfg, num_layers=model.num_layers,
                       num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads,

@@ -231,3 +231,57 @@ def test_valid_calls_still_select():
         assert out is not None and out[1].shape == (2,)
         n = math.ceil(60 / BS)
         assert int(out[1][0]) < 60 and int(out[0][0, (int(out[1][0]) - 1) // BS]) == n - 1
+
+
+def test_int4_token_key_ops_refuse_bad_tables_by_name():
+    """quantize_token_keys / score_token_mass: a wrong dtype, shape or layout of keys4 / scale4,
+    an odd head_dim, ids out of range or repeated, a scale that is not a positive finite number,
+    a table entry past keys4's rows: each a ValueError naming the argument, nothing written."""
+    n, bs, Hkv, D = 6, 4, 2, 8
+    k = torch.randn(n, bs, Hkv, D)
+    keys4 = torch.zeros(n, Hkv, bs, D // 2, dtype=torch.uint8)
+    scale4 = torch.zeros(n, Hkv, D, dtype=torch.float16)
+    ids = torch.tensor([0, 3])
+    bad_tables = [
+        (dict(keys4=keys4.to(torch.int8), scale4=scale4), "keys4"),
+        (dict(keys4=keys4, scale4=scale4.float()), "scale4"),
+        (dict(keys4=keys4[:, :, :, :3], scale4=scale4), "keys4"),
+        (dict(keys4=keys4, scale4=scale4[:, :1]), "scale4"),
+        (dict(keys4=keys4[:5], scale4=scale4[:5]), "keys4"),
+        (dict(keys4=keys4.transpose(1, 2).contiguous().transpose(1, 2), scale4=scale4),
+         "contiguous"),
+        (dict(keys4=keys4, scale4=None), "scale4"),
+    ]
+    for kw, name in bad_tables:
+        with pytest.raises(ValueError, match=name):
+            ops.quantize_token_keys(k, ids, **kw)
+    for bad_ids, what in ((torch.tensor([0, 6]), "block_ids"), (torch.tensor([2, 2]), "duplicate"),
+                          (torch.tensor([0.0]), "block_ids")):
+        with pytest.raises(ValueError, match=what):
+            ops.quantize_token_keys(k, bad_ids, keys4=keys4, scale4=scale4)
+    with pytest.raises(ValueError, match="head_dim 7 is odd"):
+        ops.quantize_token_keys(torch.randn(n, bs, Hkv, 7), ids, keys4=keys4, scale4=scale4)
+    assert not keys4.any() and not scale4.any()                      # nothing written
+    ops.quantize_token_keys(k, torch.arange(n), keys4=keys4, scale4=scale4)
+    q = torch.randn(2, 4, D)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=I32)
+    nblk = torch.tensor([3, 2], dtype=I32)
+    for scale in (0.0, -1.0, float("nan"), float("inf"), True, "0.3"):
+        with pytest.raises(ValueError, match="scale"):
+            ops.score_token_mass(q, table, nblk, keys4=keys4, scale4=scale4, scale=scale)
+    with pytest.raises(ValueError, match="block_table"):
+        ops.score_token_mass(q, torch.tensor([[0, 1, 9], [3, 4, 5]], dtype=I32), nblk,
+                             keys4=keys4, scale4=scale4, scale=0.3)
+    with pytest.raises(ValueError, match="num_blocks"):
+        ops.score_token_mass(q, table, torch.tensor([4, 2], dtype=I32), keys4=keys4,
+                             scale4=scale4, scale=0.3)
+    with pytest.raises(ValueError, match="q"):                        # 3 query heads on 2 KV
+        ops.score_token_mass(torch.randn(2, 3, D), table, nblk, keys4=keys4, scale4=scale4,
+                             scale=0.3)
+    with pytest.raises(ValueError, match="keys4"):                    # head_dim mismatch
+        ops.score_token_mass(torch.randn(2, 4, 2 * D), table, nblk, keys4=keys4, scale4=scale4,
+                             scale=0.3)
+    # a partly filled entry past num_blocks may hold anything: not read, -inf out
+    table2 = torch.tensor([[0, 1, 2], [3, 4, 99]], dtype=I32)
+    out = ops.score_token_mass(q, table2, nblk, keys4=keys4, scale4=scale4, scale=0.3)
+    assert torch.isinf(out[1, :, 2]).all() and torch.isfinite(out[:, :, :2]).all()

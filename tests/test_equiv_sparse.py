@@ -307,3 +307,69 @@ def test_paged_decode_attention(impl, dtype, layout, monkeypatch):
     lens = torch.stack([seq, torch.tensor([3, M * bs, 1], dtype=torch.int32, device=dev)], 1)
     compare("paged_decode_attention", lambda b: ops.paged_decode_attention(
         q, k, v, per_head, lens.contiguous(), backend=b), backend, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# int4 token keys and their block mass (the ``mass`` method)
+
+def _token_tables(n, Hkv, bs, D, dev):
+    return (torch.full((n, Hkv, bs, D // 2), 0xA5, dtype=torch.uint8, device=dev),
+            torch.full((n, Hkv, D), -3.0, dtype=torch.float16, device=dev))
+
+
+@impls("quantize_token_keys")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", FLOATS, ids=FLOAT_IDS)
+def test_quantize_token_keys(impl, dtype, layout, monkeypatch):
+    backend, dev = runnable("quantize_token_keys", impl, monkeypatch)
+    g = gen(9)
+    for bs, Hkv, D in ((12, 2, 16), (16, 3, 20)):      # padded tokens and channels
+        n = 10
+        k, _ = kv_cache(g, n, bs, Hkv, D, dtype, layout, dev)
+        k[1, :, 0, 3] = 0.0                            # an all-zero channel: scale 0
+        k[2, 4, Hkv - 1, 5] = float("nan")             # a NaN key counts as 0
+        k[3, 0, 0, 0] = float("inf")                   # an infinite scale: codes 0
+        k[4] *= 1e-6                                   # scales below float16's normal range
+        k[5, :, :, D // 2:] *= 1e4
+
+        def run(b, k=k, n=n, bs=bs, Hkv=Hkv, D=D):
+            keys4, scale4 = _token_tables(n, Hkv, bs, D, dev)
+            ops.quantize_token_keys(k, torch.tensor([0, 1, 2, 3, 4, 5, 8], device=dev),
+                                    keys4=keys4, scale4=scale4, backend=b)
+            return {"keys4": keys4, "scale4": scale4}
+
+        compare("quantize_token_keys", run, backend, None, check=_check_tables(
+            "quantize_token_keys"))
+
+
+@impls("score_token_mass")
+@pytest.mark.parametrize("dtype", FLOATS, ids=FLOAT_IDS)
+def test_score_token_mass(impl, dtype, monkeypatch):
+    from equivalence import assert_equivalent
+
+    backend, dev = runnable("score_token_mass", impl, monkeypatch)
+    g = gen(10)
+    for B, Hq, Hkv, D, bs, M in ((3, 4, 2, 16, 4, 6), (2, 3, 3, 20, 12, 5), (1, 8, 1, 64, 16, 9)):
+        n_phys, table, _, _ = table_case(g, B, M, bs, [1] * B, dev)
+        nblk = torch.tensor([M, 1, 4][:B], dtype=torch.int32, device=dev)
+        k, _ = kv_cache(g, n_phys, bs, Hkv, D, torch.float32, "canonical", dev)
+        keys4, scale4 = _token_tables(n_phys, Hkv, bs, D, dev)
+        ops.quantize_token_keys(k, torch.arange(n_phys, device=dev), keys4=keys4, scale4=scale4,
+                                backend="reference")
+        q = rand((B, Hq, D), g, dtype, dev)
+        gpu_bf16 = dev != "cpu" and dtype != torch.float32   # bfloat16 products on the GPU
+
+        def check(got, want):
+            if not gpu_bf16:
+                return assert_equivalent("score_token_mass", got, want, torch.float32)
+            assert torch.equal(torch.isinf(got), torch.isinf(want))
+            fin = torch.isfinite(want)
+            # a logit's error: bfloat16 rounding of q and of each dequantized key entry
+            bound = 2.0 ** -7 * (q.float().abs().sum(-1, keepdim=True) * 7
+                                 * scale4.float().abs().max()) + 1e-4
+            assert bool(((got - want).abs() <= bound)[fin].all())
+
+        for scale in (D ** -0.5, 1.0):
+            compare("score_token_mass", lambda b: ops.score_token_mass(
+                q, table, nblk, keys4=keys4, scale4=scale4, scale=scale, backend=b), backend,
+                torch.float32, check=check)

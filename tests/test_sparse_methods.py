@@ -12,6 +12,7 @@ import torch
 import ucm.sparse
 from tiny_llama import tiny_model
 from ucm.config import Config
+from ucm.reference import sparse as ref
 from ucm.sparse import ops
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -435,7 +436,7 @@ def test_quest_per_kv_head_selects_each_heads_blocks():
     assert out.shape == q.shape and torch.isfinite(out).all()
     shared = m.attention_begin(0, ["a", "b"], q, k, table, lens)
     assert shared[0].dim() == 2
-    with pytest.raises(ValueError, match=r"per_kv_head.*'esa'.*supported: quest, oracle"):
+    with pytest.raises(ValueError, match=r"per_kv_head.*'esa'.*supported: quest, mass, oracle"):
         make("esa", per_kv_head=True)
     # the same through the configuration option: identical selection; the keyword wins
     cfg = {"min_blocks": 8, "init_window": 1, "local_window": 2, "sparse_ratio": 0.125,
@@ -454,6 +455,15 @@ def test_quest_per_kv_head_selects_each_heads_blocks():
     for kv, blocks in hot.items():
         logical = [own.index(p) for p in t_or[0, kv, :math.ceil(int(l_or[0, kv]) / BS)].tolist()]
         assert set(blocks) <= set(logical), kv
+    # the int4-key mass ranking per KV head finds each head's planted blocks the same way
+    mk = ucm.sparse.create(cfg, method="mass", **SHAPE)
+    mk.request_begin("a", 1), mk.request_begin("b", 1)
+    t_mk, l_mk = mk.attention_begin(0, ["a", "b"], q, k, table, lens)
+    assert t_mk.shape[:2] == (2, HKV)
+    for kv, blocks in hot.items():
+        logical = [own.index(p) for p in t_mk[0, kv, :math.ceil(int(l_mk[0, kv]) / BS)].tolist()]
+        assert set(blocks) <= set(logical), kv
+        assert not set(hot[1 - kv]) <= set(logical), "the other head's blocks are not all needed"
     mass = oracle.kv_head_block_mass(q, k, table, lens)
     assert torch.allclose(mass.mean(1), ops.block_attention_mass(q, k, table, lens), atol=1e-5)
     per_q = ops.block_attention_mass(q, k, table, lens, per_query_head=True)
@@ -574,3 +584,42 @@ def test_model_decode_matches_prefill_and_runs_methods():
         assert not torch.allclose(res.logits[r], res.dense_logits, atol=1e-4)
     assert (res.mass[3] >= res.mass[2] - 1e-6).all()    # the oracle keeps the most mass
     assert all(m is None or m.live_requests == 0 for m in methods)
+
+
+def test_mass_ranks_by_the_int4_keys_exact_mass():
+    """``mass`` keeps every full block's keys in int4 and ranks the blocks by their attention mass
+    under them: on a random cache its scores equal the exact per-head mass computed from the
+    dequantized keys, its selection is the top of that mass, an odd head_dim is refused by name,
+    and a block that fills later is quantized when it does."""
+    k = cache(seed=21)
+    table, lens = tables([40 * BS + 3], seed=22)
+    q = torch.randn(1, HQ, D)
+    m = make("mass", sparse_ratio=0.25)
+    m.request_begin("a", 1)
+    m.step_begin()
+    t_sel, l_sel = m.attention_begin(1, ["a"], q, k, table, lens)
+    tabs = m._tables[1]
+    n = math.ceil(int(lens[0]) / BS)
+    full = table[0, :n - 1].long()
+    want4, wants = ref.token_key_codes(k[full])
+    assert torch.equal(tabs["keys4"][full], want4) and torch.equal(tabs["scale4"][full], wants)
+    keys = ref.token_keys(tabs["keys4"], tabs["scale4"])             # [n, Hkv, BS, D]
+    kk = keys[table[0, :n].long()].permute(0, 2, 1, 3).reshape(n * BS, HKV, D)
+    logits = torch.einsum("hd,thd->ht", q[0].float(),
+                          kk.repeat_interleave(HQ // HKV, 1)) / math.sqrt(D)
+    logits[:, int(lens[0]):] = float("-inf")
+    share = torch.softmax(logits, -1).reshape(HQ, n, BS).sum(-1).mean(0)   # exact, int4 keys
+    forced = set(m.forced(n))
+    budget = m.budget(n)
+    top = [int(j) for j in torch.argsort(share[:n - 1], descending=True) if int(j) not in forced]
+    want = sorted(forced | set(top[:budget - len(forced)]))
+    got = [table[0, :n].tolist().index(p) for p in t_sel[0, :math.ceil(int(l_sel[0]) / BS)].tolist()]
+    assert got == want
+    with pytest.raises(ValueError, match="head_dim: 31 is odd"):
+        ucm.sparse.create({"sparse_ratio": 0.25}, method="mass",
+                          **dict(SHAPE, head_dim=31))
+    # one more token fills the last block: the next call quantizes it
+    last = int(table[0, n - 1])
+    lens2 = torch.tensor([n * BS], dtype=torch.int32)
+    m.attention_begin(1, ["a"], q, k, table, lens2)
+    assert torch.equal(tabs["keys4"][last], ref.token_key_codes(k[last:last + 1])[0][0])

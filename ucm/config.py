@@ -228,7 +228,7 @@ OPTIONS: tuple[Option, ...] = (
            "salts never share blocks."),
     # sparse attention
     Option("sparse_method", "str", "none", "Sparse attention method for long-context decode.",
-           choices=("none", "esa", "gsa", "kvstar", "quest", "adaptive")),
+           choices=("none", "esa", "gsa", "kvstar", "quest", "mass", "adaptive")),
     Option("sparse_ratio", "float", 0.3, "Fraction of KV blocks attended to during sparse decode.",
            min=0.0, max=1.0, min_exclusive=True),
     Option("min_blocks", "int", 16, "Requests with fewer blocks than this stay dense.", min=1),

@@ -114,6 +114,60 @@ def update_block_reprs(k_cache: torch.Tensor, block_ids: torch.Tensor, num_token
         grouped(codes)[ids] = hash_codes(sub_mean, proj)
 
 
+def token_key_codes(keys: torch.Tensor):
+    """int4 codes of whole blocks of keys ``[N, bs, Hkv, D]`` (D even), symmetric per (block,
+    head, channel): ``(packed uint8 [N, Hkv, bs, D // 2], scale float16 [N, Hkv, D])``. The scale
+    is ``max_t |k| / 7`` rounded to float16; a code is ``floor(k / scale + 1/2)`` clamped to
+    ``[-7, 7]`` (0 where the scale is 0 or infinite; a NaN key counts as 0), stored plus 8; byte ``c``
+    holds channel ``c`` in its low nibble and channel ``c + D / 2`` in its high one."""
+    kf = keys.float().permute(0, 2, 1, 3)                              # [N, Hkv, bs, D]
+    kf = torch.where(kf == kf, kf, 0.0)                                 # a NaN key counts as 0
+    scale = (kf.abs().amax(2) / 7.0).to(torch.float16)                  # [N, Hkv, D]
+    s = scale.float()[:, :, None, :]
+    x = torch.where(s > 0, kf / torch.where(s > 0, s, torch.ones_like(s)), 0.0)
+    x = torch.nan_to_num(x, nan=0.0)
+    codes = torch.floor(x.clamp(-7.0, 7.0) + 0.5).clamp(-7, 7).to(torch.int32) + 8
+    half = kf.shape[-1] // 2
+    packed = (codes[..., :half] | (codes[..., half:] << 4)).to(torch.uint8)
+    return packed, scale
+
+
+def token_keys(keys4: torch.Tensor, scale4: torch.Tensor) -> torch.Tensor:
+    """float32 keys ``[N, Hkv, bs, D]`` of :func:`token_key_codes`' output."""
+    lo = (keys4 & 15).to(torch.int32) - 8
+    hi = (keys4 >> 4).to(torch.int32) - 8
+    return torch.cat([lo, hi], -1).float() * scale4.float()[:, :, None, :]
+
+
+def quantize_token_keys(k_cache: torch.Tensor, block_ids: torch.Tensor, *, keys4: torch.Tensor,
+                        scale4: torch.Tensor) -> None:
+    """Write :func:`token_key_codes` of the listed physical blocks into ``keys4`` / ``scale4``
+    (rows indexed by physical block id); other rows are left as they are."""
+    if block_ids.numel() == 0:
+        return
+    ids = block_ids.long()
+    packed, scale = token_key_codes(k_cache[ids])
+    keys4[ids] = packed
+    scale4[ids] = scale
+
+
+def score_token_mass(q: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor, *,
+                     keys4: torch.Tensor, scale4: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 ``[B, Hq, M]``: per query head, ``logsumexp_t(scale * q . k_t) / scale`` over the
+    tokens of each block's int4 keys (:func:`token_keys`), ``-inf`` past ``num_blocks``: a
+    softmax over the blocks of ``scale *`` this is each block's attention mass under those
+    keys."""
+    B, Hq, D = q.shape
+    ids, valid = _logical_ids(block_table, num_blocks)
+    keys = token_keys(keys4, scale4)                                     # [n, Hkv, bs, D]
+    Hkv = keys.shape[1]
+    per_kv = keys[ids]                                                   # [B, M, Hkv, bs, D]
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
+    logits = torch.einsum("bhgd,bmhtd->bhgmt", qg, per_kv) * scale
+    per_head = (torch.logsumexp(logits, -1) / scale).reshape(B, Hq, -1)
+    return torch.where(valid[:, None, :], per_head, NEG_INF).contiguous()
+
+
 # ---------------------------------------------------------------------------------------------
 # scoring and selection
 

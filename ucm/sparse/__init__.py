@@ -8,7 +8,8 @@
 
 Methods (:data:`METHODS`): ``esa`` (mean keys, re-selection every ``retrieval_stride`` steps),
 ``gsa`` (hash codes, Hamming top-k, prefetch hook), ``kvstar`` (channel-pruned scores,
-multi-query voting), ``quest`` (min/max upper bounds), ``adaptive`` (estimated-mass budgets per
+multi-query voting), ``quest`` (min/max upper bounds), ``mass`` (every step, each block's
+attention mass under its tokens' int4 keys), ``adaptive`` (estimated-mass budgets per
 request and layer); and two baselines for the accuracy harness, not for deployment: ``oracle``
 (exact attention mass) and ``random``. ``sparse_method="none"`` gives ``None`` (dense).
 """
@@ -23,11 +24,13 @@ from ucm.sparse.baselines import Oracle, Random
 from ucm.sparse.esa import ESA
 from ucm.sparse.gsa import GSA
 from ucm.sparse.kvstar import KVStar
+from ucm.sparse.mass import Mass
 from ucm.sparse.quest import Quest
 
 __all__ = ["create", "SparseMethod", "METHODS", "BASELINES"]
 
-METHODS: dict[str, type] = {cls.name: cls for cls in (ESA, GSA, KVStar, Quest, Adaptive, Oracle, Random)}
+METHODS: dict[str, type] = {cls.name: cls for cls in (ESA, GSA, KVStar, Quest, Mass, Adaptive,
+                                                      Oracle, Random)}
 BASELINES = ("oracle", "random")
 
 

@@ -52,7 +52,7 @@ import torch
 from ucm.config import Config
 from ucm.sparse import ops
 
-REPR_KINDS = ("mean", "kmin", "kmax", "codes")
+REPR_KINDS = ("mean", "kmin", "kmax", "codes", "keys4")
 
 
 @dataclass
@@ -202,7 +202,7 @@ class SparseMethod:
         nb, _, hkv, d = k_cache.shape
         dev = k_cache.device
         dtypes = {kind: self.repr_dtype(k_cache.dtype, dev, kind) for kind in self.reprs
-                  if kind != "codes"}
+                  if kind not in ("codes", "keys4")}
         if tables is None or tables["num_blocks"] != nb or tables["device"] != dev \
                 or tables["dtypes"] != dtypes:
             tables = {"num_blocks": nb, "device": dev, "dtypes": dtypes}
@@ -210,6 +210,10 @@ class SparseMethod:
                 if kind == "codes":
                     tables[kind] = torch.zeros(nb, self.groups, hkv, self._proj.shape[1] // 32,
                                                dtype=torch.int32, device=dev)
+                elif kind == "keys4":   # every token's key in int4, a float16 scale per channel
+                    tables[kind] = torch.zeros(nb, hkv, self.block_size, d // 2,
+                                               dtype=torch.uint8, device=dev)
+                    tables["scale4"] = torch.zeros(nb, hkv, d, dtype=torch.float16, device=dev)
                 else:
                     tables[kind] = torch.zeros(nb, self.groups, hkv, d, dtype=dtypes[kind],
                                                device=dev)
@@ -242,10 +246,14 @@ class SparseMethod:
         dev = k_cache.device
         ids = torch.tensor(list(todo), dtype=torch.int64, device=dev)
         ntok = torch.tensor(list(todo.values()), dtype=torch.int64, device=dev)
+        if "keys4" in tables:    # whole blocks only (partial_reprs is off for such methods)
+            ops.quantize_token_keys(k_cache, ids, keys4=tables["keys4"],
+                                    scale4=tables["scale4"])
         rows = {k: tables[k] for k in ("mean", "kmin", "kmax", "codes", "mean_scale")
                 if k in tables}
-        ops.update_block_reprs(k_cache, ids, ntok, **rows,
-                               proj=self._proj if "codes" in tables else None)
+        if rows:
+            ops.update_block_reprs(k_cache, ids, ntok, **rows,
+                                   proj=self._proj if "codes" in tables else None)
         return tables
 
     # the hook -------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ select_head_mass            (same: softmax, mean, select_blocks)  (same: histogr
 score_select_head_mass      (same: score_blocks, select_head_mass) (same: per-head scores, then
                                                                   the head-mass selection)
 sparse_block_table          (same)                                (same: one gather kernel)
+quantize_token_keys         (same)                                (same, bit-identical)
+score_token_mass            (same: float32 products)              (same: bfloat16 products on a
+                                                                  GPU, float32 otherwise)
 paged_decode_attention      (same: per-request softmax)           (same: split-K flash decoding)
 block_attention_mass        (same; an oracle, reference only)     --
 quantize_rows               (same: elementwise PyTorch, any       --
@@ -63,7 +66,7 @@ def on_triton_device(*args, **kwargs):
 
 TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
               "select_head_mass", "score_select_head_mass", "sparse_block_table",
-              "paged_decode_attention")
+              "paged_decode_attention", "quantize_token_keys", "score_token_mass")
 REFERENCE_ONLY_OPS = ("block_attention_mass", "quantize_rows")
 REFERENCE = ImplSpec("reference", "ucm.reference.sparse:{op}")
 IMPLEMENTATIONS = (
@@ -342,6 +345,84 @@ def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None,
     return dispatch.call("score_blocks", q, table, nblk, kind=kind, mean=mean, kmin=kmin, kmax=kmax,
                          codes=codes, proj=proj, channel_mask=channel_mask, reduce=reduce,
                          mean_scale=mean_scale, backend=backend)
+
+
+def _token_tables(keys4, scale4, dev, nb: Optional[int], Hkv: Optional[int],
+                  bs: Optional[int], D: Optional[int]) -> tuple:
+    """Validate ``keys4`` uint8 ``[num_blocks, Hkv, block_size, D // 2]`` and ``scale4``
+    float16 ``[num_blocks, Hkv, D]`` (contiguous: the kernels index them as packed rows);
+    ``None`` sizes are taken from ``keys4``. Returns ``(num_blocks, Hkv, block_size, D)``."""
+    k4 = _tensor(keys4, "keys4", (torch.uint8,), 4, dev)
+    s4 = _tensor(scale4, "scale4", (torch.float16,), 3, dev)
+    n_, h_, b_, half = k4.shape
+    want = (nb, Hkv, bs, None if D is None else D // 2)
+    if (D is not None and D % 2) or any(w is not None and w != d for w, d in
+                                        zip(want, k4.shape)) or min(k4.shape) < 1:
+        shown = ["num_blocks" if nb is None else nb, "Hkv" if Hkv is None else Hkv,
+                 "block_size" if bs is None else bs, "D // 2" if D is None else D / 2]
+        raise ValueError(f"keys4: expected uint8 {shown} (two int4 codes per byte, indexed by "
+                         f"physical block id), got {list(k4.shape)}")
+    _shape(s4, "scale4", (n_, h_, 2 * half), "one float16 scale per (block, KV head, channel)")
+    if not (k4.is_contiguous() and s4.is_contiguous()):
+        raise ValueError("keys4, scale4: expected contiguous tensors (as allocated)")
+    return n_, h_, b_, 2 * half
+
+
+def quantize_token_keys(k_cache, block_ids, *, keys4, scale4,
+                        backend: Optional[str] = None) -> None:
+    """Write every token's key of the listed whole blocks in int4 (the ``mass`` method's table).
+
+    k_cache: ``[num_blocks, block_size, Hkv, D]`` float (any strides), D even; block_ids:
+    int32/int64 ``[N]`` distinct ids in ``[0, num_blocks)`` of blocks holding ``block_size``
+    tokens; keys4: uint8 ``[num_blocks, Hkv, block_size, D // 2]``; scale4: float16
+    ``[num_blocks, Hkv, D]``. Symmetric per (block, KV head, channel): ``scale = max |k| / 7`` in
+    float16, ``code = floor(k / scale + 1/2)`` in ``[-7, 7]`` (0 for a zero or infinite scale;
+    a NaN key counts as 0), stored plus 8, channel ``c`` in the low nibble of byte ``c`` and channel
+    ``c + D / 2`` in its high nibble. Rows not listed are left as they are.
+    """
+    k = _cache(k_cache)
+    nb, bs, Hkv, D = k.shape
+    dev = k.device
+    ids = _tensor(block_ids, "block_ids", (torch.int32, torch.int64), 1, dev).contiguous()
+    if D % 2:
+        raise ValueError(f"k_cache: head_dim {D} is odd (int4 keys pack two channels per byte)")
+    _token_tables(keys4, scale4, dev, nb, Hkv, bs, D)
+    if ids.numel():
+        _fail_if({
+            f"block_ids: entries must lie in [0, num_blocks={nb})": ((ids < 0) | (ids >= nb)).any(),
+            "block_ids: duplicate ids": (torch.sort(ids).values.diff() == 0).any(),
+        })
+    dispatch.call("quantize_token_keys", k, ids, keys4=keys4, scale4=scale4, backend=backend)
+
+
+def score_token_mass(q, block_table, num_blocks, *, keys4, scale4, scale: float,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """Each block's attention mass under its tokens' int4 keys, as per-head logits.
+
+    q: ``[B, Hq, D]`` float; block_table: int32 ``[B, M]``; num_blocks: int32 ``[B]`` in
+    ``[1, M]``; keys4 / scale4 as :func:`quantize_token_keys` writes them; scale: the
+    attention's softmax scale (``head_dim ** -0.5``). Returns float32 ``[B, Hq, M]``:
+    ``logsumexp_t(scale * q_h . k_t) / scale`` over each block's tokens, ``-inf`` past
+    ``num_blocks``; ``softmax(scale * x, -1)`` of a row is then each block's share of that head's
+    attention (what :func:`select_head_mass` takes with the same ``scale``).
+    """
+    q = _query(q, "q", None)
+    B, Hq, D = q.shape
+    dev = q.device
+    table = _table(block_table, B, dev)
+    M = table.shape[1]
+    nblk = _vector(num_blocks, "num_blocks", B, dev)
+    scale = _scale_arg(scale)
+    n_phys, Hkv, _, _ = _token_tables(keys4, scale4, dev, None, None, None, D)
+    _heads(Hq, Hkv, "q")
+    _fail_if({
+        f"num_blocks: entries must lie in [1, M={M}] (an empty request has nothing to score)":
+            ((nblk < 1) | (nblk > M)).any(),
+        f"block_table: an entry below num_blocks lies outside [0, {n_phys}) (keys4's rows)":
+            _ids_used_out_of_range(table, nblk.clamp(0, M), n_phys),
+    })
+    return dispatch.call("score_token_mass", q, table, nblk, keys4=keys4, scale4=scale4,
+                         scale=scale, backend=backend)
 
 
 def quantize_rows(x):

@@ -1,5 +1,5 @@
 """Triton sparse-attention ops: same names and signatures as :mod:`ucm.reference.sparse`; inputs
-validated by :mod:`ucm.sparse.ops`, which dispatches to the eight ops re-exported here. CUDA
+validated by :mod:`ucm.sparse.ops`, which dispatches to the ten ops re-exported here. CUDA
 tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported: its standard
 library, ``tl.sum`` and friends, is jitted at import).
 
@@ -11,6 +11,8 @@ One module per family:
 - :mod:`.scoring`: :func:`score_blocks` (mean, Quest, Hamming);
 - :mod:`.selection`: :func:`select_blocks`, :func:`select_sparse_table`,
   :func:`sparse_block_table`; :mod:`.histogram`: the selection of one long row;
+- :mod:`.tokens`: :func:`quantize_token_keys`, :func:`score_token_mass` (the ``mass``
+  method's int4 keys and ranking);
 - :mod:`.mass`: :func:`head_mass`, :func:`select_head_mass`,
   :func:`score_select_head_mass`;
 - :mod:`.launch`: :class:`LaunchConfig` (every launch constant; :data:`LAUNCH` is the
@@ -25,8 +27,10 @@ from ucm.fast.triton.sparse.reprs import hash_codes, update_block_reprs
 from ucm.fast.triton.sparse.scoring import score_blocks
 from ucm.fast.triton.sparse.selection import select_blocks, select_sparse_table, \
     sparse_block_table
+from ucm.fast.triton.sparse.tokens import quantize_token_keys, score_token_mass
 
 __all__ = ["update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
            "select_head_mass", "score_select_head_mass", "sparse_block_table",
            "paged_decode_attention", "decode", "decode_selected", "select_sparse_table",
-           "head_mass", "plan", "LaunchConfig", "LAUNCH"]
+           "head_mass", "plan", "LaunchConfig", "LAUNCH", "quantize_token_keys",
+           "score_token_mass"]

@@ -51,6 +51,11 @@ class LaunchConfig:
     score_loop_stages: int = 3
     #: Code words one Hamming program holds (sets its block tile).
     hamming_tile_elems: int = 8192
+    #: Token rows the ``mass`` scoring dequantizes per step (whole blocks: at least one), the
+    #: blocks one of its programs walks, and its warps.
+    score_mass_rows: int = 64
+    score_mass_blocks_per_program: int = 64
+    score_mass_warps: int = 4
 
     # -- selection ------------------------------------------------------------------------------
     #: Rows up to this many blocks are selected in kernels; longer rows by one ``torch.topk``
