@@ -312,7 +312,8 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
-    ap.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
+    ap.add_argument("--only", default="", help="configuration names separated by ';' (names hold "
+                    "commas; default: all)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--sweep-scoring", action="store_true",
                     help="only time the mean scoring over a grid of launch constants")
@@ -327,7 +328,11 @@ def main(argv=None) -> int:
             write_json(args.json, report, indent=1)
         return 0
     ratios = [float(x) for x in args.ratios.split(",")]
-    specs = [s for s in CONFIGS if not args.only or s.name in args.only.split(",")]
+    wanted = [x.strip() for x in args.only.split(";") if x.strip()]
+    unknown = sorted(set(wanted) - {s.name for s in CONFIGS})
+    if unknown:
+        ap.error(f"--only: unknown configurations {unknown}; known: {[s.name for s in CONFIGS]}")
+    specs = [s for s in CONFIGS if not wanted or s.name in wanted]
     t0 = time.time()
     report = dict(machine=dict(gpu=torch.cuda.get_device_name(), host=platform.node(),
                                torch=torch.__version__, triton=triton.__version__),
