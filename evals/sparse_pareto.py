@@ -60,6 +60,9 @@ ROWS = (
     Row("quest, g4", "quest:g4", "quest (g4)", "`sparse_method: quest`, `sparse_repr_group: 4`"),
     Row("quest per KV head, g2", "quest:kvhead+g2", "quest per KV head, g2",
         "quest, `sparse_per_kv_head: true`"),
+    Row("mass (int4 keys, every step)", "mass", "mass", "`sparse_method: mass`"),
+    Row("mass per KV head", "mass:kvhead", "mass per KV head",
+        "mass, `sparse_per_kv_head: true`"),
     Row("kvstar, g4", "kvstar:g4", None, "`sparse_method: kvstar`, `sparse_repr_group: 4`"),
     Row("gsa", "gsa", None, "`sparse_method: gsa`"),
     Row("adaptive", "adaptive", None, "`sparse_method: adaptive`"),
@@ -101,16 +104,20 @@ def load_retrieval(path: Optional[str]) -> dict:
 
 
 def load_speed(path: Optional[str]) -> dict:
+    """(configuration, ratio, shape) -> speed-up, from one or more comma-separated
+    bench_sparse_pareto JSON files (a later file's rows win; the meta is the first file's)."""
     if not path:
         return {}
-    with open(path) as f:
-        d = json.load(f)
-    out = {"meta": {k: d.get(k) for k in ("machine", "date", "command")}}
-    for shape in d["timings"]:
-        tag = f"{shape['batch']}x{shape['tokens'] // 1024}K"
-        for ratio, row in shape["ratios"].items():
-            for name, x in row.items():
-                out[(name, float(ratio), tag)] = x["speedup"]
+    out: dict = {}
+    for p in path.split(","):
+        with open(p) as f:
+            d = json.load(f)
+        out.setdefault("meta", {k: d.get(k) for k in ("machine", "date", "command")})
+        for shape in d["timings"]:
+            tag = f"{shape['batch']}x{shape['tokens'] // 1024}K"
+            for ratio, row in shape["ratios"].items():
+                for name, x in row.items():
+                    out[(name, float(ratio), tag)] = x["speedup"]
     return out
 
 
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
                     "comma-separated")
     ap.add_argument("--retrieval", default="", help="retrieval JSON (sparse_retrieval.py --json)")
     speed = os.path.join(REPO, "benchmarks", "results", "sparse_pareto_speed_h200.json")
-    ap.add_argument("--speed", default=None, help="speed JSON (bench_sparse_pareto.py --json; "
+    ap.add_argument("--speed", default=None, help="speed JSON, comma-separated (bench_sparse_pareto.py --json; "
                     f"default {os.path.relpath(speed, REPO)}, left out if missing)")
     ap.add_argument("--docs", type=argtypes.count(1), default=3,
                     help="documents per context (with --run)")
@@ -176,7 +183,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     quality_paths = [p for p in args.quality.split(",") if p]
     inputs = [] if args.run else quality_paths + [args.retrieval]    # (--run writes these)
-    for p in [x for x in inputs + [args.speed] if x]:
+    for p in [x for x in inputs + (args.speed.split(",") if args.speed else []) if x]:
         if not os.path.isfile(p):
             ap.error(f"no such file: {p!r}")
     if args.speed is None and os.path.exists(speed):

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ratio", type=argtypes.ratio(), default=0.2,
                     help="sparse_ratio in (0, 1] (default %(default)s)")
     ap.add_argument("--method", default="esa",
-                    help="sparse_method: esa, gsa, kvstar, quest or adaptive (default %(default)s)")
+                    help="sparse_method: esa, gsa, kvstar, quest, mass or adaptive (default %(default)s)")
     ap.add_argument("--config", type=argtypes.json_object, default="{}",
                     help="extra ucm options for the sparse engine (a JSON object)")
     ap.add_argument("--docs", type=argtypes.count(0), default=3,

@@ -252,7 +252,7 @@ def test_full_selection_is_bitwise_dense(impl):
     assert hook.stats()["blocks_kept"] == hook.stats()["blocks_total"] == 5
 
 
-@pytest.mark.parametrize("method", ["esa", "quest", "kvstar", "gsa", "adaptive"])
+@pytest.mark.parametrize("method", ["esa", "quest", "mass", "kvstar", "gsa", "adaptive"])
 def test_every_method_through_vllms_kernel(impl, method):
     """Each shipped method (its default settings) inside the hook, through vLLM's real kernel:
     at sparse_ratio 1.0 vLLM's dense result bit for bit; at 0.5 the long row attends to exactly
