@@ -58,7 +58,7 @@ from ucm.store.factory import pipeline_is_process_local
 WORKLOAD_PRESET = {"chat": "realtime_chat", "batch": "batch", "long_context": "high_quality"}
 CONSTRAINTS = ("max_latency_ms", "max_memory_gb", "max_disk_gb", "max_ppl_increase")
 #: sparse methods and ratios the sparse stage measures (the harness baselines are not deployable)
-SPARSE_METHODS = ("esa", "quest", "kvstar", "gsa", "adaptive")
+SPARSE_METHODS = ("esa", "quest", "mass", "kvstar", "gsa", "adaptive")
 SPARSE_RATIOS = (0.7, 0.5, 0.3, 0.2)
 #: tokens per KV block the block-size stage compares, where the engine's attention takes them
 #: (vLLM-CPU's attention needs a multiple of 32, FlashAttention a multiple of 16)
