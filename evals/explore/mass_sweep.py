@@ -35,20 +35,21 @@ def main(out_path):
                                 keys4=keys4, scale4=scale4)
         want = tri.score_token_mass(q, table, nblk, keys4=keys4, scale4=scale4, scale=scale)
         rows = {}
-        for r, bpp, w in itertools.product((32, 64, 128), (32, 64, 128, 256), (4, 8)):
+        for r, bpp, w, pb in itertools.product((32, 64, 128), (32, 64, 128), (4, 8),
+                                               (False, True)):
             cfg = tri.LAUNCH.replace(score_mass_rows=r, score_mass_blocks_per_program=bpp,
-                                     score_mass_warps=w)
+                                     score_mass_warps=w, score_mass_scale_per_block=pb)
             try:
                 got = tri.score_token_mass(q, table, nblk, keys4=keys4, scale4=scale4,
                                            scale=scale, launch=cfg)
                 if not torch.allclose(got, want, atol=1e-3, rtol=1e-3):
-                    rows[f"r{r}_b{bpp}_w{w}"] = "differs"
+                    rows[f"r{r}_b{bpp}_w{w}_pb{int(pb)}"] = "differs"
                     continue
-                rows[f"r{r}_b{bpp}_w{w}"] = bench(lambda cfg=cfg: tri.score_token_mass(
+                rows[f"r{r}_b{bpp}_w{w}_pb{int(pb)}"] = bench(lambda cfg=cfg: tri.score_token_mass(
                     q, table, nblk, keys4=keys4, scale4=scale4, scale=scale, launch=cfg),
                     graph=True)
             except Exception as exc:  # noqa: BLE001  (a configuration that does not fit)
-                rows[f"r{r}_b{bpp}_w{w}"] = repr(exc)[:100]
+                rows[f"r{r}_b{bpp}_w{w}_pb{int(pb)}"] = repr(exc)[:100]
         timed = {a: b for a, b in rows.items() if isinstance(b, float)}
         best = sorted(timed, key=timed.get)[:5]
         dense = bench(lambda: tri.decode(q, k, v, table, lens, scale), graph=True)

@@ -79,7 +79,8 @@ def _mass_kernel(q_ptr, codes_ptr, scale_ptr, table_ptr, nblk_ptr, out_ptr,
                  scale_log2, inv_scale_log2,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                  HALF: tl.constexpr, HALF_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TOKENS_PADDED: tl.constexpr, BLOCKS: tl.constexpr, EXACT_F32: tl.constexpr):
+                 TOKENS_PADDED: tl.constexpr, BLOCKS: tl.constexpr, EXACT_F32: tl.constexpr,
+                 SCALE_PER_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // NUM_KV_HEADS
     h = pid % NUM_KV_HEADS
@@ -115,11 +116,30 @@ def _mass_kernel(q_ptr, codes_ptr, scale_ptr, table_ptr, nblk_ptr, out_ptr,
         lm = (live & (rt < BLOCK_SIZE))[:, None] & cmask[None, :]
         codes = tl.load(codes_ptr + (row * BLOCK_SIZE + rt)[:, None] * HALF + c[None, :],
                         mask=lm, other=0x88)
-        slo = tl.load(scale_ptr + row[:, None] * (2 * HALF) + c[None, :], mask=lm, other=0.0)
-        shi = tl.load(scale_ptr + row[:, None] * (2 * HALF) + HALF + c[None, :], mask=lm,
-                      other=0.0)
-        klo = ((codes & 15).to(tl.int32) - 8).to(tl.float32) * slo.to(tl.float32)
-        khi = ((codes >> 4).to(tl.int32) - 8).to(tl.float32) * shi.to(tl.float32)
+        if SCALE_PER_BLOCK:   # one scale row per block, broadcast over its tokens
+            jbk = j0 + jb
+            bl = (jbk < n) & (jbk < end)
+            pb = tl.load(table_ptr + b.to(tl.int64) * table_stride_batch + jbk, mask=bl,
+                         other=0).to(tl.int64)
+            srow = pb * NUM_KV_HEADS + h
+            sm = bl[:, None] & cmask[None, :]
+            slo = tl.load(scale_ptr + srow[:, None] * (2 * HALF) + c[None, :], mask=sm,
+                          other=0.0).to(tl.float32)
+            shi = tl.load(scale_ptr + srow[:, None] * (2 * HALF) + HALF + c[None, :], mask=sm,
+                          other=0.0).to(tl.float32)
+            ilo = tl.reshape(((codes & 15).to(tl.int32) - 8).to(tl.float32),
+                             [BLOCKS, TOKENS_PADDED, HALF_PADDED])
+            ihi = tl.reshape(((codes >> 4).to(tl.int32) - 8).to(tl.float32),
+                             [BLOCKS, TOKENS_PADDED, HALF_PADDED])
+            klo = tl.reshape(ilo * slo[:, None, :], [ROWS, HALF_PADDED])
+            khi = tl.reshape(ihi * shi[:, None, :], [ROWS, HALF_PADDED])
+        else:                 # the scale row loaded per token row (cached)
+            slo = tl.load(scale_ptr + row[:, None] * (2 * HALF) + c[None, :], mask=lm,
+                          other=0.0)
+            shi = tl.load(scale_ptr + row[:, None] * (2 * HALF) + HALF + c[None, :], mask=lm,
+                          other=0.0)
+            klo = ((codes & 15).to(tl.int32) - 8).to(tl.float32) * slo.to(tl.float32)
+            khi = ((codes >> 4).to(tl.int32) - 8).to(tl.float32) * shi.to(tl.float32)
         if EXACT_F32:
             logit = tl.dot(klo, tl.trans(qlo), input_precision="ieee") \
                 + tl.dot(khi, tl.trans(qhi), input_precision="ieee")
@@ -153,5 +173,5 @@ def score_token_mass(q, block_table, num_blocks, *, keys4, scale4, scale: float,
         GROUP_ROWS=pow2(group, 16), HALF=half, HALF_PADDED=pow2(half, 16), BLOCK_SIZE=bs,
         TOKENS_PADDED=tokens, BLOCKS=blocks,
         EXACT_F32=q.dtype == torch.float32 or interpreting(),
-        num_warps=launch.score_mass_warps)
+        SCALE_PER_BLOCK=launch.score_mass_scale_per_block, num_warps=launch.score_mass_warps)
     return out
