@@ -85,9 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if t not in rt.TASKS:
             ap.error(f"--tasks: unknown task {t!r}; expected some of {rt.TASKS}")
     args.ratios = sorted(args.ratios)
+    import ucm.sparse
+
+    known = tuple(ucm.sparse.METHODS)
     for m in args.methods:
-        if m.partition(":")[0] not in METHODS:
-            ap.error(f"--methods: unknown method {m!r}; expected some of {METHODS}")
+        if m.partition(":")[0] not in known:
+            ap.error(f"--methods: unknown method {m!r}; expected some of {known}")
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
         ap.error(f"--model: {args.model!r} is not a Hugging Face folder with a tokenizer.json")
     args.error = ap.error
