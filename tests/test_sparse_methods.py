@@ -623,3 +623,28 @@ def test_mass_ranks_by_the_int4_keys_exact_mass():
     lens2 = torch.tensor([n * BS], dtype=torch.int32)
     m.attention_begin(1, ["a"], q, k, table, lens2)
     assert torch.equal(tabs["keys4"][last], ref.token_key_codes(k[last:last + 1])[0][0])
+
+
+def test_mass_keys_past_float16_range_rank_without_nan():
+    """A bfloat16 cache may hold keys far past float16's range (and inf): their int4 scale stops
+    at float16's largest finite value, so every dequantized key and every score stays finite
+    (an infinite scale made the zero codes of its channel NaN), and such a block still ranks
+    first for a query along it."""
+    k = cache(seed=23).to(torch.bfloat16)
+    table, lens = tables([30 * BS + 2], seed=24)
+    hot = int(table[0, 7])
+    k[hot, :, :, 0] = 1e30
+    k[hot, 3, 0, 1] = float("inf")
+    codes, scale = ref.token_key_codes(k[hot:hot + 1])
+    assert torch.isfinite(scale.float()).all() and float(scale.float().max()) == 65504.0
+    assert torch.isfinite(ref.token_keys(codes, scale)).all()
+    q = torch.zeros(1, HQ, D)
+    q[..., 0] = 1.0
+    m = make("mass", sparse_ratio=0.125)
+    m.request_begin("a", 1)
+    t_sel, l_sel = m.attention_begin(0, ["a"], q.to(torch.bfloat16), k, table, lens)
+    per_head = ops.score_token_mass(q, table, torch.tensor([31], dtype=torch.int32),
+                                    keys4=m._tables[0]["keys4"], scale4=m._tables[0]["scale4"],
+                                    scale=D ** -0.5)
+    assert torch.isfinite(per_head[:, :, :30]).all()
+    assert hot in t_sel[0, :math.ceil(int(l_sel[0]) / BS)].tolist()

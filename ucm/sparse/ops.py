@@ -376,8 +376,8 @@ def quantize_token_keys(k_cache, block_ids, *, keys4, scale4,
     int32/int64 ``[N]`` distinct ids in ``[0, num_blocks)`` of blocks holding ``block_size``
     tokens; keys4: uint8 ``[num_blocks, Hkv, block_size, D // 2]``; scale4: float16
     ``[num_blocks, Hkv, D]``. Symmetric per (block, KV head, channel): ``scale = max |k| / 7`` in
-    float16, ``code = floor(k / scale + 1/2)`` in ``[-7, 7]`` (0 for a zero or infinite scale;
-    a NaN key counts as 0), stored plus 8, channel ``c`` in the low nibble of byte ``c`` and channel
+    float16 (at most its largest finite value: a larger key is clipped), ``code = floor(k / scale
+    + 1/2)`` in ``[-7, 7]`` (0 for a zero scale; a NaN key counts as 0), stored plus 8, channel ``c`` in the low nibble of byte ``c`` and channel
     ``c + D / 2`` in its high nibble. Rows not listed are left as they are.
     """
     k = _cache(k_cache)

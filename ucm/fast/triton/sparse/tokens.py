@@ -44,8 +44,8 @@ def _quantize_kernel(k_ptr, ids_ptr, codes_ptr, scale_ptr,
     x_lo = tl.where(x_lo == x_lo, x_lo, 0.0)                           # a NaN key counts as 0
     x_hi = tl.where(x_hi == x_hi, x_hi, 0.0)
     seven = tl.full([HALF_PADDED], 7.0, tl.float32)
-    s_lo = tl.math.div_rn(tl.max(tl.abs(x_lo), 0), seven).to(tl.float16)
-    s_hi = tl.math.div_rn(tl.max(tl.abs(x_hi), 0), seven).to(tl.float16)
+    s_lo = tl.minimum(tl.math.div_rn(tl.max(tl.abs(x_lo), 0), seven), 65504.0).to(tl.float16)
+    s_hi = tl.minimum(tl.math.div_rn(tl.max(tl.abs(x_hi), 0), seven), 65504.0).to(tl.float16)
     tl.store(scale_ptr + out_row * (2 * HALF) + c, s_lo, mask=cm)
     tl.store(scale_ptr + out_row * (2 * HALF) + HALF + c, s_hi, mask=cm)
     f_lo = s_lo.to(tl.float32)
