@@ -89,17 +89,19 @@ def load_quality(paths: list) -> dict:
 
 
 def load_retrieval(path: Optional[str]) -> dict:
+    """(method, ratio) -> accuracy from one or more comma-separated sparse_retrieval JSON files
+    (a later file's rows win; dense accuracy and meta from the first)."""
     if not path:
         return {}
-    with open(path) as f:
-        d = json.load(f)
-    out = {}
-    dense = d["summary"]["dense"]["accuracy"]
-    for m, x in d["summary"]["methods"].items():
-        for ratio, r in x["per_ratio"].items():
-            out[(m, float(ratio))] = r["accuracy"]
-    out["dense"] = dense
-    out["meta"] = d.get("meta", {})
+    out: dict = {}
+    for p in path.split(","):
+        with open(p) as f:
+            d = json.load(f)
+        for m, x in d["summary"]["methods"].items():
+            for ratio, r in x["per_ratio"].items():
+                out[(m, float(ratio))] = r["accuracy"]
+        out.setdefault("dense", d["summary"]["dense"]["accuracy"])
+        out.setdefault("meta", d.get("meta", {}))
     return out
 
 
@@ -169,7 +171,8 @@ def main(argv=None) -> int:
                     "here first (CPU; about an hour on 2 cores)")
     ap.add_argument("--quality", default="", help="quality JSON files (sparse_quality.py --json), "
                     "comma-separated")
-    ap.add_argument("--retrieval", default="", help="retrieval JSON (sparse_retrieval.py --json)")
+    ap.add_argument("--retrieval", default="", help="retrieval JSON, comma-separated "
+                    "(sparse_retrieval.py --json)")
     speed = os.path.join(REPO, "benchmarks", "results", "sparse_pareto_speed_h200.json")
     ap.add_argument("--speed", default=None, help="speed JSON, comma-separated (bench_sparse_pareto.py --json; "
                     f"default {os.path.relpath(speed, REPO)}, left out if missing)")
@@ -182,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args(argv)
     quality_paths = [p for p in args.quality.split(",") if p]
-    inputs = [] if args.run else quality_paths + [args.retrieval]    # (--run writes these)
+    inputs = [] if args.run else quality_paths + args.retrieval.split(",")   # (--run writes these)
     for p in [x for x in inputs + (args.speed.split(",") if args.speed else []) if x]:
         if not os.path.isfile(p):
             ap.error(f"no such file: {p!r}")
