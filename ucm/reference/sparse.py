@@ -162,9 +162,11 @@ def score_token_mass(q: torch.Tensor, block_table: torch.Tensor, num_blocks: tor
     keys."""
     B, Hq, D = q.shape
     ids, valid = _logical_ids(block_table, num_blocks)
-    keys = token_keys(keys4, scale4)                                     # [n, Hkv, bs, D]
-    Hkv = keys.shape[1]
-    per_kv = keys[ids]                                                   # [B, M, Hkv, bs, D]
+    M = ids.shape[1]
+    flat = ids.reshape(-1)               # only the rows the requests hold are dequantized
+    per_kv = token_keys(keys4[flat], scale4[flat])                       # [B * M, Hkv, bs, D]
+    Hkv = per_kv.shape[1]
+    per_kv = per_kv.reshape(B, M, *per_kv.shape[1:])                     # [B, M, Hkv, bs, D]
     qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
     logits = torch.einsum("bhgd,bmhtd->bhgmt", qg, per_kv) * scale
     per_head = (torch.logsumexp(logits, -1) / scale).reshape(B, Hq, -1)
