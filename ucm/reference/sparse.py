@@ -119,17 +119,16 @@ def token_key_codes(keys: torch.Tensor):
     head, channel): ``(packed uint8 [N, Hkv, bs, D // 2], scale float16 [N, Hkv, D])``. The scale
     is ``max_t |k| / 7`` rounded to float16; a code is ``floor(k / scale + 1/2)`` clamped to
     ``[-7, 7]`` (0 where the scale is 0; the scale at most float16's largest finite value; a NaN
-    key counts as 0), stored plus 8; byte ``c``
-    holds channel ``c`` in its low nibble and channel ``c + D / 2`` in its high one."""
+    key counts as 0), stored plus 8; byte ``c`` holds channel ``c`` in its low nibble and
+    channel ``c + D / 2`` in its high one."""
     kf = keys.float().permute(0, 2, 1, 3)                              # [N, Hkv, bs, D]
     kf = torch.where(kf == kf, kf, 0.0)                                 # a NaN key counts as 0
     # float16's largest finite value bounds the scale: a key past 7 times it is clipped, never
     # a scale of inf (whose zero codes would dequantize to NaN)
     scale = (kf.abs().amax(2) / 7.0).clamp(max=65504.0).to(torch.float16)   # [N, Hkv, D]
-    s = scale.float()[:, :, None, :]
+    s = scale.float()[:, :, None, :]     # finite, so k / s is never NaN
     x = torch.where(s > 0, kf / torch.where(s > 0, s, torch.ones_like(s)), 0.0)
-    x = torch.nan_to_num(x, nan=0.0)
-    codes = torch.floor(x.clamp(-7.0, 7.0) + 0.5).clamp(-7, 7).to(torch.int32) + 8
+    codes = torch.floor(x.clamp(-7.0, 7.0) + 0.5).to(torch.int32) + 8
     half = kf.shape[-1] // 2
     packed = (codes[..., :half] | (codes[..., half:] << 4)).to(torch.uint8)
     return packed, scale

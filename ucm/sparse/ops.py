@@ -279,12 +279,10 @@ def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj,
                 mean_scale=None):
     """Validated ``(q, block_table, num_blocks)`` of a scoring call (see :func:`score_blocks`;
     the caller has checked ``kind``)."""
-    q = _query(q, "q", None)
+    q, table, nblk = _scored_rows(q, block_table, num_blocks)
     B, Hq, D = q.shape
     dev = q.device
-    table = _table(block_table, B, dev)
     M = table.shape[1]
-    nblk = _vector(num_blocks, "num_blocks", B, dev)
     needed = {"mean": ("mean",), "quest": ("kmin", "kmax"), "hamming": ("codes", "proj")}[kind]
     given = {"mean": mean, "kmin": kmin, "kmax": kmax, "codes": codes, "proj": proj}
     for name in needed:
@@ -311,13 +309,27 @@ def _score_args(q, block_table, num_blocks, kind, mean, kmin, kmax, codes, proj,
     if channel_mask is not None:
         _tensor(channel_mask, "channel_mask", (torch.bool,), 3, dev)
         _shape(channel_mask, "channel_mask", (B, Hq, D), "per query head and channel")
+    _check_scored_rows(table, nblk, n_phys, "the representation tables' rows")
+    return q, table, nblk
+
+
+def _scored_rows(q, block_table, num_blocks):
+    """``(q [B, Hq, D], block_table int32 [B, M], num_blocks int32 [B])`` of a scoring call,
+    validated for type, dtype, shape and device (values: :func:`_check_scored_rows`)."""
+    q = _query(q, "q", None)
+    B = q.shape[0]
+    return q, _table(block_table, B, q.device), _vector(num_blocks, "num_blocks", B, q.device)
+
+
+def _check_scored_rows(table, nblk, n_phys: int, rows: str) -> None:
+    """Every request scores 1 to M blocks, each held in one of ``n_phys`` table rows."""
+    M = table.shape[1]
     _fail_if({
         f"num_blocks: entries must lie in [1, M={M}] (an empty request has nothing to score)":
             ((nblk < 1) | (nblk > M)).any(),
-        f"block_table: an entry below num_blocks lies outside [0, {n_phys}) (the representation "
-        f"tables' rows)": _ids_used_out_of_range(table, nblk.clamp(0, M), n_phys),
+        f"block_table: an entry below num_blocks lies outside [0, {n_phys}) ({rows})":
+            _ids_used_out_of_range(table, nblk.clamp(0, M), n_phys),
     })
-    return q, table, nblk
 
 
 def score_blocks(q, block_table, num_blocks, *, kind: str, mean=None, kmin=None, kmax=None,
@@ -377,8 +389,9 @@ def quantize_token_keys(k_cache, block_ids, *, keys4, scale4,
     tokens; keys4: uint8 ``[num_blocks, Hkv, block_size, D // 2]``; scale4: float16
     ``[num_blocks, Hkv, D]``. Symmetric per (block, KV head, channel): ``scale = max |k| / 7`` in
     float16 (at most its largest finite value: a larger key is clipped), ``code = floor(k / scale
-    + 1/2)`` in ``[-7, 7]`` (0 for a zero scale; a NaN key counts as 0), stored plus 8, channel ``c`` in the low nibble of byte ``c`` and channel
-    ``c + D / 2`` in its high nibble. Rows not listed are left as they are.
+    + 1/2)`` in ``[-7, 7]`` (0 for a zero scale; a NaN key counts as 0), stored plus 8, channel
+    ``c`` in the low nibble of byte ``c`` and channel ``c + D / 2`` in its high nibble. Rows not
+    listed are left as they are.
     """
     k = _cache(k_cache)
     nb, bs, Hkv, D = k.shape
@@ -406,21 +419,11 @@ def score_token_mass(q, block_table, num_blocks, *, keys4, scale4, scale: float,
     ``num_blocks``; ``softmax(scale * x, -1)`` of a row is then each block's share of that head's
     attention (what :func:`select_head_mass` takes with the same ``scale``).
     """
-    q = _query(q, "q", None)
-    B, Hq, D = q.shape
-    dev = q.device
-    table = _table(block_table, B, dev)
-    M = table.shape[1]
-    nblk = _vector(num_blocks, "num_blocks", B, dev)
+    q, table, nblk = _scored_rows(q, block_table, num_blocks)
     scale = _scale_arg(scale)
-    n_phys, Hkv, _, _ = _token_tables(keys4, scale4, dev, None, None, None, D)
-    _heads(Hq, Hkv, "q")
-    _fail_if({
-        f"num_blocks: entries must lie in [1, M={M}] (an empty request has nothing to score)":
-            ((nblk < 1) | (nblk > M)).any(),
-        f"block_table: an entry below num_blocks lies outside [0, {n_phys}) (keys4's rows)":
-            _ids_used_out_of_range(table, nblk.clamp(0, M), n_phys),
-    })
+    n_phys, Hkv, _, _ = _token_tables(keys4, scale4, q.device, None, None, None, q.shape[2])
+    _heads(q.shape[1], Hkv, "q")
+    _check_scored_rows(table, nblk, n_phys, "keys4's rows")
     return dispatch.call("score_token_mass", q, table, nblk, keys4=keys4, scale4=scale4,
                          scale=scale, backend=backend)
 

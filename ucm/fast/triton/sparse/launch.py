@@ -56,9 +56,6 @@ class LaunchConfig:
     score_mass_rows: int = 64
     score_mass_blocks_per_program: int = 64
     score_mass_warps: int = 4
-    #: Load each block's scale row once and broadcast it over the block's tokens (else once per
-    #: token row, from the cache).
-    score_mass_scale_per_block: bool = False
 
     # -- selection ------------------------------------------------------------------------------
     #: Rows up to this many blocks are selected in kernels; longer rows by one ``torch.topk``

@@ -7,7 +7,7 @@ scales, bit-identical to :func:`ucm.reference.sparse.token_key_codes` (IEEE divi
 rounding to nearest even).
 
 :func:`score_token_mass`: one program per (request, KV head, run of blocks) dequantizes a few
-blocks' keys at a time (``score_mass_blocks`` blocks of ``block_size`` rows), multiplies them with
+blocks' keys at a time (``score_mass_rows`` token rows, whole blocks), multiplies them with
 the KV head's query heads in one ``tl.dot`` (the heads padded to 16 rows) and writes each block's
 ``log-sum-exp`` of the scaled logits per query head. On a GPU the product runs in bfloat16 on
 the tensor cores (float32 sums; the ranking tolerates the rounding, the tests bound it); float32
@@ -50,14 +50,13 @@ def _quantize_kernel(k_ptr, ids_ptr, codes_ptr, scale_ptr,
     tl.store(scale_ptr + out_row * (2 * HALF) + HALF + c, s_hi, mask=cm)
     f_lo = s_lo.to(tl.float32)
     f_hi = s_hi.to(tl.float32)
+    # finite scales and NaN-free keys: the quotient is never NaN
     r_lo = tl.math.div_rn(x_lo, tl.where(f_lo > 0, f_lo, 1.0)[None, :])
     r_hi = tl.math.div_rn(x_hi, tl.where(f_hi > 0, f_hi, 1.0)[None, :])
-    r_lo = tl.where((f_lo > 0)[None, :] & (r_lo == r_lo), r_lo, 0.0)   # NaN -> 0
-    r_hi = tl.where((f_hi > 0)[None, :] & (r_hi == r_hi), r_hi, 0.0)
-    r_lo = tl.floor(tl.minimum(tl.maximum(r_lo, -7.0), 7.0) + 0.5)
-    r_hi = tl.floor(tl.minimum(tl.maximum(r_hi, -7.0), 7.0) + 0.5)
-    lo = tl.minimum(tl.maximum(r_lo, -7.0), 7.0).to(tl.int32) + 8
-    hi = tl.minimum(tl.maximum(r_hi, -7.0), 7.0).to(tl.int32) + 8
+    r_lo = tl.where((f_lo > 0)[None, :], r_lo, 0.0)
+    r_hi = tl.where((f_hi > 0)[None, :], r_hi, 0.0)
+    lo = tl.floor(tl.minimum(tl.maximum(r_lo, -7.0), 7.0) + 0.5).to(tl.int32) + 8
+    hi = tl.floor(tl.minimum(tl.maximum(r_hi, -7.0), 7.0) + 0.5).to(tl.int32) + 8
     packed = (lo | (hi << 4)).to(tl.uint8)
     tl.store(codes_ptr + (out_row * BLOCK_SIZE + t[:, None]) * HALF + c[None, :], packed, mask=m)
 
@@ -79,8 +78,7 @@ def _mass_kernel(q_ptr, codes_ptr, scale_ptr, table_ptr, nblk_ptr, out_ptr,
                  scale_log2, inv_scale_log2,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                  HALF: tl.constexpr, HALF_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TOKENS_PADDED: tl.constexpr, BLOCKS: tl.constexpr, EXACT_F32: tl.constexpr,
-                 SCALE_PER_BLOCK: tl.constexpr):
+                 TOKENS_PADDED: tl.constexpr, BLOCKS: tl.constexpr, EXACT_F32: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // NUM_KV_HEADS
     h = pid % NUM_KV_HEADS
@@ -116,30 +114,13 @@ def _mass_kernel(q_ptr, codes_ptr, scale_ptr, table_ptr, nblk_ptr, out_ptr,
         lm = (live & (rt < BLOCK_SIZE))[:, None] & cmask[None, :]
         codes = tl.load(codes_ptr + (row * BLOCK_SIZE + rt)[:, None] * HALF + c[None, :],
                         mask=lm, other=0x88)
-        if SCALE_PER_BLOCK:   # one scale row per block, broadcast over its tokens
-            jbk = j0 + jb
-            bl = (jbk < n) & (jbk < end)
-            pb = tl.load(table_ptr + b.to(tl.int64) * table_stride_batch + jbk, mask=bl,
-                         other=0).to(tl.int64)
-            srow = pb * NUM_KV_HEADS + h
-            sm = bl[:, None] & cmask[None, :]
-            slo = tl.load(scale_ptr + srow[:, None] * (2 * HALF) + c[None, :], mask=sm,
-                          other=0.0).to(tl.float32)
-            shi = tl.load(scale_ptr + srow[:, None] * (2 * HALF) + HALF + c[None, :], mask=sm,
-                          other=0.0).to(tl.float32)
-            ilo = tl.reshape(((codes & 15).to(tl.int32) - 8).to(tl.float32),
-                             [BLOCKS, TOKENS_PADDED, HALF_PADDED])
-            ihi = tl.reshape(((codes >> 4).to(tl.int32) - 8).to(tl.float32),
-                             [BLOCKS, TOKENS_PADDED, HALF_PADDED])
-            klo = tl.reshape(ilo * slo[:, None, :], [ROWS, HALF_PADDED])
-            khi = tl.reshape(ihi * shi[:, None, :], [ROWS, HALF_PADDED])
-        else:                 # the scale row loaded per token row (cached)
-            slo = tl.load(scale_ptr + row[:, None] * (2 * HALF) + c[None, :], mask=lm,
-                          other=0.0)
-            shi = tl.load(scale_ptr + row[:, None] * (2 * HALF) + HALF + c[None, :], mask=lm,
-                          other=0.0)
-            klo = ((codes & 15).to(tl.int32) - 8).to(tl.float32) * slo.to(tl.float32)
-            khi = ((codes >> 4).to(tl.int32) - 8).to(tl.float32) * shi.to(tl.float32)
+        # the block's scale row is loaded for each of its token rows (from the cache)
+        slo = tl.load(scale_ptr + row[:, None] * (2 * HALF) + c[None, :], mask=lm,
+                      other=0.0)
+        shi = tl.load(scale_ptr + row[:, None] * (2 * HALF) + HALF + c[None, :], mask=lm,
+                      other=0.0)
+        klo = ((codes & 15).to(tl.int32) - 8).to(tl.float32) * slo.to(tl.float32)
+        khi = ((codes >> 4).to(tl.int32) - 8).to(tl.float32) * shi.to(tl.float32)
         if EXACT_F32:
             logit = tl.dot(klo, tl.trans(qlo), input_precision="ieee") \
                 + tl.dot(khi, tl.trans(qhi), input_precision="ieee")
@@ -173,5 +154,5 @@ def score_token_mass(q, block_table, num_blocks, *, keys4, scale4, scale: float,
         GROUP_ROWS=pow2(group, 16), HALF=half, HALF_PADDED=pow2(half, 16), BLOCK_SIZE=bs,
         TOKENS_PADDED=tokens, BLOCKS=blocks,
         EXACT_F32=q.dtype == torch.float32 or interpreting(),
-        SCALE_PER_BLOCK=launch.score_mass_scale_per_block, num_warps=launch.score_mass_warps)
+        num_warps=launch.score_mass_warps)
     return out
