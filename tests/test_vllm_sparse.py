@@ -50,17 +50,21 @@ def test_key_cache_view_reads_what_vllm_writes(dtype, block_size):
     kc, vc = kv.view(nb, h, 2 * block_size, d).chunk(2, dim=2)
     vops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "vec")
     view = sparse_hook.key_cache_view(kv)
-    assert view.shape == (nb, block_size, h, d)
+    values = sparse_hook.value_cache_view(kv)
+    assert view.shape == values.shape == (nb, block_size, h, d)
     assert view.data_ptr() == kv.data_ptr()  # a view, no copy
+    assert values.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
     for i, s in enumerate(slots.tolist()):
         assert torch.equal(view[s // block_size, s % block_size], k[i])
+        assert torch.equal(values[s // block_size, s % block_size], v[i])
 
 
 def test_key_cache_view_rejects_other_layouts():
-    with pytest.raises(ValueError, match="kv_cache"):
-        sparse_hook.key_cache_view(torch.zeros(4, 2, 16, 63))
-    with pytest.raises(ValueError, match="kv_cache"):
-        sparse_hook.key_cache_view(torch.zeros(4, 16, 2, 128).permute(0, 2, 1, 3))
+    for view in (sparse_hook.key_cache_view, sparse_hook.value_cache_view):
+        with pytest.raises(ValueError, match="kv_cache"):
+            view(torch.zeros(4, 2, 16, 63))
+        with pytest.raises(ValueError, match="kv_cache"):
+            view(torch.zeros(4, 16, 2, 128).permute(0, 2, 1, 3))
 
 
 BS, HQ, HKV, D = 32, 4, 2, 64
@@ -298,6 +302,130 @@ def test_every_method_through_vllms_kernel(impl, method):
         assert hook.stats()["blocks_kept"] == 3
 
 
+def _reference_head(kv, query_row, g, blocks, seq_len):
+    """Attention of KV head ``g``'s query heads over the first seq_len tokens of the listed
+    blocks (``_reference`` for one KV head)."""
+    k = sparse_hook.key_cache_view(kv)[blocks].reshape(-1, HKV, D)[:seq_len, g]
+    v = kv.view(kv.shape[0], HKV, 2 * BS, D)[:, :, BS:].permute(0, 2, 1, 3)[blocks]
+    v = v.reshape(-1, HKV, D)[:seq_len, g]
+    heads = query_row[g * (HQ // HKV):(g + 1) * (HQ // HKV)].double()
+    return torch.softmax(heads @ k.double().T * D ** -0.5, dim=-1) @ v.double()
+
+
+class _KeepPerHead(_KeepListedBlocks):
+    """Private test method: KV head ``g`` keeps the logical blocks ``keep[g]`` of each row it is
+    given (every block when ``keep`` is None): per-KV-head tables ``[rows, HKV, K]``."""
+
+    def attention_begin(self, layer, req_ids, q, k_cache, block_table, seq_lens):
+        self.calls.append(dict(layer=layer, req_ids=list(req_ids)))
+        n = seq_lens.long()
+        if self.keep is None:
+            return (block_table[:, None].repeat(1, HKV, 1).clone(),
+                    seq_lens[:, None].repeat(1, HKV).clone())
+        table = torch.stack([block_table[:, k] for k in self.keep], dim=1).to(torch.int32)
+        in_last = n - (n + BS - 1) // BS * BS + BS
+        lens = torch.stack([(len(k) - 1) * BS + in_last for k in self.keep], dim=1)
+        return table, lens.to(torch.int32)
+
+
+def _per_head_hook(keep):
+    cfg = Config({"sparse_method": "quest", "sparse_per_kv_head": True, "min_blocks": 4,
+                  "init_window": 1, "local_window": 1})
+    made = []
+
+    def factory(c, **shape):
+        made.append(_KeepPerHead(c, keep, **shape))
+        return made[-1]
+
+    return sparse_hook.SparseHook(cfg, method_factory=factory, stats_path=""), made
+
+
+def test_per_kv_head_tables_are_attended_per_head(impl):
+    """A per-KV-head selection (which vLLM's kernel cannot take) is attended by ucm's
+    paged_decode_attention: each KV head's query heads over exactly its blocks; the other rows
+    stay vLLM's dense result bit for bit; vLLM's metadata is untouched."""
+    kv, meta, query, layer, runner = _batch()
+    before = (meta.block_table.clone(), meta.seq_lens.clone(), meta.scheduler_metadata)
+    dense = torch.zeros_like(query)
+    CPUAttentionBackendImpl.forward(impl, layer, query, None, None, kv, meta, dense)
+    keep = [[0, 2, 4], [1, 3, 4]]           # different blocks per KV head, both end with the last
+    hook, made = _per_head_hook(keep)
+    _start(hook, runner)
+    out = torch.zeros_like(query)
+    hook.forward(CPUAttentionBackendImpl.forward, impl, layer, query, None, None, kv, meta, out)
+    hook.step_end()
+    blocks = REQS["long"]["blocks"]
+    n = 2 * BS + (150 - 4 * BS)
+    for g in range(HKV):
+        ref = _reference_head(kv, query[0], g, [blocks[i] for i in keep[g]], n)
+        got = out[0, g * (HQ // HKV):(g + 1) * (HQ // HKV)]
+        assert torch.allclose(got.double(), ref, atol=1e-5), g
+    assert (out[0] - dense[0]).abs().max() > 1e-3
+    assert torch.equal(out[1:], dense[1:])
+    assert torch.equal(meta.block_table, before[0]) and torch.equal(meta.seq_lens, before[1])
+    assert meta.scheduler_metadata is before[2]
+    s = hook.stats()
+    assert (s["selected_layer_calls"], s["blocks_total"], s["blocks_kept"]) == (1, 5, 3)
+
+    # every block for every KV head: vLLM's dense result up to the kernels' rounding
+    hook, made = _per_head_hook(None)
+    _start(hook, runner)
+    out = torch.zeros_like(query)
+    hook.forward(CPUAttentionBackendImpl.forward, impl, layer, query, None, None, kv, meta, out)
+    assert torch.allclose(out, dense, atol=1e-5) and torch.equal(out[1:], dense[1:])
+    assert hook.stats()["blocks_kept"] == 5
+
+
+@pytest.mark.parametrize("method", ["quest", "mass"])
+def test_per_kv_head_methods_through_the_hook(impl, method):
+    """The shipped per-KV-head methods inside the hook: at ratio 0.5 each KV head's query heads
+    attend exactly the blocks the method chose for it; a wrong-shaped per-head table fails."""
+    import ucm.sparse
+
+    kv, meta, query, layer, runner = _batch()
+    dense = torch.zeros_like(query)
+    CPUAttentionBackendImpl.forward(impl, layer, query, None, None, kv, meta, dense)
+    cfg = Config({"sparse_method": method, "sparse_per_kv_head": True, "sparse_ratio": 0.5,
+                  "min_blocks": 4, "init_window": 1, "local_window": 1})
+    seen = []
+
+    def factory(c, **shape):
+        m = ucm.sparse.create(c, **shape)
+        real = m.attention_begin
+
+        def recorded(*a):
+            seen.append(real(*a))
+            return seen[-1]
+        m.attention_begin = recorded
+        return m
+
+    hook = sparse_hook.SparseHook(cfg, method_factory=factory, stats_path="")
+    _start(hook, runner)
+    out = torch.zeros_like(query)
+    hook.forward(CPUAttentionBackendImpl.forward, impl, layer, query, None, None, kv, meta, out)
+    hook.step_end()
+    ((table, lens),) = seen
+    assert table.shape[:2] == (1, HKV) and lens.shape == (1, HKV)
+    for g in range(HKV):
+        n = int(lens[0, g])
+        blocks = table[0, g, :-(-n // BS)].tolist()
+        assert len(blocks) == 3 and blocks[-1] == REQS["long"]["blocks"][-1], (method, g, blocks)
+        got = out[0, g * (HQ // HKV):(g + 1) * (HQ // HKV)]
+        assert torch.allclose(got.double(), _reference_head(kv, query[0], g, blocks, n),
+                              atol=1e-5), (method, g)
+    assert torch.equal(out[1:], dense[1:])
+    assert hook.stats()["blocks_kept"] == 3
+
+    hook, made = _per_head_hook([[0, 2, 4], [1, 3, 4]])
+    _start(hook, runner)
+    hook._ensure_method(impl, kv)
+    made[0].attention_begin = lambda *a: (torch.zeros((1, HKV + 1, 3), dtype=torch.int32),
+                                          torch.ones((1, HKV + 1), dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="attention_begin returned"):
+        hook.forward(CPUAttentionBackendImpl.forward, impl, layer, query, None, None, kv, meta,
+                     torch.zeros_like(query))
+
+
 def test_short_requests_and_prefill_never_reach_the_method(impl):
     kv, meta, query, layer, runner = _batch()
     hook, made = _hook(KEEP, min_blocks=6)  # "long" has 5 blocks: now every row is short
@@ -393,13 +521,16 @@ def test_bad_sparse_config_fails_loudly(_clean_patches):
     with pytest.raises(ValueError, match="sparse_ratio"):
         integ.patch()
     _clean_patches.delenv("UCM_SPARSE_RATIO")
-    # per-KV-head tables: vLLM-CPU's kernel takes one table per request, so the option is refused
-    with pytest.raises(ValueError, match="sparse_per_kv_head"):
-        sparse_hook.configure(Config({"sparse_method": "quest", "sparse_per_kv_head": True}))
-    _clean_patches.setenv("UCM_SPARSE_METHOD", "quest")
+    # per-KV-head tables with a method that selects per request: refused at configuration,
+    # not at the first long decode row inside the engine
+    with pytest.raises(ValueError, match="sparse_per_kv_head.*'esa'.*supported: .*mass"):
+        sparse_hook.configure(Config({"sparse_method": "esa", "sparse_per_kv_head": True}))
+    _clean_patches.setenv("UCM_SPARSE_METHOD", "kvstar")
     _clean_patches.setenv("UCM_SPARSE_PER_KV_HEAD", "1")
-    with pytest.raises(ValueError, match="sparse_per_kv_head"):
+    with pytest.raises(ValueError, match="sparse_per_kv_head.*'kvstar'"):
         integ.patch()
+    _clean_patches.setenv("UCM_SPARSE_METHOD", "mass")   # a per-KV-head method: installed
+    assert integ.patch()["patches"]["sparse_attention"] == {"applied": True, "wanted": True}
     _clean_patches.delenv("UCM_SPARSE_PER_KV_HEAD")
     _clean_patches.delenv("UCM_SPARSE_METHOD")
 

