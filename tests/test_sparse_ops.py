@@ -386,6 +386,66 @@ def test_select_reference_invariants(budget, windows):
     check_selection(scores.cpu(), nblk.cpu(), budget, *windows, sel.cpu(), count.cpu())
 
 
+def _pooled_model(shares, n, per, cap, init_window, local_window):
+    """Per-head budgets of one request, greedily: every head its windows, then the free
+    (head, block) pairs by decreasing share while the pooled budget lasts, a head stopping at
+    ``cap * per`` blocks."""
+    H = shares.shape[0]
+    forced = set(range(min(init_window, n))) | set(range(max(0, n - local_window), n)) | {n - 1}
+    f = len(forced)
+    pairs = sorted(((float(shares[h, j]), h) for h in range(H) for j in range(n)
+                    if j not in forced), key=lambda t: -t[0])
+    counts, left = [f] * H, max(0, H * (per - f))
+    for _, h in pairs:
+        if left == 0:
+            break
+        if counts[h] < cap * per:
+            counts[h] += 1
+            left -= 1
+    return [min(n, c) for c in counts]
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_pool_head_budgets_reference(cap):
+    """Pooled per-head budgets against a greedy model; cap 1 gives every head its own budget;
+    heads of equal shares get equal budgets; the windows always fit; NaN ranks last."""
+    g = torch.Generator().manual_seed(cap)
+    B, H, M = 6, 3, 40
+    logits = torch.randn(B, H, M, generator=g) * torch.tensor([0.5, 2.0, 6.0])[None, :, None]
+    shares = torch.softmax(logits, -1)
+    nblk = torch.tensor([40, 33, 7, 1, 20, 12], dtype=torch.int32)
+    per = torch.tensor([8, 5, 3, 1, 20, 4], dtype=torch.int32)
+    for iw, lw in [(1, 2), (0, 0), (3, 1)]:
+        got = ops.pool_head_budgets(shares.to(DEV), nblk.to(DEV), per.to(DEV), cap=cap,
+                                    init_window=iw, local_window=lw)
+        assert got.dtype == torch.int32 and got.shape == (B, H)
+        for b in range(B):
+            n, p = int(nblk[b]), int(per[b])
+            want = _pooled_model(shares[b], n, p, cap, iw, lw)
+            assert got[b].tolist() == want, (cap, iw, lw, b)
+            if cap == 1:   # no pooling: what each head's own selection keeps
+                f = len(set(range(min(iw, n))) | set(range(max(0, n - lw), n)) | {n - 1})
+                assert got[b].tolist() == [min(n, max(p, f))] * H
+        # the pooled total is the heads' budgets together where the blocks allow it
+        assert int(got[0].sum()) == H * 8 and int(got[0].max()) <= cap * 8
+    # the head whose attention is spread (scale 0.5) takes what the concentrated one leaves
+    if cap > 1:
+        got = ops.pool_head_budgets(shares[:1].to(DEV), nblk[:1].to(DEV), 8, cap=cap,
+                                    init_window=1, local_window=2).tolist()[0]
+        assert got[0] > 8 > got[2]
+    same = shares[:, :1].expand(B, H, M).contiguous()
+    got = ops.pool_head_budgets(same.to(DEV), nblk.to(DEV), per.to(DEV), cap=cap, init_window=1,
+                                local_window=2)
+    assert (got == got[:, :1]).all()
+    nan = shares.clone()
+    nan[0, 0, 5] = float("nan")
+    nan[0, 1, 5] = float("inf")
+    got = ops.pool_head_budgets(nan.to(DEV), nblk.to(DEV), per.to(DEV), cap=cap, init_window=1,
+                                local_window=2)
+    want = _pooled_model(torch.nan_to_num(nan[0], nan=-1.0), 40, 8, cap, 1, 2)
+    assert got[0].tolist() == want
+
+
 def tri_select(s, nblk, budget, cfg, *, init_window, local_window, table=None, lens=None,
                block_size=None):
     """The Triton selection (with the sparse table folded in when ``table`` is given) under the
@@ -1181,7 +1241,22 @@ def _bad_calls():
     scores = rand((2, 3), g)
     sel, count = ops.select_blocks(scores, nblk, 2, init_window=0, local_window=1)
     att = ops.paged_decode_attention
+    shares = rand((2, 2, 3), g)
+    pool = ops.pool_head_budgets
     return [
+        ("cap: expected an int >= 1", lambda: pool(shares, nblk, 2, cap=0, init_window=0,
+                                                   local_window=1)),
+        ("cap: expected an int >= 1", lambda: pool(shares, nblk, 2, cap=1.5, init_window=0,
+                                                   local_window=1)),
+        ("shares: expected dtype", lambda: pool(shares.double(), nblk, 2, cap=2, init_window=0,
+                                                local_window=1)),
+        ("shares: expected 3 dimensions", lambda: pool(scores, nblk, 2, cap=2, init_window=0,
+                                                       local_window=1)),
+        ("num_blocks: entries must lie in", lambda: pool(
+            shares, nblk + 1, 2, cap=2, init_window=0, local_window=1)),
+        ("budget: entries must be >= 1", lambda: pool(
+            shares, nblk, torch.zeros(2, dtype=torch.int32, device=DEV), cap=2, init_window=0,
+            local_window=1)),
         ("seq_lens", lambda: att(q, k, v, table, torch.tensor([0, 5], dtype=torch.int32, device=DEV))),
         ("seq_lens", lambda: att(q, k, v, table, torch.tensor([13, 5], dtype=torch.int32, device=DEV))),
         ("seq_lens", lambda: att(q, k, v, table, lens.long())),

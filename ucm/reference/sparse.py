@@ -259,6 +259,38 @@ def select_blocks(scores: torch.Tensor, num_blocks: torch.Tensor, budget: torch.
     return sel.contiguous(), count.to(torch.int32)
 
 
+def pool_head_budgets(shares: torch.Tensor, num_blocks: torch.Tensor, budget: torch.Tensor, *,
+                      cap: int, init_window: int, local_window: int) -> torch.Tensor:
+    """int32 ``[B, H]``: each head's windows, plus its share of the ``H * (budget - windows)``
+    other (head, block) pairs of highest share, at most ``cap * budget`` blocks a head."""
+    B, H, M = shares.shape
+    forced = forced_mask(num_blocks, M, init_window, local_window)            # [B, M]
+    j = torch.arange(M, device=shares.device)[None, :]
+    free = (j < num_blocks.long()[:, None]) & ~forced
+    f = forced.sum(1)                                                        # [B]
+    s = torch.nan_to_num(shares.float(), nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+    s = torch.where(free[:, None, :], s, NEG_INF)
+    ranked = torch.sort(s, dim=2, descending=True, stable=True).values       # [B, H, M]
+    # a head's pairs beyond its cap, and the pairs that are not free blocks, are not eligible
+    room = (cap * budget.long() - f).clamp(min=0)                            # [B]
+    eligible = ((j[:, None, :] < room[:, None, None]) &
+                (j[:, None, :] < free.sum(1)[:, None, None])).expand(B, H, M)
+    # rank-major order: ties go to the lower rank within a head, then to the lower head
+    v = torch.where(eligible, ranked, NEG_INF).transpose(1, 2).reshape(B, M * H)
+    ok = eligible.transpose(1, 2).reshape(B, M * H)
+    order = torch.sort(v, dim=1, descending=True, stable=True).indices
+    # eligible pairs first (a second stable sort on the class keeps the order inside one)
+    order = order.gather(1, torch.sort(ok.gather(1, order).long(), dim=1, descending=True,
+                                       stable=True).indices)
+    extra = (H * (budget.long() - f)).clamp(min=0)                           # [B]
+    taken = (torch.arange(M * H, device=shares.device)[None, :] < extra[:, None]) & \
+        ok.gather(1, order)
+    head = order % H
+    counts = torch.zeros(B, H, dtype=torch.long, device=shares.device)
+    counts.scatter_add_(1, head, taken.long())
+    return torch.minimum(counts + f[:, None], num_blocks.long()[:, None]).to(torch.int32)
+
+
 def select_head_mass(per_head: torch.Tensor, num_blocks: torch.Tensor, budget: torch.Tensor, *,
                      scale: float, init_window: int, local_window: int, width: int):
     """:func:`select_blocks` on the head mass of per-head scores ``[B, H, M]``: a softmax over

@@ -10,6 +10,12 @@ and bounds (ESA, Quest) only estimate it. The shares are averaged over the query
 (:meth:`SparseMethod.head_mass`), per KV head with ``sparse_per_kv_head: true``, and the top
 blocks within the budget are kept with the windows.
 
+Per KV head the budget is pooled over the request's KV heads
+(:func:`ucm.sparse.ops.pool_head_budgets`): beyond its windows each head keeps its share of the
+``Hkv * budget`` (head, block) pairs of largest share, at most ``HEAD_BUDGET_CAP`` times the
+per-head budget, so a head whose attention sits on a few blocks leaves blocks to one whose
+attention is spread. The blocks attended in total stay those of the ratio.
+
 On SmolLM2 (``evals/sparse_quality.py``, 2K / 4K / 8K pooled, ``benchmarks/RESULTS.md``) this
 ranking, re-made every step and per KV head, costs less perplexity at ``sparse_ratio`` 0.2 than
 the exact-mass oracle with one selection per request; what a stride or coarser summaries save in
@@ -22,6 +28,11 @@ import math
 
 from ucm.sparse import ops
 from ucm.sparse.base import SparseMethod
+
+
+#: per KV head, the most blocks one head may take of the request's pooled budget, as a multiple
+#: of the per-head budget
+HEAD_BUDGET_CAP = 2
 
 
 class Mass(SparseMethod):
@@ -41,11 +52,11 @@ class Mass(SparseMethod):
                                         scale4=tables["scale4"], scale=scale)
         if not self.per_kv_head:
             return self.pick_by_mass(per_head, num_blocks, budget)
-        b, Hq, M = per_head.shape
-        H = self.num_kv_heads
-        sel, count = ops.select_head_mass(per_head.reshape(b * H, Hq // H, M),
-                                          num_blocks.repeat_interleave(H),
-                                          budget.repeat_interleave(H), scale=scale,
-                                          init_window=self.init_window,
-                                          local_window=self.local_window)
+        shares = self.kv_head_mass(per_head)                       # [b, Hkv, M]
+        b, H, M = shares.shape
+        windows = dict(init_window=self.init_window, local_window=self.local_window)
+        budgets = ops.pool_head_budgets(shares, num_blocks, budget, cap=HEAD_BUDGET_CAP, **windows)
+        sel, count = ops.select_blocks(shares.reshape(b * H, M).contiguous(),
+                                       num_blocks.repeat_interleave(H), budgets.reshape(-1),
+                                       **windows)
         return sel.reshape(b, H, -1), count.reshape(b, H)

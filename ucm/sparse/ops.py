@@ -67,7 +67,7 @@ def on_triton_device(*args, **kwargs):
 TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
               "select_head_mass", "score_select_head_mass", "sparse_block_table",
               "paged_decode_attention", "quantize_token_keys", "score_token_mass")
-REFERENCE_ONLY_OPS = ("block_attention_mass", "quantize_rows")
+REFERENCE_ONLY_OPS = ("block_attention_mass", "quantize_rows", "pool_head_budgets")
 REFERENCE = ImplSpec("reference", "ucm.reference.sparse:{op}")
 IMPLEMENTATIONS = (
     REFERENCE,
@@ -520,6 +520,31 @@ def select_head_mass(per_head, num_blocks, budget: Union[int, torch.Tensor], *, 
     return dispatch.call("select_head_mass", x, nblk, bud, scale=scale,
                          init_window=init_window, local_window=local_window, width=width,
                          backend=backend)
+
+
+def pool_head_budgets(shares, num_blocks, budget: Union[int, torch.Tensor], *, cap: int,
+                      init_window: int, local_window: int, backend: Optional[str] = None):
+    """One budget per request shared by its heads: int32 ``[B, H]``, the number of blocks each
+    head keeps when ``H * budget[b]`` (head, block) pairs are taken by share across the heads.
+
+    shares: float32 ``[B, H, M]``, each head's estimated share of attention per block (NaN
+    ranks like ``-inf``); num_blocks, budget, init_window, local_window: as
+    :func:`select_blocks` takes them (``budget`` is per head); cap: int >= 1, a head keeps at
+    most ``cap * budget[b]`` blocks. Every head keeps its windows (they are not pooled); the
+    other pairs go by share, ties to the lower rank within its head, then the lower head, so
+    heads of equal shares get equal budgets. A head whose attention is concentrated leaves
+    blocks to one whose attention is spread. Each result is at least the windows' count and at
+    most ``num_blocks[b]``; feed it to :func:`select_blocks` per (request, head) row.
+    """
+    x = _tensor(shares, "shares", (torch.float32,), 3)
+    B, H, M = x.shape
+    if B < 1 or H < 1 or M < 1:
+        raise ValueError(f"shares: expected [batch >= 1, heads >= 1, M >= 1], got {list(x.shape)}")
+    cap = _int(cap, "cap", 1)
+    nblk, bud, init_window, local_window, _ = _selection_args(x.device, B, M, num_blocks, budget,
+                                                              init_window, local_window)
+    return dispatch.call("pool_head_budgets", x, nblk, bud, cap=cap, init_window=init_window,
+                         local_window=local_window, backend=backend)
 
 
 def score_select_head_mass(q, block_table, num_blocks, budget: Union[int, torch.Tensor], *,
