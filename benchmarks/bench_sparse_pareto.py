@@ -33,7 +33,9 @@ import torch  # noqa: E402
 
 from benchmarks.bench_sparse import (BS, D, DTYPE, HKV, HQ, INIT_WINDOW, LOCAL_WINDOW,  # noqa: E402
                                      SHAPES, bench, make_case)
+from ucm.reference.sparse import pool_head_budgets  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
+from ucm.sparse.mass import HEAD_BUDGET_CAP  # noqa: E402
 from _argtypes import write_json  # noqa: E402
 
 RATIOS = (0.7, 0.5, 0.3, 0.2)
@@ -47,6 +49,7 @@ class Spec:
     group: int           # tokens per sub-block summary
     stride: int          # decode steps per retrieval
     per_kv_head: bool = False
+    pooled: bool = False  # per KV head: one budget per request over its KV heads (mass ships it)
 
 
 #: the shipped methods' GPU paths and the candidates measured against them
@@ -63,7 +66,8 @@ CONFIGS = (
     Spec("mean per KV head, g2, stride 4", "mean", 2, 4, per_kv_head=True),
     Spec("quest per KV head, g2", "quest", 2, 1, per_kv_head=True),
     Spec("mass", "mass", 1, 1),
-    Spec("mass per KV head", "mass", 1, 1, per_kv_head=True),
+    Spec("mass per KV head", "mass", 1, 1, per_kv_head=True, pooled=True),
+    Spec("mass per KV head, own budgets", "mass", 1, 1, per_kv_head=True),
 )
 
 
@@ -98,6 +102,9 @@ class Retrieval:
         self.nblk = torch.full((B,), M, dtype=torch.int32, device=q.device)
         self.budget = torch.full((B,), budget_n, dtype=torch.int32, device=q.device)
         self.width = ops.select_width(M, budget_n, INIT_WINDOW, LOCAL_WINDOW)
+        # pooled per-KV-head budgets reach HEAD_BUDGET_CAP times the budget
+        self.width_pooled = ops.select_width(M, HEAD_BUDGET_CAP * budget_n, INIT_WINDOW,
+                                             LOCAL_WINDOW)
         self.sk = dict(init_window=INIT_WINDOW, local_window=LOCAL_WINDOW, width=self.width)
         self.scale = D ** -0.5
 
@@ -136,6 +143,18 @@ class Retrieval:
                                               block_table=self.table, seq_lens=self.lens,
                                               block_size=BS, **self.sk)
             return t, n
+        if self.spec.pooled:
+            shares = torch.softmax(per_head * self.scale, -1).view(B, HKV, HQ // HKV, M).mean(2)
+            # the op's PyTorch implementation, called past the op's validation (which reads
+            # the budgets back to the host: no CUDA graph could hold it)
+            budgets = pool_head_budgets(shares, self.nblk, self.budget, cap=HEAD_BUDGET_CAP,
+                                        init_window=INIT_WINDOW, local_window=LOCAL_WINDOW)
+            _, _, t, n = tri.select_sparse_table(
+                shares.reshape(B * HKV, M), self.nblk.repeat_interleave(HKV), budgets.view(-1),
+                self.table.repeat_interleave(HKV, 0), self.lens.repeat_interleave(HKV),
+                block_size=BS, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+                width=self.width_pooled)
+            return t.view(B, HKV, -1), n.view(B, HKV)
         _, _, t, n = tri.select_head_mass(
             per_head.view(B * HKV, HQ // HKV, M), self.nblk.repeat_interleave(HKV),
             self.budget.repeat_interleave(HKV), scale=self.scale,
@@ -166,9 +185,12 @@ class Retrieval:
             return ops.sparse_block_table(self.table, self.lens, sel, count, BS,
                                           backend="reference"), per_head
         mass = torch.softmax(per_head * self.scale, -1).reshape(B, HKV, HQ // HKV, M).mean(2)
+        budgets = self.budget.repeat_interleave(HKV)
+        if s.pooled:
+            budgets = ops.pool_head_budgets(mass, self.nblk, self.budget, cap=HEAD_BUDGET_CAP,
+                                            **sk).view(-1)
         sel, count = ops.select_blocks(mass.reshape(B * HKV, M), self.nblk.repeat_interleave(HKV),
-                                       self.budget.repeat_interleave(HKV), backend="reference",
-                                       **sk)
+                                       budgets, backend="reference", **sk)
         t, n = ops.sparse_block_table(self.table.repeat_interleave(HKV, 0),
                                       self.lens.repeat_interleave(HKV), sel, count, BS,
                                       backend="reference")
