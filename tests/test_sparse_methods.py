@@ -648,3 +648,28 @@ def test_mass_keys_past_float16_range_rank_without_nan():
                                     scale=D ** -0.5)
     assert torch.isfinite(per_head[:, :, :30]).all()
     assert hot in t_sel[0, :math.ceil(int(l_sel[0]) / BS)].tolist()
+
+
+def test_mass_per_kv_head_pools_the_budget_over_kv_heads():
+    """mass per KV head: a KV head whose queries point at two blocks leaves blocks to one whose
+    attention is spread; the request attends the same number of (head, block) pairs as with one
+    budget per head, and no head more than twice its budget; the concentrated head still keeps
+    its two blocks."""
+    torch.manual_seed(3)
+    k = cache(seed=4)
+    table, lens = tables([64 * BS], seed=5)
+    q = torch.randn(1, HQ, D)
+    hot = [11, 40]
+    direction = q[0, :HQ // HKV].sum(0)
+    for j in hot:                                   # KV head 0 only
+        k[int(table[0, j]), :, 0] += 12.0 * direction / direction.norm()
+    m = make("mass", per_kv_head=True)
+    m.request_begin("a", 1)
+    t_sel, l_sel = m.attention_begin(0, ["a"], q, k, table, lens)
+    budget = m.budget(64)
+    counts = [math.ceil(int(l_sel[0, h]) / BS) for h in range(HKV)]
+    assert budget == 16 and sum(counts) == HKV * budget, counts
+    assert counts[0] < budget < counts[1] <= 2 * budget, counts
+    own = table[0].tolist()
+    kept0 = {own.index(p) for p in t_sel[0, 0, :counts[0]].tolist()}
+    assert set(hot) <= kept0 and {0, 62, 63} <= kept0
