@@ -33,7 +33,6 @@ import torch  # noqa: E402
 
 from benchmarks.bench_sparse import (BS, D, DTYPE, HKV, HQ, INIT_WINDOW, LOCAL_WINDOW,  # noqa: E402
                                      SHAPES, bench, make_case)
-from ucm.reference.sparse import pool_head_budgets  # noqa: E402
 from ucm.sparse import ops  # noqa: E402
 from ucm.sparse.mass import HEAD_BUDGET_CAP  # noqa: E402
 from _argtypes import write_json  # noqa: E402
@@ -145,10 +144,8 @@ class Retrieval:
             return t, n
         if self.spec.pooled:
             shares = torch.softmax(per_head * self.scale, -1).view(B, HKV, HQ // HKV, M).mean(2)
-            # the op's PyTorch implementation, called past the op's validation (which reads
-            # the budgets back to the host: no CUDA graph could hold it)
-            budgets = pool_head_budgets(shares, self.nblk, self.budget, cap=HEAD_BUDGET_CAP,
-                                        init_window=INIT_WINDOW, local_window=LOCAL_WINDOW)
+            budgets = tri.pool_head_budgets(shares, self.nblk, self.budget, cap=HEAD_BUDGET_CAP,
+                                            init_window=INIT_WINDOW, local_window=LOCAL_WINDOW)
             _, _, t, n = tri.select_sparse_table(
                 shares.reshape(B * HKV, M), self.nblk.repeat_interleave(HKV), budgets.view(-1),
                 self.table.repeat_interleave(HKV, 0), self.lens.repeat_interleave(HKV),
@@ -188,7 +185,7 @@ class Retrieval:
         budgets = self.budget.repeat_interleave(HKV)
         if s.pooled:
             budgets = ops.pool_head_budgets(mass, self.nblk, self.budget, cap=HEAD_BUDGET_CAP,
-                                            **sk).view(-1)
+                                            backend="reference", **sk).view(-1)
         sel, count = ops.select_blocks(mass.reshape(B * HKV, M), self.nblk.repeat_interleave(HKV),
                                        budgets, backend="reference", **sk)
         t, n = ops.sparse_block_table(self.table.repeat_interleave(HKV, 0),

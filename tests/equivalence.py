@@ -168,6 +168,7 @@ TOLERANCES = {
     ("select_blocks", "int32"): EXACT,
     ("select_head_mass", "int32"): EXACT,
     ("score_select_head_mass", "int32"): EXACT,
+    ("pool_head_budgets", "int32"): EXACT,
     ("sparse_block_table", "int32"): EXACT,
     # float32 accumulation either way; the output rounded to the query's dtype
     ("paged_decode_attention", "float32"): (2e-5, 2e-5),

@@ -236,6 +236,32 @@ def test_select_head_mass(impl, monkeypatch):
             torch.int32)
 
 
+@impls("pool_head_budgets")
+@pytest.mark.parametrize("heads", [3, 4])
+def test_pool_head_budgets(impl, heads, monkeypatch):
+    """Pooled per-KV-head budgets, bit-identical: shares with many ties (small integers, as
+    underflowed softmax shares tie at 0), NaN, -0.0 and inf, short and long rows, per-row and
+    scalar budgets, caps 1-3 and the window cases of the selections."""
+    backend, dev = runnable("pool_head_budgets", impl, monkeypatch)
+    g = gen(8)
+    lens = [40, 1, 7, 23, 3]
+    B, M = len(lens), 40
+    coarse = torch.randint(0, 4, (B, heads, M), generator=g).float()
+    fine = torch.rand(B, heads, M, generator=g)
+    odd = fine.clone()
+    odd[0, 0, 5], odd[0, 1, 6], odd[0, 2, 7] = float("nan"), -0.0, float("inf")
+    odd[3, :, 2:9] = 0.0
+    nblk = torch.tensor(lens, dtype=torch.int32, device=dev)
+    for x in (coarse, fine, odd):
+        for budget, iw, lw in SELECT_ARGS:
+            bud = torch.tensor([9, 1, 2, 6, 3], dtype=torch.int32, device=dev) \
+                if budget == "per_row" else budget
+            for cap in (1, 2, 3):
+                compare("pool_head_budgets", lambda b: ops.pool_head_budgets(
+                    x.to(dev), nblk, bud, cap=cap, init_window=iw, local_window=lw, backend=b),
+                    backend, torch.int32)
+
+
 @impls("score_select_head_mass")
 @pytest.mark.parametrize("kind", ["mean", "quest", "mean_int8"])
 def test_score_select_head_mass(impl, kind, monkeypatch):

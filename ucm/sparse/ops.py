@@ -66,8 +66,9 @@ def on_triton_device(*args, **kwargs):
 
 TRITON_OPS = ("update_block_reprs", "hash_codes", "score_blocks", "select_blocks",
               "select_head_mass", "score_select_head_mass", "sparse_block_table",
-              "paged_decode_attention", "quantize_token_keys", "score_token_mass")
-REFERENCE_ONLY_OPS = ("block_attention_mass", "quantize_rows", "pool_head_budgets")
+              "paged_decode_attention", "quantize_token_keys", "score_token_mass",
+              "pool_head_budgets")
+REFERENCE_ONLY_OPS = ("block_attention_mass", "quantize_rows")
 REFERENCE = ImplSpec("reference", "ucm.reference.sparse:{op}")
 IMPLEMENTATIONS = (
     REFERENCE,

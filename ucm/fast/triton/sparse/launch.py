@@ -103,6 +103,10 @@ class LaunchConfig:
     head_mass_programs_per_sm: int = 2
     #: Entries per program of the sparse-table gather.
     table_tile: int = 1024
+    #: Pooled per-KV-head budgets (one program per request): shares loaded per step (heads x
+    #: blocks) and warps.
+    pool_tile_elems: int = 4096
+    pool_warps: int = 4
 
     def replace(self, **changes) -> "LaunchConfig":
         """A copy with ``changes`` (field names as above)."""

@@ -1,6 +1,6 @@
 """Head mass: the methods' combination of per-head scores, ``softmax(scale * per_head,
--1).mean(1)`` (each block's estimated share of attention, averaged over heads), and the
-selections on it.
+-1).mean(1)`` (each block's estimated share of attention, averaged over heads), the selections
+on it, and :func:`pool_head_budgets` (one budget per request shared by its KV heads).
 
 :func:`select_head_mass` on one long row (``mass_hist_min_blocks``, ``mass_hist_max_rows``)
 runs four launches: each head's log-sum-exp and bounds in parts, then the histogram selection
@@ -123,3 +123,108 @@ def score_select_head_mass(q, block_table, num_blocks, budget, *, kind: str, mea
     return select_head_mass(per_head, num_blocks, budget, scale=scale, init_window=init_window,
                             local_window=local_window, width=width, return_mass=return_mass,
                             launch=launch, **fold)
+
+
+def _pool_kernel(x_ptr, nblk_ptr, bud_ptr, out_ptr, M, cap, INIT, LOCAL, H: tl.constexpr,
+                 HP: tl.constexpr, TILE: tl.constexpr):
+    """Request ``program_id(0)`` of :func:`pool_head_budgets`. Its free blocks are the range
+    ``[init, tail)`` between the windows. A 4-ary search over the float32 bits (ordered as
+    int32) finds the largest threshold ``t`` at which the heads' pairs of share ``>= t``, each
+    head capped at ``E = min(cap * budget - windows, free)``, reach ``extra = H * (budget -
+    windows)``; the pairs equal to ``t`` then go in rank-major order (rank within a head, then
+    head), as the reference's stable sort orders them."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HP)
+    c = tl.arange(0, TILE)
+    n = tl.load(nblk_ptr + b)
+    per = tl.load(bud_ptr + b)
+    init = tl.minimum(INIT, n)
+    tail = tl.maximum(n - tl.maximum(LOCAL, 1), 0)
+    free = tl.maximum(tail - init, 0)
+    f = n - free                                               # the windows' blocks
+    E = tl.minimum(tl.maximum(cap * per - f, 0), free).to(tl.int64)
+    extra = tl.maximum(H * (per - f), 0).to(tl.int64)
+    head_ok = h < H
+    row = x_ptr + (b * H + h) * M                              # [HP] row starts
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    field = (1 << 21) - 1
+    for _ in range(17):                                        # (2**32 - 1) / 4**16 < 1
+        span = hi - lo
+        t1 = (lo + (span + 3) // 4).to(tl.int32)
+        t2 = (lo + (2 * span + 3) // 4).to(tl.int32)
+        t3 = (lo + (3 * span + 3) // 4).to(tl.int32)
+        acc = tl.zeros([HP], tl.int64)
+        for j0 in range(0, M, TILE):
+            j = j0 + c
+            cand = head_ok[:, None] & ((j >= init) & (j < tail))[None, :]
+            s = tl.load(row[:, None] + j[None, :], mask=cand, other=float("-inf"))
+            s = tl.where(s != s, float("-inf"), s)             # NaN ranks like -inf
+            s = tl.where(s == 0.0, 0.0, s)                     # -0.0 ties with +0.0
+            bits = s.to(tl.int32, bitcast=True)
+            u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+            acc += tl.sum(tl.where(cand, (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21)
+                                   + ((u >= t3).to(tl.int64) << 42), 0), 1)
+        n1 = tl.sum(tl.where(head_ok, tl.minimum(acc & field, E), 0), 0)
+        n2 = tl.sum(tl.where(head_ok, tl.minimum((acc >> 21) & field, E), 0), 0)
+        n3 = tl.sum(tl.where(head_ok, tl.minimum(acc >> 42, E), 0), 0)
+        ok1, ok2, ok3 = n1 >= extra, n2 >= extra, n3 >= extra
+        new_lo = tl.where(ok3, t3.to(tl.int64), tl.where(ok2, t2.to(tl.int64),
+                                                         tl.where(ok1, t1.to(tl.int64), lo)))
+        hi = tl.where(ok3, hi, tl.where(ok2, t3.to(tl.int64) - 1,
+                                        tl.where(ok1, t2.to(tl.int64) - 1, t1.to(tl.int64) - 1)))
+        lo = new_lo
+    t = lo.to(tl.int32)
+    acc = tl.zeros([HP], tl.int64)                             # above t, and equal to t
+    for j0 in range(0, M, TILE):
+        j = j0 + c
+        cand = head_ok[:, None] & ((j >= init) & (j < tail))[None, :]
+        s = tl.load(row[:, None] + j[None, :], mask=cand, other=float("-inf"))
+        s = tl.where(s != s, float("-inf"), s)
+        s = tl.where(s == 0.0, 0.0, s)
+        bits = s.to(tl.int32, bitcast=True)
+        u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        acc += tl.sum(tl.where(cand, (u > t).to(tl.int64) + ((u == t).to(tl.int64) << 21), 0), 1)
+    above = acc & field
+    ties = acc >> 21
+    g = tl.where(head_ok, tl.minimum(above, E), 0)
+    rest = extra - tl.sum(g, 0)                                # pairs still to take, all ties
+    t_lo = above                                               # ranks of a head's tied pairs,
+    t_hi = tl.where(head_ok, tl.minimum(above + ties, E), 0)   # capped: [t_lo, t_hi)
+    # the first level L (rank) at which the tied pairs of ranks <= L reach `rest`
+    a = tl.full([], 1, tl.int64)
+    z = M.to(tl.int64) + 1
+    for _ in range(22):                                        # M < 2**21 (the packed counts)
+        mid = (a + z) // 2
+        got = tl.sum(tl.maximum(tl.minimum(mid, t_hi) - t_lo, 0), 0)
+        a = tl.where(got >= rest, a, mid + 1)
+        z = tl.where(got >= rest, mid, z)
+    L = a - 1
+    base = tl.maximum(tl.minimum(L, t_hi) - t_lo, 0)
+    active = (t_lo <= L) & (L < t_hi)
+    left = rest - tl.sum(base, 0)
+    before = tl.cumsum(active.to(tl.int64), 0) - active.to(tl.int64)
+    tie = base + (active & (before < left)).to(tl.int64)
+    counts = g + tie
+    counts = tl.where(extra == 0, 0, tl.where(H * E <= extra, E, counts))
+    tl.store(out_ptr + b * H + h, tl.minimum(counts + f, n).to(tl.int32), mask=head_ok)
+
+
+def pool_head_budgets(shares: torch.Tensor, num_blocks, budget, *, cap: int, init_window: int,
+                      local_window: int, launch: LaunchConfig = LAUNCH) -> torch.Tensor:
+    """Same contract as :func:`ucm.reference.sparse.pool_head_budgets` (bit-identical budgets):
+    one program per request; inputs as validated by :func:`ucm.sparse.ops.pool_head_budgets`;
+    asynchronous."""
+    B, H, M = shares.shape
+    if M >= 1 << 21:   # the kernel packs counts in 21-bit fields
+        from ucm.reference.sparse import pool_head_budgets as reference
+
+        return reference(shares, num_blocks, budget, cap=cap, init_window=init_window,
+                         local_window=local_window)
+    x = shares.contiguous()
+    out = torch.empty(B, H, dtype=torch.int32, device=x.device)
+    hp = pow2(H)
+    tile = min(pow2(M, 16), max(16, launch.pool_tile_elems // hp))
+    jit(_pool_kernel)[(B,)](x, num_blocks, budget, out, M, cap, init_window, local_window, H=H,
+                            HP=hp, TILE=tile, num_warps=launch.pool_warps)
+    return out
