@@ -260,6 +260,10 @@ def test_pool_head_budgets(impl, heads, monkeypatch):
                 compare("pool_head_budgets", lambda b: ops.pool_head_budgets(
                     x.to(dev), nblk, bud, cap=cap, init_window=iw, local_window=lw, backend=b),
                     backend, torch.int32)
+    one = torch.ones(1, heads, 1, device=dev)                    # one request, one block
+    compare("pool_head_budgets", lambda b: ops.pool_head_budgets(
+        one, torch.ones(1, dtype=torch.int32, device=dev), 1, cap=1, init_window=1,
+        local_window=1, backend=b), backend, torch.int32)
 
 
 @impls("score_select_head_mass")

@@ -125,7 +125,7 @@ def score_select_head_mass(q, block_table, num_blocks, budget, *, kind: str, mea
                             launch=launch, **fold)
 
 
-def _pool_kernel(x_ptr, nblk_ptr, bud_ptr, out_ptr, M, cap, INIT, LOCAL, H: tl.constexpr,
+def _pool_kernel(x_ptr, nblk_ptr, bud_ptr, out_ptr, M, cap, INIT, TAIL, H: tl.constexpr,
                  HP: tl.constexpr, TILE: tl.constexpr):
     """Request ``program_id(0)`` of :func:`pool_head_budgets`. Its free blocks are the range
     ``[init, tail)`` between the windows. A 4-ary search over the float32 bits (ordered as
@@ -139,7 +139,7 @@ def _pool_kernel(x_ptr, nblk_ptr, bud_ptr, out_ptr, M, cap, INIT, LOCAL, H: tl.c
     n = tl.load(nblk_ptr + b)
     per = tl.load(bud_ptr + b)
     init = tl.minimum(INIT, n)
-    tail = tl.maximum(n - tl.maximum(LOCAL, 1), 0)
+    tail = tl.maximum(n - TAIL, 0)                             # TAIL: max(local window, 1)
     free = tl.maximum(tail - init, 0)
     f = n - free                                               # the windows' blocks
     E = tl.minimum(tl.maximum(cap * per - f, 0), free).to(tl.int64)
@@ -193,7 +193,7 @@ def _pool_kernel(x_ptr, nblk_ptr, bud_ptr, out_ptr, M, cap, INIT, LOCAL, H: tl.c
     t_hi = tl.where(head_ok, tl.minimum(above + ties, E), 0)   # capped: [t_lo, t_hi)
     # the first level L (rank) at which the tied pairs of ranks <= L reach `rest`
     a = tl.full([], 1, tl.int64)
-    z = M.to(tl.int64) + 1
+    z = tl.full([], 1, tl.int64) + M
     for _ in range(22):                                        # M < 2**21 (the packed counts)
         mid = (a + z) // 2
         got = tl.sum(tl.maximum(tl.minimum(mid, t_hi) - t_lo, 0), 0)
@@ -225,6 +225,7 @@ def pool_head_budgets(shares: torch.Tensor, num_blocks, budget, *, cap: int, ini
     out = torch.empty(B, H, dtype=torch.int32, device=x.device)
     hp = pow2(H)
     tile = min(pow2(M, 16), max(16, launch.pool_tile_elems // hp))
-    jit(_pool_kernel)[(B,)](x, num_blocks, budget, out, M, cap, init_window, local_window, H=H,
-                            HP=hp, TILE=tile, num_warps=launch.pool_warps)
+    jit(_pool_kernel)[(B,)](x, num_blocks, budget, out, M, cap, init_window,
+                            max(local_window, 1), H=H, HP=hp, TILE=tile,
+                            num_warps=launch.pool_warps)
     return out
