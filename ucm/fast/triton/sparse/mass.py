@@ -154,7 +154,9 @@ def _pool_kernel(x_ptr, nblk_ptr, bud_ptr, out_ptr, M, cap, INIT, TAIL, H: tl.co
         t1 = (lo + (span + 3) // 4).to(tl.int32)
         t2 = (lo + (2 * span + 3) // 4).to(tl.int32)
         t3 = (lo + (3 * span + 3) // 4).to(tl.int32)
-        acc = tl.zeros([HP], tl.int64)
+        a1 = tl.zeros([HP], tl.int32)
+        a2 = tl.zeros([HP], tl.int32)
+        a3 = tl.zeros([HP], tl.int32)
         for j0 in range(0, M, TILE):
             j = j0 + c
             cand = head_ok[:, None] & ((j >= init) & (j < tail))[None, :]
@@ -163,11 +165,15 @@ def _pool_kernel(x_ptr, nblk_ptr, bud_ptr, out_ptr, M, cap, INIT, TAIL, H: tl.co
             s = tl.where(s == 0.0, 0.0, s)                     # -0.0 ties with +0.0
             bits = s.to(tl.int32, bitcast=True)
             u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-            acc += tl.sum(tl.where(cand, (u >= t1).to(tl.int64) + ((u >= t2).to(tl.int64) << 21)
-                                   + ((u >= t3).to(tl.int64) << 42), 0), 1)
-        n1 = tl.sum(tl.where(head_ok, tl.minimum(acc & field, E), 0), 0)
-        n2 = tl.sum(tl.where(head_ok, tl.minimum((acc >> 21) & field, E), 0), 0)
-        n3 = tl.sum(tl.where(head_ok, tl.minimum(acc >> 42, E), 0), 0)
+            # a tile's counts per head (<= TILE < 1024) packed in 10-bit fields of one int32
+            p = tl.sum(tl.where(cand, (u >= t1).to(tl.int32) + ((u >= t2).to(tl.int32) << 10)
+                                + ((u >= t3).to(tl.int32) << 20), 0), 1)
+            a1 += p & 1023
+            a2 += (p >> 10) & 1023
+            a3 += p >> 20
+        n1 = tl.sum(tl.where(head_ok, tl.minimum(a1.to(tl.int64), E), 0), 0)
+        n2 = tl.sum(tl.where(head_ok, tl.minimum(a2.to(tl.int64), E), 0), 0)
+        n3 = tl.sum(tl.where(head_ok, tl.minimum(a3.to(tl.int64), E), 0), 0)
         ok1, ok2, ok3 = n1 >= extra, n2 >= extra, n3 >= extra
         new_lo = tl.where(ok3, t3.to(tl.int64), tl.where(ok2, t2.to(tl.int64),
                                                          tl.where(ok1, t1.to(tl.int64), lo)))
@@ -224,7 +230,8 @@ def pool_head_budgets(shares: torch.Tensor, num_blocks, budget, *, cap: int, ini
     x = shares.contiguous()
     out = torch.empty(B, H, dtype=torch.int32, device=x.device)
     hp = pow2(H)
-    tile = min(pow2(M, 16), max(16, launch.pool_tile_elems // hp))
+    # (at most 512 blocks a tile: the kernel packs a tile's counts in 10-bit fields)
+    tile = min(pow2(M, 16), max(16, launch.pool_tile_elems // hp), 512)
     jit(_pool_kernel)[(B,)](x, num_blocks, budget, out, M, cap, init_window,
                             max(local_window, 1), H=H, HP=hp, TILE=tile,
                             num_warps=launch.pool_warps)
