@@ -104,9 +104,11 @@ class LaunchConfig:
     #: Entries per program of the sparse-table gather.
     table_tile: int = 1024
     #: Pooled per-KV-head budgets (one program per request): shares loaded per step (heads x
-    #: blocks) and warps.
+    #: blocks, at most 512 blocks) and warps. 16 warps and 4,096: 79.9 / 265.7 us at 8 x 2,048
+    #: / 1 x 8,192 blocks of 8 heads on an H100, against 112.2 / 467.0 with 4 warps and 2,048
+    #: (``results/pool_head_budgets_speed_h100.json``).
     pool_tile_elems: int = 4096
-    pool_warps: int = 4
+    pool_warps: int = 16
 
     def replace(self, **changes) -> "LaunchConfig":
         """A copy with ``changes`` (field names as above)."""
