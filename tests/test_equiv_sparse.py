@@ -252,11 +252,16 @@ def test_pool_head_budgets(impl, heads, monkeypatch):
     odd[0, 0, 5], odd[0, 1, 6], odd[0, 2, 7] = float("nan"), -0.0, float("inf")
     odd[3, :, 2:9] = 0.0
     nblk = torch.tensor(lens, dtype=torch.int32, device=dev)
-    for x in (coarse, fine, odd):
-        for budget, iw, lw in SELECT_ARGS:
+    # the Triton interpreter is slow: there, the tie-heavy and odd shares, three window cases
+    # and two caps (every path of the kernel); on a GPU every combination
+    slow = backend != "reference" and dev == "cpu"
+    kinds = (coarse, odd) if slow else (coarse, fine, odd)
+    cases = [SELECT_ARGS[i] for i in (1, 2, 4)] if slow else SELECT_ARGS
+    for x in kinds:
+        for budget, iw, lw in cases:
             bud = torch.tensor([9, 1, 2, 6, 3], dtype=torch.int32, device=dev) \
                 if budget == "per_row" else budget
-            for cap in (1, 2, 3):
+            for cap in ((1, 2) if slow else (1, 2, 3)):
                 compare("pool_head_budgets", lambda b: ops.pool_head_budgets(
                     x.to(dev), nblk, bud, cap=cap, init_window=iw, local_window=lw, backend=b),
                     backend, torch.int32)
