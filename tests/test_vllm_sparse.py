@@ -166,16 +166,38 @@ def _decode_step():
     return so
 
 
-def _hook(keep, min_blocks=4):
+def _hook(keep, min_blocks=4, method=None, **options):
+    """A hook whose method is a private test method (``_KeepListedBlocks`` unless ``method``)
+    keeping ``keep``; ``options``: more ucm options."""
     cfg = Config({"sparse_method": "esa", "min_blocks": min_blocks, "init_window": 1,
-                  "local_window": 1})
+                  "local_window": 1, **options})
     made = []
 
     def factory(c, **shape):
-        made.append(_KeepListedBlocks(c, keep, **shape))
+        made.append((method or _KeepListedBlocks)(c, keep, **shape))
         return made[-1]
 
     return sparse_hook.SparseHook(cfg, method_factory=factory, stats_path=""), made
+
+
+def _recording_hook(cfg):
+    """A hook running the configured ucm method, and the list its ``attention_begin`` results
+    are appended to."""
+    import ucm.sparse
+
+    seen = []
+
+    def factory(c, **shape):
+        m = ucm.sparse.create(c, **shape)
+        real = m.attention_begin
+
+        def recorded(*a):
+            seen.append(real(*a))
+            return seen[-1]
+        m.attention_begin = recorded
+        return m
+
+    return sparse_hook.SparseHook(cfg, method_factory=factory, stats_path=""), seen
 
 
 def _start(hook, runner):
@@ -262,27 +284,13 @@ def test_every_method_through_vllms_kernel(impl, method):
     at sparse_ratio 1.0 vLLM's dense result bit for bit; at 0.5 the long row attends to exactly
     the blocks the method returned (against a float64 reference over them) and the other rows
     stay dense."""
-    import ucm.sparse
-
     kv, meta, query, layer, runner = _batch()
     dense = torch.zeros_like(query)
     CPUAttentionBackendImpl.forward(impl, layer, query, None, None, kv, meta, dense)
     for ratio in (1.0, 0.5):
-        cfg = Config({"sparse_method": method, "sparse_ratio": ratio, "min_blocks": 4,
-                      "init_window": 1, "local_window": 1})
-        seen = []
-
-        def factory(c, **shape):
-            m = ucm.sparse.create(c, **shape)
-            real = m.attention_begin
-
-            def recorded(*a):
-                seen.append(real(*a))
-                return seen[-1]
-            m.attention_begin = recorded
-            return m
-
-        hook = sparse_hook.SparseHook(cfg, method_factory=factory, stats_path="")
+        hook, seen = _recording_hook(Config({"sparse_method": method, "sparse_ratio": ratio,
+                                             "min_blocks": 4, "init_window": 1,
+                                             "local_window": 1}))
         _start(hook, runner)
         out = torch.zeros_like(query)
         hook.forward(CPUAttentionBackendImpl.forward, impl, layer, query, None, None, kv, meta, out)
@@ -303,13 +311,8 @@ def test_every_method_through_vllms_kernel(impl, method):
 
 
 def _reference_head(kv, query_row, g, blocks, seq_len):
-    """Attention of KV head ``g``'s query heads over the first seq_len tokens of the listed
-    blocks (``_reference`` for one KV head)."""
-    k = sparse_hook.key_cache_view(kv)[blocks].reshape(-1, HKV, D)[:seq_len, g]
-    v = kv.view(kv.shape[0], HKV, 2 * BS, D)[:, :, BS:].permute(0, 2, 1, 3)[blocks]
-    v = v.reshape(-1, HKV, D)[:seq_len, g]
-    heads = query_row[g * (HQ // HKV):(g + 1) * (HQ // HKV)].double()
-    return torch.softmax(heads @ k.double().T * D ** -0.5, dim=-1) @ v.double()
+    """``_reference``'s rows of KV head ``g``'s query heads."""
+    return _reference(kv, query_row, blocks, seq_len)[g * (HQ // HKV):(g + 1) * (HQ // HKV)]
 
 
 class _KeepPerHead(_KeepListedBlocks):
@@ -329,15 +332,7 @@ class _KeepPerHead(_KeepListedBlocks):
 
 
 def _per_head_hook(keep):
-    cfg = Config({"sparse_method": "quest", "sparse_per_kv_head": True, "min_blocks": 4,
-                  "init_window": 1, "local_window": 1})
-    made = []
-
-    def factory(c, **shape):
-        made.append(_KeepPerHead(c, keep, **shape))
-        return made[-1]
-
-    return sparse_hook.SparseHook(cfg, method_factory=factory, stats_path=""), made
+    return _hook(keep, method=_KeepPerHead, sparse_method="quest", sparse_per_kv_head=True)
 
 
 def test_per_kv_head_tables_are_attended_per_head(impl):
@@ -380,26 +375,12 @@ def test_per_kv_head_tables_are_attended_per_head(impl):
 def test_per_kv_head_methods_through_the_hook(impl, method):
     """The shipped per-KV-head methods inside the hook: at ratio 0.5 each KV head's query heads
     attend exactly the blocks the method chose for it; a wrong-shaped per-head table fails."""
-    import ucm.sparse
-
     kv, meta, query, layer, runner = _batch()
     dense = torch.zeros_like(query)
     CPUAttentionBackendImpl.forward(impl, layer, query, None, None, kv, meta, dense)
-    cfg = Config({"sparse_method": method, "sparse_per_kv_head": True, "sparse_ratio": 0.5,
-                  "min_blocks": 4, "init_window": 1, "local_window": 1})
-    seen = []
-
-    def factory(c, **shape):
-        m = ucm.sparse.create(c, **shape)
-        real = m.attention_begin
-
-        def recorded(*a):
-            seen.append(real(*a))
-            return seen[-1]
-        m.attention_begin = recorded
-        return m
-
-    hook = sparse_hook.SparseHook(cfg, method_factory=factory, stats_path="")
+    hook, seen = _recording_hook(Config({"sparse_method": method, "sparse_per_kv_head": True,
+                                         "sparse_ratio": 0.5, "min_blocks": 4,
+                                         "init_window": 1, "local_window": 1}))
     _start(hook, runner)
     out = torch.zeros_like(query)
     hook.forward(CPUAttentionBackendImpl.forward, impl, layer, query, None, None, kv, meta, out)

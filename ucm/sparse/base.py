@@ -99,6 +99,14 @@ class SparseMethod:
     sub_blocks = False     # honours sparse_repr_group (scores through score_per_head)
     supports_per_kv_head = False   # select() honours per_kv_head (sel [b, Hkv, K], count [b, Hkv])
 
+    @classmethod
+    def check_per_kv_head(cls, per_kv_head: bool, key: str = "per_kv_head") -> None:
+        """``ValueError`` naming ``key`` when per-KV-head selection is asked of a method that
+        selects one set of blocks per request."""
+        if per_kv_head and not cls.supports_per_kv_head:
+            raise ValueError(f"{key}: the {cls.name!r} method selects one set of blocks per "
+                             f"request (supported: {', '.join(_per_kv_head_methods())})")
+
     def __init__(self, config: Union[Config, Mapping, None] = None, *, num_layers: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  device: Union[str, torch.device] = "cpu", per_kv_head: Optional[bool] = None):
@@ -108,9 +116,7 @@ class SparseMethod:
             per_kv_head, key = bool(cfg["sparse_per_kv_head"]), "sparse_per_kv_head"
         if not isinstance(per_kv_head, bool):
             raise ValueError(f"per_kv_head: expected a bool, got {per_kv_head!r}")
-        if per_kv_head and not self.supports_per_kv_head:
-            raise ValueError(f"{key}: the {self.name!r} method selects one set of blocks per "
-                             f"request (supported: {', '.join(_per_kv_head_methods())})")
+        self.check_per_kv_head(per_kv_head, key)
         #: each KV head selects its own blocks: attention_begin returns ``[B, Hkv, K]`` tables
         #: and ``[B, Hkv]`` lengths (ucm.sparse.ops.paged_decode_attention takes them; the
         #: vLLM-CPU hook attends such rows with it instead of vLLM's kernel)

@@ -94,10 +94,8 @@ def _check_supported(cfg: Config) -> None:
     import ucm.sparse
 
     cls = ucm.sparse.METHODS.get(cfg["sparse_method"])
-    if cls is not None and cfg["sparse_per_kv_head"] and not cls.supports_per_kv_head:
-        ok = [name for name, c in ucm.sparse.METHODS.items() if c.supports_per_kv_head]
-        raise ValueError(f"sparse_per_kv_head: the {cfg['sparse_method']!r} method selects one "
-                         f"set of blocks per request (supported: {', '.join(ok)})")
+    if cls is not None:
+        cls.check_per_kv_head(cfg["sparse_per_kv_head"], "sparse_per_kv_head")
 
 
 def wanted() -> bool:
