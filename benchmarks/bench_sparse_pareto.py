@@ -326,6 +326,49 @@ def sweep_scoring(report: dict) -> None:
     report["scoring_sweep"] = out
 
 
+def sweep_mass_scoring(report: dict) -> None:
+    """Time ``score_token_mass`` (the ``mass`` ranking's scoring) over a grid of its launch
+    constants at both shapes, each checked against the float32 reference first (bfloat16
+    products: within the equivalence test's bound); prints the five fastest per shape."""
+    import itertools
+
+    from ucm.fast.triton import sparse as tri
+
+    out = {}
+    for batch, tokens in SHAPES:
+        q, k, v, table, lens = make_case(batch, tokens, seed=11)
+        tabs = tables_for(k, "mass", 1)
+        del k, v
+        M = table.shape[1]
+        nblk = torch.full((batch,), M, dtype=torch.int32, device=q.device)
+        scale = D ** -0.5
+        want = ops.score_token_mass(q, table, nblk, scale=scale, backend="reference", **tabs)
+        fin = torch.isfinite(want)
+        bound = float(2.0 ** -7 * (q.float().abs().sum(-1).max() * 7
+                                   * tabs["scale4"].float().abs().max()) + 1e-4)
+        rows = {}
+        for score_rows, warps, stages in itertools.product((32, 64, 128), (1, 2, 4), (1, 2)):
+            cfg = tri.LAUNCH.replace(score_mass_rows=score_rows, score_mass_warps=warps,
+                                     score_mass_stages=stages)
+            name = f"rows{score_rows}_w{warps}_s{stages}"
+            got = tri.score_token_mass(q, table, nblk, scale=scale, launch=cfg, **tabs)
+            err = float((got - want).abs()[fin].max())
+            if not torch.equal(torch.isinf(got), torch.isinf(want)) or err > bound:
+                rows[name] = f"differs: {err:.3g} > {bound:.3g}"
+                continue
+            rows[name] = bench(lambda cfg=cfg: tri.score_token_mass(
+                q, table, nblk, scale=scale, launch=cfg, **tabs), graph=True)
+        timed = {n: t for n, t in rows.items() if isinstance(t, float)}
+        best = sorted(timed, key=timed.get)[:5]
+        key = f"{batch}x{tokens}"
+        out[key] = dict(scoring_ms=rows, best=best)
+        print(f"{key}: mass scoring best " + ", ".join(f"{n} {timed[n] * 1e3:.1f} us"
+                                                       for n in best), flush=True)
+        del tabs
+        torch.cuda.empty_cache()
+    report["mass_scoring_sweep"] = out
+
+
 def main(argv=None) -> int:
     import triton
 
@@ -336,13 +379,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--sweep-scoring", action="store_true",
                     help="only time the mean scoring over a grid of launch constants")
+    ap.add_argument("--sweep-mass-scoring", action="store_true",
+                    help="only time the mass scoring over a grid of launch constants")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_sparse_pareto: needs a CUDA device", file=sys.stderr)
         return 2
-    if args.sweep_scoring:
-        report = {"command": " ".join(sys.argv)}
-        sweep_scoring(report)
+    if args.sweep_scoring or args.sweep_mass_scoring:
+        report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name()}
+        (sweep_scoring if args.sweep_scoring else sweep_mass_scoring)(report)
         if args.json:
             write_json(args.json, report, indent=1)
         return 0

@@ -51,11 +51,14 @@ class LaunchConfig:
     score_loop_stages: int = 3
     #: Code words one Hamming program holds (sets its block tile).
     hamming_tile_elems: int = 8192
-    #: Token rows the ``mass`` scoring dequantizes per step (whole blocks: at least one), the
-    #: blocks one of its programs walks, and its warps.
+    #: Token rows the ``mass`` scoring takes per step (whole blocks: at least one), the blocks
+    #: one of its programs walks, its warps and pipeline stages. One warp without pipelining
+    #: (H100, ``evals/explore`` sweep of rows 32-128, 1-4 warps, 1-2 stages): 133.6 / 69.0 us
+    #: at 8 x 32K / 1 x 128K, where 4 warps and 2 stages took 179.2 / 93.2.
     score_mass_rows: int = 64
     score_mass_blocks_per_program: int = 64
-    score_mass_warps: int = 4
+    score_mass_warps: int = 1
+    score_mass_stages: int = 1
 
     # -- selection ------------------------------------------------------------------------------
     #: Rows up to this many blocks are selected in kernels; longer rows by one ``torch.topk``

@@ -6,14 +6,18 @@ takes each channel's largest magnitude over the tokens and writes the packed cod
 scales, bit-identical to :func:`ucm.reference.sparse.token_key_codes` (IEEE division, float16
 rounding to nearest even).
 
-:func:`score_token_mass`: one program per (request, KV head, run of blocks) dequantizes a few
-blocks' keys at a time (``score_mass_rows`` token rows, whole blocks), multiplies them with
-the KV head's query heads in one ``tl.dot`` (the heads padded to 16 rows) and writes each block's
-``log-sum-exp`` of the scaled logits per query head. On a GPU the product runs in bfloat16 on
-the tensor cores (float32 sums; the ranking tolerates the rounding, the tests bound it); float32
-caches and the interpreter take exact float32 products. What it reads per block and KV head is
-``block_size * head_dim / 2`` code bytes and ``2 * head_dim`` scale bytes: a sixteenth of the
-block's keys and values in bfloat16, plus a quarter of that.
+:func:`score_token_mass`: one program per (request, KV head, run of blocks) takes a few blocks
+at a time (``score_mass_rows`` token rows, whole blocks). Instead of dequantizing every key entry
+it folds each block's channel scales into the query: the columns of one ``tl.dot`` are the pairs
+(block of the tile, query head), ``q * scale[block]`` each, so the query heads' padding to 16
+columns holds the tile's other blocks, and each token row keeps its own block's columns. The
+nibbles become bfloat16 ``128 + n`` by integer ops (``n | 0x4300`` bit-cast) and
+``136 * sum(q * scale)`` is taken off each column afterwards. Then each block's ``log-sum-exp``
+of the scaled logits per query head. On a GPU the product runs in bfloat16 on the tensor cores
+(``q * scale`` rounded; float32 sums; the ranking tolerates the rounding, the tests bound it);
+float32 caches and the interpreter take exact float32 products. What it reads per block and KV
+head is ``block_size * head_dim / 2`` code bytes and ``2 * head_dim`` scale bytes: a sixteenth
+of the block's keys and values in bfloat16, plus a quarter of that.
 """
 from __future__ import annotations
 
@@ -76,65 +80,67 @@ def quantize_token_keys(k_cache, block_ids, *, keys4, scale4) -> None:
 def _mass_kernel(q_ptr, codes_ptr, scale_ptr, table_ptr, nblk_ptr, out_ptr,
                  q_stride_batch, q_stride_head, q_stride_dim, table_stride_batch, M, per_prog,
                  scale_log2, inv_scale_log2,
-                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
-                 HALF: tl.constexpr, HALF_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TOKENS_PADDED: tl.constexpr, BLOCKS: tl.constexpr, EXACT_F32: tl.constexpr):
+                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
+                 HALF_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 TOKENS_PADDED: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
+                 EXACT_F32: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // NUM_KV_HEADS
     h = pid % NUM_KV_HEADS
     start = tl.program_id(1) * per_prog
     n = tl.load(nblk_ptr + b)
     end = tl.minimum(start + per_prog, M)
-    g = tl.arange(0, GROUP_ROWS)
+    # column (block of the tile, query head): the heads of every block side by side
+    col = tl.arange(0, COLS)
+    cb = col // GROUP
+    cg = col % GROUP
+    colok = col < BLOCKS * GROUP
     c = tl.arange(0, HALF_PADDED)
-    gmask = g < GROUP
     cmask = c < HALF
-    qrow = q_ptr + b.to(tl.int64) * q_stride_batch + (h * GROUP + g)[:, None] * q_stride_head
-    qm = gmask[:, None] & cmask[None, :]
-    qlo = tl.load(qrow + c[None, :] * q_stride_dim, mask=qm, other=0.0)
-    qhi = tl.load(qrow + (c + HALF)[None, :] * q_stride_dim, mask=qm, other=0.0)
-    if EXACT_F32:
-        qlo = qlo.to(tl.float32)
-        qhi = qhi.to(tl.float32)
-    else:
-        qlo = qlo.to(tl.bfloat16)
-        qhi = qhi.to(tl.bfloat16)
+    qrow = q_ptr + b.to(tl.int64) * q_stride_batch + (h * GROUP + cg)[:, None] * q_stride_head
+    qm = colok[:, None] & cmask[None, :]
+    qlo = tl.load(qrow + c[None, :] * q_stride_dim, mask=qm, other=0.0).to(tl.float32)
+    qhi = tl.load(qrow + (c + HALF)[None, :] * q_stride_dim, mask=qm, other=0.0).to(tl.float32)
     ROWS: tl.constexpr = BLOCKS * TOKENS_PADDED
     r = tl.arange(0, ROWS)
     rb = r // TOKENS_PADDED
     rt = r % TOKENS_PADDED
-    jb = tl.arange(0, BLOCKS)
-    out_rows = out_ptr + (b * (NUM_KV_HEADS * GROUP) + h * GROUP + g).to(tl.int64)[None, :] * M
+    tb = table_ptr + b.to(tl.int64) * table_stride_batch
+    out_cols = out_ptr + (b * (NUM_KV_HEADS * GROUP) + h * GROUP + cg).to(tl.int64) * M
+    mine = (rb[:, None] == cb[None, :]) & (rt < BLOCK_SIZE)[:, None]   # a row's own columns
     for j0 in range(start, end, BLOCKS):
         j = j0 + rb
         live = (j < n) & (j < end)
-        phys = tl.load(table_ptr + b.to(tl.int64) * table_stride_batch + j, mask=live,
-                       other=0).to(tl.int64)
-        row = phys * NUM_KV_HEADS + h
+        phys = tl.load(tb + j, mask=live, other=0).to(tl.int64)
         lm = (live & (rt < BLOCK_SIZE))[:, None] & cmask[None, :]
-        codes = tl.load(codes_ptr + (row * BLOCK_SIZE + rt)[:, None] * HALF + c[None, :],
-                        mask=lm, other=0x88)
-        # the block's scale row is loaded for each of its token rows (from the cache)
-        slo = tl.load(scale_ptr + row[:, None] * (2 * HALF) + c[None, :], mask=lm,
-                      other=0.0)
-        shi = tl.load(scale_ptr + row[:, None] * (2 * HALF) + HALF + c[None, :], mask=lm,
-                      other=0.0)
-        klo = ((codes & 15).to(tl.int32) - 8).to(tl.float32) * slo.to(tl.float32)
-        khi = ((codes >> 4).to(tl.int32) - 8).to(tl.float32) * shi.to(tl.float32)
+        codes = tl.load(codes_ptr + ((phys * NUM_KV_HEADS + h) * BLOCK_SIZE + rt)[:, None] * HALF
+                        + c[None, :], mask=lm, other=0x88)
+        jc = j0 + cb
+        livec = colok & (jc < n) & (jc < end)
+        physc = tl.load(tb + jc, mask=livec, other=0).to(tl.int64)
+        srow = scale_ptr + (physc * NUM_KV_HEADS + h)[:, None] * (2 * HALF)
+        sm = livec[:, None] & cmask[None, :]
+        slo = tl.load(srow + c[None, :], mask=sm, other=0.0).to(tl.float32)
+        shi = tl.load(srow + HALF + c[None, :], mask=sm, other=0.0).to(tl.float32)
         if EXACT_F32:
-            logit = tl.dot(klo, tl.trans(qlo), input_precision="ieee") \
-                + tl.dot(khi, tl.trans(qhi), input_precision="ieee")
+            klo = ((codes & 15).to(tl.int32) - 8).to(tl.float32)
+            khi = ((codes >> 4).to(tl.int32) - 8).to(tl.float32)
+            logit = tl.dot(klo, tl.trans(qlo * slo), input_precision="ieee") \
+                + tl.dot(khi, tl.trans(qhi * shi), input_precision="ieee")
         else:
-            logit = tl.dot(klo.to(tl.bfloat16), tl.trans(qlo)) \
-                + tl.dot(khi.to(tl.bfloat16), tl.trans(qhi))
-        x = logit * scale_log2
-        x = tl.where((rt < BLOCK_SIZE)[:, None], x, float("-inf"))
-        x3 = tl.reshape(x, [BLOCKS, TOKENS_PADDED, GROUP_ROWS])
-        mx = tl.max(x3, 1)
-        lse = mx + tl.log2(tl.sum(tl.exp2(x3 - mx[:, None, :]), 1))    # [BLOCKS, GROUP_ROWS]
-        jj = j0 + jb
-        res = tl.where((jj < n)[:, None], lse * inv_scale_log2, float("-inf"))
-        tl.store(out_rows + jj[:, None], res, mask=(jj < end)[:, None] & gmask[None, :])
+            alo = (qlo * slo).to(tl.bfloat16)
+            ahi = (qhi * shi).to(tl.bfloat16)
+            # the nibbles as bfloat16(128 + n) by integer ops, 136 * sum(a) taken off after
+            klo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+            khi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+            off = 136.0 * (tl.sum(alo.to(tl.float32), 1) + tl.sum(ahi.to(tl.float32), 1))
+            logit = tl.dot(klo, tl.trans(alo)) + tl.dot(khi, tl.trans(ahi)) - off[None, :]
+        x = tl.where(mine, logit * scale_log2, float("-inf"))
+        mx = tl.max(x, 0)
+        safe = tl.where(mx > float("-inf"), mx, 0.0)
+        lse = safe + tl.log2(tl.sum(tl.exp2(x - safe[None, :]), 0))
+        res = tl.where(jc < n, lse * inv_scale_log2, float("-inf"))
+        tl.store(out_cols + jc, res, mask=colok & (jc < end))
 
 
 def score_token_mass(q, block_table, num_blocks, *, keys4, scale4, scale: float,
@@ -151,8 +157,8 @@ def score_token_mass(q, block_table, num_blocks, *, keys4, scale4, scale: float,
     jit(_mass_kernel)[(B * Hkv, triton.cdiv(M, per_prog))](
         q, keys4, scale4, block_table, num_blocks, out, *q.stride(), block_table.stride(0), M,
         per_prog, scale * LOG2E, 1.0 / (scale * LOG2E), NUM_KV_HEADS=Hkv, GROUP=group,
-        GROUP_ROWS=pow2(group, 16), HALF=half, HALF_PADDED=pow2(half, 16), BLOCK_SIZE=bs,
-        TOKENS_PADDED=tokens, BLOCKS=blocks,
+        HALF=half, HALF_PADDED=pow2(half, 16), BLOCK_SIZE=bs, TOKENS_PADDED=tokens,
+        BLOCKS=blocks, COLS=pow2(blocks * group, 16),
         EXACT_F32=q.dtype == torch.float32 or interpreting(),
-        num_warps=launch.score_mass_warps)
+        num_warps=launch.score_mass_warps, num_stages=launch.score_mass_stages)
     return out
