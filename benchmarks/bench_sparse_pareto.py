@@ -369,6 +369,50 @@ def sweep_mass_scoring(report: dict) -> None:
     report["mass_scoring_sweep"] = out
 
 
+def sweep_pool(report: dict) -> None:
+    """Time ``pool_head_budgets`` (the pooled per-KV-head budgets of ``mass``) on softmax shares
+    of 8 KV heads at 8 x 2,048, 1 x 8,192 and 4 x 8,192 blocks, ratio 0.2, over a grid of its
+    launch constants, each checked bit-identical to the reference first; the reference's time
+    beside it."""
+    import itertools
+
+    from ucm.fast.triton import sparse as tri
+
+    out = {}
+    for batch, blocks in ((8, 2048), (1, 8192), (4, 8192)):
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        logits = torch.randn(batch, HKV, blocks, generator=gen, device="cuda") * 3
+        shares = torch.softmax(logits, -1)
+        nblk = torch.full((batch,), blocks, dtype=torch.int32, device="cuda")
+        budget = torch.full((batch,), math.ceil(0.2 * blocks), dtype=torch.int32,
+                            device="cuda")
+        kw = dict(cap=HEAD_BUDGET_CAP, init_window=INIT_WINDOW, local_window=LOCAL_WINDOW)
+        want = ops.pool_head_budgets(shares, nblk, budget, backend="reference", **kw)
+        # (the reference reads its budgets' range back: no graph)
+        rows = {"reference": bench(lambda: ops.pool_head_budgets(
+            shares, nblk, budget, backend="reference", **kw))}
+        for span, hist_warps, scan_warps, scan_elems in itertools.product(
+                (256, 512, 1024), (2, 4, 8), (4, 8), (2048, 4096, 16384)):
+            cfg = tri.LAUNCH.replace(pool_span=span, pool_hist_warps=hist_warps,
+                                     pool_scan_warps=scan_warps, pool_scan_elems=scan_elems)
+            name = f"span{span}_hw{hist_warps}_sw{scan_warps}_se{scan_elems}"
+            got = tri.pool_head_budgets(shares, nblk, budget, launch=cfg, **kw)
+            if not torch.equal(got, want):
+                rows[name] = "differs"
+                continue
+            rows[name] = bench(lambda cfg=cfg: tri.pool_head_budgets(
+                shares, nblk, budget, launch=cfg, **kw), graph=True)
+        timed = {n: t for n, t in rows.items() if isinstance(t, float) and n != "reference"}
+        best = sorted(timed, key=timed.get)[:5]
+        key = f"{batch}x{blocks}"
+        out[key] = dict(ms=rows, best=best)
+        print(f"{key}: reference {rows['reference'] * 1e3:.1f} us; shipped "
+              f"{rows.get('span512_hw8_sw8_se16384', float('nan')) * 1e3:.1f} us; best "
+              + ", ".join(f"{n} {timed[n] * 1e3:.1f}" for n in best)
+              + f"; differs: {[n for n, t in rows.items() if t == 'differs']}", flush=True)
+    report["pool_sweep"] = out
+
+
 def main(argv=None) -> int:
     import triton
 
@@ -381,13 +425,18 @@ def main(argv=None) -> int:
                     help="only time the mean scoring over a grid of launch constants")
     ap.add_argument("--sweep-mass-scoring", action="store_true",
                     help="only time the mass scoring over a grid of launch constants")
+    ap.add_argument("--sweep-pool", action="store_true",
+                    help="only time the pooled per-KV-head budgets over a grid of launch "
+                    "constants")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_sparse_pareto: needs a CUDA device", file=sys.stderr)
         return 2
-    if args.sweep_scoring or args.sweep_mass_scoring:
+    sweep = (sweep_scoring if args.sweep_scoring else sweep_mass_scoring
+             if args.sweep_mass_scoring else sweep_pool if args.sweep_pool else None)
+    if sweep is not None:
         report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name()}
-        (sweep_scoring if args.sweep_scoring else sweep_mass_scoring)(report)
+        sweep(report)
         if args.json:
             write_json(args.json, report, indent=1)
         return 0

@@ -265,6 +265,18 @@ def test_pool_head_budgets(impl, heads, monkeypatch):
                 compare("pool_head_budgets", lambda b: ops.pool_head_budgets(
                     x.to(dev), nblk, bud, cap=cap, init_window=iw, local_window=lw, backend=b),
                     backend, torch.int32)
+    if impl[0] == "triton":   # several histogram programs per request, several scan steps
+        from ucm.fast.triton import sparse as tri
+
+        cfg = tri.LAUNCH.replace(pool_span=16, pool_tile_elems=64, pool_scan_elems=1024)
+        bud = torch.tensor([9, 1, 2, 6, 3], dtype=torch.int32, device=dev)
+        for x in kinds:
+            for cap in (1, 2):
+                want = ops.pool_head_budgets(x.to(dev), nblk, bud, cap=cap, init_window=1,
+                                             local_window=2, backend="reference")
+                got = tri.pool_head_budgets(x.to(dev), nblk, bud, cap=cap, init_window=1,
+                                            local_window=2, launch=cfg)
+                assert torch.equal(got, want), (cap, got, want)
     one = torch.ones(1, heads, 1, device=dev)                    # one request, one block
     compare("pool_head_budgets", lambda b: ops.pool_head_budgets(
         one, torch.ones(1, dtype=torch.int32, device=dev), 1, cap=1, init_window=1,

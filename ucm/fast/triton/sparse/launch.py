@@ -106,12 +106,16 @@ class LaunchConfig:
     head_mass_programs_per_sm: int = 2
     #: Entries per program of the sparse-table gather.
     table_tile: int = 1024
-    #: Pooled per-KV-head budgets (one program per request): shares loaded per step (heads x
-    #: blocks, at most 512 blocks) and warps. 16 warps and 4,096: 79.9 / 265.7 us at 8 x 2,048
-    #: / 1 x 8,192 blocks of 8 heads on an H100, against 112.2 / 467.0 with 4 warps and 2,048
-    #: (``results/pool_head_budgets_speed_h100.json``).
+    #: Pooled per-KV-head budgets: shares one histogram program loads per step (heads x
+    #: blocks), the blocks it covers, its warps; bins one scan program takes per step (heads x
+    #: bins) and its warps. A level's whole histogram in one scan step, 8 warps each
+    #: (``bench_sparse_pareto.py --sweep-pool``: 43.8 us at 8 x 2,048 blocks of 8 heads, where
+    #: 4,096 bins a step and 4 warps took 58.5).
     pool_tile_elems: int = 4096
-    pool_warps: int = 16
+    pool_span: int = 512
+    pool_hist_warps: int = 8
+    pool_scan_elems: int = 16384
+    pool_scan_warps: int = 8
 
     def replace(self, **changes) -> "LaunchConfig":
         """A copy with ``changes`` (field names as above)."""

@@ -125,114 +125,159 @@ def score_select_head_mass(q, block_table, num_blocks, budget, *, kind: str, mea
                             launch=launch, **fold)
 
 
-def _pool_kernel(x_ptr, nblk_ptr, bud_ptr, out_ptr, M, cap, INIT, TAIL, H: tl.constexpr,
-                 HP: tl.constexpr, TILE: tl.constexpr):
-    """Request ``program_id(0)`` of :func:`pool_head_budgets`. Its free blocks are the range
-    ``[init, tail)`` between the windows. A 4-ary search over the float32 bits (ordered as
-    int32) finds the largest threshold ``t`` at which the heads' pairs of share ``>= t``, each
-    head capped at ``E = min(cap * budget - windows, free)``, reach ``extra = H * (budget -
-    windows)``; the pairs equal to ``t`` then go in rank-major order (rank within a head, then
-    head), as the reference's stable sort orders them."""
+def _pool_hist_kernel(x_ptr, nblk_ptr, state_ptr, hist_ptr, M, INIT, TAIL, span,
+                      H: tl.constexpr, HP: tl.constexpr, TILE: tl.constexpr,
+                      SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """Request ``program_id(0)``, blocks ``[s span, (s + 1) span)`` for ``s = program_id(1)``:
+    each free pair whose key (the share's order-preserving 32-bit image) lies in the prefix found
+    so far (``state[b, 0]``, the key's bits above ``SHIFT + BITS``) adds one to its head's bin
+    ``(key >> SHIFT) mod 2**BITS`` (global atomics)."""
     b = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * span
+    hi = tl.minimum(lo + span, M)
+    n = tl.load(nblk_ptr + b)
+    init = tl.minimum(INIT, n)
+    tail = tl.maximum(n - TAIL, 0)
+    prefix = tl.load(state_ptr + b * (HP + 1))
     h = tl.arange(0, HP)
     c = tl.arange(0, TILE)
+    head_ok = h < H
+    row = x_ptr + (b * H + h) * M
+    NB: tl.constexpr = 1 << BITS
+    bins = hist_ptr + (b * HP + h) * NB
+    for j0 in range(lo, hi, TILE):
+        j = j0 + c
+        cand = head_ok[:, None] & ((j >= init) & (j < tail) & (j < hi))[None, :]
+        s = tl.load(row[:, None] + j[None, :], mask=cand, other=float("-inf"))
+        s = tl.where(s != s, float("-inf"), s)                 # NaN ranks like -inf
+        s = tl.where(s == 0.0, 0.0, s)                         # -0.0 ties with +0.0
+        bits = s.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+        inside = cand & ((key >> (SHIFT + BITS)) == prefix)
+        tl.atomic_add(bins[:, None] + ((key >> SHIFT) & (NB - 1)),
+                      tl.full([HP, TILE], 1, tl.int32), mask=inside, sem="relaxed")
+
+
+def _pool_scan_kernel(nblk_ptr, bud_ptr, state_ptr, hist_ptr, out_ptr, M, cap, INIT, TAIL,
+                      H: tl.constexpr, HP: tl.constexpr, BITS: tl.constexpr,
+                      CHUNK: tl.constexpr, LAST: tl.constexpr):
+    """Request ``program_id(0)``: the highest bin ``k`` of this level's histogram at which the
+    pairs at or above it (each head's count capped at ``E``, with the pairs above the prefix
+    counted in ``state[b, 1:]``) reach ``extra`` (bin 0 if none does). The prefix grows by ``k``
+    and the pairs above it are counted. At the last level the prefix is the threshold ``t``
+    (the largest key at which the capped count reaches ``extra``), and the budgets follow: each head's pairs above
+    ``t`` up to ``E``, then the pairs equal to ``t`` in rank-major order (rank within a head,
+    then head), as the reference's stable sort orders them."""
+    b = tl.program_id(0).to(tl.int64)
     n = tl.load(nblk_ptr + b)
     per = tl.load(bud_ptr + b)
     init = tl.minimum(INIT, n)
     tail = tl.maximum(n - TAIL, 0)                             # TAIL: max(local window, 1)
     free = tl.maximum(tail - init, 0)
     f = n - free                                               # the windows' blocks
-    E = tl.minimum(tl.maximum(cap * per - f, 0), free).to(tl.int64)
-    extra = tl.maximum(H * (per - f), 0).to(tl.int64)
+    E = tl.minimum(tl.maximum(cap * per - f, 0), free).to(tl.int64)   # a head's extra pairs
+    extra = tl.maximum(H * (per - f), 0).to(tl.int64)         # extra pairs in all
+    h = tl.arange(0, HP)
     head_ok = h < H
-    row = x_ptr + (b * H + h) * M                              # [HP] row starts
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    field = (1 << 21) - 1
-    for _ in range(17):                                        # (2**32 - 1) / 4**16 < 1
-        span = hi - lo
-        t1 = (lo + (span + 3) // 4).to(tl.int32)
-        t2 = (lo + (2 * span + 3) // 4).to(tl.int32)
-        t3 = (lo + (3 * span + 3) // 4).to(tl.int32)
-        a1 = tl.zeros([HP], tl.int32)
-        a2 = tl.zeros([HP], tl.int32)
-        a3 = tl.zeros([HP], tl.int32)
-        for j0 in range(0, M, TILE):
-            j = j0 + c
-            cand = head_ok[:, None] & ((j >= init) & (j < tail))[None, :]
-            s = tl.load(row[:, None] + j[None, :], mask=cand, other=float("-inf"))
-            s = tl.where(s != s, float("-inf"), s)             # NaN ranks like -inf
-            s = tl.where(s == 0.0, 0.0, s)                     # -0.0 ties with +0.0
-            bits = s.to(tl.int32, bitcast=True)
-            u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-            # a tile's counts per head (<= TILE < 1024) packed in 10-bit fields of one int32
-            p = tl.sum(tl.where(cand, (u >= t1).to(tl.int32) + ((u >= t2).to(tl.int32) << 10)
-                                + ((u >= t3).to(tl.int32) << 20), 0), 1)
-            a1 += p & 1023
-            a2 += (p >> 10) & 1023
-            a3 += p >> 20
-        n1 = tl.sum(tl.where(head_ok, tl.minimum(a1.to(tl.int64), E), 0), 0)
-        n2 = tl.sum(tl.where(head_ok, tl.minimum(a2.to(tl.int64), E), 0), 0)
-        n3 = tl.sum(tl.where(head_ok, tl.minimum(a3.to(tl.int64), E), 0), 0)
-        ok1, ok2, ok3 = n1 >= extra, n2 >= extra, n3 >= extra
-        new_lo = tl.where(ok3, t3.to(tl.int64), tl.where(ok2, t2.to(tl.int64),
-                                                         tl.where(ok1, t1.to(tl.int64), lo)))
-        hi = tl.where(ok3, hi, tl.where(ok2, t3.to(tl.int64) - 1,
-                                        tl.where(ok1, t2.to(tl.int64) - 1, t1.to(tl.int64) - 1)))
-        lo = new_lo
-    t = lo.to(tl.int32)
-    acc = tl.zeros([HP], tl.int64)                             # above t, and equal to t
-    for j0 in range(0, M, TILE):
-        j = j0 + c
-        cand = head_ok[:, None] & ((j >= init) & (j < tail))[None, :]
-        s = tl.load(row[:, None] + j[None, :], mask=cand, other=float("-inf"))
-        s = tl.where(s != s, float("-inf"), s)
-        s = tl.where(s == 0.0, 0.0, s)
-        bits = s.to(tl.int32, bitcast=True)
-        u = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        acc += tl.sum(tl.where(cand, (u > t).to(tl.int64) + ((u == t).to(tl.int64) << 21), 0), 1)
-    above = acc & field
-    ties = acc >> 21
-    g = tl.where(head_ok, tl.minimum(above, E), 0)
-    rest = extra - tl.sum(g, 0)                                # pairs still to take, all ties
-    t_lo = above                                               # ranks of a head's tied pairs,
-    t_hi = tl.where(head_ok, tl.minimum(above + ties, E), 0)   # capped: [t_lo, t_hi)
-    # the first level L (rank) at which the tied pairs of ranks <= L reach `rest`
-    a = tl.full([], 1, tl.int64)
-    z = tl.full([], 1, tl.int64) + M
-    for _ in range(22):                                        # M < 2**21 (the packed counts)
-        mid = (a + z) // 2
-        got = tl.sum(tl.maximum(tl.minimum(mid, t_hi) - t_lo, 0), 0)
-        a = tl.where(got >= rest, a, mid + 1)
-        z = tl.where(got >= rest, mid, z)
-    L = a - 1
-    base = tl.maximum(tl.minimum(L, t_hi) - t_lo, 0)
-    active = (t_lo <= L) & (L < t_hi)
-    left = rest - tl.sum(base, 0)
-    before = tl.cumsum(active.to(tl.int64), 0) - active.to(tl.int64)
-    tie = base + (active & (before < left)).to(tl.int64)
-    counts = g + tie
-    counts = tl.where(extra == 0, 0, tl.where(H * E <= extra, E, counts))
-    tl.store(out_ptr + b * H + h, tl.minimum(counts + f, n).to(tl.int32), mask=head_ok)
+    NB: tl.constexpr = 1 << BITS
+    st = state_ptr + b * (HP + 1)
+    prefix = tl.load(st)
+    above = tl.load(st + 1 + h)                                # [HP] pairs above the prefix
+    cb = tl.arange(0, CHUNK)
+    carry = tl.zeros([HP], tl.int32)                           # pairs in the bins above a chunk
+    k = tl.full([], 0, tl.int64)
+    found = tl.full([], 0, tl.int32)
+    k_above = above
+    k_ties = tl.zeros([HP], tl.int64)
+    z_above = above                                            # bin 0, if no bin reaches extra
+    z_ties = tl.zeros([HP], tl.int64)
+    for i in range(NB // CHUNK):                               # the bins from the top
+        c0 = NB - (i + 1) * CHUNK
+        bins = hist_ptr + ((b * HP + h) * NB)[:, None] + (c0 + cb)[None, :]
+        cnt = tl.load(bins, mask=head_ok[:, None], other=0)
+        tl.store(bins, tl.zeros([HP, CHUNK], tl.int32), mask=head_ok[:, None])  # next level's
+        at_or_above = (tl.cumsum(cnt, 1, reverse=True) + carry[:, None]).to(tl.int64)
+        total = tl.sum(tl.where(head_ok[:, None],
+                                tl.minimum(above[:, None] + at_or_above, E), 0), 0)
+        best = tl.max(tl.where(total >= extra, c0 + cb, -1), 0)
+        pick = (cb + c0 == best)[None, :]
+        b_cnt = tl.sum(tl.where(pick, cnt, 0), 1).to(tl.int64)
+        b_up = tl.sum(tl.where(pick, at_or_above, 0), 1) - b_cnt
+        take = (found == 0) & (best >= 0)
+        k = tl.where(take, best, k)
+        k_above = tl.where(take, above + b_up, k_above)
+        k_ties = tl.where(take, b_cnt, k_ties)
+        found = tl.where(take, 1, found)
+        zero = (cb + c0 == 0)[None, :]
+        z_cnt = tl.sum(tl.where(zero, cnt, 0), 1).to(tl.int64)
+        z_above = tl.where(c0 == 0, above + tl.sum(tl.where(zero, at_or_above, 0), 1) - z_cnt,
+                           z_above)
+        z_ties = tl.where(c0 == 0, z_cnt, z_ties)
+        carry += tl.sum(cnt, 1)
+    k_above = tl.where(found == 1, k_above, z_above)
+    k_ties = tl.where(found == 1, k_ties, z_ties)
+    if LAST:
+        g = tl.where(head_ok, tl.minimum(k_above, E), 0)
+        rest = extra - tl.sum(g, 0)                            # pairs still to take, all ties
+        t_lo = k_above                                         # ranks of a head's tied pairs,
+        t_hi = tl.where(head_ok, tl.minimum(k_above + k_ties, E), 0)   # capped: [t_lo, t_hi)
+        # the first level L (rank) at which the tied pairs of ranks <= L reach `rest`
+        a = tl.full([], 1, tl.int64)
+        z = tl.full([], 1, tl.int64) + M
+        for _ in range(32):                                    # M < 2**31
+            mid = (a + z) // 2
+            got = tl.sum(tl.maximum(tl.minimum(mid, t_hi) - t_lo, 0), 0)
+            a = tl.where(got >= rest, a, mid + 1)
+            z = tl.where(got >= rest, mid, z)
+        L = a - 1
+        base = tl.maximum(tl.minimum(L, t_hi) - t_lo, 0)
+        active = (t_lo <= L) & (L < t_hi)
+        left = rest - tl.sum(base, 0)
+        before = tl.cumsum(active.to(tl.int64), 0) - active.to(tl.int64)
+        tie = base + (active & (before < left)).to(tl.int64)
+        counts = g + tie
+        counts = tl.where(extra == 0, 0, tl.where(H * E <= extra, E, counts))
+        tl.store(out_ptr + b * H + h, tl.minimum(counts + f, n).to(tl.int32), mask=head_ok)
+    else:
+        tl.store(st, (prefix << BITS) | k)
+        tl.store(st + 1 + h, k_above)
+
+
+#: Key bits each level of :func:`pool_head_budgets` resolves (32 in all), from the top.
+_POOL_LEVELS = (11, 11, 10)
 
 
 def pool_head_budgets(shares: torch.Tensor, num_blocks, budget, *, cap: int, init_window: int,
                       local_window: int, launch: LaunchConfig = LAUNCH) -> torch.Tensor:
-    """Same contract as :func:`ucm.reference.sparse.pool_head_budgets` (bit-identical budgets):
-    one program per request; inputs as validated by :func:`ucm.sparse.ops.pool_head_budgets`;
-    asynchronous."""
-    B, H, M = shares.shape
-    if M >= 1 << 21:   # the kernel packs counts in 21-bit fields
-        from ucm.reference.sparse import pool_head_budgets as reference
+    """Same contract as :func:`ucm.reference.sparse.pool_head_budgets` (bit-identical budgets);
+    inputs as validated by :func:`ucm.sparse.ops.pool_head_budgets`; asynchronous.
 
-        return reference(shares, num_blocks, budget, cap=cap, init_window=init_window,
-                         local_window=local_window)
+    The threshold share is found by radix levels over the shares' order-preserving 32-bit
+    images (11, 11 and 10 bits): each level histograms the pairs inside the prefix found so far
+    with programs of ``pool_span`` blocks each (global atomics, a request spread over the GPU),
+    then one program per request scans the histogram from the top for the bin at which the
+    capped count reaches the budget: three passes over the shares, each spread over the GPU (one
+    program per request would hold a long request on one multiprocessor)."""
+    B, H, M = shares.shape
     x = shares.contiguous()
-    out = torch.empty(B, H, dtype=torch.int32, device=x.device)
     hp = pow2(H)
-    # (at most 512 blocks a tile: the kernel packs a tile's counts in 10-bit fields)
-    tile = min(pow2(M, 16), max(16, launch.pool_tile_elems // hp), 512)
-    jit(_pool_kernel)[(B,)](x, num_blocks, budget, out, M, cap, init_window,
-                            max(local_window, 1), H=H, HP=hp, TILE=tile,
-                            num_warps=launch.pool_warps)
+    out = torch.empty(B, H, dtype=torch.int32, device=x.device)
+    state = torch.zeros(B, hp + 1, dtype=torch.int64, device=x.device)   # prefix, above[h]
+    # one histogram for every level: each scan leaves the bins it read zeroed
+    hist = torch.zeros(B, hp, 1 << max(_POOL_LEVELS), dtype=torch.int32, device=x.device)
+    tile = min(pow2(M, 16), max(16, launch.pool_tile_elems // hp))
+    span = max(tile, launch.pool_span // tile * tile)
+    chunk = max(16, launch.pool_scan_elems // hp)
+    tail = max(local_window, 1)
+    shift = 32
+    for level, bits in enumerate(_POOL_LEVELS):
+        shift -= bits
+        jit(_pool_hist_kernel)[(B, triton.cdiv(M, span))](
+            x, num_blocks, state, hist, M, init_window, tail, span, H=H, HP=hp,
+            TILE=tile, SHIFT=shift, BITS=bits, num_warps=launch.pool_hist_warps)
+        last = level == len(_POOL_LEVELS) - 1
+        jit(_pool_scan_kernel)[(B,)](
+            num_blocks, budget, state, hist, out, M, cap, init_window, tail, H=H, HP=hp,
+            BITS=bits, CHUNK=min(chunk, 1 << bits), LAST=last,
+            num_warps=launch.pool_scan_warps)
     return out
