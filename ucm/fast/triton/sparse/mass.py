@@ -165,9 +165,9 @@ def _pool_scan_kernel(nblk_ptr, bud_ptr, state_ptr, hist_ptr, out_ptr, M, cap, I
     pairs at or above it (each head's count capped at ``E``, with the pairs above the prefix
     counted in ``state[b, 1:]``) reach ``extra`` (bin 0 if none does). The prefix grows by ``k``
     and the pairs above it are counted. At the last level the prefix is the threshold ``t``
-    (the largest key at which the capped count reaches ``extra``), and the budgets follow: each head's pairs above
-    ``t`` up to ``E``, then the pairs equal to ``t`` in rank-major order (rank within a head,
-    then head), as the reference's stable sort orders them."""
+    (the largest key at which the capped count reaches ``extra``), and the budgets follow: each
+    head's pairs above ``t`` up to ``E``, then the pairs equal to ``t`` in rank-major order
+    (rank within a head, then head), as the reference's stable sort orders them."""
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(nblk_ptr + b)
     per = tl.load(bud_ptr + b)
