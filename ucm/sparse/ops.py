@@ -20,8 +20,8 @@ quantize_token_keys         (same)                                (same, bit-ide
 score_token_mass            (same: float32 products)              (same: bfloat16 products on a
                                                                   GPU, float32 otherwise)
 paged_decode_attention      (same: per-request softmax)           (same: split-K flash decoding)
-pool_head_budgets           (same: two stable sorts)              (same: threshold search, one
-                                                                  program per request)
+pool_head_budgets           (same: two stable sorts)              (same: radix histograms over
+                                                                  the GPU, a scan per request)
 block_attention_mass        (same; an oracle, reference only)     --
 quantize_rows               (same: elementwise PyTorch, any       --
                             device)
