@@ -53,8 +53,8 @@ class LaunchConfig:
     hamming_tile_elems: int = 8192
     #: Token rows the ``mass`` scoring takes per step (whole blocks: at least one), the blocks
     #: one of its programs walks, its warps and pipeline stages. One warp without pipelining
-    #: (H100, ``evals/explore`` sweep of rows 32-128, 1-4 warps, 1-2 stages): 133.6 / 69.0 us
-    #: at 8 x 32K / 1 x 128K, where 4 warps and 2 stages took 179.2 / 93.2.
+    #: (``bench_sparse_pareto.py --sweep-mass-scoring`` on an H100): 133.9 / 69.2 us at
+    #: 8 x 32K / 1 x 128K, where 4 warps and 2 stages took 170.2 / 90.7.
     score_mass_rows: int = 64
     score_mass_blocks_per_program: int = 64
     score_mass_warps: int = 1
