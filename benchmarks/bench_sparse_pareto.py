@@ -413,6 +413,58 @@ def sweep_pool(report: dict) -> None:
     report["pool_sweep"] = out
 
 
+def sweep_select_rows(report: dict) -> None:
+    """Time the per-KV-head selections of ``mass`` (the pooled budgets' ``select_sparse_table``
+    and the own budgets' ``select_head_mass``) over ``B * Hkv`` rows, with the histogram
+    selection allowed for up to 1 (the default) or 8 / 64 rows, at 1 x 8,192 and 8 x 2,048 /
+    8 x 4,096 / 8 x 8,192 blocks of 8 KV heads, ratio 0.2; every variant checked identical to
+    the default's output first. The shared selection of ``B`` rows at the same sizes beside."""
+    from ucm.fast.triton import sparse as tri
+
+    out = {}
+    for batch, blocks in ((1, 8192), (8, 2048), (8, 4096), (8, 8192)):
+        gen = torch.Generator(device="cuda").manual_seed(9)
+        per_head = torch.randn(batch * HKV, HQ // HKV, blocks, generator=gen, device="cuda") * 4
+        shares = torch.softmax(per_head * D ** -0.5, -1).mean(1)            # [B * Hkv, M]
+        rows = batch * HKV
+        nblk = torch.full((rows,), blocks, dtype=torch.int32, device="cuda")
+        budget_n = math.ceil(0.2 * blocks)
+        budgets = torch.full((rows,), budget_n, dtype=torch.int32, device="cuda")
+        table = torch.randperm(rows * blocks, device="cuda").view(rows, blocks).int()
+        lens = nblk * BS
+        sk = dict(init_window=INIT_WINDOW, local_window=LOCAL_WINDOW,
+                  width=ops.select_width(blocks, HEAD_BUDGET_CAP * budget_n, INIT_WINDOW,
+                                         LOCAL_WINDOW))
+        res, want_p, want_o = {}, None, None
+        for cap in (1, 8, 64):
+            cfg = tri.LAUNCH.replace(hist_max_rows=cap, mass_hist_max_rows=cap)
+            got_p = tri.select_sparse_table(shares, nblk, budgets, table, lens, block_size=BS,
+                                            launch=cfg, **sk)
+            got_o = tri.select_head_mass(per_head, nblk, budgets, scale=D ** -0.5,
+                                         block_table=table, seq_lens=lens, block_size=BS,
+                                         launch=cfg, **sk)
+            if want_p is None:
+                want_p, want_o = got_p, got_o
+            same = all(torch.equal(a, b) for a, b in zip(got_p + got_o, want_p + want_o))
+            res[f"rows{cap}"] = dict(
+                same=same,
+                pooled_ms=bench(lambda cfg=cfg: tri.select_sparse_table(
+                    shares, nblk, budgets, table, lens, block_size=BS, launch=cfg, **sk),
+                    graph=True),
+                own_ms=bench(lambda cfg=cfg: tri.select_head_mass(
+                    per_head, nblk, budgets, scale=D ** -0.5, block_table=table, seq_lens=lens,
+                    block_size=BS, launch=cfg, **sk), graph=True),
+                shared_ms=bench(lambda cfg=cfg: tri.select_sparse_table(
+                    shares[:batch], nblk[:batch], budgets[:batch], table[:batch],
+                    lens[:batch], block_size=BS, launch=cfg, **sk), graph=True))
+        key = f"{batch}x{blocks}"
+        out[key] = res
+        print(key, "; ".join(f"{k}: pooled {v['pooled_ms'] * 1e3:.1f} own {v['own_ms'] * 1e3:.1f}"
+                              f" shared {v['shared_ms'] * 1e3:.1f} us same {v['same']}"
+                              for k, v in res.items()), flush=True)
+    report["select_rows_sweep"] = out
+
+
 def main(argv=None) -> int:
     import triton
 
@@ -425,6 +477,9 @@ def main(argv=None) -> int:
                     help="only time the mean scoring over a grid of launch constants")
     ap.add_argument("--sweep-mass-scoring", action="store_true",
                     help="only time the mass scoring over a grid of launch constants")
+    ap.add_argument("--sweep-select-rows", action="store_true",
+                    help="only time the per-KV-head selections with the histogram selection "
+                    "allowed for more rows")
     ap.add_argument("--sweep-pool", action="store_true",
                     help="only time the pooled per-KV-head budgets over a grid of launch "
                     "constants")
@@ -433,7 +488,8 @@ def main(argv=None) -> int:
         print("bench_sparse_pareto: needs a CUDA device", file=sys.stderr)
         return 2
     sweep = (sweep_scoring if args.sweep_scoring else sweep_mass_scoring
-             if args.sweep_mass_scoring else sweep_pool if args.sweep_pool else None)
+             if args.sweep_mass_scoring else sweep_pool if args.sweep_pool else
+             sweep_select_rows if args.sweep_select_rows else None)
     if sweep is not None:
         report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name()}
         sweep(report)

@@ -1,4 +1,4 @@
-"""Histogram selection: one long row selected by chunk-local programs over the whole GPU.
+"""Histogram selection: a few long rows selected by chunk-local programs over the whole GPU.
 
 A single program's passes over a row of thousands of blocks are latency-bound, so one long row is
 selected in three launches whose programs each touch only their chunk, the row's histogram and a

@@ -2,7 +2,7 @@
 -1).mean(1)`` (each block's estimated share of attention, averaged over heads), the selections
 on it, and :func:`pool_head_budgets` (one budget per request shared by its KV heads).
 
-:func:`select_head_mass` on one long row (``mass_hist_min_blocks``, ``mass_hist_max_rows``)
+:func:`select_head_mass` on a few long rows (``mass_hist_min_blocks``, ``mass_hist_max_rows``)
 runs four launches: each head's log-sum-exp and bounds in parts, then the histogram selection
 whose first launch computes (and writes) the head mass, selecting exactly on the mass it wrote.
 Other shapes compute the head mass in two launches (:func:`head_mass`), then select it.

@@ -10,8 +10,8 @@ their float32 bits (``bits ^ 0x7FFFFFFF`` for negative floats), NaN mapped to ``
   registers; a 17-step 4-ary search finds the threshold image (three probes counted in one
   packed reduction per step), ties go to the lower indexes through a prefix count, and a
   second prefix count compacts the chosen blocks.
-- One long row (``hist_min_blocks``, ``hist_max_rows``): the histogram selection of
-  :mod:`ucm.fast.triton.sparse.histogram`, three launches over the whole GPU.
+- A few long rows (at most ``hist_max_rows`` of at least ``hist_min_blocks``): the histogram
+  selection of :mod:`ucm.fast.triton.sparse.histogram`, three launches over the whole GPU.
 - Longer rows: PyTorch glue, one ``torch.topk`` over unique int64 keys.
 
 :func:`select_sparse_table` writes the attention's table in the same launch;
