@@ -266,6 +266,13 @@ def time_shape(batch: int, tokens: int, ratios, specs) -> dict:
     return out
 
 
+def fastest(rows: dict, k: int = 5, skip=()) -> tuple:
+    """``(timed, best)`` of a sweep's ``{name: ms or why not}``: the timed variants, and the
+    ``k`` fastest names (``skip``: names that are not variants)."""
+    timed = {n: t for n, t in rows.items() if isinstance(t, float) and n not in skip}
+    return timed, sorted(timed, key=timed.get)[:k]
+
+
 def sweep_scoring(report: dict) -> None:
     """Time the mean scoring (int8, per head) and ESA's whole retrieval
     (``score_select_head_mass`` with the table) for 2- and 4-token means over a grid of scoring
@@ -306,8 +313,7 @@ def sweep_scoring(report: dict) -> None:
                         graph=True)
                 except Exception as exc:  # a configuration that does not fit: recorded
                     rows[name] = repr(exc)[:120]
-            timed = {n: t for n, t in rows.items() if isinstance(t, float)}
-            best = sorted(timed, key=timed.get)[:5]
+            timed, best = fastest(rows)
             default = ("rows64_sm2_w4_s2_l3", timed.get("rows64_sm2_w4_s2_l3"))
             full = {}
             for name in best[:2] + [default[0]]:
@@ -358,8 +364,7 @@ def sweep_mass_scoring(report: dict) -> None:
                 continue
             rows[name] = bench(lambda cfg=cfg: tri.score_token_mass(
                 q, table, nblk, scale=scale, launch=cfg, **tabs), graph=True)
-        timed = {n: t for n, t in rows.items() if isinstance(t, float)}
-        best = sorted(timed, key=timed.get)[:5]
+        timed, best = fastest(rows)
         key = f"{batch}x{tokens}"
         out[key] = dict(scoring_ms=rows, best=best)
         print(f"{key}: mass scoring best " + ", ".join(f"{n} {timed[n] * 1e3:.1f} us"
@@ -378,6 +383,10 @@ def sweep_pool(report: dict) -> None:
 
     from ucm.fast.triton import sparse as tri
 
+    def name_of(cfg) -> str:
+        return (f"span{cfg.pool_span}_hw{cfg.pool_hist_warps}_sw{cfg.pool_scan_warps}"
+                f"_se{cfg.pool_scan_elems}")
+
     out = {}
     for batch, blocks in ((8, 2048), (1, 8192), (4, 8192)):
         gen = torch.Generator(device="cuda").manual_seed(5)
@@ -395,19 +404,19 @@ def sweep_pool(report: dict) -> None:
                 (256, 512, 1024), (2, 4, 8), (4, 8), (2048, 4096, 16384)):
             cfg = tri.LAUNCH.replace(pool_span=span, pool_hist_warps=hist_warps,
                                      pool_scan_warps=scan_warps, pool_scan_elems=scan_elems)
-            name = f"span{span}_hw{hist_warps}_sw{scan_warps}_se{scan_elems}"
+            name = name_of(cfg)
             got = tri.pool_head_budgets(shares, nblk, budget, launch=cfg, **kw)
             if not torch.equal(got, want):
                 rows[name] = "differs"
                 continue
             rows[name] = bench(lambda cfg=cfg: tri.pool_head_budgets(
                 shares, nblk, budget, launch=cfg, **kw), graph=True)
-        timed = {n: t for n, t in rows.items() if isinstance(t, float) and n != "reference"}
-        best = sorted(timed, key=timed.get)[:5]
+        timed, best = fastest(rows, skip=("reference",))
         key = f"{batch}x{blocks}"
         out[key] = dict(ms=rows, best=best)
+        shipped = timed.get(name_of(tri.LAUNCH), float("nan"))
         print(f"{key}: reference {rows['reference'] * 1e3:.1f} us; shipped "
-              f"{rows.get('span512_hw8_sw8_se16384', float('nan')) * 1e3:.1f} us; best "
+              f"{shipped * 1e3:.1f} us; best "
               + ", ".join(f"{n} {timed[n] * 1e3:.1f}" for n in best)
               + f"; differs: {[n for n, t in rows.items() if t == 'differs']}", flush=True)
     report["pool_sweep"] = out
@@ -487,9 +496,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_sparse_pareto: needs a CUDA device", file=sys.stderr)
         return 2
-    sweep = (sweep_scoring if args.sweep_scoring else sweep_mass_scoring
-             if args.sweep_mass_scoring else sweep_pool if args.sweep_pool else
-             sweep_select_rows if args.sweep_select_rows else None)
+    sweeps = {"sweep_scoring": sweep_scoring, "sweep_mass_scoring": sweep_mass_scoring,
+              "sweep_pool": sweep_pool, "sweep_select_rows": sweep_select_rows}
+    sweep = next((f for flag, f in sweeps.items() if getattr(args, flag)), None)
     if sweep is not None:
         report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name()}
         sweep(report)
