@@ -21,7 +21,10 @@ synthetic KV). Both ops are called as an engine calls them (``ucm.compress.encod
 The script times every case in one run (best of ``--rounds`` rounds, each one reference call then
 one numba call, so that both see the same load on a shared machine) and prints the
 numba / reference ratios and the GB/s of raw KV (bytes of the shards before encoding, after
-decoding); it stops with an error, reporting nothing, if any numba output differs from the
+decoding). For the decodes it also times the physical floor: a fill of as many bytes as the
+decode writes (``Tensor.fill_``, one thread), after a reference call as the numba call is, and
+prints the reference's time over it (``ceiling``: the largest ratio a decode that writes its
+output once could show in this run). It stops with an error, reporting nothing, if any numba output differs from the
 reference's: integer formats byte for byte (the ok rows' encoded bytes, every decoded byte),
 the learned codec within one rounding step (tests/equivalence.py's tolerance).
 
@@ -39,7 +42,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
@@ -107,6 +110,7 @@ class Case:
     check: Callable[[str, Any], None]          # (provider, output): raises WrongOutput
     nbytes: int                                # raw KV bytes per call
     repeats: dict = field(default_factory=lambda: {"reference": 3, "numba": 10})  # pytest
+    floor: Optional[Callable[[], Any]] = None  # decode: a fill of the output's bytes
 
 
 def build_case(op: str, method: str, dtype: str, shards: int, seed: int = 0) -> Case:
@@ -164,6 +168,9 @@ def build_case(op: str, method: str, dtype: str, shards: int, seed: int = 0) -> 
                 raise WrongOutput(f"decode {method} {dtype}: {provider}'s output differs from "
                                   f"the reference's")
             got.fill_(0xA5)
+        spare = torch.empty_like(raw)
+        return Case(op, method, dtype, shards, run, check, shards * shape.raw_bytes,
+                    floor=lambda: spare.fill_(0x5A))
     return Case(op, method, dtype, shards, run, check, shards * shape.raw_bytes)
 
 
@@ -174,17 +181,26 @@ def time_case(case: Case, rounds: int) -> dict:
     for provider, fn in case.run.items():
         case.check(provider, fn())
     best = {p: float("inf") for p in case.run}
+    floor = float("inf")
     last = {}
     for _ in range(rounds):
         for provider, fn in case.run.items():
             t0 = time.perf_counter()
             last[provider] = fn()
             best[provider] = min(best[provider], time.perf_counter() - t0)
+        if case.floor is not None:      # after a reference call, as the numba call above
+            case.run["reference"]()
+            t0 = time.perf_counter()
+            case.floor()
+            floor = min(floor, time.perf_counter() - t0)
     row = {}
     for provider in case.run:
         case.check(provider, last[provider])
         row[provider] = {"seconds": best[provider], "GBps": case.nbytes / best[provider] / 1e9}
     row["numba_vs_reference"] = row["reference"]["seconds"] / row["numba"]["seconds"]
+    if case.floor is not None:
+        row["write_floor"] = {"seconds": floor, "GBps": case.nbytes / floor / 1e9}
+        row["floor_vs_reference"] = row["reference"]["seconds"] / floor
     return row
 
 
@@ -235,7 +251,8 @@ def run_cpu(args) -> int:
            "geometry": {"order": ORDER, "tokens": TOKENS, "heads": HEADS, "head_dim": HEAD_DIM},
            "rounds": args.rounds, "results": []}
     table = [f"{'op':7s} {'method':13s} {'dtype':9s} {'shards':>6s} {'reference':>13s} "
-             f"{'numba':>10s} {'ratio':>7s} {'ref GB/s':>9s} {'numba GB/s':>10s}"]
+             f"{'numba':>10s} {'ratio':>7s} {'ref GB/s':>9s} {'numba GB/s':>10s} "
+             f"{'write floor':>11s} {'ceiling':>7s}"]
     for n in shards:
         for dtype in DTYPES:
             for method in args.methods:
@@ -253,7 +270,10 @@ def run_cpu(args) -> int:
                                  f"{row['reference']['seconds'] * 1e3:10.2f} ms "
                                  f"{row['numba']['seconds'] * 1e3:7.2f} ms "
                                  f"{row['numba_vs_reference']:6.1f}x "
-                                 f"{row['reference']['GBps']:9.3f} {row['numba']['GBps']:10.3f}")
+                                 f"{row['reference']['GBps']:9.3f} {row['numba']['GBps']:10.3f}"
+                                 + (f" {row['write_floor']['seconds'] * 1e3:8.2f} ms "
+                                    f"{row['floor_vs_reference']:6.1f}x" if "write_floor" in row
+                                    else ""))
     print(file=sys.stderr)
     print("\n".join(table), flush=True)
     worst = min(out["results"], key=lambda r: r["numba_vs_reference"])

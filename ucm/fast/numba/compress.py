@@ -39,6 +39,7 @@ from ucm.fast.numba._codec_planes import (_dec4_planes, _enc4_plane, _enc8_chan_
                                           _enc8_plane, _get_bf16, _keys_to_channel_major,
                                           _keys_to_token_major, _load_plane, _rows_from_plane,
                                           _zero_pads)
+from ucm.fast.numba._amx import affine_tiles, tiles_fit, tiles_ready
 from ucm.fast.numba._elements import affine_pairs, affine_rows, ld, mag, st
 from ucm.fast.numba._jit import njit
 
@@ -405,17 +406,20 @@ def _decode_sparse(src, so_, y, yb, yo, geo, g, chan, n_exact, offs, tok, exact,
 
 
 @njit(nogil=True)
-def _decode_learned(src, so_, y, yo, geo, mean, basis_t, pairs, c_off, plane, w, keys_dt):
+def _decode_learned(src, so_, y, yo, geo, mean, basis_t, pairs, tiles, c_off, plane, w, keys_dt):
     """``basis_t`` float32 [2, H, R, D] (the basis transposed, rounded to bfloat16 as the
     reference decodes with it); ``pairs`` the same as bfloat16 pairs [2, H, R / 2, D]
     (:func:`affine_pairs`), or [2, H, 0, D] where the rank is odd or D not a multiple of 16.
     Each head's tokens are one :func:`affine_pairs` call (else :func:`affine_rows`, with its
     float32 scratch ``w`` of 8 * R): coefficients times the basis, plus the mean, rounded into
     ``y``; with ``keys_dt`` the key planes go through ``plane`` (float32 scratch [T * D]) and
-    are written channel-major."""
+    are written channel-major. ``tiles``: the pairs in the tile order, [2, H, R / 2, D], where
+    :func:`~ucm.fast.numba._amx.affine_tiles` takes the tokens in whole groups of 16 (the rest
+    through ``affine_pairs``), else [2, H, 0, D]."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     r_n = basis_t.shape[2]
     by_pairs = pairs.shape[2] > 0
+    by_tiles = tiles.shape[2] > 0
     pitch = 2 * h_n * r_n                                  # bytes from a token's coefficients
     for i in range(so_.shape[0]):                          # to the next token's
         so = so_[i]
@@ -424,13 +428,25 @@ def _decode_learned(src, so_, y, yo, geo, mean, basis_t, pairs, c_off, plane, w,
                 base = yo[i] + kv * s_k + h * s_h
                 at = so + c_off + 2 * ((kv * t_n * h_n + h) * r_n)
                 if keys_dt and kv == 0:
-                    if by_pairs:
+                    if by_tiles:
+                        affine_tiles(plane, 0, d_n, src, at, pitch, tiles[kv, h], mean[kv, h],
+                                     t_n, r_n, d_n)
+                        done = t_n - t_n % 16
+                        affine_pairs(plane, done * d_n, d_n, src, at + done * pitch, pitch,
+                                     pairs[kv, h], mean[kv, h], t_n - done, r_n, d_n)
+                    elif by_pairs:
                         affine_pairs(plane, 0, d_n, src, at, pitch, pairs[kv, h], mean[kv, h],
                                      t_n, r_n, d_n)
                     else:
                         affine_rows(plane, 0, d_n, src, at, pitch, basis_t[kv, h],
                                     mean[kv, h], t_n, r_n, d_n, w)
                     _rows_from_plane(plane.view(np.uint32), y, base, t_n, d_n)
+                elif by_tiles:
+                    affine_tiles(y, base, s_t, src, at, pitch, tiles[kv, h], mean[kv, h],
+                                 t_n, r_n, d_n)
+                    done = t_n - t_n % 16
+                    affine_pairs(y, base + done * s_t, s_t, src, at + done * pitch, pitch,
+                                 pairs[kv, h], mean[kv, h], t_n - done, r_n, d_n)
                 elif by_pairs:
                     affine_pairs(y, base, s_t, src, at, pitch, pairs[kv, h], mean[kv, h],
                                  t_n, r_n, d_n)
@@ -464,7 +480,14 @@ def _learned_decode_constants(spec: CodecSpec, shape: KVShape, layer: int):
             pairs = np.ascontiguousarray((bits[:, :, 0::2] << 16) | bits[:, :, 1::2])
         else:
             pairs = np.zeros(basis_t.shape[:2] + (0, d_n), np.uint32)
-        got = _LEARNED_DECODE[key] = (mean, np.ascontiguousarray(basis_t), pairs,
+        # tiles for 16-bit caches only: their sums round differently from the pairs' (within
+        # a float32 rounding step per term), which rounding to bfloat16 / float16 hides and a
+        # float32 cache would show; a float32 decode is bound by its writes anyway
+        if shape.dtype != "float32" and tiles_fit(r_n, d_n) and tiles_ready():
+            tiles = np.ascontiguousarray((bits[:, :, 1::2] << 16) | bits[:, :, 0::2])
+        else:
+            tiles = np.zeros(basis_t.shape[:2] + (0, d_n), np.uint32)
+        got = _LEARNED_DECODE[key] = (mean, np.ascontiguousarray(basis_t), pairs, tiles,
                                       int(_at(spec, shape, "coef")[0]))
     return got
 
@@ -656,8 +679,8 @@ def _row_decoder(spec: CodecSpec, shape: KVShape, layer: int):
             if dt:                                     # decoded token-major: turn key planes
                 _keys_to_channel_major(y, yo, geo, turn)
         return run
-    mean, basis_t, pairs, c_off = _learned_decode_constants(spec, shape, layer)
-    args = (geo, mean, basis_t, pairs, c_off, np.empty(t_n * d_n, np.float32),
+    mean, basis_t, pairs, tiles, c_off = _learned_decode_constants(spec, shape, layer)
+    args = (geo, mean, basis_t, pairs, tiles, c_off, np.empty(t_n * d_n, np.float32),
             np.empty(8 * basis_t.shape[2], np.float32), dt)
     return lambda enc, so, y, yo: _decode_learned(enc, so, y, yo, *args)
 
