@@ -101,3 +101,30 @@ def test_learned_decode_16bit(dtype, tiles, monkeypatch):
         assert bool(((g - w).abs() <= 2e-5 + step * w.abs()).all()), (t, key_order)
     built = [v[3] for v in numba_compress._LEARNED_DECODE.values()]
     assert built and all((c.shape[2] > 0) == tiles for c in built)
+
+
+def test_tile_state_survives_fork():
+    """Linux grants the tile state per process and a forked child inherits it (engines fork
+    workers after ucm is imported): the child decodes through the tiles without asking again
+    (an AMX instruction without the grant kills the process with SIGILL)."""
+    import os
+
+    if not _amx.tiles_ready() or not hasattr(os, "fork"):
+        pytest.skip("no AMX-BF16 on this CPU (or no fork)")
+    rng = np.random.default_rng(2)
+    proj = fit_projection([rng.standard_normal((256, 2, 2, 64)).astype(np.float32)])
+    spec = CodecSpec("learned", ratio=0.25, projection=proj)
+    shape = KVShape("hktd", 32, 2, 64, "bfloat16")
+    raw = torch.from_numpy(rng.standard_normal((2, 2, 2, 32, 64)).astype(np.float32))
+    raw = raw.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(2, shape.raw_bytes)
+    enc = torch.empty((2, encoded_bytes(spec, shape)), dtype=torch.uint8)
+    compress.encode(spec, shape, raw, enc, backend="reference")
+    want = torch.empty_like(raw)
+    compress.decode(spec, shape, enc, want, backend="numba")
+    pid = os.fork()
+    if pid == 0:                                     # the child: decode, compare, exit
+        got = torch.empty_like(raw)
+        compress.decode(spec, shape, enc, got, backend="numba")
+        os._exit(0 if torch.equal(got, want) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
