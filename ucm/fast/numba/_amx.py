@@ -18,10 +18,10 @@ import functools
 import platform
 
 from llvmlite import ir
-from numba.core import cgutils, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ucm.fast.numba._elements import _AFFINE_OUT, _AffineOut, _target_has
+from ucm.fast.numba._elements import _target_has, pairs_operands, pairs_signature
 
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
@@ -74,15 +74,9 @@ def affine_tiles(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
     multiplied; the C tiles stored to a stack buffer, read back as vectors, the bias added and
     rounded into ``y`` (:class:`~ucm.fast.numba._elements._AffineOut`, which also prefetches
     the output rows two groups ahead). Indices are not checked."""
-    f32 = types.float32
-    if not (isinstance(y, types.Array) and y.dtype in _AFFINE_OUT and y.layout == "C"
-            and isinstance(a, types.Array) and a.dtype == types.uint8 and a.layout == "C"
-            and isinstance(bp, types.Array) and bp.dtype == types.uint32 and bp.layout == "C"
-            and isinstance(bias, types.Array) and bias.dtype == f32 and bias.layout == "C"
-            and all(isinstance(v, types.Integer) for v in (yi, ys, ai, as_, n_rows, k_n, m_n))):
+    sig = pairs_signature(y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n)
+    if sig is None:
         return None
-    sig = types.void(y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n)
-    elem = y.dtype
 
     def codegen(context, builder, signature, args):
         if not _target_has(context, "amx-tile", "amx-bf16"):
@@ -91,15 +85,8 @@ def affine_tiles(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
         ft, i8, i16, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(64)
         vt = ir.VectorType(ft, 16)
         p8 = i8.as_pointer()
-        et = context.get_value_type(elem)
-        yp, ap, bpp, cp = (context.make_array(signature.args[j])(context, bld, args[j]).data
-                           for j in (0, 3, 6, 7))
-        yi_, ys_, ai_, as__, nr_, k_n_, m_n_ = (
-            context.cast(bld, args[j], signature.args[j], types.intp) for j in (1, 2, 4, 5, 8, 9, 10))
-        yp = bld.gep(yp, [yi_], source_etype=et)
-        out = _AffineOut(context, bld, elem, yp, ys_, nr_, m_n_, cp)
-        c = out.c
-        ap = bld.gep(bld.bitcast(ap, p8), [ai_], source_etype=i8)
+        out, ap, bpp, as__, k_n_ = pairs_operands(context, bld, signature, args)
+        c, nr_, m_n_ = out.c, out.nr_, out.m_n_
         bp8 = bld.bitcast(bpp, p8)
 
         def fn(name, ret, *argt):

@@ -599,6 +599,36 @@ def affine_rows(typingctx, y, yi, ys, a, ai, as_, b, bias, n_rows, k_n, m_n, w):
     return sig, codegen
 
 
+def pairs_signature(y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
+    """The signature of an intrinsic in the bfloat16 pair form (:func:`affine_pairs`,
+    :func:`ucm.fast.numba._amx.affine_tiles`): ``y`` an output array of an affine element type,
+    ``a`` bytes, ``bp`` uint32 pairs, ``bias`` float32, all C-contiguous, the rest integers; None
+    (no match) otherwise."""
+    if not (isinstance(y, types.Array) and y.dtype in _AFFINE_OUT and y.layout == "C"
+            and isinstance(a, types.Array) and a.dtype == types.uint8 and a.layout == "C"
+            and isinstance(bp, types.Array) and bp.dtype == types.uint32 and bp.layout == "C"
+            and isinstance(bias, types.Array) and bias.dtype == types.float32
+            and bias.layout == "C"
+            and all(isinstance(v, types.Integer) for v in (yi, ys, ai, as_, n_rows, k_n, m_n))):
+        return None
+    return types.void(y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n)
+
+
+def pairs_operands(context, bld, signature, args) -> tuple:
+    """The operands of a pair-form call in its codegen: ``(out, a, bp, as_, k_n)``: the
+    :class:`_AffineOut` over ``y``'s rows from element ``yi``, a byte pointer at byte ``ai`` of
+    ``a``, the pairs' data pointer, and the coefficients' pitch and count as ``intp``."""
+    elem = signature.args[0].dtype
+    yp, ap, bpp, cp = (context.make_array(signature.args[j])(context, bld, args[j]).data
+                       for j in (0, 3, 6, 7))
+    yi_, ys_, ai_, as__, nr_, k_n_, m_n_ = (
+        context.cast(bld, args[j], signature.args[j], types.intp) for j in (1, 2, 4, 5, 8, 9, 10))
+    yp = bld.gep(yp, [yi_], source_etype=context.get_value_type(elem))
+    i8 = ir.IntType(8)
+    ap = bld.gep(bld.bitcast(ap, i8.as_pointer()), [ai_], source_etype=i8)
+    return _AffineOut(context, bld, elem, yp, ys_, nr_, m_n_, cp), ap, bpp, as__, k_n_
+
+
 @intrinsic
 def affine_pairs(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
     """:func:`affine_rows` for bfloat16 coefficients and a bfloat16 matrix, two coefficients
@@ -617,32 +647,19 @@ def affine_pairs(typingctx, y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n):
     (exact in float32: two bfloat16 values) rounded once into the sum, as :func:`affine_rows`
     does, and agree with it but for subnormals, which the instruction flushes to zero. Tiles,
     bias and rounding as :func:`affine_rows`. Indices are not checked."""
-    f32 = types.float32
-    if not (isinstance(y, types.Array) and y.dtype in _AFFINE_OUT and y.layout == "C"
-            and isinstance(a, types.Array) and a.dtype == types.uint8 and a.layout == "C"
-            and isinstance(bp, types.Array) and bp.dtype == types.uint32 and bp.layout == "C"
-            and isinstance(bias, types.Array) and bias.dtype == f32 and bias.layout == "C"
-            and all(isinstance(v, types.Integer) for v in (yi, ys, ai, as_, n_rows, k_n, m_n))):
+    sig = pairs_signature(y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n)
+    if sig is None:
         return None
-    sig = types.void(y, yi, ys, a, ai, as_, bp, bias, n_rows, k_n, m_n)
-    elem = y.dtype
 
     def codegen(context, builder, signature, args):
         bld = builder
         ft = ir.FloatType()
         vt = ir.VectorType(ft, 16)
         iv = ir.VectorType(_I32, 16)
-        et = context.get_value_type(elem)
         i8 = ir.IntType(8)
         dp_ok = _target_has(context, "avx512bf16", "avx512f")
-        yp, ap, bpp, cp = (context.make_array(signature.args[j])(context, bld, args[j]).data
-                           for j in (0, 3, 6, 7))
-        yi_, ys_, ai_, as__, nr_, k_n_, m_n_ = (
-            context.cast(bld, args[j], signature.args[j], types.intp) for j in (1, 2, 4, 5, 8, 9, 10))
-        yp = bld.gep(yp, [yi_], source_etype=et)
-        out = _AffineOut(context, bld, elem, yp, ys_, nr_, m_n_, cp)
-        c = out.c
-        ap = bld.gep(ap, [ai_], source_etype=i8)
+        out, ap, bpp, as__, k_n_ = pairs_operands(context, bld, signature, args)
+        c, m_n_ = out.c, out.m_n_
         if dp_ok:
             bt = ir.VectorType(_BFloat(), 32)
             dp = cgutils.get_or_insert_function(bld.module, ir.FunctionType(vt, [vt, bt, bt]),

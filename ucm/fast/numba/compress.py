@@ -406,20 +406,35 @@ def _decode_sparse(src, so_, y, yb, yo, geo, g, chan, n_exact, offs, tok, exact,
 
 
 @njit(nogil=True)
+def _affine_head(y, yi, ys, src, at, pitch, tiles, pairs, basis_t, mean, t_n, d_n, w):
+    """One head's ``t_n`` tokens of the learned decode into rows ``yi + n * ys`` of ``y``: the
+    coefficients at byte ``at`` of ``src`` (``pitch`` bytes apart) times the basis, plus the
+    mean. Through :func:`affine_tiles` for the tokens in whole groups of 16 where ``tiles`` is
+    given, :func:`affine_pairs` for the rest where ``pairs`` is, else :func:`affine_rows`."""
+    r_n = basis_t.shape[0]
+    if pairs.shape[0] == 0:
+        affine_rows(y, yi, ys, src, at, pitch, basis_t, mean, t_n, r_n, d_n, w)
+        return
+    done = 0
+    if tiles.shape[0] > 0:
+        affine_tiles(y, yi, ys, src, at, pitch, tiles, mean, t_n, r_n, d_n)
+        done = t_n - t_n % 16
+    affine_pairs(y, yi + done * ys, ys, src, at + done * pitch, pitch, pairs, mean, t_n - done,
+                 r_n, d_n)
+
+
+@njit(nogil=True)
 def _decode_learned(src, so_, y, yo, geo, mean, basis_t, pairs, tiles, c_off, plane, w, keys_dt):
     """``basis_t`` float32 [2, H, R, D] (the basis transposed, rounded to bfloat16 as the
     reference decodes with it); ``pairs`` the same as bfloat16 pairs [2, H, R / 2, D]
-    (:func:`affine_pairs`), or [2, H, 0, D] where the rank is odd or D not a multiple of 16.
-    Each head's tokens are one :func:`affine_pairs` call (else :func:`affine_rows`, with its
-    float32 scratch ``w`` of 8 * R): coefficients times the basis, plus the mean, rounded into
-    ``y``; with ``keys_dt`` the key planes go through ``plane`` (float32 scratch [T * D]) and
-    are written channel-major. ``tiles``: the pairs in the tile order, [2, H, R / 2, D], where
-    :func:`~ucm.fast.numba._amx.affine_tiles` takes the tokens in whole groups of 16 (the rest
-    through ``affine_pairs``), else [2, H, 0, D]."""
+    (:func:`affine_pairs`), or [2, H, 0, D] where the rank is odd or D not a multiple of 16;
+    ``tiles`` the pairs in the tile order (:func:`affine_tiles`), or [2, H, 0, D] where the
+    tiles do not run. Each head's tokens are one :func:`_affine_head` call (``w``: float32
+    scratch of 8 * R): coefficients times the basis, plus the mean, rounded into ``y``; with
+    ``keys_dt`` the key planes go through ``plane`` (float32 scratch [T * D]) and are written
+    channel-major."""
     t_n, h_n, d_n, s_k, s_t, s_h = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     r_n = basis_t.shape[2]
-    by_pairs = pairs.shape[2] > 0
-    by_tiles = tiles.shape[2] > 0
     pitch = 2 * h_n * r_n                                  # bytes from a token's coefficients
     for i in range(so_.shape[0]):                          # to the next token's
         so = so_[i]
@@ -428,31 +443,12 @@ def _decode_learned(src, so_, y, yo, geo, mean, basis_t, pairs, tiles, c_off, pl
                 base = yo[i] + kv * s_k + h * s_h
                 at = so + c_off + 2 * ((kv * t_n * h_n + h) * r_n)
                 if keys_dt and kv == 0:
-                    if by_tiles:
-                        affine_tiles(plane, 0, d_n, src, at, pitch, tiles[kv, h], mean[kv, h],
-                                     t_n, r_n, d_n)
-                        done = t_n - t_n % 16
-                        affine_pairs(plane, done * d_n, d_n, src, at + done * pitch, pitch,
-                                     pairs[kv, h], mean[kv, h], t_n - done, r_n, d_n)
-                    elif by_pairs:
-                        affine_pairs(plane, 0, d_n, src, at, pitch, pairs[kv, h], mean[kv, h],
-                                     t_n, r_n, d_n)
-                    else:
-                        affine_rows(plane, 0, d_n, src, at, pitch, basis_t[kv, h],
-                                    mean[kv, h], t_n, r_n, d_n, w)
+                    _affine_head(plane, 0, d_n, src, at, pitch, tiles[kv, h], pairs[kv, h],
+                                 basis_t[kv, h], mean[kv, h], t_n, d_n, w)
                     _rows_from_plane(plane.view(np.uint32), y, base, t_n, d_n)
-                elif by_tiles:
-                    affine_tiles(y, base, s_t, src, at, pitch, tiles[kv, h], mean[kv, h],
-                                 t_n, r_n, d_n)
-                    done = t_n - t_n % 16
-                    affine_pairs(y, base + done * s_t, s_t, src, at + done * pitch, pitch,
-                                 pairs[kv, h], mean[kv, h], t_n - done, r_n, d_n)
-                elif by_pairs:
-                    affine_pairs(y, base, s_t, src, at, pitch, pairs[kv, h], mean[kv, h],
-                                 t_n, r_n, d_n)
                 else:
-                    affine_rows(y, base, s_t, src, at, pitch, basis_t[kv, h], mean[kv, h],
-                                t_n, r_n, d_n, w)
+                    _affine_head(y, base, s_t, src, at, pitch, tiles[kv, h], pairs[kv, h],
+                                 basis_t[kv, h], mean[kv, h], t_n, d_n, w)
 
 
 _LEARNED_DECODE = {}      # (spec, shape, layer, projection digest) -> _learned_decode_constants
@@ -460,7 +456,8 @@ _LEARNED_DECODE = {}      # (spec, shape, layer, projection digest) -> _learned_
 
 def _learned_decode_constants(spec: CodecSpec, shape: KVShape, layer: int):
     """(mean [2, H, D], basis transposed [2, H, R, D] and rounded to bfloat16, the same as
-    bfloat16 pairs for :func:`affine_pairs` (or empty), byte offset of the coefficients) of a
+    bfloat16 pairs for :func:`affine_pairs` (or empty), and in the tile order for
+    :func:`affine_tiles` (or empty), byte offset of the coefficients) of a
     layer's learned decode, made once per projection version and kept (a few hundred entries
     at most, then started again): the transposed copy and the offsets are Python steps, which
     after other work has evicted their data from the caches cost as much as decoding a few
