@@ -12,6 +12,7 @@ from ucm import replay as rp
 from ucm.cli import main
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "conversation_trace.jsonl.gz")
+SYNTHETIC = os.path.join(os.path.dirname(TRACE), "synthetic_trace.jsonl.gz")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,19 @@ def test_the_trace_is_in_the_project_with_its_attribution():
     assert "Mooncake" in readme and "Apache-2.0" in readme
     full = rp.load_trace(TRACE)
     assert (len(full.requests), full.blocks, full.distinct_blocks) == (12031, 288500, 182790)
+
+
+def test_the_second_real_trace_is_in_the_project_with_its_attribution():
+    readme = open(os.path.join(os.path.dirname(SYNTHETIC), "README.md")).read()
+    assert "synthetic_trace.jsonl.gz" in readme and readme.count("Apache-2.0") >= 2
+    full = rp.load_trace(SYNTHETIC)
+    assert (len(full.requests), full.blocks, full.distinct_blocks) == (3993, 121877, 43924)
+    # its documents are long: the store's LRU against the independent model on the first 600
+    # requests (about 9,000 distinct blocks), under eviction
+    head = rp.Trace(full.requests[:600], [], full.block_tokens)
+    r = rp.replay(head, 0.05, "lru")
+    assert r.evictions["memory"] > 0
+    assert r.hit_rate == pytest.approx(lru_model(head, r.capacity_blocks), abs=1e-12)
 
 
 @pytest.mark.parametrize("cap", [0.02, 0.1])
