@@ -2,6 +2,7 @@
 Blend forward (ucm/blend/engine.py) on a small random Llama against its full prefill. The
 vLLM-CPU integration is tested in tests/test_vllm_blend.py."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -465,6 +466,42 @@ def test_worker_blend_recomputes_the_ratio_and_falls_back_when_it_cannot_run():
     assert m["ucm_blend_chunk_save_failed_total"] == 3 and not m.get("ucm_blend_chunk_saves_total")
     assert m["ucm_blend_failed_requests_total"] == 1 and not m.get("ucm_blend_requests_total")
     assert failed == blocks                                # (no prefix hit: every block)
+
+
+_WARM_UP_CHILD = """
+import torch
+from ucm.fast.numba import blend as nb
+from ucm.integration.vllm.worker_blend import warm_up_ops
+kernels = (nb._rope_dense, nb._deviation_dense)
+for dtype in (torch.float32, torch.bfloat16):
+    before = [len(k.signatures) for k in kernels]
+    warm_up_ops(dtype, torch.device("cpu"))
+    warmed = [len(k.signatures) for k in kernels]
+    # what a request runs: the stored keys of a paged cache's strided key view, gathered by
+    # (block, row), rotated into a new tensor; the check layer's deviation
+    cache = torch.randn(4, 3, 16, 128).to(dtype)           # [blocks, Hkv, block, 2 * D]
+    sk = cache[..., :64].transpose(1, 2)                   # [blocks, block, Hkv, D] view
+    blk, row = torch.tensor([0, 1, 3]), torch.tensor([2, 5, 15])
+    x = sk[blk, row]
+    k = nb.rope_rotate(x, torch.tensor([7, -3, 100]), torch.rand(32))
+    nb.kv_deviation(k, x, x, k)
+    after = [len(k.signatures) for k in kernels]
+    print(dtype, before, warmed, after)
+    assert warmed == [b + 1 for b in before] and after == warmed, (before, warmed, after)
+print("ok")
+"""
+
+
+def test_the_engine_start_compiles_the_ops_a_blend_request_runs():
+    """The worker compiles (or loads) the CPU kernels of the cache's dtype at its start, the same
+    specialisations a request's rotation and deviation use (a fresh process: nothing compiled)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _WARM_UP_CHILD], capture_output=True, text=True,
+                       timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "UCM_BACKEND"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------------------------------------
