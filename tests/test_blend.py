@@ -388,23 +388,53 @@ def _worker(model, ratio, fail=None, blocks=40, bs=16):
                        on_failed=failed.extend), views, failed
 
 
-def _serve(model, wb, views, prefix, cs, suffix, bs=16, order=None, sink=()):
-    """Store the chunks (alone), then serve prefix + chunks + suffix with the worker's Blend;
-    returns (suffix logits, full prefill logits, blocks of the request)."""
-    from ucm.integration.vllm.blend_hook import PagedKV
-
-    ns = Namespace(model="tiny", dtype="float32", block_size=bs)
-    ids = [chunks.chunk_ids(c, ns, None, sink) for c in cs]
-    sink = np.asarray(sink, dtype=np.int64)
-    wb.run([chunks.BlendJob("warm", 0, 0, np.zeros(0, np.int64), [], [],
-                            [chunks.ChunkSave(np.asarray(c[:len(i) * bs]), i) for c, i in zip(cs, ids)],
-                            sink=sink)])
-    assert wb.store_chunks()
-    prompt = list(prefix) + [t for c in cs for t in c] + list(suffix)
+def _spans_of(prefix, cs):
     spans, at = [], len(prefix)
     for c in cs:
         spans.append((at, at + len(c)))
         at += len(c)
+    return spans
+
+
+def _store_from_prompt(model, wb, views, prefix, cs, suffix, ids, sink, bs=16, blocks=None):
+    """Compute prefix + chunks + suffix in full into the paged cache (``blocks``: its blocks),
+    then let the worker store each chunk from those rows (``blend.chunk_source: context``)."""
+    from ucm.integration.vllm.blend_hook import PagedKV
+
+    prompt = list(prefix) + [t for c in cs for t in c] + list(suffix)
+    blocks = blocks or list(range(-(-len(prompt) // bs)))
+    blend_fill(LlamaBlendModel(model), PagedKV(views, blocks, bs), torch.tensor(prompt), 0, None,
+               torch.zeros(len(prompt), dtype=torch.bool), ratio=1.0)
+    saves = [chunks.ChunkSave(np.asarray(c[:len(i) * bs]), i, 0, a,
+                              blocks[a // bs:-(-(a + len(i) * bs) // bs)])
+             for c, i, (a, _) in zip(cs, ids, _spans_of(prefix, cs))]
+    wb.run([chunks.BlendJob("warm", 0, 0, np.zeros(0, np.int64), [], [], saves,
+                            sink=np.asarray(sink, dtype=np.int64))])
+    return wb.store_chunks()
+
+
+def _serve(model, wb, views, prefix, cs, suffix, bs=16, order=None, sink=(), warm=None):
+    """Store the chunks, then serve prefix + chunks + suffix with the worker's Blend; returns
+    (suffix logits, full prefill logits, blocks of the request). ``warm``: ``(prefix, chunk
+    order, suffix, blocks)`` of a prompt computed first, whose rows the chunks are stored from
+    (``blend.chunk_source: context``); None: each chunk computed alone after ``sink``."""
+    from ucm.integration.vllm.blend_hook import PagedKV
+
+    ns = Namespace(model="tiny", dtype="float32", block_size=bs)
+    ids = [chunks.chunk_ids(c, ns, None, sink, warm is not None) for c in cs]
+    if warm is None:
+        wb.run([chunks.BlendJob("warm", 0, 0, np.zeros(0, np.int64), [], [],
+                                [chunks.ChunkSave(np.asarray(c[:len(i) * bs]), i)
+                                 for c, i in zip(cs, ids)],
+                                sink=np.asarray(sink, dtype=np.int64))])
+        assert wb.store_chunks()
+    else:
+        w_prefix, w_order, w_suffix, w_blocks = warm
+        assert _store_from_prompt(model, wb, views, w_prefix, [cs[k] for k in w_order], w_suffix,
+                                  [ids[k] for k in w_order], sink, bs, w_blocks)
+    sink = np.asarray(sink, dtype=np.int64)
+    prompt = list(prefix) + [t for c in cs for t in c] + list(suffix)
+    spans = _spans_of(prefix, cs)
     n_blocks = -(-len(prompt) // bs)
     blocks = (order or list(range(n_blocks)))[:n_blocks]
     kv = PagedKV(views, blocks, bs)
@@ -448,6 +478,86 @@ def test_worker_blend_rotates_chunks_stored_after_a_sink_from_the_sinks_end(sink
     got, full, _ = _serve(model, wb, views, list(sink), cs, suffix, sink=sink)
     assert not failed and wb.core.metrics.totals()["ucm_blend_stored_tokens_total"] == 48
     assert torch.allclose(got, full, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sink", [(), (1,)])
+def test_chunks_stored_from_a_prompt_reproduce_that_prompt_without_recompute(sink):
+    # the rows a prompt computed, keys rotated to positions len(sink).. and back to where each
+    # chunk sits (not block aligned here), from scattered blocks of both caches: the same
+    # prompt blended at ratio 0 is its full prefill
+    model = tiny_model(layers=4, scale=3.0)
+    prefix, cs, suffix = _request(8, sizes=(40, 57, 33), prefix=21)
+    wb, views, failed = _worker(model, 0.0, blocks=60)
+    perm = [int(b) for b in np.random.default_rng(1).permutation(60)]
+    warm = (prefix, [0, 1, 2], suffix, perm[30:])
+    got, full, _ = _serve(model, wb, views, prefix, cs, suffix, order=perm[:30], sink=sink,
+                          warm=warm)
+    m = wb.core.metrics.totals()
+    assert not failed and m["ucm_blend_chunk_saves_total"] == 3
+    assert m["ucm_blend_recomputed_tokens_total"] == m["ucm_blend_tokens_total"] - \
+        m["ucm_blend_stored_tokens_total"] and m["ucm_blend_stored_tokens_total"] == 32 + 48 + 32
+    assert torch.allclose(got, full, atol=2e-3, rtol=1e-4)
+    # from a prompt with the chunks in another order: not exact at ratio 0, exact at ratio 1
+    wb, views, failed = _worker(model, 0.0, blocks=60)
+    other = (suffix, [2, 0, 1], prefix, perm[30:])
+    got0, full, _ = _serve(model, wb, views, prefix, cs, suffix, order=perm[:30], sink=sink,
+                           warm=other)
+    assert float((got0 - full).abs().max()) > 1e-2
+    wb, views, failed = _worker(model, 1.0, blocks=60)
+    got1, full, _ = _serve(model, wb, views, prefix, cs, suffix, order=perm[:30], sink=sink,
+                           warm=other)
+    assert torch.allclose(got1, full, atol=2e-3, rtol=1e-4)
+
+
+def test_in_context_chunk_ids_are_neither_alone_nor_prefix_ids():
+    ns = Namespace(model="tiny", dtype="float32", block_size=16)
+    toks = list(range(3, 53))
+    ctx = chunks.chunk_ids(toks, ns, None, (), True)
+    for other in (chunks.chunk_ids(toks, ns, None), chunks.chunk_ids(toks, ns, None, [1]),
+                  chunks.chunk_ids(toks, ns, None, [1], True)):
+        assert not (other == ctx).any(axis=1).any()
+    # the offset names the stored keys' positions; the sink's tokens do not matter
+    assert np.array_equal(chunks.chunk_ids(toks, ns, None, [1], True),
+                          chunks.chunk_ids(toks, ns, None, [7], True))
+
+
+def test_a_chunk_whose_blocks_failed_to_load_in_the_step_is_not_stored():
+    model = tiny_model(layers=2, scale=3.0)
+    prefix, cs, suffix = _request(9, sizes=(40, 57), prefix=5)
+    wb, views, _ = _worker(model, 0.0)
+    bad = {1}                      # request block 1: positions 16..31, chunk 0 (5..45)
+    wb._failed_now = lambda: frozenset(bad)
+    ns = Namespace(model="tiny", dtype="float32", block_size=16)
+    ids = [chunks.chunk_ids(c, ns, None, (1,), True) for c in cs]
+    assert _store_from_prompt(model, wb, views, prefix, cs, suffix, ids, (1,))
+    m = wb.core.metrics.totals()
+    assert m["ucm_blend_chunk_save_failed_total"] == 1 and m["ucm_blend_chunk_saves_total"] == 1
+    got = wb.core.store.lookup(wb.core.rank_ids(np.concatenate(ids)))
+    assert list(got) == [False] * len(ids[0]) + [True] * len(ids[1])
+
+
+def test_the_scheduler_sends_in_context_saves_in_the_step_that_computes_them():
+    from types import SimpleNamespace
+
+    from ucm.integration.vllm.scheduler import ConnectorScheduler
+
+    sched = object.__new__(ConnectorScheduler)
+    sched.block_size = 16
+    ids = lambda n: np.arange(2 * n, dtype=np.uint64).reshape(n, 2)  # noqa: E731
+    a = chunks.ChunkSave(np.zeros(32, np.int64), ids(2), 0, 21)     # positions 21..53
+    b = chunks.ChunkSave(np.zeros(48, np.int64), ids(3), 1, 61)     # positions 61..109
+    st = SimpleNamespace(chunk_saves=[a, b], blocks=list(range(100, 104)), chunk_sink=[1],
+                         request=SimpleNamespace(request_id="r"))
+    meta = SimpleNamespace(blends=[])
+    sched._plan_chunk_saves(st, meta, 52)                 # (chunked prefill: 52 tokens so far)
+    assert meta.blends == [] and st.chunk_saves == [a, b]
+    sched._plan_chunk_saves(st, meta, 64)
+    (job,) = meta.blends
+    assert job.saves == [a] and a.blocks == [101, 102, 103] and st.chunk_saves == [b]
+    assert job.end == job.start and list(job.sink) == [1]
+    st.blocks += list(range(104, 107))
+    sched._plan_chunk_saves(st, meta, 200)
+    assert meta.blends[1].saves == [b] and b.blocks == [103, 104, 105, 106] and not st.chunk_saves
 
 
 def test_worker_blend_recomputes_the_ratio_and_falls_back_when_it_cannot_run():

@@ -139,6 +139,11 @@ def engines(workload, tmp_path_factory):
             s = _spec(model, workload["prompts"], names, _phases(workload["spans"], only), connector="ucm",
                       store_dir=store, stats=tmp / f"stats-{name}", env=env, block_size=BS)
             s["extra_config"]["connector"]["async_save"] = False
+            if name == "on":
+                assert len(workload["prompts"]["first"]) > 2 * 256
+                # chunked prefill: the first prompt's chunks are computed over several steps,
+                # and each is stored from the step that computes its last full block
+                s["max_num_batched_tokens"] = 256
             procs[name] = _start_engine(s, tmp, name)
         for name in procs:
             out[name] = _result(procs[name], tmp, name)

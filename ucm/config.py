@@ -447,17 +447,25 @@ OPTIONS: tuple[Option, ...] = (
     Option("blend.separator", "list[int]", [], "Token ids that separate chunks in every prompt "
            "(the text before the first and after the last separator is not a chunk); empty: "
            "only requests that mark chunks blend."),
-    Option("blend.store_chunks", "bool", True, "A chunk the store lacks is computed on its own "
-           "(after blend.sink) and stored, so the next prompt holding it blends it."),
+    Option("blend.store_chunks", "bool", True, "A chunk the store lacks is stored (as "
+           "blend.chunk_source says), so the next prompt holding it blends it."),
+    Option("blend.chunk_source", "str", "context", "Where a stored chunk's KV comes from: "
+           "'context', the rows the prompt that first carries the chunk computed in its own "
+           "prefill (keys rotated to start after blend.sink; nothing computed again; a "
+           "chunk's tokens then hold KV that attended to text like the rest of a prompt, "
+           "which lowers the error a Blend leaves, docs/blend.md); 'alone', the chunk computed "
+           "again on its own after blend.sink and blend.context, so its stored KV does not "
+           "depend on which prompt carried it first (reproducible across cache histories). "
+           "Part of the chunk ids: changing it is a clean miss.", choices=("context", "alone")),
     Option("blend.sink", "str", "bos", "What a chunk computed alone follows: 'bos', the model's "
            "BOS token (its KV dropped), so the chunk's first token does not turn into an "
            "attention sink whose stored KV the recompute must repair (no BOS in the model's "
            "config: as 'none'); 'none', nothing: the chunk begins the sequence and a request "
            "that begins with it stores it too. Part of the chunk ids: changing it is a clean "
            "miss for chunks stored before.", choices=("bos", "none")),
-    Option("blend.context", "list[int]", [], "Token ids a chunk computed alone follows, after "
-           "blend.sink (their KV dropped): text of the kind that precedes chunks in your prompts "
-           "(a RAG system prompt, a passage like the documents), so a chunk's first tokens are "
+    Option("blend.context", "list[int]", [], "Token ids a chunk computed alone "
+           "(blend.chunk_source 'alone') follows, after blend.sink (their KV dropped): text of "
+           "the kind that precedes chunks in your prompts (a RAG system prompt, a passage like the documents), so a chunk's first tokens are "
            "stored as they are inside a prompt rather than at its start. Part of the chunk ids "
            "(changing it is a clean miss); every id must be in the model's vocabulary.",
            check=_check_context),

@@ -190,19 +190,24 @@ def _spans(prompt: Sequence[int], spec: dict) -> list:
 
 
 def chunk_ids(tokens: Sequence[int], ns, root: Optional[np.ndarray],
-              sink: Sequence[int] = ()) -> np.ndarray:
-    """Store ids ``uint64 [n_full, 2]`` of a chunk's full blocks, computed after the ``sink``
-    tokens: the ids its tokens have at the start of a request with root ``root`` (LoRA
-    adapter, cache salt, generation: :func:`ucm.integration.vllm.keys.request_root`), the root
-    mixed with the sink when there is one (KV computed after a sink is never mistaken for a
-    request's prefix, nor for KV computed after another sink)."""
+              sink: Sequence[int] = (), in_context: bool = False) -> np.ndarray:
+    """Store ids ``uint64 [n_full, 2]`` of a chunk's full blocks.
+
+    Computed alone after the ``sink`` tokens (``in_context`` False): the ids its tokens have at
+    the start of a request with root ``root`` (LoRA adapter, cache salt, generation:
+    :func:`ucm.integration.vllm.keys.request_root`), the root mixed with the sink when there is
+    one (KV computed after a sink is never mistaken for a request's prefix, nor for KV computed
+    after another sink). Taken from the prompt that first carried the chunk (``in_context``):
+    under a root of their own (:func:`context_root`), never those of KV computed alone."""
     import ucm
 
     bs = ns.block_size
     full = len(tokens) // bs * bs
     if full == 0:
         return np.zeros((0, 2), np.uint64)
-    if len(sink):
+    if in_context:
+        root = context_root(root, len(sink))
+    elif len(sink):
         root = sink_root(root, sink)
     return ucm.hash_blocks(np.asarray(tokens[:full], dtype=np.int64), ns, parent=root)
 
@@ -212,6 +217,14 @@ def sink_root(root: Optional[np.ndarray], sink: Sequence[int]) -> np.ndarray:
     from ucm.ids import derived_id
 
     return derived_id(root, b"ucm-blend-sink-v1\0", tuple(int(t) for t in sink))
+
+
+def context_root(root: Optional[np.ndarray], offset: int) -> np.ndarray:
+    """The parent id of chunks taken from a prompt's own prefill, their keys rotated to start at
+    position ``offset``, under request root ``root``."""
+    from ucm.ids import derived_id
+
+    return derived_id(root, b"ucm-blend-context-v1\0", (int(offset),))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,11 +243,16 @@ class Piece:
 
 @dataclass
 class ChunkSave:
-    """A chunk to compute alone and store: its full blocks' tokens and ids; ``skip`` leading
-    blocks are stored already."""
+    """A chunk to store: its full blocks' tokens and ids; ``skip`` leading blocks are stored
+    already. ``start >= 0``: the chunk sits at request position ``start`` and its rows are taken
+    from the request's cache once the prompt computed them; ``blocks``: the request's vLLM
+    blocks from block ``start // block_size`` on, set in the step that computes the chunk's
+    last full block. ``start < 0``: the chunk is computed alone after the job's sink."""
     tokens: np.ndarray
     ids: np.ndarray
     skip: int = 0
+    start: int = -1
+    blocks: Optional[list] = None
 
 
 @dataclass

@@ -314,7 +314,8 @@ class UCMConnector(KVConnectorBase_V1):
         return WorkerBlend(self.core, views or [], self.block_size, make_scratch, model,
                            ratio=float(self.cfg["blend.recompute_ratio"]),
                            check_layer=int(self.cfg["blend.check_layer"]),
-                           on_failed=lambda blocks: self.load_path.add_errors(blocks))
+                           on_failed=lambda blocks: self.load_path.add_errors(blocks),
+                           failed_now=lambda: self.load_path.pending_errors())
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -342,7 +343,8 @@ class UCMConnector(KVConnectorBase_V1):
                         self.load_path.add_errors([b for j in meta.blends
                                                    for b in j.blocks[j.start // self.block_size:]])
                     else:
-                        self.load_path.complete()   # Blend reads the prefix just loaded
+                        if any(j.end > j.start for j in meta.blends):
+                            self.load_path.complete()   # Blend reads the prefix just loaded
                         self.blend_path.run(meta.blends)
         finally:
             if self.core is not None:

@@ -200,6 +200,7 @@ class ConnectorScheduler:
                                                                      kv_transfer_config)
         self._separator = list(cfg["blend.separator"])
         self._store_chunks = bool(cfg["blend.store_chunks"])
+        self._in_context = cfg["blend.chunk_source"] == "context"
         self._sink = blend_sink(cfg, vllm_config) if self._blend else np.zeros(0, np.int64)
         self._max_len = int(getattr(getattr(vllm_config, "model_config", None), "max_model_len",
                                     0) or 0)
@@ -368,8 +369,8 @@ class ConnectorScheduler:
             return None
         bs = self.block_size
         try:
-            ids = [blend_chunks.chunk_ids(prompt[a:b], self.ns, st.chain.root, self._sink)
-                   for a, b in spans]
+            ids = [blend_chunks.chunk_ids(prompt[a:b], self.ns, st.chain.root, self._sink,
+                                          self._in_context) for a, b in spans]
             stored = [self._prefix_hits(i) if len(i) else 0 for i in ids]
         except Exception as exc:  # a store fault: no Blend, the prompt is computed
             log.warning("ucm blend: chunk lookup failed (%r); served without Blend", exc)
@@ -383,7 +384,8 @@ class ConnectorScheduler:
             for (a, _), i, n in zip(spans, ids, stored):
                 if n < len(i) and not self._planned(i[n:]).all():
                     saves.append(blend_chunks.ChunkSave(
-                        np.asarray(prompt[a:a + len(i) * bs], dtype=np.int64), i.copy(), n))
+                        np.asarray(prompt[a:a + len(i) * bs], dtype=np.int64), i.copy(), n,
+                        a if self._in_context else -1))
         if not pieces and not saves:
             return None
         lo = max(end, request.num_tokens - LOOKAHEAD_TOKENS)
@@ -525,9 +527,16 @@ class ConnectorScheduler:
         if st.blend is not None:
             job, st.blend = st.blend, None
             job.blocks = st.blocks[:-(-job.end // bs)] if job.end > job.start else []
-            meta.blends.append(job)
             for cs in job.saves:
                 self._mark_planned(cs.ids[cs.skip:], st.request.request_id)
+            # chunks taken from the prompt's own prefill wait for the step that computes them
+            st.chunk_saves = [cs for cs in job.saves if cs.start >= 0]
+            st.chunk_sink = job.sink
+            job.saves = [cs for cs in job.saves if cs.start < 0]
+            if job.end > job.start or job.saves:
+                meta.blends.append(job)
+        if st.chunk_saves:
+            self._plan_chunk_saves(st, meta, computed_after)
         if not self.is_producer or st.blended:
             return  # (a blended request's KV is approximate: never stored under its prefix)
         limit = st.request.num_tokens if self.cfg["connector.save_generated"] \
@@ -563,6 +572,24 @@ class ConnectorScheduler:
                         self._mark_planned(tid[None], st.request.request_id)
                 except Exception as exc:
                     log.warning("ucm: tail lookup failed (%r); not saving it", exc)
+
+    def _plan_chunk_saves(self, st: ReqState, meta, computed_after: int) -> None:
+        """Send the request's pending in-context chunk saves whose tokens are in its cache once
+        this step ran (a save-only :class:`~ucm.blend.chunks.BlendJob`): the worker takes their
+        rows after the forward, unless a load into those blocks failed in the step."""
+        bs = self.block_size
+        ready, wait = [], []
+        for cs in st.chunk_saves:
+            end = cs.start + len(cs.ids) * bs
+            (ready if end <= computed_after and len(st.blocks) * bs >= end else wait).append(cs)
+        st.chunk_saves = wait
+        if not ready:
+            return
+        for cs in ready:
+            cs.blocks = list(st.blocks[cs.start // bs:-(-(cs.start + len(cs.ids) * bs) // bs)])
+        meta.blends.append(blend_chunks.BlendJob(
+            st.request.request_id, 0, 0, np.zeros(0, dtype=np.int64), [], [], ready,
+            sink=st.chunk_sink))
 
     def _mark_planned(self, ids: np.ndarray, req_id: str) -> None:
         keys = [row.tobytes() for row in ids]

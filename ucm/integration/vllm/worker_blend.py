@@ -12,8 +12,12 @@ blended at all (no model, a model or cache Blend does not support, an error), it
 reported as failed loads: vLLM computes them (a full prefill of the region), never wrong output.
 
 After the forward (:meth:`WorkerBlend.store_chunks`, from ``wait_for_save``): each chunk the
-store lacked is computed alone, after the job's sink tokens (:func:`ucm.blend.engine.chunk_fill`),
-in the scratch cache and dumped under its chunk ids.
+store lacked is stored under its chunk ids. ``blend.chunk_source: context``: in the step whose
+forward computed the chunk's last full block, its rows are gathered from the request's cache and
+their keys rotated back to start at ``len(sink)`` (the positions a loader rotates from); a chunk
+whose blocks took a failed load in that step is not stored (their content is not the prompt's).
+``alone``: the chunk is computed again after the job's sink tokens
+(:func:`ucm.blend.engine.chunk_fill`) in the scratch cache.
 """
 from __future__ import annotations
 
@@ -56,11 +60,12 @@ class WorkerBlend:
 
     def __init__(self, core: WorkerCore, views: list, block_size: int,
                  make_scratch: Callable[[int], tuple], model: Callable[[], object], *,
-                 ratio: float, check_layer: int, on_failed: Callable[[list], None]):
+                 ratio: float, check_layer: int, on_failed: Callable[[list], None],
+                 failed_now: Callable[[], frozenset] = frozenset):
         self.core, self.views, self.bs = core, views, block_size
         self._make_scratch, self._model_fn = make_scratch, model
         self.ratio, self.check_layer = ratio, check_layer
-        self._on_failed = on_failed
+        self._on_failed, self._failed_now = on_failed, failed_now
         self._scratch: Optional[tuple] = None
         self._scratch_blocks = 0
         self._saves: list = []
@@ -188,15 +193,24 @@ class WorkerBlend:
 
     # -- storing chunks -------------------------------------------------------------------------
     def store_chunks(self) -> bool:
-        """Compute each pending chunk alone and store its missing blocks (after the forward).
-        True when a job ran since the last call."""
+        """Store the step's chunk saves' missing blocks (after the forward). True when a job ran
+        since the last call."""
         jobs, self._saves = self._saves, []
         ran, self._ran = self._ran, False
+        failed = self._failed_now() if jobs else frozenset()
         for job in jobs:
             for cs in job.saves:
                 t0 = time.perf_counter()
+                if cs.start >= 0 and failed.intersection(cs.blocks):
+                    log.info("ucm blend: a chunk of %d tokens of request %s not stored: a load "
+                             "into its blocks failed", len(cs.tokens), job.req_id)
+                    self.core.metrics.inc("ucm_blend_chunk_save_failed_total")
+                    continue
                 try:
-                    self._store_chunk(cs, job.sink)
+                    if cs.start >= 0:
+                        self._store_from_context(cs, len(job.sink))
+                    else:
+                        self._store_chunk(cs, job.sink)
                 except Exception as exc:
                     log.warning("ucm blend: chunk of %d tokens not stored (%r)", len(cs.tokens), exc)
                     self.core.metrics.inc("ucm_blend_chunk_save_failed_total")
@@ -206,17 +220,47 @@ class WorkerBlend:
                 self.core.metrics.inc("ucm_blend_chunk_save_seconds_total", time.perf_counter() - t0)
         return ran
 
+    def _store_from_context(self, cs, offset: int) -> None:
+        """The chunk's rows from the request's cache (blocks ``cs.skip`` on) into the scratch
+        cache's blocks ``cs.skip`` on, keys rotated from request position ``cs.start + j`` to
+        ``offset + j``; then dumped."""
+        from ucm.blend import ops
+
+        bs, dev = self.bs, self.core.device
+        model = self.model()
+        nblk = len(cs.ids)
+        _, sviews = self.scratch(nblk)
+        j = torch.arange(cs.skip * bs, nblk * bs, device=dev)           # chunk token index
+        pos = cs.start + j                                               # request position
+        table = torch.as_tensor(cs.blocks, dtype=torch.int64, device=dev)
+        blk, row = table[pos // bs - cs.start // bs], pos % bs
+        delta = torch.full((len(j),), offset - cs.start, dtype=torch.int64, device=dev)
+        with torch.inference_mode():
+            for (k, v), (sk, sv) in zip(self.views, sviews):
+                sk[j // bs, j % bs] = ops.rope_rotate(k[blk, row], delta, model.inv_freq,
+                                                      neox=model.neox,
+                                                      rotary_dim=model.rotary_dim).to(sk.dtype)
+                sv[j // bs, j % bs] = v[blk, row]
+        self._dump_scratch(cs)
+
     def _store_chunk(self, cs, sink: np.ndarray) -> None:
         from ucm.integration.vllm.blend_hook import PagedKV
 
         core, bs = self.core, self.bs
         model = self.model()
         nblk = len(cs.ids)
-        layout, sviews = self.scratch(nblk)
+        _, sviews = self.scratch(nblk)
         kv = PagedKV(sviews, range(nblk), bs)
         with torch.inference_mode():
             chunk_fill(model, kv, torch.as_tensor(cs.tokens, device=core.device),
                        torch.as_tensor(sink, dtype=torch.int64, device=core.device))
+        self._dump_scratch(cs)
+
+    def _dump_scratch(self, cs) -> None:
+        """Dump the scratch cache's blocks ``cs.skip`` to ``len(cs.ids)`` under their ids."""
+        core = self.core
+        layout, _ = self._scratch
+        nblk = len(cs.ids)
         todo = nblk - cs.skip
         buf = core.take_staging(todo * core.block_bytes)
         rows = buf[:todo * core.block_bytes].view(todo, core.block_bytes)

@@ -181,6 +181,10 @@ class WorkerLoad:
         for k in sorted(self._layer_loads):
             self.wait_layer(k)
 
+    def pending_errors(self) -> frozenset:
+        """vLLM blocks whose load failed in this step so far (not yet reported to vLLM)."""
+        return frozenset(self._errors)
+
     def take_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
         out, self._errors = self._errors, set()
