@@ -8,8 +8,10 @@ answer tokens (the text that follows it), teacher-forced. The retrieval variant 
 word for <name> is <word>." in one chunk of filler text and asks for it; a sample is correct
 when every answer token is the argmax of its position.
 
-Each chunk's KV is computed alone, after the model's BOS token as ``blend.sink: bos`` does
-(``--sink none``: as if the chunk began the sequence), rotated to its place and blended
+Each chunk's KV is computed alone, after the model's BOS token as ``blend.chunk_source: alone``
+with ``blend.sink: bos`` does (``--sink none``: as if the chunk began the sequence; the default
+``blend.chunk_source: context`` is measured inside vLLM by ``evals/blend_vllm.py``), rotated to
+its place and blended
 (:func:`ucm.blend.reference.blended_logits`, the computation the vLLM integration runs);
 ratio 1.0 recomputes everything and must reproduce the full prefill. The lookahead that
 steers part of the recompute reads the question only (``--lookahead``): the answer tokens are

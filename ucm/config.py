@@ -461,8 +461,9 @@ OPTIONS: tuple[Option, ...] = (
            "BOS token (its KV dropped), so the chunk's first token does not turn into an "
            "attention sink whose stored KV the recompute must repair (no BOS in the model's "
            "config: as 'none'); 'none', nothing: the chunk begins the sequence and a request "
-           "that begins with it stores it too. Part of the chunk ids: changing it is a clean "
-           "miss for chunks stored before.", choices=("bos", "none")),
+           "that begins with it stores it too. With blend.chunk_source 'context', where the "
+           "stored keys' positions start (after the sink). Part of the chunk ids: changing it "
+           "is a clean miss for chunks stored before.", choices=("bos", "none")),
     Option("blend.context", "list[int]", [], "Token ids a chunk computed alone "
            "(blend.chunk_source 'alone') follows, after blend.sink (their KV dropped): text of "
            "the kind that precedes chunks in your prompts (a RAG system prompt, a passage like the documents), so a chunk's first tokens are "

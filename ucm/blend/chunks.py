@@ -234,7 +234,7 @@ def context_root(root: Optional[np.ndarray], offset: int) -> np.ndarray:
 class Piece:
     """Stored blocks of one chunk that a region uses: chunk blocks ``[first, first + len(ids))``
     (store ids ``ids``), the chunk starting at request position ``chunk_start``. The stored KV
-    of chunk token ``j`` (computed at position ``len(sink) + j``, see :class:`BlendJob`)
+    of chunk token ``j`` (keys at position ``len(sink) + j``, see :class:`BlendJob`)
     belongs at position ``chunk_start + j``: its keys rotate by ``chunk_start - len(sink)``."""
     ids: np.ndarray
     first: int
@@ -259,7 +259,9 @@ class ChunkSave:
 class BlendJob:
     """One request's Blend in one step: fill positions ``[start, end)`` (``tokens``: their ids)
     from ``pieces`` plus the recompute, into the request's vLLM ``blocks``; then store
-    ``saves``. Every chunk, stored or to store, is computed after the ``sink`` tokens."""
+    ``saves``. Every stored chunk's keys sit at positions ``len(sink) + j`` (chunk token
+    ``j``): computed after the ``sink`` tokens, or taken from a prompt and rotated there. A job
+    with ``end == start`` only stores."""
     req_id: str
     start: int
     end: int
