@@ -560,6 +560,46 @@ def test_the_scheduler_sends_in_context_saves_in_the_step_that_computes_them():
     assert meta.blends[1].saves == [b] and b.blocks == [103, 104, 105, 106] and not st.chunk_saves
 
 
+def test_in_context_saves_go_out_once_each_after_their_tokens_under_random_steps():
+    # random chunk layouts and step sizes (chunked prefill): each save goes out exactly once,
+    # in the first step after which its last full block is computed, with the blocks that hold
+    # its tokens
+    from types import SimpleNamespace
+
+    from ucm.integration.vllm.scheduler import ConnectorScheduler
+
+    rng = np.random.default_rng(5)
+    sched = object.__new__(ConnectorScheduler)
+    for _ in range(200):
+        bs = int(rng.choice([4, 16, 32]))
+        sched.block_size = bs
+        saves, at = [], int(rng.integers(0, 40))
+        for _ in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(1, 5))
+            saves.append(chunks.ChunkSave(np.zeros(n * bs, np.int64),
+                                          np.zeros((n, 2), np.uint64), 0, at))
+            at += n * bs + int(rng.integers(0, 2 * bs))
+        total = at + int(rng.integers(1, 50))
+        table = list(rng.permutation(10_000)[:-(-total // bs)])
+        st = SimpleNamespace(chunk_saves=list(saves), blocks=[], chunk_sink=[],
+                             request=SimpleNamespace(request_id="r"))
+        meta = SimpleNamespace(blends=[])
+        done = 0
+        while done < total:
+            done = min(total, done + int(rng.integers(1, 3 * bs)))
+            st.blocks = table[:-(-done // bs)]          # (vLLM allocates as the prompt goes)
+            before = len(meta.blends)
+            sched._plan_chunk_saves(st, meta, done)
+            sent = [cs for job in meta.blends[before:] for cs in job.saves]
+            for cs in sent:
+                end = cs.start + len(cs.ids) * bs
+                assert end <= done
+                assert cs.blocks == table[cs.start // bs:-(-end // bs)]
+            assert all(cs.start + len(cs.ids) * bs > done for cs in st.chunk_saves)
+        got = [cs for job in meta.blends for cs in job.saves]
+        assert sorted(id(c) for c in got) == sorted(id(c) for c in saves)
+
+
 def test_worker_blend_recomputes_the_ratio_and_falls_back_when_it_cannot_run():
     model = tiny_model(layers=4, scale=3.0)
     prefix, cs, suffix = _request(5)
