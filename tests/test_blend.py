@@ -546,7 +546,8 @@ def test_the_scheduler_sends_in_context_saves_in_the_step_that_computes_them():
     ids = lambda n: np.arange(2 * n, dtype=np.uint64).reshape(n, 2)  # noqa: E731
     a = chunks.ChunkSave(np.zeros(32, np.int64), ids(2), 0, 21)     # positions 21..53
     b = chunks.ChunkSave(np.zeros(48, np.int64), ids(3), 1, 61)     # positions 61..109
-    st = SimpleNamespace(chunk_saves=[a, b], blocks=list(range(100, 104)), chunk_sink=[1],
+    sched._sink = np.array([1], dtype=np.int64)
+    st = SimpleNamespace(chunk_saves=[a, b], blocks=list(range(100, 104)),
                          request=SimpleNamespace(request_id="r"))
     meta = SimpleNamespace(blends=[])
     sched._plan_chunk_saves(st, meta, 52)                 # (chunked prefill: 52 tokens so far)
@@ -570,6 +571,7 @@ def test_in_context_saves_go_out_once_each_after_their_tokens_under_random_steps
 
     rng = np.random.default_rng(5)
     sched = object.__new__(ConnectorScheduler)
+    sched._sink = np.zeros(0, dtype=np.int64)
     for _ in range(200):
         bs = int(rng.choice([4, 16, 32]))
         sched.block_size = bs
@@ -581,7 +583,7 @@ def test_in_context_saves_go_out_once_each_after_their_tokens_under_random_steps
             at += n * bs + int(rng.integers(0, 2 * bs))
         total = at + int(rng.integers(1, 50))
         table = list(rng.permutation(10_000)[:-(-total // bs)])
-        st = SimpleNamespace(chunk_saves=list(saves), blocks=[], chunk_sink=[],
+        st = SimpleNamespace(chunk_saves=list(saves), blocks=[],
                              request=SimpleNamespace(request_id="r"))
         meta = SimpleNamespace(blends=[])
         done = 0

@@ -466,8 +466,9 @@ OPTIONS: tuple[Option, ...] = (
            "is a clean miss for chunks stored before.", choices=("bos", "none")),
     Option("blend.context", "list[int]", [], "Token ids a chunk computed alone "
            "(blend.chunk_source 'alone') follows, after blend.sink (their KV dropped): text of "
-           "the kind that precedes chunks in your prompts (a RAG system prompt, a passage like the documents), so a chunk's first tokens are "
-           "stored as they are inside a prompt rather than at its start. Part of the chunk ids "
+           "the kind that precedes chunks in your prompts (a RAG system prompt, a passage like "
+           "the documents), so a chunk's first tokens are stored as they are inside a prompt "
+           "rather than at its start. Part of the chunk ids "
            "(changing it is a clean miss); every id must be in the model's vocabulary.",
            check=_check_context),
     Option("connector.load_failure", "str", "recompute", "What vLLM does with blocks that fail to "

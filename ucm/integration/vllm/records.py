@@ -70,7 +70,6 @@ class ReqState:
     blend: Any = None  # the BlendJob to send with the request's first step
     blended: bool = False  # its KV is partly blended: nothing of it is stored under its prefix
     chunk_saves: list = field(default_factory=list)  # in-context ChunkSaves not yet computed
-    chunk_sink: Any = None  # their job's sink (the stored keys' offset)
 
 
 # ---------------------------------------------------------------------------------------------

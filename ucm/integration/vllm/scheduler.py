@@ -531,7 +531,6 @@ class ConnectorScheduler:
                 self._mark_planned(cs.ids[cs.skip:], st.request.request_id)
             # chunks taken from the prompt's own prefill wait for the step that computes them
             st.chunk_saves = [cs for cs in job.saves if cs.start >= 0]
-            st.chunk_sink = job.sink
             job.saves = [cs for cs in job.saves if cs.start < 0]
             if job.end > job.start or job.saves:
                 meta.blends.append(job)
@@ -589,7 +588,7 @@ class ConnectorScheduler:
             cs.blocks = list(st.blocks[cs.start // bs:-(-(cs.start + len(cs.ids) * bs) // bs)])
         meta.blends.append(blend_chunks.BlendJob(
             st.request.request_id, 0, 0, np.zeros(0, dtype=np.int64), [], [], ready,
-            sink=st.chunk_sink))
+            sink=self._sink))
 
     def _mark_planned(self, ids: np.ndarray, req_id: str) -> None:
         keys = [row.tobytes() for row in ids]
